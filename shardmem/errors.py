@@ -1,0 +1,36 @@
+"""The exceptions shardmem raises for mistakes a user can fix.
+
+Every message names the config key or argument, the value it got, and what to do instead. The CLI
+prints these without a traceback and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ShardmemError(Exception):
+    """Base class of the errors a user can cause and fix."""
+
+
+class ConfigError(ShardmemError):
+    """A config value, command-line override or argument is invalid."""
+
+
+class PlanError(ShardmemError):
+    """A configuration could not be planned (lowered or compiled) for the requested target."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """Returns " (did you mean 'x'?)" for the closest choice, or "" when none is close."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def one_of(choices: Iterable[object]) -> str:
+    """Formats valid choices as "a, b or c"."""
+    items = [str(c) for c in choices]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " or " + items[-1]
