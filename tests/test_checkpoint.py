@@ -1,0 +1,147 @@
+"""Tests for shardmem.checkpoint: round trips, retention, cross-mesh restore and errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardmem.checkpoint import Checkpointer
+from shardmem.errors import ConfigError
+
+
+def _train_state(mesh: jax.sharding.Mesh) -> dict:
+    """A small params + adamw state + step tree, with params sharded over the mesh."""
+    sharded = NamedSharding(mesh, P("data"))
+    params = {
+        "w": jax.device_put(jnp.arange(64, dtype=jnp.float32).reshape(16, 4), sharded),
+        "b": jnp.linspace(-1.0, 1.0, 4),
+    }
+    optimizer = optax.adamw(1e-2)
+    opt_state = optimizer.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, opt_state = optimizer.update(grads, opt_state, params)  # non-trivial mu, nu, count
+    return {"params": params, "opt_state": opt_state, "step": jnp.int32(7)}
+
+
+def _abstract(state, sharding_for):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(x)), state
+    )
+
+
+def _assert_trees_equal(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+@pytest.fixture
+def mesh8():
+    return jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+
+
+def test_latest_step_of_an_empty_directory_is_none(tmp_path):
+    with Checkpointer(tmp_path / "ckpt", every=1, keep=2) as checkpointer:
+        assert checkpointer.latest_step() is None
+        with pytest.raises(ConfigError, match="holds no checkpoint"):
+            checkpointer.restore({})
+
+
+def test_round_trip_keeps_values_structure_and_shardings(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path, every=1, keep=2) as checkpointer:
+        assert checkpointer.save(7, state)
+        checkpointer.wait()
+        assert checkpointer.latest_step() == 7
+        restored = checkpointer.restore(_abstract(state, lambda x: x.sharding))
+    _assert_trees_equal(restored, state)
+    assert isinstance(restored["opt_state"][0], optax.ScaleByAdamState)
+    assert restored["params"]["w"].sharding == state["params"]["w"].sharding
+
+
+def test_nnx_state_round_trips(tmp_path):
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    state = nnx.state(model)
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        checkpointer.save(0, {"params": state})
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            {"params": state},
+        )
+        restored = checkpointer.restore(abstract)
+    assert isinstance(restored["params"], nnx.State)
+    _assert_trees_equal(restored, {"params": state})
+
+
+def test_interval_force_and_keep_last_k(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path, every=10, keep=2) as checkpointer:
+        saved = [step for step in range(0, 35) if checkpointer.save(step, state)]
+        assert saved == [0, 10, 20, 30]
+        assert checkpointer.save(33, state, force=True)
+        assert not checkpointer.save(33, state, force=True), "a saved step is not saved twice"
+        checkpointer.wait()
+        assert checkpointer.all_steps() == [30, 33]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["30", "33"]
+    with Checkpointer(tmp_path, every=10, keep=2) as reopened:
+        assert reopened.latest_step() == 33
+
+
+def test_restore_onto_a_smaller_mesh_with_another_layout(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        checkpointer.save(3, state)
+    mesh4 = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+
+    def new_sharding(x):
+        spec = P("model", "data") if x.ndim == 2 else P()
+        return NamedSharding(mesh4, spec)
+
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        restored = checkpointer.restore(_abstract(state, new_sharding))
+    _assert_trees_equal(restored, state)
+    for leaf in jax.tree.leaves(restored):
+        assert leaf.sharding == new_sharding(leaf)
+        assert {d.id for d in leaf.sharding.device_set} == {d.id for d in jax.devices()[:4]}
+
+
+def test_restore_of_a_missing_step_lists_the_saved_ones(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path, every=1, keep=3) as checkpointer:
+        checkpointer.save(1, state)
+        checkpointer.save(2, state)
+        with pytest.raises(ConfigError, match=r"`step=5`.*saved steps are \[1, 2\]"):
+            checkpointer.restore(_abstract(state, lambda x: x.sharding), step=5)
+
+
+def test_restore_into_a_different_model_is_a_config_error(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        checkpointer.save(0, state)
+        abstract = _abstract(state, lambda x: x.sharding)
+        abstract["params"]["w"] = jax.ShapeDtypeStruct(
+            (8, 4), jnp.float32, sharding=state["params"]["w"].sharding
+        )
+        del abstract["params"]["b"]
+        with pytest.raises(ConfigError) as error:
+            checkpointer.restore(abstract)
+    message = str(error.value)
+    assert "params/w: checkpoint (16, 4), state (8, 4)" in message
+    assert "not in the state: params/b" in message
+
+
+def test_bad_arguments_raise_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.every=0"):
+        Checkpointer(tmp_path, every=0, keep=1)
+    with pytest.raises(ConfigError, match="checkpoint.keep=-1"):
+        Checkpointer(tmp_path, every=1, keep=-1)
+    file_path = tmp_path / "file"
+    file_path.write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        Checkpointer(file_path, every=1, keep=1)
