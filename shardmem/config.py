@@ -1,0 +1,354 @@
+"""The run config: one YAML file, loaded into typed, frozen objects and validated once.
+
+    config = load_config("configs/llama-7b.yaml", overrides=["remat.policy=full"])
+    config.model.n_layers, config.mesh.axes, config.remat_plan()
+
+Unknown keys, wrong types and impossible values raise :class:`~shardmem.errors.ConfigError` naming the key
+path, the value and the fix. Checks that need the devices (mesh size, divisibility) happen when the mesh
+is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.model import CHECKPOINT_TAGS, PRESETS, ModelConfig
+from shardmem.remat import LayerPlan
+from shardmem.targets import TARGET_NAMES
+from shardmem.units import parse_bytes
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Named mesh axes (in order; one may be -1) and the host layout.
+
+    ``devices_per_host`` fixes the device count for deviceless targets when an axis is -1.
+    """
+
+    axes: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"data": 1, "fsdp": -1, "tensor": 1}
+    )
+    hosts: int = 1
+    devices_per_host: int | None = None
+
+    def device_count(self) -> int:
+        """Devices a deviceless plan is made for."""
+        if self.devices_per_host:
+            return self.hosts * self.devices_per_host
+        fixed = 1
+        for size in self.axes.values():
+            fixed *= size if size > 0 else 1
+        if -1 in self.axes.values():
+            return max(fixed, 8 * self.hosts)  # One 8-GPU node per host by default.
+        return fixed
+
+
+@dataclasses.dataclass(frozen=True)
+class RematConfig:
+    """``policy`` for every layer, ``layers`` overrides per range, ``custom`` tag actions."""
+
+    policy: str = "none"
+    layers: dict[str, str] = dataclasses.field(default_factory=dict)
+    custom: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    params: str = "float32"
+    compute: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "adamw"
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.1
+    warmup_steps: int = 100
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    global_batch: int = 16
+    micro_batches: int = 1
+    steps: int = 1000
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    tensorboard: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """``path``: None for the synthetic stream, a text file (bytes), or a ``.npy`` token file."""
+
+    path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """Target to plan for and the budget: device memory x ``usable_fraction`` - ``reserve``."""
+
+    target: str = "cpu"
+    usable_fraction: float = 0.9
+    reserve: int = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One training run, as a YAML file describes it."""
+
+    model: ModelConfig
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    rules: dict[str, Any] = dataclasses.field(default_factory=dict)
+    param_rules: dict[str, list] = dataclasses.field(default_factory=dict)
+    remat: RematConfig = dataclasses.field(default_factory=RematConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    name: str = "run"
+
+    def remat_plan(self) -> LayerPlan:
+        """Returns the per-layer remat plan."""
+        return LayerPlan.parse(dataclasses.asdict(self.remat), self.model.n_layers,
+                               tags=CHECKPOINT_TAGS)  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns plain data that :func:`config_from_dict` turns back into an equal Config."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, *overrides: str) -> Config:
+        """Returns a copy with ``key.path=value`` overrides applied (values parsed as YAML)."""
+        return config_from_dict(apply_overrides(self.to_dict(), overrides), self.name)
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Reads a YAML config, applies ``key.path=value`` overrides and validates the result."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, mesh, ...)")
+    return config_from_dict(apply_overrides(raw, overrides), raw.get("name", path.stem))
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Returns ``raw`` with each ``a.b.c=value`` set (the value is parsed as YAML)."""
+    out = _deep_copy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: write KEY=VALUE, e.g. --set remat.policy=full")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(value):
+    if isinstance(value, Mapping):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
+    """Builds and validates a Config from plain data (a parsed YAML file)."""
+    raw = dict(raw)
+    raw.setdefault("name", name)
+    model = raw.get("model")
+    if model is None:
+        raise ConfigError(
+            f"the config has no model section; add e.g. model: {{preset: tiny}} (presets: "
+            f"{one_of(PRESETS)})"
+        )
+    if not isinstance(model, Mapping):
+        raise ConfigError(f"model={model!r}: give a mapping such as {{preset: llama-7b}}")
+    model = dict(model)
+    preset = model.pop("preset", None)
+    if preset is not None:
+        base = dataclasses.asdict(ModelConfig.preset(str(preset)))
+        model = {**base, **model}
+    raw["model"] = model
+    config = _build(Config, raw, "")
+    _validate(config)
+    return config
+
+
+def _build(cls, data: Any, key: str):
+    """Converts plain data to dataclass ``cls``, checking keys and types against its fields."""
+    where = key or "the config"
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}={data!r}: expected a mapping with keys {one_of(_fields(cls))}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in data:
+        if name not in fields:
+            raise ConfigError(
+                f"unknown key {_join(key, name)!r}{did_you_mean(name, fields)}; "
+                f"valid keys{' in ' + key if key else ''}: {one_of(fields)}"
+            )
+    values = {}
+    for name, field in fields.items():
+        if name in data:
+            values[name] = _convert(hints[name], data[name], _join(key, name))
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{_join(key, name)} is required")
+    return cls(**values)
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else str(name)
+
+
+def _convert(hint, value: Any, key: str):
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}={value!r}: expected a mapping")
+        _, value_type = typing.get_args(hint)
+        return {str(k): _convert(value_type, v, f"{key}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        return list(value)
+    if hint is Any:
+        return value
+    if hint is int and "reserve" in key:
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 3e-4 as a string.
+        except ValueError:
+            pass
+    if hint in (int, str, bool) and isinstance(value, hint) and not (
+        hint is int and isinstance(value, bool)
+    ):
+        return value
+    raise ConfigError(f"{key}={value!r}: expected {getattr(hint, '__name__', hint)}")
+
+
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}={value}: must be positive")
+
+
+def _validate(config: Config) -> None:
+    m = config.model
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len"):
+        _positive(f"model.{name}", getattr(m, name))
+    if m.n_heads % m.n_kv_heads:
+        divisors = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]
+        raise ConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "
+            f"use one of {divisors}"
+        )
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}; "
+            "change one, or set model.head_dim"
+        )
+    if m.head_size % 2:
+        raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
+
+    axes = config.mesh.axes
+    if not axes:
+        raise ConfigError("mesh.axes is empty; give at least one axis, e.g. {data: -1}")
+    for axis, size in axes.items():
+        if size != -1 and size < 1:
+            raise ConfigError(f"mesh.axes.{axis}={size}: use a positive size, or -1 for the rest")
+    if list(axes.values()).count(-1) > 1:
+        raise ConfigError("mesh.axes: at most one axis may be -1 (it takes the remaining devices)")
+    _positive("mesh.hosts", config.mesh.hosts)
+    if config.mesh.devices_per_host is not None:
+        _positive("mesh.devices_per_host", config.mesh.devices_per_host)
+
+    for key, dtype in (("precision.params", config.precision.params),
+                       ("precision.compute", config.precision.compute)):  # fmt: skip
+        if dtype not in DTYPES:
+            raise ConfigError(f"{key}={dtype!r}: use {one_of(DTYPES)}")
+    if config.optimizer.name not in ("adamw", "adam", "sgd"):
+        raise ConfigError(f"optimizer.name={config.optimizer.name!r}: use adamw, adam or sgd")
+    _positive("optimizer.learning_rate", config.optimizer.learning_rate)
+
+    t = config.train
+    for name in ("global_batch", "micro_batches", "steps", "log_every", "checkpoint_every",
+                 "keep_checkpoints"):  # fmt: skip
+        _positive(f"train.{name}", getattr(t, name))
+    if t.global_batch % t.micro_batches:
+        raise ConfigError(
+            f"train.micro_batches={t.micro_batches} does not divide train.global_batch="
+            f"{t.global_batch}; use a divisor of {t.global_batch}"
+        )
+    mem = config.memory
+    if mem.target not in TARGET_NAMES:
+        raise ConfigError(
+            f"memory.target={mem.target!r}{did_you_mean(mem.target, TARGET_NAMES)}; "
+            f"use {one_of(TARGET_NAMES)}"
+        )
+    if not 0 < mem.usable_fraction <= 1:
+        raise ConfigError(f"memory.usable_fraction={mem.usable_fraction}: use a value in (0, 1]")
+    if mem.reserve < 0:
+        raise ConfigError(f"memory.reserve={mem.reserve}: must not be negative")
+    config.remat_plan()  # Validates policies, layer ranges and custom tags.

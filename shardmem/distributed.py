@@ -1,0 +1,282 @@
+"""Multi-process start-up: ``jax.distributed`` from flags, env vars or a detected cluster.
+
+Call :func:`initialize` first thing, before any JAX computation; it is a no-op for a single
+process. :func:`launch` runs N local processes that find each other over loopback, the way a
+cluster scheduler would start them on N hosts::
+
+    # in the program (python -m shardmem ...):
+    shardmem.distributed.initialize()
+
+    # on one machine, 2 processes with 4 simulated CPU devices each:
+    launch(2, ["train", "configs/tiny.yaml"], devices_per_process=4)
+
+Settings come from, in order: explicit arguments; ``SHARDMEM_COORDINATOR`` (``HOST:PORT``),
+``SHARDMEM_NUM_PROCESSES``, ``SHARDMEM_PROCESS_ID`` and ``SHARDMEM_LOCAL_DEVICES``; a cluster
+that JAX can read by itself (SLURM, Open MPI, Kubernetes indexed jobs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+import jax
+
+from shardmem.errors import ConfigError
+
+__all__ = ["initialize", "detected_cluster", "launch"]
+
+ENV_COORDINATOR = "SHARDMEM_COORDINATOR"
+ENV_NUM_PROCESSES = "SHARDMEM_NUM_PROCESSES"
+ENV_PROCESS_ID = "SHARDMEM_PROCESS_ID"
+ENV_LOCAL_DEVICES = "SHARDMEM_LOCAL_DEVICES"
+
+
+def detected_cluster() -> str | None:
+    """Returns "slurm", "openmpi" or "kubernetes" when this process runs in a multi-process job."""
+    if "SLURM_JOB_ID" in os.environ and _int_or(os.environ.get("SLURM_NTASKS"), 1) > 1:
+        return "slurm"
+    if _int_or(os.environ.get("OMPI_COMM_WORLD_SIZE"), 1) > 1:
+        return "openmpi"
+    if "JOB_COMPLETION_INDEX" in os.environ:
+        return "kubernetes"
+    return None
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_count: int | None = None,
+) -> None:
+    """Joins this process to a multi-process JAX run, or does nothing for a single process.
+
+    Must run before JAX creates its devices. ``local_device_count`` simulates that many CPU
+    devices in this process (``jax_num_cpu_devices``). Calling it again is a no-op.
+    """
+    if local_device_count is None:
+        local_device_count = _env_int(ENV_LOCAL_DEVICES)
+    if local_device_count is not None:
+        _set_cpu_device_count(local_device_count)
+    if jax.distributed.is_initialized():
+        return
+    coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR)
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID)
+    _validate(coordinator, num_processes, process_id)
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    cluster = detected_cluster()
+    if all(value is None for value in given.values()) and cluster is None:
+        return
+    if num_processes == 1 and coordinator is None:
+        return
+    if cluster is None and any(value is None for value in given.values()):
+        missing = [name for name, value in given.items() if value is None]
+        raise ConfigError(
+            f"Multi-process run needs coordinator, num_processes and process_id, but {missing} "
+            f"{'is' if len(missing) == 1 else 'are'} unset (no SLURM, Open MPI or Kubernetes job "
+            f"detected to fill them in); pass them or set {ENV_COORDINATOR}, "
+            f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}."
+        )
+    # Cross-process collectives on CPU need gloo; GPU and TPU backends ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        )
+    except ValueError as error:  # JAX could not fill in what the cluster left out
+        found = f"Detected a {cluster} job, but" if cluster else "With the settings given,"
+        raise ConfigError(
+            f"{found} JAX could not work out the rest of the multi-process "
+            f"settings ({error}); set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and "
+            f"{ENV_PROCESS_ID} explicitly."
+        ) from error
+
+
+def launch(
+    nproc: int,
+    argv: Sequence[str],
+    *,
+    devices_per_process: int | None = None,
+    port: int | None = None,
+    command: Sequence[str] | None = None,
+    grace_seconds: float = 10.0,
+) -> int:
+    """Runs ``nproc`` local processes of ``command + argv``; returns the first non-zero exit code.
+
+    ``command`` defaults to ``python -m shardmem``. Each process gets ``SHARDMEM_*`` variables
+    for a coordinator on ``127.0.0.1:port`` (a free port if None), and every line it prints is
+    echoed to this process's stdout prefixed by ``[i] ``. SIGINT and SIGTERM are forwarded to
+    all processes. When one process fails, the others get SIGTERM, then SIGKILL after
+    ``grace_seconds``. A process killed by signal ``s`` counts as exit code ``128 + s``.
+    """
+    _check_positive("--nproc", nproc)
+    if devices_per_process is not None:
+        _check_positive("--devices-per-process", devices_per_process)
+    if port is None:
+        port = _free_port()
+    elif not 0 < port < 65536:
+        raise ConfigError(f"`--port={port}` is not a TCP port; use 1024-65535, or omit it.")
+    prefix = list(command) if command is not None else [sys.executable, "-m", "shardmem"]
+    children: list[subprocess.Popen[bytes]] = []
+    for index in range(nproc):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
+        env[ENV_NUM_PROCESSES] = str(nproc)
+        env[ENV_PROCESS_ID] = str(index)
+        if devices_per_process is not None:
+            env[ENV_LOCAL_DEVICES] = str(devices_per_process)
+        # A session of its own: only our forwarding signals it, and killpg reaches its children.
+        children.append(
+            subprocess.Popen(
+                [*prefix, *argv],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    lock = threading.Lock()
+    echoes = [
+        threading.Thread(target=_echo, args=(f"[{i}] ", child.stdout, lock), daemon=True)
+        for i, child in enumerate(children)
+    ]
+    for echo in echoes:
+        echo.start()
+    with _forwarding_signals(children):
+        exit_code = _wait_all(children, grace_seconds)
+    for echo in echoes:
+        echo.join(timeout=5)
+    return exit_code
+
+
+def _wait_all(children: list[subprocess.Popen[bytes]], grace_seconds: float) -> int:
+    """Waits for every child; after the first failure terminates the rest, then kills them."""
+    first_failure = 0
+    kill_at: float | None = None
+    while any(child.poll() is None for child in children):
+        for child in children:
+            code = child.poll()
+            if code and not first_failure:
+                first_failure = 128 - code if code < 0 else code
+                _signal_all(children, signal.SIGTERM)
+                kill_at = time.monotonic() + grace_seconds
+        if kill_at is not None and time.monotonic() > kill_at:
+            _signal_all(children, signal.SIGKILL)
+            kill_at = None
+        time.sleep(0.05)
+    if not first_failure:
+        codes = [child.returncode for child in children if child.returncode]
+        first_failure = (128 - codes[0] if codes[0] < 0 else codes[0]) if codes else 0
+    return first_failure
+
+
+class _forwarding_signals:
+    """Context manager: while active, SIGINT and SIGTERM are passed on to the children."""
+
+    def __init__(self, children: list[subprocess.Popen[bytes]]) -> None:
+        self.children = children
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous[signum] = signal.signal(
+                signum, lambda received, _frame: _signal_all(self.children, received)
+            )
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+
+
+def _signal_all(children: list[subprocess.Popen[bytes]], signum: int) -> None:
+    for child in children:
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                pass  # exited between poll and kill
+
+
+def _echo(prefix: str, stream: IO[bytes] | None, lock: threading.Lock) -> None:
+    assert stream is not None
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        with lock:
+            sys.stdout.write(f"{prefix}{line}\n")
+            sys.stdout.flush()
+    stream.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _set_cpu_device_count(count: int) -> None:
+    _check_positive("local_device_count", count, ENV_LOCAL_DEVICES)
+    if jax.config.jax_num_cpu_devices == count:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as error:
+        raise ConfigError(
+            f"`local_device_count={count}` ({ENV_LOCAL_DEVICES}) came after JAX had already "
+            "created its devices; call shardmem.distributed.initialize() before any JAX "
+            "computation."
+        ) from error
+
+
+def _validate(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"`coordinator={coordinator!r}` ({ENV_COORDINATOR}) is not HOST:PORT; "
+                "use e.g. 10.0.0.1:1234 or 127.0.0.1:1234."
+            )
+    if num_processes is not None:
+        _check_positive("num_processes", num_processes, ENV_NUM_PROCESSES)
+    if process_id is not None:
+        if process_id < 0:
+            raise ConfigError(f"`process_id={process_id}` ({ENV_PROCESS_ID}) must be 0 or more.")
+        if num_processes is not None and process_id >= num_processes:
+            raise ConfigError(
+                f"`process_id={process_id}` ({ENV_PROCESS_ID}) must be below "
+                f"num_processes={num_processes}; use 0 to {num_processes - 1}."
+            )
+
+
+def _check_positive(name: str, value: int, env_var: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        source = f" ({env_var})" if env_var else ""
+        raise ConfigError(f"`{name}={value!r}`{source} must be a positive integer.")
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"`{name}={text!r}` must be an integer.") from None
+
+
+def _int_or(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text else default
+    except ValueError:
+        return default

@@ -1,0 +1,46 @@
+"""The device mesh: named axes over local, simulated or compile-only devices.
+
+    mesh = build_mesh({"data": 1, "fsdp": -1, "tensor": 8}, devices)
+
+Devices are ordered host by host, so the last mesh axes vary within a host (fast interconnect) and the
+first ones across hosts (the data-centre network): put ``tensor`` last and ``data`` first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from shardmem.errors import ConfigError
+
+
+def resolve_axes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
+    """Returns the axis sizes with a ``-1`` replaced by the devices the others leave."""
+    fixed = math.prod(size for size in axes.values() if size != -1)
+    shown = ", ".join(f"{k}: {v}" for k, v in axes.items())
+    if -1 in axes.values():
+        free = next(k for k, v in axes.items() if v == -1)
+        if n_devices % fixed:
+            raise ConfigError(
+                f"mesh.axes {{{shown}}}: the fixed axes multiply to {fixed}, which does not divide "
+                f"the {n_devices} devices, so mesh.axes.{free}=-1 has no size; make the fixed axes "
+                f"divide {n_devices}"
+            )
+        return {k: (n_devices // fixed if v == -1 else v) for k, v in axes.items()}
+    if fixed != n_devices:
+        raise ConfigError(
+            f"mesh.axes {{{shown}}} multiply to {fixed}, but there are {n_devices} devices; make "
+            f"them multiply to {n_devices}, or set one axis to -1 to take the remaining devices"
+        )
+    return dict(axes)
+
+
+def build_mesh(axes: Mapping[str, int], devices: Sequence) -> Mesh:
+    """Returns a Mesh with the given named axes over ``devices`` (a -1 axis takes the rest)."""
+    sizes = resolve_axes(axes, len(devices))
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.array(ordered, dtype=object).reshape(tuple(sizes.values()))
+    return Mesh(grid, tuple(sizes))

@@ -1,0 +1,240 @@
+"""A Llama-style decoder in Flax NNX that declares logical axes and tags what remat may save.
+
+    model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    logits_BxLxV = model(tokens_BxL)
+
+Every parameter carries logical axis names (``embed``, ``heads``, ``mlp``, ...) that the config's rules map
+to mesh axes. Every intermediate that a remat policy may want to keep is tagged with
+:func:`jax.ad_checkpoint.checkpoint_name` (see :data:`CHECKPOINT_TAGS`). The layers are stored stacked on a
+leading ``layers`` axis and run by :func:`shardmem.remat.remat_scan`, one scanned segment per remat policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.remat import LayerPlan, remat_scan
+from shardmem.rules import constrain
+
+#: The intermediates a layer tags for remat policies, in the order they are computed.
+CHECKPOINT_TAGS = (
+    "layer_input",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "attn_context",
+    "out_proj",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_out",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the reference decoder. ``head_dim`` defaults to ``d_model // n_heads``."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    seq_len: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def param_count(self) -> int:
+        """Returns the exact number of parameters, from the architecture alone."""
+        d, h, kv, k = self.d_model, self.n_heads, self.n_kv_heads, self.head_size
+        attention = d * h * k * 2 + d * kv * k * 2
+        layer = attention + 3 * d * self.d_ff + 2 * d
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * layer + embeddings + d
+
+    @staticmethod
+    def preset(name: str) -> ModelConfig:
+        """Returns a named architecture; see :data:`PRESETS`."""
+        if name not in PRESETS:
+            raise ConfigError(
+                f"model.preset={name!r} is not a known model{did_you_mean(name, PRESETS)}; "
+                f"use {one_of(PRESETS)}, or give the fields explicitly"
+            )
+        return PRESETS[name]
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # A few-hundred-thousand-parameter model for tests and demos on CPU.
+    "tiny": ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=192,
+                        seq_len=64),
+    # GPT-2 small's sizes (124M parameters, tied embeddings) in the Llama architecture.
+    "gpt2-124m": ModelConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
+                             d_ff=2048, seq_len=1024, tie_embeddings=True),
+    # Llama-3.2-1B: 1,235,814,400 parameters.
+    "llama-1b": ModelConfig(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                            d_ff=8192, seq_len=4096, head_dim=64, rope_theta=500000.0,
+                            tie_embeddings=True),
+    # Llama-2-7B: 6,738,415,616 parameters.
+    "llama-7b": ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                            d_ff=11008, seq_len=4096),
+    # Llama-2-13B: 13,015,864,320 parameters.
+    "llama-13b": ModelConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40,
+                             d_ff=13824, seq_len=4096),
+    # Llama-2-70B (grouped-query attention with 8 KV heads): 68,976,648,192 parameters.
+    "llama-70b": ModelConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                             d_ff=28672, seq_len=4096),
+}  # fmt: skip
+
+
+def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], dtype, fan_in: int | None):
+    std = 1.0 / math.sqrt(fan_in) if fan_in else 0.02
+    init = nnx.with_partitioning(nnx.initializers.truncated_normal(std), axes)
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype, compute_dtype):
+        init = nnx.with_partitioning(nnx.initializers.ones, ("norm",))
+        self.scale = nnx.Param(init(jax.random.key(0), (dim,), param_dtype))
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale.value.astype(jnp.float32)).astype(self.compute_dtype)
+
+
+def rope(x_BxLxHxK, positions_L, theta: float):
+    """Rotary position embedding on the last axis (half-split convention)."""
+    half = x_BxLxHxK.shape[-1] // 2
+    freqs_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_LxK = positions_L[:, None].astype(jnp.float32) * freqs_K[None, :]
+    sin, cos = jnp.sin(angles_LxK)[:, None, :], jnp.cos(angles_LxK)[:, None, :]
+    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxLxHxK.dtype)
+
+
+class Block(nnx.Module):
+    """One decoder layer: pre-norm grouped-query attention, then a pre-norm SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype, compute_dtype):
+        d, h, kv, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.attn_norm = RMSNorm(d, cfg.norm_eps, **norm)
+        self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), param_dtype, d)
+        self.wk = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
+        self.wv = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
+        self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), param_dtype, h * k)
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps, **norm)
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), param_dtype, f)
+
+    def _w(self, param):
+        return param.value.astype(self.compute_dtype)
+
+    def __call__(self, x_BxLxD):
+        cfg = self.cfg
+        x_BxLxD = checkpoint_name(constrain(x_BxLxD, ("batch", "seq", None)), "layer_input")
+        positions_L = jnp.arange(x_BxLxD.shape[1])
+
+        with jax.named_scope("attention"):
+            h_BxLxD = self.attn_norm(x_BxLxD)
+            q_BxLxHxK = checkpoint_name(jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)),
+                                        "query_proj")
+            k_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)),
+                                        "key_proj")
+            v_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)),
+                                        "value_proj")
+            q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
+            k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
+            ctx_BxLxHxK = checkpoint_name(_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK),
+                                          "attn_context")
+            out_BxLxD = checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)),
+                                        "out_proj")
+            x_BxLxD = x_BxLxD + out_BxLxD
+
+        with jax.named_scope("mlp"):
+            h_BxLxD = self.mlp_norm(x_BxLxD)
+            gate_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_gate), "mlp_gate")
+            up_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_up), "mlp_up")
+            out_BxLxD = checkpoint_name((jax.nn.silu(gate_BxLxF) * up_BxLxF) @ self._w(self.w_down),
+                                        "mlp_out")
+            return x_BxLxD + out_BxLxD
+
+
+def _causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
+    """Causal softmax attention; each of the G key/value heads serves H // G query heads."""
+    b, length, h, k = q_BxLxHxK.shape
+    g = k_BxLxGxK.shape[2]
+    q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
+    scores_BxGxRxLxL = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK)
+    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
+    scores_BxGxRxLxL = jnp.where(causal_LxL, scores_BxGxRxLxL.astype(jnp.float32), -1e30)
+    probs_BxGxRxLxL = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(v_BxLxGxK.dtype)
+    ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxL, v_BxLxGxK)
+    return ctx_BxLxGxRxK.reshape(b, length, h, k)
+
+
+class Llama(nnx.Module):
+    """The reference decoder. ``remat`` gives each layer its checkpoint policy (default: none)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        remat: LayerPlan | None = None,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.bfloat16,
+    ):
+        self.cfg = cfg
+        self.remat = remat or LayerPlan.uniform(cfg.n_layers)
+        self.compute_dtype = compute_dtype
+        init_embed = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
+        self.embedding = nnx.Param(init_embed(rngs.params(), (cfg.vocab_size, cfg.d_model),
+                                              param_dtype))
+
+        @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(key):
+            return Block(cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype,
+                         compute_dtype=compute_dtype)
+
+        self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=param_dtype,
+                                  compute_dtype=compute_dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                                  param_dtype, cfg.d_model)
+
+    def __call__(self, tokens_BxL):
+        # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the
+        # partitioner's slow fallback to reach the batch-sharded activations.
+        table_VxD = constrain(self.embedding.value.astype(self.compute_dtype), (None, None))
+        x_BxLxD = constrain(table_VxD[tokens_BxL], ("batch", "seq", None))
+        x_BxLxD = remat_scan(self.layers, x_BxLxD, self.remat)
+        h_BxLxD = self.final_norm(x_BxLxD)
+        if self.cfg.tie_embeddings:
+            head_DxV = self.embedding.value.astype(self.compute_dtype).T
+        else:
+            head_DxV = self.lm_head.value.astype(self.compute_dtype)
+        logits_BxLxV = h_BxLxD @ head_DxV
+        return constrain(logits_BxLxV, ("batch", "seq", "vocab"))

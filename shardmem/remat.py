@@ -1,0 +1,222 @@
+"""Rematerialization policies as values, and the per-layer plan that runs them as scanned segments.
+
+    policy = RematPolicy.parse("minimal")               # one parse ...
+    jax.checkpoint(f, policy=policy.lower())             # ... one lowering
+    plan = LayerPlan.parse({"policy": "full", "layers": {"30-31": "none"}}, n_layers=32)
+    plan.segments()  # [(0, 30, full), (30, 32, none)]: two scans, whatever the depth
+
+A policy decides which tagged intermediates (see ``checkpoint_name``) a layer keeps for the backward pass,
+which it sends to pinned host memory, and which it recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import jax
+from flax import nnx
+
+from shardmem.errors import ConfigError, did_you_mean, one_of
+
+Saves = Literal["everything", "nothing", "dots", "dots_no_batch", "names"]
+TagAction = Literal["save", "offload", "recompute"]
+
+_PROJECTIONS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """What one layer keeps for the backward pass.
+
+    ``saves`` picks a JAX policy family; for ``"names"``, ``save`` lists tags kept on the device and
+    ``offload`` tags moved to pinned host memory; every other intermediate is recomputed.
+    """
+
+    name: str
+    saves: Saves
+    save: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
+
+    @property
+    def remats(self) -> bool:
+        """Whether the layer is wrapped in ``jax.checkpoint`` at all."""
+        return self.saves != "everything"
+
+    def lower(self):
+        """Returns the ``jax.checkpoint_policies`` value for this policy (None: no checkpointing)."""
+        policies = jax.checkpoint_policies
+        if self.saves == "everything":
+            return None
+        if self.saves == "nothing":
+            return policies.nothing_saveable
+        if self.saves == "dots":
+            return policies.dots_saveable
+        if self.saves == "dots_no_batch":
+            return policies.dots_with_no_batch_dims_saveable
+        if self.offload:
+            return policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=list(self.save),
+                names_which_can_be_offloaded=list(self.offload),
+                offload_src="device",
+                offload_dst="pinned_host",
+            )
+        return policies.save_only_these_names(*self.save)
+
+    @staticmethod
+    def parse(
+        name: str,
+        custom: Mapping[str, str] | None = None,
+        *,
+        tags: Sequence[str] | None = None,
+        key: str = "remat.policy",
+    ) -> RematPolicy:
+        """Returns the policy named ``name``; ``custom`` maps tag -> save/offload/recompute.
+
+        ``tags`` are the names the model tags; a custom policy that names another tag is an error.
+        """
+        if name == "custom":
+            return _parse_custom(custom or {}, tags)
+        if name not in PRESETS:
+            choices = [*PRESETS, "custom"]
+            raise ConfigError(
+                f"{key}={name!r} is not a remat policy{did_you_mean(name, choices)}; "
+                f"use {one_of(choices)}"
+            )
+        return PRESETS[name]
+
+
+PRESETS: dict[str, RematPolicy] = {
+    "none": RematPolicy("none", "everything"),
+    "full": RematPolicy("full", "nothing"),
+    "dots": RematPolicy("dots", "dots"),
+    "dots_no_batch": RematPolicy("dots_no_batch", "dots_no_batch"),
+    "minimal": RematPolicy("minimal", "names", save=_PROJECTIONS),
+    "save_qkv": RematPolicy("save_qkv", "names", save=("query_proj", "key_proj", "value_proj")),
+    "save_out_proj": RematPolicy("save_out_proj", "names", save=("out_proj",)),
+    "offload": RematPolicy("offload", "names", offload=_PROJECTIONS),
+}
+
+#: One line per policy, for help texts and the README.
+DESCRIPTIONS = {
+    "none": "save every intermediate (no rematerialization)",
+    "full": "save only the layer input; recompute the whole layer",
+    "dots": "save the outputs of all matrix multiplications",
+    "dots_no_batch": "save matmul outputs without batch dimensions (the weight-like ones)",
+    "minimal": "save the named q/k/v/out and MLP projections, recompute the rest",
+    "save_qkv": "save the query/key/value projections",
+    "save_out_proj": "save the attention output projection",
+    "offload": "move the named projections to pinned host memory instead of keeping them on device",
+    "custom": "per tag: save, offload or recompute (remat.custom)",
+}
+
+
+def _parse_custom(custom: Mapping[str, str], tags: Sequence[str] | None) -> RematPolicy:
+    if not custom:
+        raise ConfigError(
+            "remat.policy='custom' needs remat.custom, a mapping of tag -> save, offload or "
+            "recompute, e.g. remat: {policy: custom, custom: {query_proj: save, mlp_out: offload}}"
+        )
+    actions = ("save", "offload", "recompute")
+    for tag, action in custom.items():
+        if tags is not None and tag not in tags:
+            raise ConfigError(
+                f"remat.custom.{tag}: the model tags no intermediate named {tag!r}"
+                f"{did_you_mean(tag, tags)}; its tags are {one_of(tags)}"
+            )
+        if action not in actions:
+            raise ConfigError(f"remat.custom.{tag}={action!r}: use {one_of(actions)}")
+    save = tuple(t for t, a in custom.items() if a == "save")
+    offload = tuple(t for t, a in custom.items() if a == "offload")
+    return RematPolicy("custom", "names", save=save, offload=offload)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """One remat policy per layer."""
+
+    policies: tuple[RematPolicy, ...]
+
+    @staticmethod
+    def uniform(n_layers: int, policy: str | RematPolicy = "none") -> LayerPlan:
+        policy = PRESETS[policy] if isinstance(policy, str) else policy
+        return LayerPlan((policy,) * n_layers)
+
+    @staticmethod
+    def parse(
+        remat: Mapping[str, object], n_layers: int, *, tags: Sequence[str] | None = None
+    ) -> LayerPlan:
+        """Builds the plan from the config's ``remat`` section: a default ``policy``, per-range
+        ``layers`` overrides such as ``{"0-7": full, "31": none}``, and ``custom`` tag actions."""
+        custom = remat.get("custom") or {}
+        default = RematPolicy.parse(str(remat.get("policy", "none")), custom, tags=tags)
+        policies = [default] * n_layers
+        claimed: dict[int, str] = {}
+        for span, name in (remat.get("layers") or {}).items():
+            start, stop = _parse_span(str(span), n_layers)
+            key = f"remat.layers.{span}"
+            policy = RematPolicy.parse(str(name), custom, tags=tags, key=key)
+            for i in range(start, stop):
+                if i in claimed:
+                    raise ConfigError(
+                        f"{key}: layer {i} is already given a policy by remat.layers.{claimed[i]}; "
+                        "make the ranges disjoint"
+                    )
+                claimed[i] = str(span)
+                policies[i] = policy
+        return LayerPlan(tuple(policies))
+
+    def segments(self) -> list[tuple[int, int, RematPolicy]]:
+        """Returns ``(start, stop, policy)`` for each run of consecutive layers sharing a policy."""
+        runs: list[tuple[int, int, RematPolicy]] = []
+        for i, policy in enumerate(self.policies):
+            if runs and runs[-1][2] == policy:
+                runs[-1] = (runs[-1][0], i + 1, policy)
+            else:
+                runs.append((i, i + 1, policy))
+        return runs
+
+    def describe(self) -> str:
+        """Returns e.g. "0-29: full, 30-31: none"."""
+        return ", ".join(
+            f"{a}-{b - 1}: {p.name}" if b - a > 1 else f"{a}: {p.name}" for a, b, p in self.segments()
+        )
+
+
+def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", span)
+    if not match:
+        raise ConfigError(
+            f"remat.layers: key {span!r} is not a layer or a range; write e.g. \"3\" or \"0-7\""
+        )
+    first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+    if first > last or last >= n_layers:
+        raise ConfigError(
+            f"remat.layers.{span}: layers run from 0 to {n_layers - 1} (model.n_layers={n_layers}); "
+            f"give a range inside that"
+        )
+    return first, last + 1
+
+
+def remat_scan(layers: nnx.Module, x, plan: LayerPlan):
+    """Runs stacked layers (an ``nnx.vmap``-created module with a leading ``layers`` axis) over ``x``.
+
+    Each run of layers that shares a policy is one ``jax.lax.scan`` of a ``jax.checkpoint``-ed body, so
+    compile time depends on the number of distinct segments, not on depth.
+    """
+    graphdef, state = nnx.split(layers)
+    n_layers = len(plan.policies)
+
+    def body(carry, layer_state):
+        return nnx.merge(graphdef, layer_state)(carry), None
+
+    for start, stop, policy in plan.segments():
+        segment = state
+        if (start, stop) != (0, n_layers):
+            segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], state)
+        step = jax.checkpoint(body, policy=policy.lower(), prevent_cse=False) if policy.remats else body
+        with jax.named_scope(f"layers_{start}-{stop - 1}"):
+            x, _ = jax.lax.scan(step, x, segment)
+    return x

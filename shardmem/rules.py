@@ -1,0 +1,269 @@
+"""Partition rules: logical axis names (and parameter-path patterns) -> mesh axes -> NamedShardings.
+
+    rules = Rules.from_config({"embed": "fsdp", "heads": "tensor"}, mesh_axes=mesh.axis_names)
+    shardings = rules.shardings(mesh, abstract_params)      # tree of NamedSharding
+    with rules.activate(mesh): ...                           # lets model code call constrain()
+
+Semantics follow Flax/MaxText logical axis rules: a logical name maps to one mesh axis, several, or none
+(replicated). A mesh axis is used at most once per array: a later dimension that asks for an axis already
+used is left unsharded there. Path rules (regex -> spec) take precedence, for models without logical names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardmem.errors import ConfigError, did_you_mean, one_of
+
+MeshAxes = tuple[str, ...] | None
+
+#: Defaults for the reference model; a config's ``rules`` entries replace these key by key.
+DEFAULT_RULES: dict[str, MeshAxes] = {
+    "batch": ("data", "fsdp"),
+    "seq": None,
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": None,
+    "mlp": ("tensor",),
+    "layers": None,
+    "norm": None,
+}
+
+#: Logical names used by activations rather than parameters (never reported as unused rules).
+ACTIVATION_AXES = ("batch", "seq")
+
+_active: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "shardmem_rules", default=None
+)
+
+
+def _as_axes(value: object, key: str) -> MeshAxes:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return tuple(value) or None
+    raise ConfigError(f"{key}={value!r}: give a mesh axis name, a list of them, or null")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Ordered logical-name rules and parameter-path rules; see the module docstring."""
+
+    logical: tuple[tuple[str, MeshAxes], ...]
+    by_path: tuple[tuple[str, tuple[MeshAxes, ...]], ...] = ()
+    user_keys: tuple[str, ...] = ()
+
+    @staticmethod
+    def from_config(
+        logical: Mapping[str, object] | None,
+        mesh_axes: Sequence[str],
+        by_path: Mapping[str, Sequence[object]] | None = None,
+    ) -> Rules:
+        """Validates the config's ``rules`` (merged over :data:`DEFAULT_RULES`) and ``param_rules``.
+
+        A user rule that names a mesh axis the mesh does not have is an error; default rules simply
+        drop such axes.
+        """
+        merged: dict[str, MeshAxes] = {}
+        for name, axes in DEFAULT_RULES.items():
+            kept = tuple(a for a in axes or () if a in mesh_axes)
+            merged[name] = kept or None
+        for name, value in (logical or {}).items():
+            merged[name] = _check_axes(_as_axes(value, f"rules.{name}"), f"rules.{name}", mesh_axes)
+        paths: list[tuple[str, tuple[MeshAxes, ...]]] = []
+        for pattern, spec in (by_path or {}).items():
+            key = f"param_rules.{pattern!r}"
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"{key}: not a valid regular expression ({e})") from None
+            if not isinstance(spec, list | tuple):
+                raise ConfigError(f"{key}={spec!r}: give a list with one entry per dimension")
+            entries = tuple(_check_axes(_as_axes(s, key), key, mesh_axes) for s in spec)
+            paths.append((pattern, entries))
+        return Rules(tuple(merged.items()), tuple(paths), tuple(logical or ()))
+
+    def mesh_axes(self, logical_name: str | None) -> MeshAxes:
+        return dict(self.logical).get(logical_name) if logical_name else None
+
+    def spec(self, logical_axes: Sequence[str | None]) -> P:
+        """Returns the PartitionSpec for an array with these logical axes."""
+        return _dedupe([self.mesh_axes(name) for name in logical_axes])
+
+    def param_spec(self, path: str, logical_axes: Sequence[str | None] | None, ndim: int) -> P:
+        for pattern, entries in self.by_path:
+            if re.search(pattern, path):
+                if len(entries) != ndim:
+                    raise ConfigError(
+                        f"param_rules.{pattern!r} matches {path}, which has {ndim} dimensions, "
+                        f"but gives {len(entries)} entries; give one per dimension"
+                    )
+                return _dedupe(list(entries))
+        return self.spec(logical_axes or (None,) * ndim)
+
+    def shardings(self, mesh: Mesh, abstract_state: nnx.State | object):
+        """Returns a tree of NamedShardings matching ``abstract_state`` (an ``nnx.State`` whose
+        variables carry logical axis metadata), checking that every sharded dimension divides."""
+        logical = nnx.get_partition_spec(abstract_state)
+
+        def one(path, leaf, names):
+            key = path_str(path)
+            spec = self.param_spec(key, tuple(names) if names is not None else None, leaf.ndim)
+            check_divisible(key, leaf.shape, spec, mesh, tuple(names or ()))
+            return NamedSharding(mesh, spec)
+
+        values = nnx.to_pure_dict(abstract_state)
+        names = nnx.to_pure_dict(logical)
+        return jax.tree_util.tree_map_with_path(one, values, names, is_leaf=_is_spec)
+
+    @contextlib.contextmanager
+    def activate(self, mesh: Mesh) -> Iterator[None]:
+        """Makes :func:`constrain` apply these rules on ``mesh`` while the context is open."""
+        token = _active.set((mesh, self))
+        try:
+            yield
+        finally:
+            _active.reset(token)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P) or x is None
+
+
+def _check_axes(axes: MeshAxes, key: str, mesh_axes: Sequence[str]) -> MeshAxes:
+    for axis in axes or ():
+        if axis not in mesh_axes:
+            raise ConfigError(
+                f"{key} names mesh axis {axis!r}, which the mesh does not have"
+                f"{did_you_mean(axis, mesh_axes)}; mesh axes are {one_of(mesh_axes)} (mesh.axes)"
+            )
+    return axes
+
+
+def _dedupe(entries: list[MeshAxes]) -> P:
+    used: set[str] = set()
+    out = []
+    for axes in entries:
+        kept = tuple(a for a in axes or () if a not in used)
+        used.update(kept)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """Returns the mesh axes of one PartitionSpec entry as a tuple."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def shards_per_dim(spec: P, mesh: Mesh) -> list[int]:
+    return [math.prod(mesh.shape[a] for a in spec_axes(e)) for e in spec]
+
+
+def check_divisible(key: str, shape: Sequence[int], spec: P, mesh: Mesh, logical=()) -> None:
+    """Raises ConfigError when a sharded dimension is not a multiple of its mesh axes' product."""
+    for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
+        axes = spec_axes(entry)
+        shards = math.prod(mesh.shape[a] for a in axes)
+        if size % shards:
+            name = logical[dim] if dim < len(logical) and logical[dim] else f"dimension {dim}"
+            sizes = ", ".join(f"mesh.axes.{a}={mesh.shape[a]}" for a in axes)
+            fits = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            raise ConfigError(
+                f"{key}: {name} has size {size}, which {sizes} does not divide "
+                f"(rule {name} -> {list(axes)}); use a mesh axis size among {fits}, or map "
+                f"{name} to other axes in rules"
+            )
+
+
+def constrain(x, logical_axes: Sequence[str | None]):
+    """Constrains an activation's sharding by logical axis names; a no-op outside
+    :meth:`Rules.activate`."""
+    active = _active.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(logical_axes)))
+
+
+def path_str(path) -> str:
+    """Formats a pytree key path as "layers/wq"."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRow:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str | None, ...]
+    spec: P
+    bytes_per_device: int
+    bytes_total: int
+
+
+def sharding_table(abstract_params, shardings, logical) -> list[ShardingRow]:
+    """Returns one row per parameter: path, shape, logical axes, PartitionSpec and bytes per device."""
+    rows = []
+    flat_shardings = dict(jax.tree_util.tree_leaves_with_path(shardings))
+    flat_logical = dict(jax.tree_util.tree_leaves_with_path(logical, is_leaf=_is_spec))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
+        sharding = flat_shardings[path]
+        names = flat_logical.get(path)
+        itemsize = np.dtype(leaf.dtype).itemsize
+        per_device = math.prod(sharding.shard_shape(leaf.shape)) * itemsize
+        rows.append(ShardingRow(path_str(path), tuple(leaf.shape), str(leaf.dtype),
+                                tuple(names) if names is not None else (), sharding.spec,
+                                per_device, math.prod(leaf.shape) * itemsize))  # fmt: skip
+    return rows
+
+
+def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: int = 3) -> list[str]:
+    """Warns about logical axes no rule maps, user rules never used, and the largest replicated
+    parameters."""
+    known = dict(rules.logical)
+    used_names = {n for row in rows for n in row.logical if n}
+    warnings = []
+    unmapped = sorted(n for n in used_names if n not in known)
+    if unmapped:
+        warnings.append(
+            f"logical axes with no rule (replicated): {', '.join(unmapped)}; add them to rules "
+            "(null to replicate on purpose)"
+        )
+    unused = [k for k in rules.user_keys if k not in used_names and k not in ACTIVATION_AXES]
+    if unused:
+        warnings.append(f"rules never used by any parameter: {', '.join(unused)}")
+    if mesh.size > 1:
+        replicated = [r for r in rows if r.bytes_per_device == r.bytes_total and r.bytes_total > 0]
+        replicated.sort(key=lambda r: -r.bytes_total)
+        big = [r for r in replicated[:top] if r.bytes_total >= 1 << 20]
+        if big:
+            listed = ", ".join(f"{r.path} {list(r.shape)}" for r in big)
+            warnings.append(f"largest fully replicated parameters: {listed}")
+    return warnings

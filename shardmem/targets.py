@@ -1,0 +1,185 @@
+"""Where a plan is compiled: simulated CPU devices, the attached accelerators, or a named NVIDIA GPU
+compiled deviceless with XLA's GPU compiler.
+
+    target = resolve_target("h100-sxm", n_devices=64, hosts=8)   # compile-only H100s, 8 per host
+    target.devices, target.memory_bytes, target.peak_flops
+
+Deviceless compilation needs the ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` wheels at jaxlib's
+version, but no GPU and no CUDA libraries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+
+from shardmem.errors import ConfigError, PlanError, did_you_mean, one_of
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """Published facts about one GPU model (XLA's GPU spec files and vendor datasheets)."""
+
+    description: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    fpus_per_sm: int
+    clock_ghz: float
+    memory_bytes: int
+    memory_bandwidth: int
+    l2_cache_bytes: int
+    shared_memory_per_sm: int
+    shared_memory_per_block_optin: int
+    peak_bf16_flops: float
+
+    def target_config(self) -> str:
+        """Returns the ``GpuTargetConfigProto`` text XLA's deviceless compiler takes."""
+        major, minor = self.compute_capability
+        return f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {self.shared_memory_per_sm}
+  threads_per_core_limit: 2048
+  core_count: {self.sm_count}
+  fpus_per_core: {self.fpus_per_sm}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {self.memory_bandwidth}
+  l2_cache_size: {self.l2_cache_bytes}
+  clock_rate_ghz: {self.clock_ghz}
+  device_memory_size: {self.memory_bytes}
+  shared_memory_per_block_optin: {self.shared_memory_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+device_description_str: "{self.description}"
+"""
+
+
+GPU_TARGETS: dict[str, GpuSpec] = {
+    "h100-sxm": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84942979072,
+                        3352320000000, 52428800, 233472, 232448, 989e12),
+    "h100-pcie": GpuSpec("NVIDIA H100 PCIe", (9, 0), 114, 128, 1.755, 84942979072,
+                         2039040000000, 52428800, 233472, 232448, 756e12),
+    "h200": GpuSpec("NVIDIA H200 141GB HBM3e", (9, 0), 132, 128, 1.98, 151397597184,
+                    4800000000000, 52428800, 233472, 232448, 989e12),
+    "a100-40g": GpuSpec("NVIDIA A100-SXM4-40GB", (8, 0), 108, 64, 1.41, 42331013120,
+                        1555200000000, 41943040, 167936, 166912, 312e12),
+    "a100-80g": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 85100068864,
+                        2039040000000, 41943040, 167936, 166912, 312e12),
+    "b200": GpuSpec("NVIDIA B200", (10, 0), 148, 128, 1.965, 191514411008,
+                    7672320000000, 132644864, 233472, 232448, 2250e12),
+}  # fmt: skip
+
+TARGET_NAMES = ("cpu", "local", *GPU_TARGETS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Devices to compile for, with what is known of their memory and speed."""
+
+    name: str
+    label: str
+    devices: tuple
+    memory_bytes: int
+    peak_flops: float | None
+    deviceless: bool
+    approximate: bool
+
+    @property
+    def platform(self) -> str:
+        return self.devices[0].platform
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """Asks JAX for ``n`` simulated CPU devices; only possible before JAX's backends start."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(n, 1))
+    except RuntimeError:
+        pass  # Backends already up; resolve_target reports a shortfall clearly.
+
+
+def peak_flops_for(device_kind: str) -> float | None:
+    """Returns the dense bf16 peak of a GPU recognised from its ``device_kind``."""
+    kind = device_kind.lower()
+    for key, spec in GPU_TARGETS.items():
+        if spec.description.lower() == kind:
+            return spec.peak_bf16_flops
+    for marker, key in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
+                        ("a100", "a100-80g"), ("b200", "b200")):  # fmt: skip
+        if marker in kind:
+            return GPU_TARGETS[key].peak_bf16_flops
+    return None
+
+
+@functools.cache
+def _gpu_topology(name: str, hosts: int, per_host: int):
+    from jax.experimental import topologies
+
+    spec = GPU_TARGETS[name]
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=spec.target_config(), topology=f"1x{hosts}x{per_host}"
+        )
+    except Exception as e:  # The plugin raises a variety of runtime errors when absent or broken.
+        raise PlanError(
+            f"cannot compile for target {name!r} without a GPU: {e}. Deviceless GPU planning needs "
+            "jax-cuda12-plugin and jax-cuda12-pjrt at jaxlib's version (pip install -e . installs "
+            "them on Linux x86-64); or use --target cpu"
+        ) from None
+    return tuple(topology.devices)
+
+
+def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
+    """Returns the devices (and their memory) to compile a mesh of ``n_devices`` for."""
+    if name in GPU_TARGETS:
+        if n_devices % hosts:
+            raise ConfigError(
+                f"mesh.hosts={hosts} does not divide the {n_devices} devices; every host needs "
+                "the same number of devices"
+            )
+        spec = GPU_TARGETS[name]
+        devices = _gpu_topology(name, hosts, n_devices // hosts)
+        label = f"{n_devices} x {spec.description} ({hosts} host{'s' * (hosts > 1)}), deviceless"
+        return Target(name, label, devices, spec.memory_bytes, spec.peak_bf16_flops, True, False)
+    if name == "cpu":
+        devices = tuple(jax.devices("cpu"))
+        if len(devices) < n_devices:
+            raise PlanError(
+                f"target 'cpu' needs {n_devices} simulated devices but JAX started with "
+                f"{len(devices)}; the CLI sets this up itself, in Python call "
+                f"shardmem.ensure_cpu_devices({n_devices}) before JAX is first used"
+            )
+        memory = host_memory_bytes() // n_devices
+        label = f"{n_devices} simulated CPU devices (approximate: not a GPU prediction)"
+        return Target("cpu", label, devices[:n_devices], memory, None, False, True)
+    if name == "local":
+        devices = tuple(jax.devices())
+        if len(devices) < n_devices:
+            raise ConfigError(
+                f"the mesh needs {n_devices} devices but {len(devices)} are attached; change "
+                "mesh.axes (use -1 for the remaining devices) or run on more devices"
+            )
+        stats = devices[0].memory_stats() or {}
+        memory = int(stats.get("bytes_limit") or host_memory_bytes() // len(devices))
+        kind = devices[0].device_kind
+        approximate = devices[0].platform == "cpu"
+        label = f"{len(devices)} x {kind} (attached)" + (", approximate" if approximate else "")
+        return Target("local", label, devices[:n_devices], memory, peak_flops_for(kind), False,
+                      approximate)  # fmt: skip
+    raise ConfigError(
+        f"target {name!r} is not known{did_you_mean(name, TARGET_NAMES)}; use {one_of(TARGET_NAMES)}"
+    )

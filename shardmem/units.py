@@ -1,0 +1,53 @@
+"""Byte quantities: parsing "1GiB"-style strings and formatting sizes for people."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Returns a byte count from an int or a string such as "1GiB", "512 MiB" or "2e9".
+
+    Raises ValueError with the accepted units when the string cannot be read.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte size, got {value!r}")
+    if isinstance(value, int | float):
+        return int(value)
+    match = _PATTERN.match(str(value))
+    unit = match.group(2).lower() if match else ""
+    if not match or (unit and unit not in _UNITS):
+        try:
+            return int(float(value))
+        except ValueError:
+            pass
+        raise ValueError(
+            f"cannot read {value!r} as a byte size; write e.g. 1GiB, 512MiB, 2GB or 1073741824"
+        )
+    return int(float(match.group(1)) * _UNITS[unit or "b"])
+
+
+def format_bytes(n: float) -> str:
+    """Formats a byte count with binary units: 1536 -> "1.50 KiB"."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_flops(n: float) -> str:
+    """Formats a FLOP count with decimal prefixes: 1.2e15 -> "1.20 PFLOP"."""
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.3g} FLOP"
