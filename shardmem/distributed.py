@@ -93,6 +93,11 @@ def initialize(
         jax.distributed.initialize(
             coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
         )
+    except RuntimeError as error:  # raised when JAX already created its devices
+        raise ConfigError(
+            f"Could not join the multi-process run ({error}); call "
+            "shardmem.distributed.initialize() before any JAX computation."
+        ) from error
     except ValueError as error:  # JAX could not fill in what the cluster left out
         found = f"Detected a {cluster} job, but" if cluster else "With the settings given,"
         raise ConfigError(

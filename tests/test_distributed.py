@@ -1,0 +1,262 @@
+"""Tests for shardmem.distributed: argument checks, cluster detection and the local launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from shardmem import distributed
+from shardmem.distributed import detected_cluster, initialize, launch
+from shardmem.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CLUSTER_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "JOB_COMPLETION_INDEX",
+    distributed.ENV_COORDINATOR,
+    distributed.ENV_NUM_PROCESSES,
+    distributed.ENV_PROCESS_ID,
+    distributed.ENV_LOCAL_DEVICES,
+)
+
+SUM_OVER_ALL_DEVICES = """
+    from shardmem.distributed import initialize
+
+    initialize(local_device_count=2)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
+    mesh = jax.make_mesh((4,), ("data",))
+    values = np.arange(16, dtype=np.float32)
+    x = jax.make_array_from_callback((16,), NamedSharding(mesh, P("data")), lambda i: values[i])
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
+    print(f"process {jax.process_index()} sum {float(total.addressable_data(0))}")
+"""
+
+BATCH_AND_CHECKPOINT = """
+    import sys
+
+    from shardmem.distributed import initialize
+
+    initialize()
+
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from shardmem.checkpoint import Checkpointer
+    from shardmem.data import SyntheticSource, global_batch
+
+    mesh = jax.make_mesh((4,), ("data",))
+    source = SyntheticSource(vocab_size=100, seq_len=7, seed=0)
+    batch = global_batch(source, 5, 8, NamedSharding(mesh, P("data")))
+    for shard in batch.addressable_shards:
+        rows = shard.index[0]
+        np.testing.assert_array_equal(shard.data, source.rows(5, rows.start, rows.stop, 8))
+    with Checkpointer(sys.argv[1], every=1, keep=1) as checkpointer:
+        checkpointer.save(5, {"tokens": batch})
+    print("saved", len(batch.addressable_shards), "shards")
+"""
+
+WAIT_FOR_SIGNAL = """
+    import signal, sys, time
+
+    def stop(signum, frame):
+        print("got", signum, flush=True)
+        sys.exit(7)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No cluster or SHARDMEM_* variables; children can import shardmem from the checkout."""
+    for name in CLUSTER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+
+
+def _script(tmp_path: Path, source: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def test_detected_cluster_reads_scheduler_variables(clean_env, monkeypatch):
+    assert detected_cluster() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert detected_cluster() is None, "a one-task SLURM job is a single process"
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert detected_cluster() == "slurm"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert detected_cluster() == "openmpi"
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
+    assert detected_cluster() == "kubernetes"
+
+
+def test_initialize_without_settings_is_a_single_process_no_op(clean_env):
+    initialize()
+    initialize(num_processes=1)
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, message",
+    [
+        (
+            dict(coordinator="localhost", num_processes=2, process_id=0),
+            {},
+            "coordinator='localhost'",
+        ),
+        (dict(coordinator="h:99999", num_processes=2, process_id=0), {}, "is not HOST:PORT"),
+        (dict(coordinator="h:1234", num_processes=2, process_id=2), {}, "process_id=2.*0 to 1"),
+        (dict(coordinator="h:1234", num_processes=0, process_id=0), {}, "num_processes=0"),
+        (dict(coordinator="h:1234"), {}, r"\['num_processes', 'process_id'\] are unset"),
+        ({}, {"SHARDMEM_NUM_PROCESSES": "two"}, "SHARDMEM_NUM_PROCESSES='two'"),
+        ({}, {"SHARDMEM_PROCESS_ID": "-1"}, r"process_id=-1.*SHARDMEM_PROCESS_ID"),
+        ({}, {"SHARDMEM_COORDINATOR": "h:1", "SHARDMEM_NUM_PROCESSES": "2"}, "process_id'] is"),
+    ],
+)
+def test_initialize_rejects_bad_settings(clean_env, monkeypatch, kwargs, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        initialize(**kwargs)
+    assert not jax.distributed.is_initialized()
+
+
+def test_a_cluster_jax_cannot_read_is_a_config_error(clean_env, monkeypatch):
+    # Kubernetes, but no kubernetes package; in a fresh process, since JAX checks that first.
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
+    probe = (
+        "from shardmem.distributed import initialize\n"
+        "from shardmem.errors import ConfigError\n"
+        "try:\n    initialize()\nexcept ConfigError as error:\n    print(error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
+    )
+    assert "Detected a kubernetes job" in result.stdout, result.stdout + result.stderr
+    assert "SHARDMEM_COORDINATOR" in result.stdout
+
+
+def test_joining_after_jax_started_is_a_config_error(clean_env):
+    jax.devices()
+    with pytest.raises(ConfigError, match="before any JAX computation"):
+        initialize(coordinator="127.0.0.1:1", num_processes=2, process_id=1)
+
+
+def test_local_device_count_after_backend_start_is_a_config_error(clean_env):
+    jax.devices()
+    with pytest.raises(ConfigError, match="local_device_count=3.*before any JAX computation"):
+        initialize(local_device_count=3)
+    with pytest.raises(ConfigError, match="local_device_count=0"):
+        initialize(local_device_count=0)
+
+
+def test_launch_runs_a_cross_process_computation(clean_env, tmp_path, capsys):
+    command = [sys.executable, _script(tmp_path, SUM_OVER_ALL_DEVICES)]
+    assert launch(2, [], command=command) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # sum(range(16)) = 120, computed over 4 devices in 2 processes; each prints its own line.
+    assert "[0] process 0 sum 120.0" in lines, lines
+    assert "[1] process 1 sum 120.0" in lines, lines
+
+
+def test_processes_share_batches_and_checkpoints(clean_env, tmp_path, capsys):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardmem.checkpoint import Checkpointer
+    from shardmem.data import SyntheticSource
+
+    command = [sys.executable, _script(tmp_path, BATCH_AND_CHECKPOINT)]
+    directory = str(tmp_path / "ckpt")
+    assert launch(2, [directory], devices_per_process=2, command=command) == 0
+    assert capsys.readouterr().out.count("saved 2 shards") == 2
+    # Saved by 2 processes on 4 devices, restored here by one process on 8.
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    sharding = NamedSharding(mesh, P("data"))
+    abstract = {"tokens": jax.ShapeDtypeStruct((8, 8), jax.numpy.int32, sharding=sharding)}
+    with Checkpointer(directory, every=1, keep=1) as checkpointer:
+        restored = checkpointer.restore(abstract)
+    expected = SyntheticSource(vocab_size=100, seq_len=7, seed=0).rows(5, 0, 8, 8)
+    assert restored["tokens"].sharding == sharding
+    assert (jax.device_get(restored["tokens"]) == expected).all()
+
+
+def test_launch_passes_settings_and_argv(clean_env, capsys):
+    show = "import os, sys; print(os.environ['SHARDMEM_PROCESS_ID'], " + ", ".join(
+        f"os.environ.get('{name}')"
+        for name in ("SHARDMEM_NUM_PROCESSES", "SHARDMEM_COORDINATOR", "SHARDMEM_LOCAL_DEVICES")
+    )
+    show += ", sys.argv[1:])"
+    assert (
+        launch(
+            3, ["a", "b"], devices_per_process=2, port=4321, command=[sys.executable, "-c", show]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    for index in range(3):
+        assert f"[{index}] {index} 3 127.0.0.1:4321 2 ['a', 'b']" in out
+
+
+def test_a_failing_child_stops_the_others(clean_env):
+    fail_or_wait = (
+        "import os, sys, time\n"
+        "if os.environ['SHARDMEM_PROCESS_ID'] == '1': sys.exit(3)\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    assert launch(2, [], command=[sys.executable, "-c", fail_or_wait]) == 3
+    assert time.monotonic() - started < 20
+
+
+def test_launch_forwards_sigint_to_every_child(clean_env, tmp_path):
+    script = _script(tmp_path, WAIT_FOR_SIGNAL)
+    runner = (
+        "import sys\nfrom shardmem.distributed import launch\n"
+        f"sys.exit(launch(2, [], command=[sys.executable, {script!r}]))\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    ready = 0
+    while ready < 2:
+        line = launcher.stdout.readline()
+        assert line, "launcher ended before its children were ready"
+        ready += line.strip().endswith("ready")
+    launcher.send_signal(signal.SIGINT)
+    out, _ = launcher.communicate(timeout=30)
+    assert launcher.returncode == 7
+    assert f"[0] got {int(signal.SIGINT)}" in out and f"[1] got {int(signal.SIGINT)}" in out
+
+
+def test_launch_rejects_bad_arguments():
+    with pytest.raises(ConfigError, match="--nproc=0"):
+        launch(0, [])
+    with pytest.raises(ConfigError, match="--port=70000"):
+        launch(1, [], port=70000)
