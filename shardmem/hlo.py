@@ -1,0 +1,240 @@
+"""Reading what XLA says about a compiled program: FLOPs from the jaxpr, buffers live at the peak from
+the compiler's dumps, and collective traffic from the optimized HLO.
+
+These are the parts of the memory report that :meth:`jax.stages.Compiled.memory_analysis` does not give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+from jax.extend import core as jex_core
+
+# --- FLOPs ---------------------------------------------------------------------------------------
+
+
+def matmul_flops(jaxpr) -> float:
+    """Returns the FLOPs of every ``dot_general`` in a (closed) jaxpr, counting scan trip counts and
+    the recomputation that remat adds to the backward pass (it appears as extra ops there)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            k = math.prod(lhs[d] for d in contracting)
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+            continue
+        inner = sum(matmul_flops(sub) for sub in _sub_jaxprs(eqn.params))
+        if name == "scan":
+            inner *= eqn.params["length"]
+        elif name == "cond":
+            inner = max((matmul_flops(b) for b in eqn.params["branches"]), default=0.0)
+        total += inner
+    return total
+
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        items = value if isinstance(value, list | tuple) else (value,)
+        for item in items:
+            if isinstance(item, jex_core.ClosedJaxpr | jex_core.Jaxpr):
+                yield item
+
+
+# --- Buffers live at the peak --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+    """One allocation live at the peak: its size, the model scope that made it, and its shape."""
+
+    bytes: int
+    scope: str
+    shape: str
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<rest>.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_LIVE = re.compile(r"^\s+(?P<name>[\w.\-]+)\{(?P<index>[\d,]*)\}: (?P<bytes>\d+) bytes")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_NOISE = {"while", "body", "closed_call", "checkpoint", "remat", "rematted_computation", "pjit",
+          "cond", "branch_0", "branch_1", "core_call", "custom_jvp_call", "custom_vjp_call"}  # fmt: skip
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """Splits "(f32[2], s32[]) while(...)" into the shape text and the remainder."""
+    if not rest.startswith("("):
+        shape, _, remainder = rest.partition(" ")
+        return shape, remainder
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return rest[: i + 1], rest[i + 1 :]
+    return rest, ""
+
+
+def _tuple_element(shape: str, index: str) -> str:
+    for i in (int(x) for x in index.split(",") if x.strip()):
+        if not shape.startswith("("):
+            break
+        parts, depth, start = [], 0, 1
+        for j, ch in enumerate(shape):
+            depth += ch in "([{"
+            depth -= ch in ")]}"
+            if ch == "," and depth == 1:
+                parts.append(shape[start:j].strip())
+                start = j + 1
+        parts.append(shape[start:-1].strip())
+        shape = parts[i] if i < len(parts) else shape
+    return re.sub(r"\{[^}]*\}", "", shape)  # Drop layouts: f32[2,3]{1,0} -> f32[2,3].
+
+
+def readable_scope(op_name: str) -> str:
+    """Turns "jit(step)/while/body/transpose(jvp(layers_0-7))/attention/dot_general" into
+    "layers_0-7/attention/dot_general (backward)", and an argument's
+    "state['params']['layers']['wq']" into "state/params/layers/wq (argument)"."""
+    if not op_name.startswith("jit("):
+        return "/".join(re.findall(r"[A-Za-z_][\w.\-]*|\d+", op_name)) + " (argument)"
+    backward = "transpose(" in op_name
+    parts = []
+    for part in op_name.split("/")[1:]:
+        while True:
+            match = re.fullmatch(r"(?:transpose|jvp|vmap|remat|checkpoint)\((.*)\)", part)
+            if not match:
+                break
+            part = match.group(1)
+        if part and part not in _NOISE:
+            parts.append(part)
+    scope = "/".join(parts) or op_name
+    return f"{scope} (backward)" if backward else scope
+
+
+_CALLED = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def _instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """Maps instruction name -> (shape text, op_name) for every instruction in an HLO module; a
+    fusion without metadata takes the op_name of the computation it calls."""
+    table: dict[str, tuple[str, str]] = {}
+    calls: dict[str, str] = {}
+    first_op: dict[str, str] = {}
+    current = ""
+    for line in hlo_text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            header = _COMPUTATION.match(line)
+            current = header.group(1) if header else ""
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        shape, remainder = _split_shape(match.group("rest"))
+        op = _OP_NAME.search(remainder)
+        op_name = op.group(1) if op else ""
+        if op_name and current:
+            first_op.setdefault(current, op_name)
+        called = _CALLED.search(remainder)
+        if called and not op_name:
+            calls[match.group("name")] = called.group(1)
+        table[match.group("name")] = (shape, op_name)
+    for name, computation in calls.items():
+        shape, _ = table[name]
+        table[name] = (shape, first_op.get(computation, ""))
+    return table
+
+
+def live_at_peak(dump_dir: str | Path, top: int = 10) -> tuple[list[LiveBuffer], int | None]:
+    """Returns the largest buffers live at the peak, and the peak the live-range analysis found,
+    from an XLA dump made with ``xla_dump_to`` and ``xla_dump_hlo_as_text``."""
+    dump_dir = Path(dump_dir)
+    live_files = sorted(dump_dir.glob("*after_optimizations-live-range.txt"))
+    if not live_files:
+        return [], None
+    live_file = max(live_files, key=lambda p: p.stat().st_size)
+    hlo_file = Path(str(live_file).replace("-live-range.txt", ".txt"))
+    table = _instructions(hlo_file.read_text()) if hlo_file.exists() else {}
+    buffers: list[LiveBuffer] = []
+    in_peak = False
+    peak = None
+    for line in live_file.read_text().splitlines():
+        if "(peak):" in line:
+            in_peak = True
+            continue
+        if line.strip().startswith("Stack trace breakdown for peak usage"):
+            peak = int(re.sub(r"\D", "", line.split(":", 1)[1]) or 0)
+            break
+        match = _LIVE.match(line) if in_peak else None
+        if match:
+            shape, op_name = table.get(match.group("name"), ("", ""))
+            scope = readable_scope(op_name) if op_name else match.group("name")
+            buffers.append(LiveBuffer(int(match.group("bytes")), scope,
+                                      _tuple_element(shape, match.group("index"))))  # fmt: skip
+    buffers.sort(key=lambda b: -b.bytes)
+    return buffers[:top], peak
+
+
+# --- Collective traffic ----------------------------------------------------------------------------
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+_CALLS = re.compile(r"(?:body|to_apply|calls|branch_computations)=\{?%?([\w.\-, %]+)\}?")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _shape_bytes(shape: str) -> int:
+    return sum(
+        _ITEMSIZE.get(dtype, 1) * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in _ARRAY.findall(shape)
+    )
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Returns the bytes per device that each kind of collective produces in one run of an optimized
+    HLO module (result shapes), with ops inside while loops counted once per known trip."""
+    per_computation: dict[str, dict[str, int]] = {}
+    callers: dict[str, list[tuple[str, int]]] = {}
+    entry = current = ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line) if not line.startswith(" ") else None
+        if header and line.rstrip().endswith("{"):
+            current = header.group(1)
+            entry = current if line.startswith("ENTRY") else entry
+            per_computation[current] = dict.fromkeys(COLLECTIVES, 0)
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match or not current:
+            continue
+        shape, remainder = _split_shape(match.group("rest"))
+        opcode = remainder.strip().split("(", 1)[0]
+        base = opcode.removesuffix("-start")
+        if base in per_computation[current] and not opcode.endswith("-done"):
+            if opcode.endswith("-start") and shape.startswith("("):
+                shape = _tuple_element(shape, "-1")  # (operand, result): count the result.
+            per_computation[current][base] += _shape_bytes(shape)
+        trips = _TRIPS.search(remainder)
+        for called in _CALLS.findall(remainder):
+            for name in called.replace("%", "").split(","):
+                callers.setdefault(name.strip(), []).append(
+                    (current, int(trips.group(1)) if trips and opcode == "while" else 1)
+                )
+
+    def multiplier(name: str, seen=()) -> int:
+        if name == entry or name in seen:
+            return 1 if name == entry else 0
+        return sum(n * multiplier(parent, (*seen, name)) for parent, n in callers.get(name, ()))
+
+    totals = dict.fromkeys(COLLECTIVES, 0)
+    for name, counts in per_computation.items():
+        if any(counts.values()):
+            factor = multiplier(name)
+            for kind, value in counts.items():
+                totals[kind] += value * factor
+    return totals
