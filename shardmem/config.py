@@ -282,8 +282,10 @@ def _convert(hint, value: Any, key: str):
             return float(value)  # YAML 1.1 reads 3e-4 as a string.
         except ValueError:
             pass
-    if hint in (int, str, bool) and isinstance(value, hint) and not (
-        hint is int and isinstance(value, bool)
+    if (
+        hint in (int, str, bool)
+        and isinstance(value, hint)
+        and not (hint is int and isinstance(value, bool))
     ):
         return value
     raise ConfigError(f"{key}={value!r}: expected {getattr(hint, '__name__', hint)}")

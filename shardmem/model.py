@@ -158,26 +158,32 @@ class Block(nnx.Module):
 
         with jax.named_scope("attention"):
             h_BxLxD = self.attn_norm(x_BxLxD)
-            q_BxLxHxK = checkpoint_name(jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)),
-                                        "query_proj")
-            k_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)),
-                                        "key_proj")
-            v_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)),
-                                        "value_proj")
+            q_BxLxHxK = checkpoint_name(
+                jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)), "query_proj"
+            )
+            k_BxLxGxK = checkpoint_name(
+                jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)), "key_proj"
+            )
+            v_BxLxGxK = checkpoint_name(
+                jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), "value_proj"
+            )
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
-            ctx_BxLxHxK = checkpoint_name(_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK),
-                                          "attn_context")
-            out_BxLxD = checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)),
-                                        "out_proj")
+            ctx_BxLxHxK = checkpoint_name(
+                _causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context"
+            )
+            out_BxLxD = checkpoint_name(
+                jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)), "out_proj"
+            )
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
             h_BxLxD = self.mlp_norm(x_BxLxD)
             gate_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_gate), "mlp_gate")
             up_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_up), "mlp_up")
-            out_BxLxD = checkpoint_name((jax.nn.silu(gate_BxLxF) * up_BxLxF) @ self._w(self.w_down),
-                                        "mlp_out")
+            out_BxLxD = checkpoint_name(
+                (jax.nn.silu(gate_BxLxF) * up_BxLxF) @ self._w(self.w_down), "mlp_out"
+            )
             return x_BxLxD + out_BxLxD
 
 
@@ -210,20 +216,24 @@ class Llama(nnx.Module):
         self.remat = remat or LayerPlan.uniform(cfg.n_layers)
         self.compute_dtype = compute_dtype
         init_embed = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
-        self.embedding = nnx.Param(init_embed(rngs.params(), (cfg.vocab_size, cfg.d_model),
-                                              param_dtype))
+        self.embedding = nnx.Param(
+            init_embed(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype)
+        )
 
         @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(key):
-            return Block(cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype,
-                         compute_dtype=compute_dtype)
+            return Block(
+                cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype, compute_dtype=compute_dtype
+            )
 
         self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=param_dtype,
-                                  compute_dtype=compute_dtype)
+        self.final_norm = RMSNorm(
+            cfg.d_model, cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype
+        )
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
-                                  param_dtype, cfg.d_model)
+            self.lm_head = _param(
+                rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), param_dtype, cfg.d_model
+            )
 
     def __call__(self, tokens_BxL):
         # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the

@@ -181,7 +181,8 @@ class LayerPlan:
     def describe(self) -> str:
         """Returns e.g. "0-29: full, 30-31: none"."""
         return ", ".join(
-            f"{a}-{b - 1}: {p.name}" if b - a > 1 else f"{a}: {p.name}" for a, b, p in self.segments()
+            f"{a}-{b - 1}: {p.name}" if b - a > 1 else f"{a}: {p.name}"
+            for a, b, p in self.segments()
         )
 
 
@@ -189,7 +190,7 @@ def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
     match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", span)
     if not match:
         raise ConfigError(
-            f"remat.layers: key {span!r} is not a layer or a range; write e.g. \"3\" or \"0-7\""
+            f'remat.layers: key {span!r} is not a layer or a range; write e.g. "3" or "0-7"'
         )
     first, last = int(match.group(1)), int(match.group(2) or match.group(1))
     if first > last or last >= n_layers:
@@ -216,7 +217,11 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan):
         segment = state
         if (start, stop) != (0, n_layers):
             segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], state)
-        step = jax.checkpoint(body, policy=policy.lower(), prevent_cse=False) if policy.remats else body
+        step = (
+            jax.checkpoint(body, policy=policy.lower(), prevent_cse=False)
+            if policy.remats
+            else body
+        )
         with jax.named_scope(f"layers_{start}-{stop - 1}"):
             x, _ = jax.lax.scan(step, x, segment)
     return x

@@ -1,0 +1,71 @@
+"""shardmem: declarative sharding, per-layer rematerialization and ahead-of-time memory planning for
+JAX/Flax training.
+
+    import shardmem
+    config = shardmem.load_config("configs/llama-7b.yaml")
+    report = shardmem.plan(config, target="h100-sxm")   # compiled deviceless; nothing allocated
+    print(report.fits, report.per_device["peak"])
+"""
+
+import os as _os
+
+# The CUDA plugin ships with shardmem so that planning for GPUs works anywhere; on a machine without
+# an NVIDIA driver it must not try to start a GPU client. Users can still set JAX_PLATFORMS themselves.
+_NO_GPU = not _os.path.exists("/dev/nvidiactl")
+if _NO_GPU:
+    _os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Loading the plugin without a driver prints "Could not find cuda drivers" from C++ at import;
+    # it is expected here, so keep it off the terminal while JAX loads.
+    _stderr = _os.dup(2)
+    _devnull = _os.open(_os.devnull, _os.O_WRONLY)
+    _os.dup2(_devnull, 2)
+    try:
+        import jax  # noqa: F401
+    finally:
+        _os.dup2(_stderr, 2)
+        _os.close(_stderr)
+        _os.close(_devnull)
+
+from shardmem.config import Config, config_from_dict, load_config  # noqa: E402
+from shardmem.errors import ConfigError, PlanError, ShardmemError  # noqa: E402
+from shardmem.memory import MemoryReport, analyze, make_target, plan, plan_function  # noqa: E402
+from shardmem.mesh import build_mesh  # noqa: E402
+from shardmem.model import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig  # noqa: E402
+from shardmem.remat import LayerPlan, RematPolicy, remat_scan  # noqa: E402
+from shardmem.report import render  # noqa: E402
+from shardmem.rules import Rules, constrain  # noqa: E402
+from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
+from shardmem.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
+
+__all__ = [
+    "CHECKPOINT_TAGS",
+    "GPU_TARGETS",
+    "PRESETS",
+    "Config",
+    "ConfigError",
+    "LayerPlan",
+    "Llama",
+    "MemoryReport",
+    "ModelConfig",
+    "PlanError",
+    "Program",
+    "RematPolicy",
+    "Rules",
+    "ShardmemError",
+    "Target",
+    "analyze",
+    "build_mesh",
+    "build_program",
+    "config_from_dict",
+    "constrain",
+    "ensure_cpu_devices",
+    "load_config",
+    "make_target",
+    "next_token_loss",
+    "plan",
+    "plan_function",
+    "remat_scan",
+    "render",
+    "resolve_target",
+]
+__version__ = "0.1.0"

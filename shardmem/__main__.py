@@ -1,0 +1,3 @@
+from shardmem.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""The ``shardmem`` command: thin wrappers that parse arguments and call the library.
+
+Exit codes: 0 success (plan: fits), 3 the plan does not fit, 2 a config or usage error (printed
+without a traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from shardmem.errors import ShardmemError
+from shardmem.remat import DESCRIPTIONS
+from shardmem.targets import TARGET_NAMES
+
+EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
+
+
+def console() -> Console:
+    """A console that does not squeeze tables to 80 columns when output goes to a file or pipe."""
+    out = Console()
+    return out if out.is_terminal else Console(width=120)
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file (see configs/)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set remat.policy=full (YAML value)",
+    )
+
+
+def _load(args):
+    from shardmem.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def cmd_plan(args) -> int:
+    from shardmem.memory import plan
+    from shardmem.report import render
+
+    config = _load(args)
+    report = plan(config, args.target, top=args.top)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        console().print(render(report, sharding=args.sharding))
+    return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardmem",
+        description="Declarative sharding and rematerialization for JAX, checked before a run.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser(
+        "plan",
+        help="compile the training step ahead of time and report per-device memory",
+        description="Compiles the config's training step on abstract shapes for a target and reports "
+        "the peak device memory, what it is made of, and whether it fits. Exit 0: fits; 3: does not "
+        "fit; 2: config error.",
+    )
+    _config_args(p)
+    p.add_argument(
+        "--target",
+        choices=TARGET_NAMES,
+        metavar="TARGET",
+        help=f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--top", type=int, default=10, help="buffers live at the peak to list")
+    p.add_argument(
+        "--sharding", action="store_true", help="also print the parameter sharding table"
+    )
+    p.set_defaults(run=cmd_plan)
+
+    p = commands.add_parser("policies", help="list remat policies, model presets and targets")
+    p.set_defaults(run=cmd_policies)
+    return parser
+
+
+def cmd_policies(args) -> int:
+    from shardmem.model import PRESETS
+    from shardmem.targets import GPU_TARGETS
+
+    out = console()
+    out.print("[bold]remat policies[/bold]")
+    for name, text in DESCRIPTIONS.items():
+        out.print(f"  {name:<14} {text}")
+    out.print("[bold]model presets[/bold]")
+    for name, model in PRESETS.items():
+        out.print(f"  {name:<14} {model.param_count():>15,} parameters")
+    out.print("[bold]targets[/bold]")
+    out.print("  cpu            simulated CPU devices (approximate)")
+    out.print("  local          the attached accelerators")
+    for name, spec in GPU_TARGETS.items():
+        out.print(f"  {name:<14} {spec.description}, deviceless")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ShardmemError as e:
+        print(f"shardmem: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("shardmem: interrupted", file=sys.stderr)
+        return 130

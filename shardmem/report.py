@@ -1,0 +1,110 @@
+"""Rendering memory reports and sharding tables for people (rich tables on the terminal)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from shardmem.memory import MemoryReport
+from shardmem.rules import ShardingRow
+from shardmem.units import format_bytes, format_flops
+
+_LABELS = {
+    "params": "parameters",
+    "optimizer": "optimizer state",
+    "batch": "batch",
+    "outputs": "outputs",
+    "temp": "temporaries (activations, workspace)",
+    "alias": "aliased with inputs (donated)",
+    "host": "host memory (offloaded)",
+    "code": "generated code",
+    "peak": "peak",
+}
+
+
+def render(report: MemoryReport, *, sharding: bool = False) -> Group:
+    """Returns the report as a rich renderable: per-device figures, verdict, FLOPs, live buffers."""
+    parts: list = []
+    mesh = " ".join(f"{axis}={size}" for axis, size in report.mesh.items())
+    head = Text.assemble(("shardmem plan", "bold"), f"  {report.name}  ·  {report.target}: ",
+                         report.target_label)  # fmt: skip
+    parts.append(head)
+    parts.append(Text(f"mesh {mesh}" + (f"   remat {report.remat}" if report.remat else "")))
+
+    table = Table(title="Per device", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right", style="dim")
+    for key, label in _LABELS.items():
+        value = report.per_device[key]
+        sign = "-" if key == "alias" and value else ""
+        share = f"{value / report.device_memory_bytes:.1%} of device" if key == "peak" else ""
+        style = "bold" if key == "peak" else None
+        table.add_row(
+            Text(label, style=style), Text(sign + format_bytes(value), style=style), share
+        )
+    parts.append(table)
+
+    if report.approximate:
+        parts.append(Text("approximate: compiled for CPU, not a GPU prediction", style="yellow"))
+    verdict = "FITS" if report.fits else "DOES NOT FIT"
+    how = "to spare" if report.fits else "over budget"
+    parts.append(Text.assemble(
+        "budget ", format_bytes(report.budget_bytes),
+        f" (device {format_bytes(report.device_memory_bytes)} x usable fraction - reserve): ",
+        (verdict, "bold green" if report.fits else "bold red"),
+        f", {format_bytes(abs(report.margin_bytes))} {how}",
+    ))  # fmt: skip
+
+    flops = f"FLOPs per step {format_flops(report.flops_per_step)} (matmuls, all devices"
+    if report.recompute_overhead is not None:
+        flops += f"; recomputation +{report.recompute_overhead:.1%} over no remat"
+    parts.append(Text(flops + ")"))
+    moved = {k: v for k, v in report.collectives.items() if v}
+    if moved:
+        parts.append(Text("collectives per step per device: " + ", ".join(
+            f"{kind} {format_bytes(v)}" for kind, v in moved.items())))  # fmt: skip
+    check = report.cross_check
+    if "analytic_argument_bytes" in check:
+        ok = "matches" if check["matches"] else "DIFFERS FROM"
+        parts.append(Text(
+            f"cross-check: parameters + optimizer + batch from shapes and shardings "
+            f"({format_bytes(check['analytic_argument_bytes'])}) {ok} XLA's arguments "
+            f"({format_bytes(check['compiled_argument_bytes'])})"
+        ))  # fmt: skip
+
+    if report.top_buffers:
+        live = Table(title="Largest buffers live at the peak", title_justify="left",
+                     show_edge=False, pad_edge=False)  # fmt: skip
+        live.add_column("bytes", justify="right")
+        live.add_column("shape")
+        live.add_column("made by (scope)")
+        for buffer in report.top_buffers:
+            live.add_row(format_bytes(buffer.bytes), buffer.shape, buffer.scope)
+        parts.append(live)
+    if sharding and report.sharding:
+        parts.append(render_sharding(report.sharding))
+    for warning in report.warnings:
+        parts.append(Text(f"warning: {warning}", style="yellow"))
+    parts.append(Text(f"compiled in {report.compile_seconds:.1f} s", style="dim"))
+    return Group(*parts)
+
+
+def render_sharding(rows: Sequence[ShardingRow]) -> Table:
+    """Returns the sharding table: path, shape, logical axes, PartitionSpec, bytes per device."""
+    table = Table(title="Parameter sharding", title_justify="left", show_edge=False, pad_edge=False)
+    for column in ("parameter", "shape", "logical axes", "PartitionSpec"):
+        table.add_column(column)
+    table.add_column("per device", justify="right")
+    for row in rows:
+        spec = ", ".join("-" if e is None else str(e) for e in row.spec) or "replicated"
+        table.add_row(row.path, "x".join(map(str, row.shape)), ", ".join(map(str, row.logical)),
+                      spec, format_bytes(row.bytes_per_device))  # fmt: skip
+    return table
+
+
+def print_report(report: MemoryReport, console: Console | None = None, **kwargs) -> None:
+    (console or Console()).print(render(report, **kwargs))
