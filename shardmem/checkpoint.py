@@ -47,9 +47,7 @@ class Checkpointer:
                 raise ConfigError(f"`{name}={value!r}` must be a positive integer.")
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise ConfigError(
-                f"`checkpoint.dir={self.directory!r}` is a file; point it at a directory."
-            )
+            raise ConfigError(f"`checkpoint.dir={self.directory!r}` is a file; point it at a directory.")
         self.every = every
         self.keep = keep
         options = ocp.CheckpointManagerOptions(
@@ -98,8 +96,7 @@ class Checkpointer:
             step = steps[-1]
         elif step not in steps:
             raise ConfigError(
-                f"`step={step}` has no checkpoint in {self.directory!r}; saved steps are "
-                f"{steps or 'none'}."
+                f"`step={step}` has no checkpoint in {self.directory!r}; saved steps are {steps or 'none'}."
             )
         self._check_matches(abstract_state, step)
         return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
@@ -154,7 +151,5 @@ def _shapes_by_path(tree: PyTree) -> Iterator[tuple[str, tuple[int, ...]]]:
     Orbax stores namedtuple fields as dict keys, so paths are compared by name alone.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = [
-            str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path
-        ]
+        names = [str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path]
         yield "/".join(names), tuple(getattr(leaf, "shape", ()))

@@ -80,9 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--top", type=int, default=10, help="buffers live at the peak to list")
-    p.add_argument(
-        "--sharding", action="store_true", help="also print the parameter sharding table"
-    )
+    p.add_argument("--sharding", action="store_true", help="also print the parameter sharding table")
     p.set_defaults(run=cmd_plan)
 
     p = commands.add_parser("policies", help="list remat policies, model presets and targets")

@@ -35,9 +35,7 @@ class MeshConfig:
     ``devices_per_host`` fixes the device count for deviceless targets when an axis is -1.
     """
 
-    axes: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"data": 1, "fsdp": -1, "tensor": 1}
-    )
+    axes: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "fsdp": -1, "tensor": 1})
     hosts: int = 1
     devices_per_host: int | None = None
 
@@ -196,8 +194,7 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
     model = raw.get("model")
     if model is None:
         raise ConfigError(
-            f"the config has no model section; add e.g. model: {{preset: tiny}} (presets: "
-            f"{one_of(PRESETS)})"
+            f"the config has no model section; add e.g. model: {{preset: tiny}} (presets: {one_of(PRESETS)})"
         )
     if not isinstance(model, Mapping):
         raise ConfigError(f"model={model!r}: give a mapping such as {{preset: llama-7b}}")
@@ -282,11 +279,7 @@ def _convert(hint, value: Any, key: str):
             return float(value)  # YAML 1.1 reads 3e-4 as a string.
         except ValueError:
             pass
-    if (
-        hint in (int, str, bool)
-        and isinstance(value, hint)
-        and not (hint is int and isinstance(value, bool))
-    ):
+    if hint in (int, str, bool) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
     raise ConfigError(f"{key}={value!r}: expected {getattr(hint, '__name__', hint)}")
 

@@ -63,9 +63,7 @@ class TokenSource(abc.ABC):
         if step < 0:
             raise ValueError(f"step={step} must be non-negative.")
         if not 0 <= row_start <= row_stop <= global_batch:
-            raise ValueError(
-                f"rows {row_start}:{row_stop} are outside a global batch of {global_batch}."
-            )
+            raise ValueError(f"rows {row_start}:{row_stop} are outside a global batch of {global_batch}.")
         out = np.empty((row_stop - row_start, self.seq_len + 1), dtype=np.int32)
         for i, row in enumerate(range(row_start, row_stop)):
             out[i] = self._row(np.random.default_rng((self.seed, step, row)))
@@ -96,9 +94,7 @@ class SyntheticSource(TokenSource):
 class _WindowSource(TokenSource):
     """Random windows of ``seq_len + 1`` tokens from a 1-D memory-mapped token array."""
 
-    def __init__(
-        self, tokens: np.ndarray, path: str, *, vocab_size: int, seq_len: int, seed: int
-    ) -> None:
+    def __init__(self, tokens: np.ndarray, path: str, *, vocab_size: int, seq_len: int, seed: int) -> None:
         super().__init__(vocab_size=vocab_size, seq_len=seq_len, seed=seed)
         if tokens.shape[0] < seq_len + 1:
             raise ConfigError(

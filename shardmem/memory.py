@@ -137,9 +137,7 @@ def plan(
     plan_has_remat = any(p.remats for p in config.remat_plan().policies)
     if count_remat_overhead and model_factory is None and plan_has_remat:
         plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), mesh)
-        flops_no_remat = hlo.matmul_flops(
-            plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
-        )
+        flops_no_remat = hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
     return _plan_program(program, resolved, top=top, flops_no_remat=flops_no_remat,
                          remat=config.remat_plan().describe() if model_factory is None else "")  # fmt: skip
 

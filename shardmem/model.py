@@ -158,20 +158,12 @@ class Block(nnx.Module):
 
         with jax.named_scope("attention"):
             h_BxLxD = self.attn_norm(x_BxLxD)
-            q_BxLxHxK = checkpoint_name(
-                jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)), "query_proj"
-            )
-            k_BxLxGxK = checkpoint_name(
-                jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)), "key_proj"
-            )
-            v_BxLxGxK = checkpoint_name(
-                jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), "value_proj"
-            )
+            q_BxLxHxK = checkpoint_name(jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)), "query_proj")
+            k_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)), "key_proj")
+            v_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), "value_proj")
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
-            ctx_BxLxHxK = checkpoint_name(
-                _causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context"
-            )
+            ctx_BxLxHxK = checkpoint_name(_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context")
             out_BxLxD = checkpoint_name(
                 jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)), "out_proj"
             )
@@ -216,15 +208,11 @@ class Llama(nnx.Module):
         self.remat = remat or LayerPlan.uniform(cfg.n_layers)
         self.compute_dtype = compute_dtype
         init_embed = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
-        self.embedding = nnx.Param(
-            init_embed(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype)
-        )
+        self.embedding = nnx.Param(init_embed(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype))
 
         @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(key):
-            return Block(
-                cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype, compute_dtype=compute_dtype
-            )
+            return Block(cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype, compute_dtype=compute_dtype)
 
         self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
         self.final_norm = RMSNorm(

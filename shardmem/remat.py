@@ -82,8 +82,7 @@ class RematPolicy:
         if name not in PRESETS:
             choices = [*PRESETS, "custom"]
             raise ConfigError(
-                f"{key}={name!r} is not a remat policy{did_you_mean(name, choices)}; "
-                f"use {one_of(choices)}"
+                f"{key}={name!r} is not a remat policy{did_you_mean(name, choices)}; use {one_of(choices)}"
             )
         return PRESETS[name]
 
@@ -145,9 +144,7 @@ class LayerPlan:
         return LayerPlan((policy,) * n_layers)
 
     @staticmethod
-    def parse(
-        remat: Mapping[str, object], n_layers: int, *, tags: Sequence[str] | None = None
-    ) -> LayerPlan:
+    def parse(remat: Mapping[str, object], n_layers: int, *, tags: Sequence[str] | None = None) -> LayerPlan:
         """Builds the plan from the config's ``remat`` section: a default ``policy``, per-range
         ``layers`` overrides such as ``{"0-7": full, "31": none}``, and ``custom`` tag actions."""
         custom = remat.get("custom") or {}
@@ -181,17 +178,14 @@ class LayerPlan:
     def describe(self) -> str:
         """Returns e.g. "0-29: full, 30-31: none"."""
         return ", ".join(
-            f"{a}-{b - 1}: {p.name}" if b - a > 1 else f"{a}: {p.name}"
-            for a, b, p in self.segments()
+            f"{a}-{b - 1}: {p.name}" if b - a > 1 else f"{a}: {p.name}" for a, b, p in self.segments()
         )
 
 
 def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
     match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", span)
     if not match:
-        raise ConfigError(
-            f'remat.layers: key {span!r} is not a layer or a range; write e.g. "3" or "0-7"'
-        )
+        raise ConfigError(f'remat.layers: key {span!r} is not a layer or a range; write e.g. "3" or "0-7"')
     first, last = int(match.group(1)), int(match.group(2) or match.group(1))
     if first > last or last >= n_layers:
         raise ConfigError(
@@ -217,11 +211,7 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan):
         segment = state
         if (start, stop) != (0, n_layers):
             segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], state)
-        step = (
-            jax.checkpoint(body, policy=policy.lower(), prevent_cse=False)
-            if policy.remats
-            else body
-        )
+        step = jax.checkpoint(body, policy=policy.lower(), prevent_cse=False) if policy.remats else body
         with jax.named_scope(f"layers_{start}-{stop - 1}"):
             x, _ = jax.lax.scan(step, x, segment)
     return x

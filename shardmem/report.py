@@ -43,9 +43,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         sign = "-" if key == "alias" and value else ""
         share = f"{value / report.device_memory_bytes:.1%} of device" if key == "peak" else ""
         style = "bold" if key == "peak" else None
-        table.add_row(
-            Text(label, style=style), Text(sign + format_bytes(value), style=style), share
-        )
+        table.add_row(Text(label, style=style), Text(sign + format_bytes(value), style=style), share)
     parts.append(table)
 
     if report.approximate:

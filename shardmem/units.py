@@ -28,9 +28,7 @@ def parse_bytes(value: int | float | str) -> int:
             return int(float(value))
         except ValueError:
             pass
-        raise ValueError(
-            f"cannot read {value!r} as a byte size; write e.g. 1GiB, 512MiB, 2GB or 1073741824"
-        )
+        raise ValueError(f"cannot read {value!r} as a byte size; write e.g. 1GiB, 512MiB, 2GB or 1073741824")
     return int(float(match.group(1)) * _UNITS[unit or "b"])
 
 

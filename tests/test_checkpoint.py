@@ -30,9 +30,7 @@ def _train_state(mesh: jax.sharding.Mesh) -> dict:
 
 
 def _abstract(state, sharding_for):
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(x)), state
-    )
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(x)), state)
 
 
 def _assert_trees_equal(actual, expected):

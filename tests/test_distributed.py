@@ -156,9 +156,7 @@ def test_a_cluster_jax_cannot_read_is_a_config_error(clean_env, monkeypatch):
         "from shardmem.errors import ConfigError\n"
         "try:\n    initialize()\nexcept ConfigError as error:\n    print(error)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert "Detected a kubernetes job" in result.stdout, result.stdout + result.stderr
     assert "SHARDMEM_COORDINATOR" in result.stdout
 
@@ -214,12 +212,7 @@ def test_launch_passes_settings_and_argv(clean_env, capsys):
         for name in ("SHARDMEM_NUM_PROCESSES", "SHARDMEM_COORDINATOR", "SHARDMEM_LOCAL_DEVICES")
     )
     show += ", sys.argv[1:])"
-    assert (
-        launch(
-            3, ["a", "b"], devices_per_process=2, port=4321, command=[sys.executable, "-c", show]
-        )
-        == 0
-    )
+    assert launch(3, ["a", "b"], devices_per_process=2, port=4321, command=[sys.executable, "-c", show]) == 0
     out = capsys.readouterr().out
     for index in range(3):
         assert f"[{index}] {index} 3 127.0.0.1:4321 2 ['a', 'b']" in out
@@ -227,9 +220,7 @@ def test_launch_passes_settings_and_argv(clean_env, capsys):
 
 def test_a_failing_child_stops_the_others(clean_env):
     fail_or_wait = (
-        "import os, sys, time\n"
-        "if os.environ['SHARDMEM_PROCESS_ID'] == '1': sys.exit(3)\n"
-        "time.sleep(60)\n"
+        "import os, sys, time\nif os.environ['SHARDMEM_PROCESS_ID'] == '1': sys.exit(3)\ntime.sleep(60)\n"
     )
     started = time.monotonic()
     assert launch(2, [], command=[sys.executable, "-c", fail_or_wait]) == 3
