@@ -115,7 +115,7 @@ def ensure_cpu_devices(n: int) -> None:
 def peak_flops_for(device_kind: str) -> float | None:
     """Returns the dense bf16 peak of a GPU recognised from its ``device_kind``."""
     kind = device_kind.lower()
-    for key, spec in GPU_TARGETS.items():
+    for spec in GPU_TARGETS.values():
         if spec.description.lower() == kind:
             return spec.peak_bf16_flops
     for marker, key in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
