@@ -116,7 +116,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale.value.astype(jnp.float32)).astype(self.compute_dtype)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(self.compute_dtype)
 
 
 def rope(x_BxLxHxK, positions_L, theta: float):
@@ -149,7 +149,7 @@ class Block(nnx.Module):
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), param_dtype, f)
 
     def _w(self, param):
-        return param.value.astype(self.compute_dtype)
+        return param[...].astype(self.compute_dtype)
 
     def __call__(self, x_BxLxD):
         cfg = self.cfg
@@ -226,13 +226,13 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BxL):
         # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the
         # partitioner's slow fallback to reach the batch-sharded activations.
-        table_VxD = constrain(self.embedding.value.astype(self.compute_dtype), (None, None))
+        table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
         x_BxLxD = constrain(table_VxD[tokens_BxL], ("batch", "seq", None))
         x_BxLxD = remat_scan(self.layers, x_BxLxD, self.remat)
         h_BxLxD = self.final_norm(x_BxLxD)
         if self.cfg.tie_embeddings:
-            head_DxV = self.embedding.value.astype(self.compute_dtype).T
+            head_DxV = self.embedding[...].astype(self.compute_dtype).T
         else:
-            head_DxV = self.lm_head.value.astype(self.compute_dtype)
+            head_DxV = self.lm_head[...].astype(self.compute_dtype)
         logits_BxLxV = h_BxLxD @ head_DxV
         return constrain(logits_BxLxV, ("batch", "seq", "vocab"))

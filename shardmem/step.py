@@ -12,6 +12,7 @@ optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Paramet
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from shardmem.config import Config
 from shardmem.errors import ConfigError
 from shardmem.model import Llama
-from shardmem.rules import Rules, check_divisible, sharding_table
+from shardmem.rules import Rules, sharding_table, spec_axes
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 LossFn = Callable[[nnx.Module, jax.Array], jax.Array]
@@ -150,16 +151,15 @@ def build_program(
     batch_shape = batch_shape or (train.global_batch, config.model.seq_len + 1)
     batch_spec = rules.spec(("batch",) + (None,) * (len(batch_shape) - 1))
     batch_sharding = NamedSharding(mesh, batch_spec)
-    micro_shape = (batch_shape[0] // train.micro_batches, *batch_shape[1:])
-    try:
-        check_divisible("train.global_batch / train.micro_batches", micro_shape, batch_spec, mesh,
-                        ("batch",))  # fmt: skip
-    except ConfigError as e:
+    micro_rows = batch_shape[0] // train.micro_batches
+    batch_shards = math.prod(mesh.shape[a] for a in spec_axes(batch_spec[0] if batch_spec else None))
+    if micro_rows % batch_shards:
+        axes = " x ".join(f"{a}={mesh.shape[a]}" for a in spec_axes(batch_spec[0]))
         raise ConfigError(
-            f"the micro-batch of {micro_shape[0]} sequences (train.global_batch={train.global_batch}"
-            f" / train.micro_batches={train.micro_batches}) must split evenly over the batch mesh "
-            f"axes {batch_spec[0]}: {e}"
-        ) from None
+            f"train.global_batch={batch_shape[0]} / train.micro_batches={train.micro_batches} gives "
+            f"micro-batches of {micro_rows} sequences, which the batch mesh axes ({axes}) cannot split "
+            f"evenly; make train.global_batch / train.micro_batches a multiple of {batch_shards}"
+        )
     abstract_batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
 
     def loss_of_params(params, batch):
@@ -194,7 +194,7 @@ def build_program(
                 "opt_state": opt_state,
                 "step": state["step"] + 1,
             }
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return new_state, metrics
 
     step = jax.jit(

@@ -1,0 +1,82 @@
+from pathlib import Path
+
+import pytest
+
+from shardmem.config import Config, config_from_dict, load_config
+from shardmem.errors import ConfigError
+from shardmem.model import PRESETS
+
+CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_round_trips(path):
+    config = load_config(path)
+    assert isinstance(config, Config)
+    assert config_from_dict(config.to_dict()) == config
+    config.remat_plan()
+
+
+def test_shipped_configs_cover_the_issue():
+    names = {p.stem for p in CONFIGS}
+    assert {"tiny", "gpt2-124m", "llama-1b", "llama-7b", "llama-70b"} <= names
+
+
+def test_overrides_are_parsed_as_yaml():
+    config = load_config(CONFIGS[0], ["remat.policy=full", "train.global_batch=32", "model.n_layers=2"])
+    assert config.remat.policy == "full"
+    assert config.train.global_batch == 32
+    assert config.model.n_layers == 2
+
+
+def test_preset_fields_can_be_overridden():
+    config = config_from_dict({"model": {"preset": "llama-7b", "n_layers": 8}})
+    assert config.model.n_layers == 8
+    assert config.model.d_model == PRESETS["llama-7b"].d_model
+
+
+def test_reserve_accepts_units():
+    config = config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "512MiB"}})
+    assert config.memory.reserve == 512 * 2**20
+
+
+@pytest.mark.parametrize(
+    "raw, fragments",
+    [
+        ({"model": {"preset": "tiny"}, "remat": {"polcy": "full"}}, ["remat.polcy", "did you mean 'policy'"]),
+        ({"model": {"preset": "llama-8b"}}, ["model.preset='llama-8b'", "llama-7b"]),
+        ({"model": {"preset": "tiny"}, "train": {"global_batch": "many"}}, ["train.global_batch", "int"]),
+        ({"model": {"preset": "tiny"}, "train": {"global_batch": 10, "micro_batches": 4}},
+         ["train.micro_batches=4", "divisor of 10"]),
+        ({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": -1, "fsdp": -1}}}, ["at most one axis"]),
+        ({"model": {"preset": "tiny", "n_kv_heads": 3}}, ["model.n_kv_heads=3", "model.n_heads=4"]),
+        ({"model": {"preset": "tiny"}, "remat": {"policy": "fulll"}}, ["remat.policy='fulll'", "full"]),
+        ({"model": {"preset": "tiny"}, "remat": {"layers": {"2-9": "full"}}}, ["remat.layers.2-9", "0 to 3"]),
+        ({"model": {"preset": "tiny"}, "remat": {"layers": {"0-2": "full", "2": "none"}}}, ["already"]),
+        ({"model": {"preset": "tiny"}, "remat": {"policy": "custom", "custom": {"qkv": "save"}}},
+         ["remat.custom.qkv", "query_proj"]),
+        ({"model": {"preset": "tiny"}, "memory": {"target": "h100"}}, ["memory.target='h100'", "h100-sxm"]),
+        ({"model": {"preset": "tiny"}, "memory": {"reserve": "lots"}}, ["memory.reserve", "1GiB"]),
+        ({"model": {"preset": "tiny"}, "precision": {"compute": "fp8"}}, ["precision.compute", "bfloat16"]),
+        ({"mesh": {"axes": {"data": 2}}}, ["no model section"]),
+    ],
+)
+def test_config_errors_name_the_key_and_the_fix(raw, fragments):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_bad_override_syntax(tmp_path):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(CONFIGS[0], ["remat.policy"])
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

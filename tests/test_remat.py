@@ -1,0 +1,93 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardmem.errors import ConfigError
+from shardmem.model import CHECKPOINT_TAGS, Llama, ModelConfig
+from shardmem.remat import PRESETS, LayerPlan, RematPolicy
+
+CFG = ModelConfig.preset("tiny")
+
+
+def _grads(plan: LayerPlan):
+    with nnx.use_eager_sharding(False):
+        model = Llama(CFG, rngs=nnx.Rngs(0), remat=plan, compute_dtype=jnp.float32)
+    graphdef, params = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_len + 1), 0, CFG.vocab_size)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    return jax.jit(jax.grad(loss))(params)
+
+
+@pytest.fixture(scope="module")
+def reference_grads():
+    return _grads(LayerPlan.uniform(CFG.n_layers, "none"))
+
+
+@pytest.mark.parametrize("name", [p for p in PRESETS if p != "none"])
+def test_every_policy_gives_the_gradients_of_no_remat(name, reference_grads):
+    grads = _grads(LayerPlan.uniform(CFG.n_layers, name))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, reference_grads)
+
+
+def test_mixed_per_layer_plan_and_custom_policy_give_the_same_gradients(reference_grads):
+    plan = LayerPlan.parse(
+        {"policy": "full", "layers": {"1": "custom", "2-3": "dots"},
+         "custom": {"query_proj": "save", "mlp_out": "offload"}},
+        CFG.n_layers, tags=CHECKPOINT_TAGS,
+    )  # fmt: skip
+    assert [(a, b, p.name) for a, b, p in plan.segments()] == [(0, 1, "full"), (1, 2, "custom"), (2, 4, "dots")]
+    grads = _grads(plan)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, reference_grads)
+
+
+def test_policies_lower_to_jax_checkpoint_policies():
+    assert PRESETS["none"].lower() is None
+    assert PRESETS["full"].lower() is jax.checkpoint_policies.nothing_saveable
+    assert PRESETS["dots"].lower() is jax.checkpoint_policies.dots_saveable
+    assert callable(PRESETS["minimal"].lower()) and callable(PRESETS["offload"].lower())
+
+
+def test_segments_group_consecutive_layers():
+    plan = LayerPlan.parse({"policy": "minimal", "layers": {"0-7": "full", "30-31": "none"}}, 32)
+    assert [(a, b, p.name) for a, b, p in plan.segments()] == [
+        (0, 8, "full"), (8, 30, "minimal"), (30, 32, "none"),
+    ]  # fmt: skip
+    assert plan.describe() == "0-7: full, 8-29: minimal, 30-31: none"
+
+
+def test_remat_saves_less_and_recomputes_more():
+    """Saved residuals shrink from none to full while recomputed matmuls grow."""
+    from shardmem.hlo import matmul_flops
+
+    tokens = jnp.zeros((2, CFG.seq_len), jnp.int32)
+
+    def jaxpr(name, differentiate=True):
+        with nnx.use_eager_sharding(False):
+            model = nnx.eval_shape(
+                lambda: Llama(CFG, rngs=nnx.Rngs(0), remat=LayerPlan.uniform(CFG.n_layers, name))
+            )
+        graphdef, params = nnx.split(model)
+        loss = lambda p: nnx.merge(graphdef, p)(tokens).sum()
+        return jax.make_jaxpr(jax.grad(loss) if differentiate else loss)(params)
+
+    flops = {name: matmul_flops(jaxpr(name)) for name in ("none", "minimal", "full")}
+    assert flops["none"] < flops["minimal"] < flops["full"]
+    # full recomputes the layers' forward matmuls except the MLP's down projection, whose output the
+    # backward pass never reads (it only feeds the residual sum); the output head is outside the layers.
+    head = 2 * tokens.size * CFG.d_model * CFG.vocab_size
+    down = 2 * tokens.size * CFG.d_ff * CFG.d_model * CFG.n_layers
+    forward = matmul_flops(jaxpr("none", differentiate=False))
+    assert flops["full"] - flops["none"] == forward - head - down
+
+
+def test_custom_policy_needs_tags_and_valid_actions():
+    with pytest.raises(ConfigError, match="needs remat.custom"):
+        RematPolicy.parse("custom", {})
+    with pytest.raises(ConfigError, match="use save, offload or recompute"):
+        RematPolicy.parse("custom", {"query_proj": "keep"}, tags=CHECKPOINT_TAGS)

@@ -1,0 +1,108 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardmem.config import config_from_dict
+from shardmem.errors import ConfigError
+from shardmem.mesh import build_mesh
+from shardmem.step import build_program
+
+
+def _config(axes, optimizer="sgd", **train):
+    return config_from_dict({
+        "model": {"preset": "tiny", "n_layers": 2},
+        "mesh": {"axes": axes},
+        "remat": {"policy": "minimal"},
+        "precision": {"params": "float32", "compute": "float32"},
+        # SGD keeps parameter comparisons exact; Adam turns rounding-level gradient differences of
+        # rarely-updated entries into lr-sized steps (compared by loss in its own test).
+        "optimizer": {"name": optimizer, "warmup_steps": 0, "learning_rate": 1e-1},
+        "train": {"global_batch": 8, "steps": 10, **train},
+    })  # fmt: skip
+
+
+def _batch(program, step=0):
+    tokens = jax.random.randint(jax.random.key(step), program.abstract_batch.shape, 0, 256, jnp.int32)
+    return jax.device_put(tokens, program.batch_sharding)
+
+
+def _run(config, devices, steps=3):
+    program = build_program(config, build_mesh(config.mesh.axes, devices))
+    state = program.init()
+    losses = []
+    for step in range(steps):
+        state, metrics = program.step(state, _batch(program, step))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state["params"]), program
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return _run(_config({"data": 1}), jax.devices()[:1])
+
+
+@pytest.mark.parametrize(
+    "axes",
+    [
+        {"data": 8},  # data parallel
+        {"fsdp": 8},  # FSDP: parameters and optimizer state sharded
+        {"tensor": 2, "data": 4},  # tensor parallel x data
+        {"data": 2, "fsdp": 2, "tensor": 2},  # all three
+    ],
+    ids=["data", "fsdp", "tensor+data", "hybrid"],
+)
+def test_sharded_training_matches_one_device(axes, single_device):
+    losses, params, program = _run(_config(axes), jax.devices())
+    want_losses, want_params, _ = single_device
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, want_params)
+
+
+def test_adamw_losses_match_one_device():
+    losses, _, _ = _run(_config({"data": 2, "fsdp": 2, "tensor": 2}, optimizer="adamw"), jax.devices())
+    want, _, _ = _run(_config({"data": 1}, optimizer="adamw"), jax.devices()[:1])
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+
+
+def test_fsdp_shards_parameters_and_optimizer_state():
+    _, _, program = _run(_config({"fsdp": 8}, optimizer="adamw"), jax.devices(), steps=1)
+    wq = program.abstract_state["params"]["layers"]["wq"]
+    assert wq.sharding.shard_shape(wq.shape) == (2, 64 // 8, 4, 16)
+    mu = program.abstract_state["opt_state"][1][0].mu["layers"]["wq"]
+    assert mu.sharding == wq.sharding
+
+
+def test_micro_batch_accumulation_equals_one_big_batch():
+    big, big_params, _ = _run(_config({"data": 2, "fsdp": 2}), jax.devices()[:4])
+    micro, micro_params, _ = _run(_config({"data": 2, "fsdp": 2}, micro_batches=2), jax.devices()[:4])
+    np.testing.assert_allclose(micro, big, rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), micro_params, big_params)
+
+
+def test_loss_falls_when_training_on_a_fixed_batch():
+    config = _config({"data": 8}, optimizer="adamw")
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    state, batch = program.init(), _batch(program)
+    first = None
+    for _ in range(10):
+        state, metrics = program.step(state, batch)
+        first = first if first is not None else float(metrics["loss"])
+    assert float(metrics["loss"]) < first - 0.5
+
+
+def test_indivisible_dimensions_are_config_errors():
+    with pytest.raises(ConfigError, match=r"mesh.axes.tensor=8 does not divide"):
+        config = _config({"tensor": 8})  # tiny has 4 heads
+        build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    with pytest.raises(ConfigError, match=r"micro-batches of 2 sequences.*multiple of 8"):
+        config = _config({"data": 8}, micro_batches=4)
+        build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+
+
+def test_mesh_errors_name_the_axes_and_the_device_count():
+    with pytest.raises(ConfigError, match=r"multiply to 6, but there are 8 devices"):
+        build_mesh({"data": 2, "tensor": 3}, jax.devices())
+    with pytest.raises(ConfigError, match=r"does not divide the 8 devices"):
+        build_mesh({"data": 3, "fsdp": -1}, jax.devices())
+    assert dict(build_mesh({"data": 2, "fsdp": -1}, jax.devices()).shape) == {"data": 2, "fsdp": 4}
