@@ -1,0 +1,62 @@
+"""Plots of plans for people: peak memory against compute, with the budget and the Pareto front.
+
+    figure = plot_sweep(rows)            # rows from shardmem.sweep.sweep
+    figure.savefig("sweep.png")
+
+Uses matplotlib's object API only (no global pyplot state beyond creating the figure), so it works in
+scripts, the CLI (Agg backend) and notebooks alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shardmem.sweep import SweepRow, pareto_front
+
+_GIB = 2**30
+
+
+def plot_sweep(rows: Sequence[SweepRow], *, x: str | None = None, title: str = "", ax=None):
+    """Returns a figure of peak bytes per device against FLOPs per step (or measured step time when
+    every planned row has one; force with ``x="flops"`` or ``x="step_seconds"``): fitting candidates in
+    green, the others in red, the budget as a dashed line and the Pareto front (least memory for the
+    compute) joined and labelled."""
+    if ax is None:
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(8, 5))
+        ax = figure.add_subplot()
+    else:
+        figure = ax.figure
+    planned = [r for r in rows if r.error is None]
+    if x is None:
+        x = "step_seconds" if planned and all(r.step_seconds is not None for r in planned) else "flops"
+    if x not in ("flops", "step_seconds"):
+        raise ValueError(f"x={x!r}: use 'flops' or 'step_seconds'")
+    if x == "step_seconds":
+        planned = [r for r in planned if r.step_seconds is not None]
+    xs = [r.step_seconds * 1e3 if x == "step_seconds" else r.flops_per_step / 1e12 for r in planned]
+    ys = [r.peak_bytes / _GIB for r in planned]
+    colors = ["tab:green" if r.fits else "tab:red" for r in planned]
+    ax.scatter(xs, ys, c=colors, s=36, zorder=3)
+    front = pareto_front(list(zip(xs, ys, strict=True)))
+    if front:
+        ax.plot([xs[i] for i in front], [ys[i] for i in front], color="tab:blue", lw=1.5, zorder=2,
+                label="Pareto front")  # fmt: skip
+        for i in front:
+            ax.annotate(_short(planned[i].candidate), (xs[i], ys[i]), textcoords="offset points",
+                        xytext=(5, 4), fontsize=7)  # fmt: skip
+    budgets = {r.budget_bytes for r in planned}
+    if len(budgets) == 1:
+        ax.axhline(budgets.pop() / _GIB, color="black", ls="--", lw=1, label="budget")
+    ax.set_xlabel("measured step time (ms)" if x == "step_seconds" else "matmul TFLOPs per step")
+    ax.set_ylabel("peak memory per device (GiB)")
+    ax.set_title(title or "memory against compute")
+    ax.grid(alpha=0.3)
+    if planned:
+        ax.legend(loc="best", fontsize=8)
+    return figure
+
+
+def _short(candidate: str) -> str:
+    return " ".join(part.split(".")[-1] for part in candidate.split(" "))

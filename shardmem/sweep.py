@@ -1,0 +1,348 @@
+"""Planning every combination of a grid of config overrides, side by side.
+
+    grid = parse_grid(["remat.policy=none,minimal,full", "train.global_batch=8,16"])
+    rows = sweep(load_config("configs/llama-7b.yaml"), grid, target="h100-sxm", jobs=2)
+    write_outputs(rows, "sweep-out")   # sweep.csv, sweep.json, sweep.png
+
+Each candidate is ``config.replace(*overrides)`` planned by :func:`shardmem.plan` (compiled ahead of
+time; deviceless for GPU targets), in a pool of spawned worker processes because one XLA compile uses
+about one core. A candidate whose overrides are invalid is a row with its error, not a crash. With
+``measure=True`` each candidate also runs a few real steps on the attached (or simulated CPU) devices,
+each in a fresh process so that the measured peak memory is its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import csv
+import dataclasses
+import itertools
+import json
+import multiprocessing
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardmem.config import Config
+from shardmem.errors import ConfigError, ShardmemError
+from shardmem.units import format_bytes, format_flops
+
+#: Columns of the CSV, in order.
+COLUMNS = (
+    "candidate", "error", "peak_bytes", "budget_bytes", "fits", "margin_bytes", "flops_per_step",
+    "recompute_overhead", "host_bytes", "all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
+    "other_collective_bytes", "compile_seconds", "step_seconds", "measured_peak_bytes",
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class SweepRow:
+    """One candidate: its overrides and what planning (and optionally measuring) it gave."""
+
+    overrides: tuple[str, ...]
+    error: str | None = None
+    peak_bytes: int | None = None
+    budget_bytes: int | None = None
+    fits: bool | None = None
+    margin_bytes: int | None = None
+    flops_per_step: float | None = None
+    recompute_overhead: float | None = None
+    host_bytes: int | None = None
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    compile_seconds: float | None = None
+    approximate: bool = False
+    step_seconds: float | None = None
+    measured_peak_bytes: int | None = None
+
+    @property
+    def candidate(self) -> str:
+        return " ".join(self.overrides) or "(config as is)"
+
+    def flat(self) -> dict[str, Any]:
+        """Returns the row as the CSV columns."""
+        moved = self.collectives
+        known = ("all-gather", "reduce-scatter", "all-reduce")
+        return {
+            "candidate": self.candidate, "error": self.error, "peak_bytes": self.peak_bytes,
+            "budget_bytes": self.budget_bytes, "fits": self.fits, "margin_bytes": self.margin_bytes,
+            "flops_per_step": self.flops_per_step, "recompute_overhead": self.recompute_overhead,
+            "host_bytes": self.host_bytes, "all_gather_bytes": moved.get("all-gather"),
+            "reduce_scatter_bytes": moved.get("reduce-scatter"), "all_reduce_bytes": moved.get("all-reduce"),
+            "other_collective_bytes": sum(v for k, v in moved.items() if k not in known) if moved else None,
+            "compile_seconds": self.compile_seconds, "step_seconds": self.step_seconds,
+            "measured_peak_bytes": self.measured_peak_bytes,
+        }  # fmt: skip
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """Parses ``KEY=V1,V2,...`` strings (values as YAML) into ``{key: [values]}``.
+
+    A value containing commas can be quoted or bracketed: ``remat.layers={"0-3": full},{}``.
+    """
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not text.strip():
+            raise ConfigError(f"--grid {item!r}: write KEY=V1,V2,..., e.g. --grid remat.policy=none,full")
+        if key in grid:
+            raise ConfigError(f"--grid {item!r}: {key} is given twice; list all its values in one --grid")
+        try:
+            values = yaml.safe_load(f"[{text}]")
+        except yaml.YAMLError:
+            values = None
+        if not isinstance(values, list) or not values:
+            raise ConfigError(
+                f"--grid {item!r}: cannot read {text!r} as a comma-separated list of values; quote values "
+                "that contain commas, e.g. --grid 'remat.layers={\"0-3\": full},{}'"
+            )
+        grid[key] = values
+    if not grid:
+        raise ConfigError(
+            "give at least one --grid KEY=V1,V2,..., e.g. --grid remat.policy=none,minimal,full"
+        )
+    return grid
+
+
+def _dump(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def candidates(grid: Mapping[str, Sequence[Any]]) -> list[tuple[str, ...]]:
+    """Returns every combination of the grid as a tuple of ``key=value`` overrides."""
+    keys = list(grid)
+    return [
+        tuple(f"{key}={_dump(value)}" for key, value in zip(keys, values, strict=True))
+        for values in itertools.product(*(grid[k] for k in keys))
+    ]
+
+
+def plan_candidate(config: Config, overrides: tuple[str, ...], target: str | None) -> SweepRow:
+    """Plans one candidate; a config or plan error becomes the row's ``error``."""
+    from shardmem.memory import plan
+
+    try:
+        report = plan(config.replace(*overrides), target, top=3)
+    except ShardmemError as e:
+        return SweepRow(overrides, error=str(e))
+    return SweepRow(
+        overrides, peak_bytes=report.per_device["peak"], budget_bytes=report.budget_bytes, fits=report.fits,
+        margin_bytes=report.margin_bytes, flops_per_step=report.flops_per_step,
+        recompute_overhead=report.recompute_overhead if report.recompute_overhead is not None else 0.0,
+        host_bytes=report.per_device["host"], collectives=dict(report.collectives),
+        compile_seconds=round(report.compile_seconds, 3), approximate=report.approximate,
+    )  # fmt: skip
+
+
+def measure_candidate(config: Config, target: str | None, steps: int = 5) -> tuple[float, int | None]:
+    """Runs ``steps`` real training steps (after one to compile) on synthetic data; returns the median
+    step time in seconds and the device's peak bytes in use (None where the backend does not say)."""
+    import jax
+
+    from shardmem import data
+    from shardmem.memory import make_target
+    from shardmem.mesh import build_mesh
+    from shardmem.step import build_program
+
+    resolved = make_target(config, target)
+    if resolved.deviceless:
+        raise ConfigError(
+            f"--measure runs real steps, but target {resolved.name!r} is compiled deviceless; "
+            "use --target local (the attached devices) or --target cpu"
+        )
+    program = build_program(config, build_mesh(config.mesh.axes, resolved.devices))
+    source = data.make_source(None, vocab_size=config.model.vocab_size, seq_len=config.model.seq_len,
+                              seed=config.train.seed)  # fmt: skip
+    batches = [data.global_batch(source, i, config.train.global_batch, program.batch_sharding)
+               for i in range(steps + 1)]  # fmt: skip
+    state = program.init()
+    state, metrics = program.step(state, batches[0])
+    jax.block_until_ready(metrics)
+    times = []
+    for batch in batches[1:]:
+        start = time.perf_counter()
+        state, metrics = program.step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in resolved.devices]
+    peaks = [p for p in peaks if p is not None]
+    return statistics.median(times), (max(peaks) if peaks else None)
+
+
+def _worker_init(cpu_devices: int) -> None:
+    # Planning allocates nothing; several workers (and the measuring one) may share one GPU.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import shardmem  # noqa: F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
+    from shardmem.targets import ensure_cpu_devices
+
+    ensure_cpu_devices(cpu_devices)
+
+
+def _plan_and_measure(config: Config, overrides: tuple[str, ...], target: str | None, steps: int) -> SweepRow:
+    row = plan_candidate(config, overrides, target)
+    if row.error is None:
+        try:
+            row.step_seconds, row.measured_peak_bytes = measure_candidate(
+                config.replace(*overrides), target, steps
+            )
+        except ShardmemError as e:
+            row.error = f"measuring: {e}"
+    return row
+
+
+def _cpu_devices(config: Config, rows: Sequence[tuple[str, ...]]) -> int:
+    counts = [config.mesh.device_count()]
+    for overrides in rows:
+        try:
+            counts.append(config.replace(*overrides).mesh.device_count())
+        except ConfigError:
+            pass
+    return max(counts)
+
+
+def sweep(
+    config: Config,
+    grid: Mapping[str, Sequence[Any]],
+    target: str | None = None,
+    *,
+    jobs: int | None = None,
+    measure: bool = False,
+    measure_steps: int = 5,
+    progress: Callable[[int, int, SweepRow], None] | None = None,
+) -> list[SweepRow]:
+    """Plans every combination of ``grid`` (``{key: [values]}``) applied to ``config``; returns one row
+    per candidate in grid order. ``jobs`` worker processes (default: CPUs, at most one per candidate;
+    1 plans in this process). ``measure`` also runs real steps (target ``local`` or ``cpu``)."""
+    combos = candidates(grid)
+    cpu_count = os.cpu_count() or 1
+    jobs = min(jobs or cpu_count, len(combos))
+    if jobs < 1:
+        raise ConfigError(f"--jobs {jobs}: use a positive number of worker processes")
+    if measure:
+        from shardmem.targets import GPU_TARGETS
+
+        name = target or config.memory.target
+        if name in GPU_TARGETS:
+            raise ConfigError(
+                f"--measure runs real steps, but target {name!r} is compiled deviceless; use --target "
+                "local (the attached devices) or --target cpu"
+            )
+    done = 0
+    rows: list[SweepRow | None] = [None] * len(combos)
+
+    def finished(index: int, row: SweepRow) -> None:
+        nonlocal done
+        rows[index], done = row, done + 1
+        if progress:
+            progress(done, len(combos), row)
+
+    cpu_devices = _cpu_devices(config, combos)
+    context = multiprocessing.get_context("spawn")
+    if measure:
+        # One fresh process per candidate, one at a time: timings are not shared with other work, and
+        # the device's peak-bytes counter (which cannot be reset) is the candidate's own.
+        for i, overrides in enumerate(combos):
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_worker_init,
+                                                        initargs=(cpu_devices,)) as pool:  # fmt: skip
+                finished(i, pool.submit(_plan_and_measure, config, overrides, target, measure_steps).result())
+    elif jobs == 1:
+        _worker_init(cpu_devices)
+        for i, overrides in enumerate(combos):
+            finished(i, plan_candidate(config, overrides, target))
+    else:
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init,
+                                                    initargs=(cpu_devices,)) as pool:  # fmt: skip
+            futures = {pool.submit(plan_candidate, config, o, target): i for i, o in enumerate(combos)}
+            for future in concurrent.futures.as_completed(futures):
+                finished(futures[future], future.result())
+    return rows  # type: ignore[return-value]
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Returns the indices of the points no other point beats on both coordinates (lower is better),
+    sorted by the first coordinate."""
+    order = sorted(range(len(points)), key=lambda i: points[i])
+    front, best_y = [], float("inf")
+    for i in order:
+        if points[i][1] < best_y:
+            front.append(i)
+            best_y = points[i][1]
+    return front
+
+
+def write_outputs(rows: Sequence[SweepRow], out_dir: str | Path, *, title: str = "") -> dict[str, Path]:
+    """Writes ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``out_dir``; returns their paths."""
+    from shardmem.plot import plot_sweep
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r}: cannot create the directory: {e.strerror}") from None
+    paths = {"csv": out / "sweep.csv", "json": out / "sweep.json", "png": out / "sweep.png"}
+    with paths["csv"].open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row.flat())
+    paths["json"].write_text(json.dumps([{**dataclasses.asdict(r), "candidate": r.candidate} for r in rows],
+                                        indent=2))  # fmt: skip
+    figure = plot_sweep(rows, title=title)
+    figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
+    return paths
+
+
+def short_label(overrides: Sequence[str]) -> str:
+    """Returns "policy=full global_batch=8" for ("remat.policy=full", "train.global_batch=8")."""
+    return " ".join(item.split("=", 1)[0].split(".")[-1] + "=" + item.split("=", 1)[1] for item in overrides)
+
+
+def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
+    """Returns the rows as a rich renderable: one table row per candidate, then the errors."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    measured = any(r.step_seconds is not None for r in rows)
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("candidate", no_wrap=True)
+    columns = ["peak", "margin", "FLOPs", "recompute", "host", "all-gather", "reduce-sc.", "all-reduce"]
+    if measured:
+        columns += ["step time", "measured peak"]
+    for column in columns:
+        table.add_column(column, justify="right", no_wrap=True)
+    errors = []
+    for r in rows:
+        label = short_label(r.overrides) or r.candidate
+        if r.error:
+            table.add_row(label, Text("error", style="red"))
+            errors.append(Text(f"{label}: {r.error}", style="red"))
+            continue
+        moved = r.collectives
+        cells = [
+            label, format_bytes(r.peak_bytes),
+            Text(("+" if r.fits else "") + format_bytes(r.margin_bytes), style="green" if r.fits else "red"),
+            format_flops(r.flops_per_step), f"+{r.recompute_overhead:.1%}",
+            format_bytes(r.host_bytes),
+            *(format_bytes(moved.get(k, 0)) for k in ("all-gather", "reduce-scatter", "all-reduce")),
+        ]  # fmt: skip
+        if measured:
+            cells.append("-" if r.step_seconds is None else f"{r.step_seconds * 1e3:.1f} ms")
+            cells.append("-" if r.measured_peak_bytes is None else format_bytes(r.measured_peak_bytes))
+        table.add_row(*cells)
+    table.caption = (
+        "per device and step; margin: budget - peak (negative: does not fit); recompute: "
+        "extra matmul FLOPs over no remat"
+    )
+    parts: list = [table]
+    if any(r.approximate for r in rows):
+        parts.append(Text("approximate: compiled for CPU, not a GPU prediction", style="yellow"))
+    budgets = sorted({r.budget_bytes for r in rows if r.budget_bytes is not None})
+    if budgets:
+        parts.append(Text("budget per device: " + ", ".join(format_bytes(b) for b in budgets)))
+    return Group(*parts, *errors)

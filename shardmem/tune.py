@@ -1,0 +1,481 @@
+"""Tuning a config to its memory budget with few compiles: the cheapest per-layer remat plan that fits,
+the largest global batch that fits, or the fewest micro-batches that fit.
+
+    result = tune(load_config("configs/llama-7b.yaml"), target="h100-sxm")
+    result.config.remat_plan().describe()   # e.g. "0-25: minimal, 26-31: dots"
+    result.compiles, result.chosen.recompute_overhead
+    Path("tuned.yaml").write_text(result.config.to_yaml())
+
+The search orders candidates by an estimate that costs no compile, confirms with compiles, and prunes by
+monotonicity. For remat: recomputed FLOPs are exact from the traced step (they add up layer by layer);
+the activation bytes a policy keeps come from the residuals of ``jax.vjp`` on abstract shapes, scaled
+to per-device bytes by the compiles already made; a policy that saves a subset of what another saves
+never needs more memory, so when one does not fit, none that saves more is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from shardmem import hlo
+from shardmem.config import Config
+from shardmem.errors import ConfigError, one_of
+from shardmem.memory import MemoryReport, make_target, plan
+from shardmem.mesh import build_mesh
+from shardmem.remat import PRESETS
+from shardmem.rules import Rules, spec_axes
+from shardmem.step import build_program, default_model_factory, next_token_loss
+from shardmem.units import format_bytes
+
+SEARCHES = ("remat", "batch", "micro_batches")
+
+#: Policy -> policies that keep a superset of what it keeps on the device (so need no less memory).
+_SAVES_MORE = {
+    "full": {"save_out_proj", "save_qkv", "minimal", "offload", "dots", "dots_no_batch", "none"},
+    "offload": {"minimal", "dots", "none"},
+    "save_out_proj": {"minimal", "dots", "none"},
+    "save_qkv": {"minimal", "dots", "none"},
+    "minimal": {"dots", "none"},
+    "dots_no_batch": {"dots", "none"},
+    "dots": {"none"},
+    "none": set(),
+}
+
+#: Among policies that cost the same, the more familiar first.
+_PREFERENCE = ("none", "dots", "minimal", "dots_no_batch", "offload", "save_qkv", "save_out_proj", "full")
+
+#: An estimate this far over the budget is rejected without a compile (estimates run low, not high).
+_ESTIMATE_REJECT = 1.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One candidate the search looked at: compiled, estimated, or pruned by monotonicity."""
+
+    candidate: str
+    overrides: tuple[str, ...]
+    peak_bytes: int | None
+    host_bytes: int | None
+    recompute_overhead: float | None
+    fits: bool
+    how: str  # "compiled", "estimated", "pruned" or "skipped"
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    """The tuned config, the compiled report of the choice, and every trial with its verdict."""
+
+    search: str
+    config: Config | None
+    report: MemoryReport | None
+    chosen: Trial | None
+    trials: list[Trial]
+    compiles: int
+    budget_bytes: int
+    target_label: str
+    explanation: list[str]
+
+    @property
+    def found(self) -> bool:
+        return self.config is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "search": self.search,
+            "found": self.found,
+            "chosen": dataclasses.asdict(self.chosen) if self.chosen else None,
+            "overrides": list(self.chosen.overrides) if self.chosen else [],
+            "budget_bytes": self.budget_bytes,
+            "target": self.target_label,
+            "compiles": self.compiles,
+            "trials": [dataclasses.asdict(t) for t in self.trials],
+            "explanation": self.explanation,
+            "report": self.report.to_json() if self.report else None,
+        }
+
+
+class _Planner:
+    """Compiles candidates (each at most once), counts compiles and keeps every trial."""
+
+    def __init__(self, config: Config, target: str | None, max_compiles: int, progress: Callable | None):
+        self.base, self.target, self.max_compiles = config, target, max_compiles
+        self.progress = progress or (lambda message: None)
+        self.compiles = 0
+        self.reports: dict[tuple[str, ...], MemoryReport] = {}
+        self.trials: list[Trial] = []
+
+    @property
+    def exhausted(self) -> bool:
+        return self.compiles >= self.max_compiles
+
+    def compile(self, candidate: str, overrides: tuple[str, ...]) -> MemoryReport:
+        if overrides not in self.reports:
+            self.progress(f"compiling {candidate}")
+            self.reports[overrides] = plan(self.base.replace(*overrides), self.target, top=5)
+            self.compiles += 1
+            report = self.reports[overrides]
+            verdict = "fits" if report.fits else "does not fit"
+            self.note(candidate, overrides, report.per_device["peak"], report.per_device["host"],
+                      report.recompute_overhead or 0.0, report.fits, "compiled",
+                      f"{verdict}: {_margin(report.margin_bytes)}")  # fmt: skip
+        return self.reports[overrides]
+
+    def note(self, *args, **kwargs) -> None:
+        self.trials.append(Trial(*args, **kwargs))
+
+
+def _margin(margin: int) -> str:
+    return f"{format_bytes(abs(margin))} {'to spare' if margin >= 0 else 'over budget'}"
+
+
+def tune(
+    config: Config,
+    target: str | None = None,
+    *,
+    search: str = "remat",
+    allow_offload: bool | None = None,
+    max_compiles: int = 12,
+    progress: Callable[[str], None] | None = None,
+) -> TuneResult:
+    """Searches for the best config that fits the budget of ``target`` (default ``memory.target``).
+
+    ``search``: ``"remat"`` finds the per-layer remat plan with the fewest recomputed FLOPs (then the
+    fewest host-offloaded bytes); ``"batch"`` the largest ``train.global_batch``; ``"micro_batches"`` the
+    fewest ``train.micro_batches`` for the configured global batch. ``allow_offload`` defaults to
+    whether the target is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
+    """
+    if search not in SEARCHES:
+        raise ConfigError(f"--search {search!r}: use {one_of(SEARCHES)}")
+    if max_compiles < 2:
+        raise ConfigError(f"--max-compiles {max_compiles}: the search needs at least 2")
+    resolved = make_target(config, target)
+    if allow_offload is None:
+        allow_offload = resolved.platform != "cpu"
+    planner = _Planner(config, target, max_compiles, progress)
+    if search == "remat":
+        return _tune_remat(planner, resolved, allow_offload)
+    if search == "batch":
+        return _tune_batch(planner, resolved)
+    return _tune_micro_batches(planner, resolved)
+
+
+# --- remat ---------------------------------------------------------------------------------------
+
+
+def residual_bytes(config: Config) -> int:
+    """Returns the global bytes the backward pass keeps for one micro-batch (the residuals of
+    ``jax.vjp`` of the loss, traced on abstract shapes; host-offloaded ones included)."""
+    factory = default_model_factory(config)
+    with nnx.use_eager_sharding(False):
+        abstract_model = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract_model)
+    params = nnx.to_pure_dict(state)
+    train = config.train
+    batch = jax.ShapeDtypeStruct(
+        (train.global_batch // train.micro_batches, config.model.seq_len + 1), "int32"
+    )
+
+    def vjp_residuals(params, batch):
+        return jax.vjp(lambda p: next_token_loss(nnx.merge(graphdef, p), batch), params)[1]
+
+    leaves = jax.tree.leaves(jax.eval_shape(vjp_residuals, params, batch))
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
+
+
+def _uniform(policy: str) -> tuple[str, ...]:
+    return (f"remat.policy={policy}", "remat.layers={}")
+
+
+def _mix(base: str, top: str, m: int, n: int) -> tuple[str, ...]:
+    """``base`` for the first ``n - m`` layers, ``top`` for the last ``m``."""
+    if m <= 0:
+        return _uniform(base)
+    if m >= n:
+        return _uniform(top)
+    span = f"{n - m}-{n - 1}" if m > 1 else f"{n - 1}"
+    return (f"remat.policy={base}", f'remat.layers={{"{span}": {top}}}')
+
+
+def _mix_name(base: str, top: str, m: int, n: int) -> str:
+    if m <= 0:
+        return base
+    if m >= n:
+        return top
+    last = f"{n - m}-{n - 1}" if m > 1 else f"{n - 1}"
+    first = f"0-{n - m - 1}" if n - m > 1 else "0"
+    return f"{first}: {base}, {last}: {top}"
+
+
+def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
+    config = planner.base
+    n = config.model.n_layers
+    mesh = build_mesh(config.mesh.axes, target.devices)
+    policies = [p for p in PRESETS if allow_offload or p != "offload"]
+
+    # Exact recomputed FLOPs per uniform policy (traced, not compiled) and estimated residual bytes.
+    flops, device_residual, host_residual = {}, {}, {}
+    for policy in policies:
+        program = build_program(config.replace(*_uniform(policy)), mesh)
+        flops[policy] = hlo.matmul_flops(
+            program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
+        )
+        device_residual[policy] = residual_bytes(config.replace(*_uniform(policy)))
+    device_residual["offload"] = device_residual["full"]  # offloaded residuals live on the host
+    if allow_offload:
+        host_residual["offload"] = (
+            residual_bytes(config.replace(*_uniform("offload"))) - device_residual["full"]
+        )
+    overhead = {p: flops[p] / flops["none"] - 1.0 for p in policies}
+    host_est = {p: host_residual.get(p, 0) / len(target.devices) for p in policies}
+
+    full = planner.compile("full", _uniform("full"))
+    budget = full.budget_bytes
+    if not full.fits:
+        return _no_fit(planner, target, budget, "remat", [
+            f"even 'full' remat (keep only each layer's input) needs {format_bytes(full.per_device['peak'])} "
+            f"per device against a budget of {format_bytes(budget)}; no remat plan fits",
+            "reduce the activations per device: raise train.micro_batches (try shardmem tune --search "
+            "micro_batches), lower train.global_batch, or shard over more devices",
+        ])  # fmt: skip
+
+    compiled_peak = {"full": full.per_device["peak"]}
+
+    def scale() -> float:
+        """Per-device bytes of peak per global residual byte, fitted to the compiled policies."""
+        points = [(device_residual[p] - device_residual["full"], compiled_peak[p] - compiled_peak["full"])
+                  for p in compiled_peak if device_residual[p] != device_residual["full"]]  # fmt: skip
+        if not points:
+            return 1.0 / len(target.devices)
+        return max(sum(x * y for x, y in points) / sum(x * x for x, _ in points), 0.0)
+
+    def peak_of(policy: str) -> tuple[int, bool]:
+        if policy in compiled_peak:
+            return compiled_peak[policy], True
+        estimate = compiled_peak["full"] + scale() * (device_residual[policy] - device_residual["full"])
+        return int(estimate), False
+
+    # Uniform plans, cheapest in recomputation first; the first that fits is the base of the plan.
+    order = sorted(policies, key=lambda p: (round(overhead[p], 6), host_est[p], device_residual[p],
+                                            _PREFERENCE.index(p)))  # fmt: skip
+    rejected: set[str] = set()
+    best = "full"
+    for policy in order:
+        if policy == "full":
+            break
+        pruned_by = next((q for q in rejected if policy in _SAVES_MORE[q]), None)
+        if pruned_by:
+            planner.note(policy, _uniform(policy), None, None, overhead[policy], False, "pruned",
+                         f"keeps more than '{pruned_by}', which does not fit")  # fmt: skip
+            rejected.add(policy)
+            continue
+        estimate, _ = peak_of(policy)
+        if planner.compiles >= planner.max_compiles - 1:
+            planner.note(policy, _uniform(policy), estimate, int(host_est[policy]), overhead[policy], False,
+                         "skipped", "compile budget spent")  # fmt: skip
+            continue
+        if estimate > budget * _ESTIMATE_REJECT:
+            planner.note(policy, _uniform(policy), estimate, int(host_est[policy]), overhead[policy], False,
+                         "estimated", f"estimated {format_bytes(estimate)} against a budget of "
+                         f"{format_bytes(budget)}")  # fmt: skip
+            rejected.add(policy)
+            continue
+        report = planner.compile(policy, _uniform(policy))
+        compiled_peak[policy] = report.per_device["peak"]
+        if report.fits:
+            best = policy
+            break
+        rejected.add(policy)
+
+    # Then move the last layers to a policy that recomputes less (or offloads less), as many as fit.
+    base_peak = compiled_peak[best]
+    options = []
+    for top in rejected:
+        gain = (overhead[best] - overhead[top], host_est[best] - host_est[top])
+        extra_per_layer = (peak_of(top)[0] - base_peak) / n
+        if gain <= (0, 0) or gain[0] < 0 or extra_per_layer <= 0:
+            continue
+        m = min(n - 1, int((budget - base_peak) // extra_per_layer))
+        if m > 0:
+            options.append(((m * gain[0], m * gain[1]), top, m))
+    chosen_name, chosen_overrides = best, _uniform(best)
+    if options:
+        _, top, guess = max(options)
+        lo, hi = 0, n  # Invariant: m=lo fits (or is the uniform base), m=hi does not (or is untested).
+        peaks = {0: base_peak, n: peak_of(top)[0]}  # The top end may be an estimate; only a guide.
+        m = guess
+        while hi - lo > 1 and not planner.exhausted:
+            report = planner.compile(_mix_name(best, top, m, n), _mix(best, top, m, n))
+            peaks[m] = report.per_device["peak"]
+            if report.fits:
+                lo = m
+            else:
+                hi = m
+            if hi - lo <= 1:
+                break
+            if peaks[hi] > peaks[lo]:  # Interpolate between the nearest points on either side.
+                m = lo + int((budget - peaks[lo]) / (peaks[hi] - peaks[lo]) * (hi - lo))
+            else:
+                m = (lo + hi) // 2
+            m = min(max(m, lo + 1), hi - 1)
+        if lo > 0:
+            chosen_name, chosen_overrides = _mix_name(best, top, lo, n), _mix(best, top, lo, n)
+
+    report = planner.compile(chosen_name, chosen_overrides)  # Already compiled: no extra compile.
+    tuned = config.replace(*chosen_overrides)
+    chosen = next(t for t in planner.trials if t.overrides == chosen_overrides and t.how == "compiled")
+    explanation = [
+        f"budget {format_bytes(budget)} per device on {target.label}",
+        f"chose {chosen_name}: peak {format_bytes(report.per_device['peak'])}, "
+        f"{_margin(report.margin_bytes)}; recomputation +{(report.recompute_overhead or 0):.1%} over no "
+        f"remat (uniform full: +{overhead['full']:.1%}); "
+        f"host offload {format_bytes(report.per_device['host'])}",
+    ]
+    cheaper = [t for t in planner.trials if not t.fits and t.recompute_overhead is not None
+               and t.recompute_overhead < (report.recompute_overhead or 0) - 1e-9]  # fmt: skip
+    if cheaper:
+        explanation.append("rejected as over budget although they recompute less: " + ", ".join(
+            f"{t.candidate} (+{t.recompute_overhead:.1%}, {t.how})" for t in cheaper))  # fmt: skip
+    explanation.append(f"{planner.compiles} compiles")
+    return TuneResult("remat", tuned, report, chosen, planner.trials, planner.compiles, budget,
+                      target.label, explanation)  # fmt: skip
+
+
+# --- batch ---------------------------------------------------------------------------------------
+
+
+def _batch_shards(config: Config, target) -> int:
+    mesh = build_mesh(config.mesh.axes, target.devices)
+    rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
+    return math.prod(mesh.shape[a] for a in spec_axes(rules.spec(("batch",))[0]))
+
+
+def _no_fit(planner: _Planner, target, budget: int, search: str, explanation: list[str]) -> TuneResult:
+    explanation = [*explanation, f"{planner.compiles} compiles"]
+    return TuneResult(search, None, None, None, planner.trials, planner.compiles, budget, target.label,
+                      explanation)  # fmt: skip
+
+
+def _finish(planner: _Planner, target, search: str, overrides: tuple[str, ...], what: str) -> TuneResult:
+    report = planner.reports[overrides]
+    chosen = next(t for t in planner.trials if t.overrides == overrides)
+    explanation = [
+        f"budget {format_bytes(report.budget_bytes)} per device on {target.label}",
+        f"chose {what}: peak {format_bytes(report.per_device['peak'])}, {_margin(report.margin_bytes)}",
+    ]
+    over = [t for t in planner.trials if not t.fits]
+    if over:
+        explanation.append("over budget: " + ", ".join(t.candidate for t in over))
+    explanation.append(f"{planner.compiles} compiles")
+    return TuneResult(search, planner.base.replace(*overrides), report, chosen, planner.trials,
+                      planner.compiles, report.budget_bytes, target.label, explanation)  # fmt: skip
+
+
+def _tune_batch(planner: _Planner, target) -> TuneResult:
+    """Largest global batch (a multiple of batch shards x micro-batches) that fits, micro-batches fixed.
+
+    Peak memory grows about linearly with the batch: each guess interpolates the compiled points nearest
+    the budget, and the known fit / no-fit bounds close in on the answer."""
+    config = planner.base
+    quantum = _batch_shards(config, target) * config.train.micro_batches
+    peaks: dict[int, int] = {}
+    lo, hi = 0, None  # Largest number of quanta known to fit; smallest known not to.
+    budget = 0
+
+    def probe(units: int) -> None:
+        nonlocal lo, hi, budget
+        batch = units * quantum
+        report = planner.compile(f"global_batch={batch}", (f"train.global_batch={batch}",))
+        peaks[units], budget = report.per_device["peak"], report.budget_bytes
+        if report.fits:
+            lo = max(lo, units)
+        else:
+            hi = units if hi is None else min(hi, units)
+
+    probe(max(1, config.train.global_batch // quantum))
+    while not planner.exhausted and (hi is None or hi - lo > 1):
+        if len(peaks) >= 2:
+            a, b = (lo, hi) if lo in peaks and hi in peaks else sorted(peaks)[-2:]
+            slope = (peaks[b] - peaks[a]) / (b - a)
+            guess = int(a + (budget - peaks[a]) / slope) if slope > 0 else 2 * b
+        else:
+            guess = 2 * lo if lo else hi // 2
+        guess = max(guess, lo + 1)
+        guess = min(guess, hi - 1) if hi is not None else min(guess, max(8 * lo, 1))
+        if guess < 1:
+            break
+        probe(guess)
+    if lo == 0:
+        smallest = min(peaks)
+        return _no_fit(planner, target, budget, "batch", [
+            f"the global batch of {smallest * quantum} needs {format_bytes(peaks[smallest])} per device "
+            f"against a budget of {format_bytes(budget)}",
+            "raise train.micro_batches, use a remat policy that keeps less (shardmem tune), or shard more",
+        ])  # fmt: skip
+    batch = lo * quantum
+    return _finish(planner, target, "batch", (f"train.global_batch={batch}",), f"train.global_batch={batch}")
+
+
+def _tune_micro_batches(planner: _Planner, target) -> TuneResult:
+    """Fewest micro-batches (gradient accumulation steps) that fit the configured global batch."""
+    config = planner.base
+    batch, shards = config.train.global_batch, _batch_shards(config, target)
+    counts = [k for k in range(1, batch + 1) if batch % k == 0 and (batch // k) % shards == 0]
+    if not counts:
+        raise ConfigError(
+            f"train.global_batch={batch} cannot be split into micro-batches that divide over the {shards} "
+            f"batch shards; use a multiple of {shards}"
+        )
+
+    def key(k: int) -> tuple[str, ...]:
+        return (f"train.micro_batches={k}",)
+
+    lo, hi = -1, len(counts) - 1  # counts[hi] fits (once checked); counts[lo] does not.
+    last = planner.compile(f"micro_batches={counts[hi]}", key(counts[hi]))
+    if not last.fits:
+        return _no_fit(planner, target, last.budget_bytes, "micro_batches", [
+            f"even {counts[hi]} micro-batches of {batch // counts[hi]} need "
+            f"{format_bytes(last.per_device['peak'])} against a budget of {format_bytes(last.budget_bytes)}",
+            "use a remat policy that keeps less (shardmem tune --search remat), or shard more",
+        ])  # fmt: skip
+    while hi - lo > 1 and not planner.exhausted:
+        mid = (lo + hi) // 2
+        if planner.compile(f"micro_batches={counts[mid]}", key(counts[mid])).fits:
+            hi = mid
+        else:
+            lo = mid
+    return _finish(planner, target, "micro_batches", key(counts[hi]), f"train.micro_batches={counts[hi]}")
+
+
+def render_tune(result: TuneResult):
+    """Returns the trials and the explanation as a rich renderable."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"shardmem tune --search {result.search}", title_justify="left", show_edge=False)
+    for column in ("candidate", "peak / device", "host", "recompute", "verdict", "how", "why"):
+        table.add_column(
+            column, justify="right" if column in ("peak / device", "host", "recompute") else "left"
+        )
+    for t in result.trials:
+        peak = (
+            "-"
+            if t.peak_bytes is None
+            else ("~" if t.how == "estimated" else "") + format_bytes(t.peak_bytes)
+        )
+        table.add_row(
+            t.candidate, peak, "-" if t.host_bytes is None else format_bytes(t.host_bytes),
+            "-" if t.recompute_overhead is None else f"+{t.recompute_overhead:.1%}",
+            Text("fits", style="green") if t.fits else Text("over", style="red"), t.how, t.reason,
+        )  # fmt: skip
+    style = "bold green" if result.found else "bold red"
+    lines = [Text(result.explanation[0]), table]
+    lines += [Text(line, style=style if i == 0 else None) for i, line in enumerate(result.explanation[1:])]
+    return Group(*lines)
