@@ -1,0 +1,371 @@
+"""The training loop: gate on the memory plan, then train, log, checkpoint and resume.
+
+    result = train(load_config("configs/tiny.yaml"), "runs/tiny")
+    result.status, result.final_step, result.history[-1]["loss"]
+
+Before anything the size of the model is allocated, the step is planned for the attached devices
+(:func:`shardmem.plan` with target ``local``); a step that does not fit raises
+:class:`DoesNotFitError` unless ``force=True``. A run directory that holds checkpoints resumes from
+the newest one, onto whatever mesh the current devices give, and the batch of step ``k`` depends only
+on ``(train.seed, k)``, so a resumed run computes what an uninterrupted one would have.
+
+The run directory holds ``config.yaml`` (the resolved config), ``plan.json`` (the memory report),
+``metrics.jsonl`` (one record per logged step), ``checkpoints/<step>/`` (Orbax, sharded) and
+``tensorboard/`` when ``train.tensorboard`` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pickle
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+from rich.console import Console
+
+from shardmem.checkpoint import Checkpointer
+from shardmem.config import Config
+from shardmem.data import global_batch, make_source
+from shardmem.errors import PlanError, ShardmemError
+from shardmem.memory import MemoryReport, plan
+from shardmem.mesh import build_mesh
+from shardmem.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
+from shardmem.step import LossFn, ModelFactory, build_program, next_token_loss
+from shardmem.targets import peak_flops_for
+from shardmem.units import format_bytes
+
+__all__ = ["DivergedError", "DoesNotFitError", "TrainResult", "start_runtime", "train"]
+
+
+class DoesNotFitError(PlanError):
+    """The step needs more device memory than the budget; ``report`` says what it is made of."""
+
+    def __init__(self, message: str, report: MemoryReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class DivergedError(ShardmemError):
+    """The loss or gradient norm became NaN or infinite; nothing from that step on was saved."""
+
+    def __init__(self, message: str, step: int, last_checkpoint: int | None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.last_checkpoint = last_checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """How a call to :func:`train` ended.
+
+    ``status`` is "finished", "preempted" (SIGTERM) or "interrupted" (SIGINT); in every case the
+    state at ``final_step`` is saved. ``history`` holds the logged metrics records of this call.
+    """
+
+    run_dir: Path
+    status: str
+    start_step: int
+    final_step: int
+    history: list[dict[str, Any]]
+    report: MemoryReport
+    state: dict | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.history[-1]["loss"] if self.history else None
+
+
+def train(
+    config: Config,
+    run_dir: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    console: Console | None = None,
+    model_factory: ModelFactory | None = None,
+    loss_fn: LossFn = next_token_loss,
+) -> TrainResult:
+    """Trains ``config`` for ``train.steps`` steps in ``run_dir``, resuming from its newest checkpoint.
+
+    Raises :class:`DoesNotFitError` when the planned step exceeds the memory budget (unless
+    ``force``), :class:`DivergedError` on a non-finite loss and :class:`~shardmem.ConfigError` for a
+    bad config or data file, the latter before any work. On multi-process runs call
+    :func:`shardmem.distributed.initialize` first; every process calls ``train`` with the same
+    arguments and ``run_dir`` must be on a file system they share.
+    """
+    run_dir = Path(run_dir)
+    lead = jax.process_index() == 0
+    console = console or Console()
+    if not lead:
+        console = Console(quiet=True)
+    train_config = config.train
+    source = make_source(config.data.path, vocab_size=config.model.vocab_size,
+                         seq_len=config.model.seq_len, seed=train_config.seed)  # fmt: skip
+    if train_config.tensorboard:
+        tensorboard_writer_class()  # Fails now, not after the first checkpoint.
+
+    report = _plan_once(config, model_factory, loss_fn)
+    peak, limit = report.per_device["peak"], report.budget_bytes
+    if not report.fits:
+        message = (
+            f"the step needs {format_bytes(peak)} per device but the budget is {format_bytes(limit)} "
+            f"({report.target_label}; memory.usable_fraction={config.memory.usable_fraction}, "
+            f"memory.reserve={format_bytes(config.memory.reserve)}); make it fit (remat.policy=full, "
+            "a larger mesh.axes.fsdp, more train.micro_batches) or pass --force to run anyway"
+        )
+        if not force:
+            raise DoesNotFitError(message, report)
+        console.print(f"[yellow]warning:[/yellow] {message.split('; make')[0]}; running anyway (--force)")
+
+    mesh = build_mesh(config.mesh.axes, jax.devices())
+    program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if lead:
+        _write_config(run_dir / "config.yaml", config, console)
+        (run_dir / "plan.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+
+    checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
+                                keep=train_config.keep_checkpoints)  # fmt: skip
+    try:
+        start = checkpointer.latest_step()
+        if start is None:
+            start, state = 0, program.init()
+        else:
+            state = checkpointer.restore(program.abstract_state, start)
+        mesh_text = " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+        begin = f"resuming from step {start}" if start else "new run"
+        console.print(
+            f"[bold]shardmem train[/bold] {config.name}: {begin} in {run_dir}, mesh {mesh_text} over "
+            f"{mesh.size} devices in {jax.process_count()} "
+            f"process{'es' * (jax.process_count() > 1)}; plan peak {format_bytes(peak)} per device "
+            f"of {format_bytes(limit)}"
+        )
+        if start >= train_config.steps:
+            console.print(f"already trained to step {start} (train.steps={train_config.steps}); "
+                          "raise train.steps to continue")  # fmt: skip
+            return TrainResult(run_dir, "finished", start, start, [], report, state)
+        loop = _Loop(config, program, source, checkpointer, report, start, lead)
+        tensorboard_dir = run_dir / "tensorboard" if train_config.tensorboard else None
+        with (
+            MetricsLog(run_dir / "metrics.jsonl", tensorboard_dir=tensorboard_dir, start_step=start)
+            if lead else _NoLog() as log,
+            TrainProgress(console, total=train_config.steps, start=start) as progress,
+            _StopSignals() as signals,
+        ):  # fmt: skip
+            status, state = loop.run(state, log, progress, signals)
+        checkpointer.wait()
+        final = loop.step
+        how = {"finished": "finished", "preempted": "stopped by SIGTERM", "interrupted": "interrupted"}
+        console.print(
+            f"{how[status]} at step {final}; checkpoint saved in {run_dir / 'checkpoints'}"
+            + ("" if status == "finished" else "; run the same command again to resume")
+        )
+        return TrainResult(run_dir, status, start, final, loop.history, report, state)
+    finally:
+        checkpointer.close()
+
+
+class _Loop:
+    """One run of steps: dispatches step k+1 before reading step k's metrics, so the host never
+    waits on the device except to log or to save (a state is saved only after every step before it
+    is known to be finite)."""
+
+    def __init__(self, config: Config, program, source, checkpointer, report, start: int, lead: bool):
+        self.config, self.program, self.source = config, program, source
+        self.checkpointer, self.report, self.lead = checkpointer, report, lead
+        self.step = start
+        self.history: list[dict[str, Any]] = []
+        self.tokens_per_step = config.train.global_batch * config.model.seq_len
+        device = jax.local_devices()[0]
+        self.device = device
+        peak = peak_flops_for(device.device_kind)
+        self.peak_flops = peak * program.mesh.size if peak else None
+        self._window: list[float] = []
+        self._last_done = 0.0
+        self._compiled = False
+
+    def run(self, state, log, progress, signals) -> tuple[str, dict]:
+        train = self.config.train
+        pending = None
+        status = "finished"
+        self._last_done = time.perf_counter()
+        while self.step < train.steps:
+            if _any_process(signals.received is not None):
+                status = "interrupted" if signals.received == signal.SIGINT else "preempted"
+                break
+            batch = global_batch(self.source, self.step, train.global_batch, self.program.batch_sharding)
+            state, metrics = self.program.step(state, batch)
+            self.step += 1
+            if pending is not None:
+                self._complete(*pending, log, progress)
+            pending = (self.step, metrics)
+            if self.step % train.checkpoint_every == 0:
+                self._complete(*pending, log, progress)
+                pending = None
+                self.checkpointer.save(self.step, state)
+        if pending is not None:
+            self._complete(*pending, log, progress)
+        self.checkpointer.save(self.step, state, force=True)
+        return status, state
+
+    def _complete(self, step: int, metrics, log, progress) -> None:
+        """Waits for ``step``'s metrics, stops on a non-finite value, updates the bar and the log."""
+        values = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        elapsed, self._last_done = now - self._last_done, now
+        first, self._compiled = not self._compiled, True
+        if not all(math.isfinite(v) for v in values.values()):
+            self.checkpointer.wait()
+            saved = self.checkpointer.latest_step()
+            shown = ", ".join(f"{name} {value}" for name, value in values.items())
+            kept = "no checkpoint was saved" if saved is None else f"the last good checkpoint is step {saved}"
+            raise DivergedError(
+                f"non-finite training metrics at step {step} ({shown}); stopped without saving it, "
+                f"{kept} in {self.checkpointer.directory}. Lower optimizer.learning_rate, raise "
+                "optimizer.warmup_steps or set optimizer.grad_clip, then rerun to resume from there",
+                step,
+                saved,
+            )
+        if not first:  # The first step of a process includes compilation.
+            self._window.append(elapsed)
+        record: dict[str, Any] = {"step": step, **values}
+        if self._window:
+            step_time = float(np.mean(self._window[-self.config.train.log_every :]))
+            record["step_time_s"] = step_time
+            record["tokens_per_s"] = self.tokens_per_step / step_time
+            if self.peak_flops:
+                record["mfu"] = self.report.flops_per_step / step_time / self.peak_flops
+        else:
+            record["compile_and_step_s"] = elapsed
+        if self.device.platform != "cpu":
+            stats = self.device.memory_stats() or {}
+            if "bytes_in_use" in stats:
+                record["memory_bytes_in_use"] = int(stats["bytes_in_use"])
+                record["memory_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))
+                record["memory_planned_bytes"] = self.report.per_device["peak"]
+        progress.update(record)
+        train = self.config.train
+        if step % train.log_every == 0 or step == train.steps or not self.history:
+            record["time"] = time.time()
+            self.history.append(record)
+            log.write(record)
+            progress.log(record)
+
+
+def _plan_once(config: Config, model_factory, loss_fn) -> MemoryReport:
+    """Plans the step for the attached devices on process 0 and gives every process that report, so
+    that all of them take the same decision (and only one compiles the plan)."""
+    if jax.process_count() == 1:
+        return plan(config, "local", model_factory=model_factory, loss_fn=loss_fn, top=5)
+    from jax.experimental import multihost_utils
+
+    payload = b""
+    if jax.process_index() == 0:
+        report = plan(config, "local", model_factory=model_factory, loss_fn=loss_fn, top=5)
+        payload = pickle.dumps(report)
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(len(payload))))
+    buffer = np.zeros(size, np.uint8)
+    buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
+    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
+
+
+def _any_process(flag: bool) -> bool:
+    """Returns whether ``flag`` is set on any process, so that all processes stop at the same step."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+class _StopSignals:
+    """While active, the first SIGTERM or SIGINT asks the loop to stop at the next step; a second one
+    acts as it would have without us (SIGINT raises KeyboardInterrupt, SIGTERM ends the process)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            return
+        self._restore()
+        signal.raise_signal(signum)
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._restore()
+
+
+class _NoLog:
+    """The metrics log of processes other than the first: they compute, the first one writes."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def __enter__(self) -> _NoLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def _write_config(path: Path, config: Config, console: Console) -> None:
+    """Writes the resolved config, noting which sections changed since the run directory's last one."""
+    text = config.to_yaml()
+    if path.exists():
+        try:
+            before = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError:
+            before = {}
+        changed = [key for key, value in config.to_dict().items() if before.get(key) != value]
+        if changed:
+            console.print(f"note: {', '.join(changed)} changed since this run directory's last start")
+    path.write_text(text)
+
+
+def start_runtime(
+    config: Config,
+    *,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_devices: int | None = None,
+) -> None:
+    """Prepares JAX for training ``config``; call it before anything touches a JAX device.
+
+    Gives GPUs the memory the plan budgets (``XLA_PYTHON_CLIENT_MEM_FRACTION`` from
+    ``memory.usable_fraction``, unless already set), simulates ``local_devices`` CPU devices (by
+    default as many as the mesh needs, split over the processes) and joins a multi-process run
+    through :func:`shardmem.distributed.initialize` (flags, ``SHARDMEM_*`` variables or a detected
+    SLURM, Open MPI or Kubernetes job).
+    """
+    from shardmem import distributed
+    from shardmem.targets import ensure_cpu_devices
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{config.memory.usable_fraction:.6g}")
+    if local_devices is None and not os.environ.get(distributed.ENV_LOCAL_DEVICES):
+        processes = num_processes or os.environ.get(distributed.ENV_NUM_PROCESSES) or "1"
+        # A malformed count is reported by initialize() below; plan for one process meanwhile.
+        processes = max(int(processes), 1) if str(processes).isdigit() else 1
+        ensure_cpu_devices(math.ceil(config.mesh.device_count() / processes))
+    distributed.initialize(coordinator, num_processes, process_id, local_devices)

@@ -1,0 +1,254 @@
+"""Tests for shardmem.train and the ``train``/``launch`` commands: the gate, the loop, checkpoints,
+preemption, resuming (after kill -9, and onto a different mesh), divergence and multi-process runs.
+
+Subprocess runs use ``python -m shardmem`` like a user would; they share a persistent compilation
+cache so that only the first one pays for compiling the step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from rich.console import Console
+
+from shardmem.checkpoint import Checkpointer
+from shardmem.cli import main
+from shardmem.config import load_config
+from shardmem.mesh import build_mesh
+from shardmem.metrics import read_metrics
+from shardmem.step import build_program
+from shardmem.train import DivergedError, DoesNotFitError, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+STEPS = 24
+# The tiny model with two layers and one remat segment compiles fast; every step is logged.
+FAST = ["model.n_layers=2", "remat.layers={}", "remat.policy=none", "optimizer.warmup_steps=2",
+        "train.log_every=1", f"train.steps={STEPS}", "train.checkpoint_every=4"]  # fmt: skip
+FSDP_OVER_ALL = "mesh.axes={data: 1, fsdp: -1, tensor: 1}"
+
+
+def _sets(overrides):
+    return [arg for item in overrides for arg in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def child_env(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDMEM_", "SLURM_", "OMPI_"))}
+    env.pop("JOB_COMPLETION_INDEX", None)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    return env
+
+
+def _run(env, *args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "shardmem", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def _start(env, *args):
+    return subprocess.Popen([sys.executable, "-m", "shardmem", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _wait_for_step(process, run_dir: Path, step: int, timeout: float = 180) -> int:
+    """Returns the newest logged step once it reaches ``step`` (polling metrics.jsonl)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = read_metrics(run_dir / "metrics.jsonl")
+        if records and records[-1]["step"] >= step:
+            return records[-1]["step"]
+        if process.poll() is not None:
+            output = process.stdout.read()
+            pytest.fail(f"the run ended (exit {process.returncode}) before step {step}:\n{output}")
+        time.sleep(0.005)
+    process.kill()
+    pytest.fail(f"no step {step} within {timeout} s")
+
+
+def _restore(run_dir: Path, config, devices, step: int):
+    program = build_program(config, build_mesh(config.mesh.axes, devices))
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
+        return checkpointer.restore(program.abstract_state, step)
+
+
+def _assert_trees_equal(actual, expected, **tolerance):
+    paths = jax.tree_util.tree_leaves_with_path(expected)
+    for (path, want), got in zip(paths, jax.tree.leaves(actual), strict=True):
+        check = np.testing.assert_allclose if tolerance else np.testing.assert_array_equal
+        check(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path), **tolerance)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted in-process run of the fast tiny config on the 8 test devices."""
+    config = load_config(TINY, FAST)
+    run_dir = tmp_path_factory.mktemp("reference")
+    return config, train(config, run_dir, console=Console(quiet=True))
+
+
+def test_train_writes_the_run_dir_and_the_loss_falls(reference):
+    config, result = reference
+    assert (result.status, result.start_step, result.final_step) == ("finished", 0, STEPS)
+    run_dir = result.run_dir
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert records == result.history
+    assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in records[1:])
+    assert "mfu" not in records[-1], "no MFU without a known peak FLOP/s (CPU)"
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0, [r["loss"] for r in records]
+    assert load_config(run_dir / "config.yaml") == config
+    assert json.loads((run_dir / "plan.json").read_text())["fits"] is True
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=3) as checkpointer:
+        assert checkpointer.all_steps() == [16, 20, 24]  # every 4 steps, the last 3 kept
+    assert int(result.state["step"]) == STEPS
+
+
+def test_checkpoint_restores_exactly_onto_half_the_devices(reference):
+    config, result = reference
+    restored = _restore(result.run_dir, config, jax.devices()[:4], STEPS)
+    meshes = {tuple(leaf.sharding.mesh.shape.items()) for leaf in jax.tree.leaves(restored)}
+    assert meshes == {(("data", 2), ("fsdp", 2), ("tensor", 1))}
+    _assert_trees_equal(restored, result.state)
+
+
+@pytest.mark.slow
+def test_kill_9_then_restart_ends_with_the_uninterrupted_parameters(reference, child_env, tmp_path):
+    config, result = reference
+    kill_at = random.Random().randint(2, STEPS - 6)
+    run_dir = tmp_path / "run"
+    args = ["train", TINY, *_sets(FAST), "--run-dir", str(run_dir)]
+    process = _start(child_env, *args)
+    killed_at = _wait_for_step(process, run_dir, kill_at)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=3) as checkpointer:
+        assert checkpointer.latest_step() is None or checkpointer.latest_step() < STEPS
+
+    restarted = _run(child_env, *args)
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    message = f"killed at step {killed_at} (asked for {kill_at})"
+    _assert_trees_equal(_restore(run_dir, config, jax.devices(), STEPS), result.state)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), message
+    assert [r["loss"] for r in records] == [r["loss"] for r in result.history], message
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_the_run_resumes_on_a_smaller_mesh(reference, child_env, tmp_path):
+    config, result = reference
+    run_dir = tmp_path / "run"
+    args = ["train", TINY, *_sets(FAST), "--run-dir", str(run_dir)]
+    process = _start(child_env, *args)
+    _wait_for_step(process, run_dir, 1)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output
+    stopped = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]
+    assert stopped < STEPS, "SIGTERM came too late to test anything"
+    assert f"stopped by SIGTERM at step {stopped}" in output
+    assert "Traceback" not in output
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=3) as checkpointer:
+        assert checkpointer.latest_step() == stopped
+    _assert_trees_equal(_restore(run_dir, config, jax.devices(), stopped)["step"], np.int32(stopped))
+
+    resumed = _run(child_env, *args, "--local-devices", "4")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from step {stopped}" in resumed.stdout
+    assert "mesh data=2 fsdp=2 tensor=1 over 4 devices" in resumed.stdout
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    # Another mesh sums in another order: the same run up to rounding.
+    np.testing.assert_allclose(losses, [r["loss"] for r in result.history], rtol=1e-4)
+
+
+def test_gate_refuses_a_step_that_does_not_fit_before_allocating(tmp_path):
+    config = load_config(TINY, [*FAST, "memory.usable_fraction=0.000001"])
+    live_before = len(jax.live_arrays())
+    with pytest.raises(DoesNotFitError, match="budget is -64.00 MiB.*--force") as raised:
+        train(config, tmp_path / "run", console=Console(quiet=True))
+    assert not raised.value.report.fits
+    assert len(jax.live_arrays()) == live_before, "the gate allocated arrays"
+    assert not (tmp_path / "run").exists()
+
+
+def test_forced_run_that_diverges_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    # Adam with a huge step makes the gradients NaN on the 2nd step and the loss on the 3rd.
+    unstable = ["optimizer.learning_rate=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=null",
+                "train.checkpoint_every=1", "memory.usable_fraction=0.000001"]  # fmt: skip
+    config = load_config(TINY, [*FAST, *unstable])
+    console = Console(record=True, width=200)
+    with pytest.raises(DivergedError, match=r"step 2 \(.*grad_norm nan.*last good checkpoint is step 1") as e:
+        train(config, tmp_path, force=True, console=console)
+    assert "running anyway (--force)" in console.export_text()
+    assert (e.value.step, e.value.last_checkpoint) == (2, 1)
+    with Checkpointer(tmp_path / "checkpoints", every=1, keep=3) as checkpointer:
+        assert checkpointer.all_steps() == [1]
+    saved = _restore(tmp_path, config, jax.devices(), 1)
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(saved))
+
+
+def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # start_runtime sets it otherwise
+    run_dir = str(tmp_path / "run")
+    cases = [
+        (["--set", "train.steps=0"], "train.steps=0: must be positive"),
+        (["--set", f"data.path={tmp_path / 'missing.txt'}"], "does not exist"),
+    ]
+    if importlib.util.find_spec("tensorboardX") is None:
+        cases.append((["--set", "train.tensorboard=true"], "run `pip install tensorboardX`"))
+    for args, message in cases:
+        assert main(["train", TINY, "--run-dir", run_dir, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("shardmem: error: ") and message in err, err
+    assert not Path(run_dir).exists()
+    assert main(["launch", "--nproc", "2"]) == 2
+    assert "needs a command after --" in capsys.readouterr().err
+
+
+def test_cli_gate_exits_3_with_the_report(child_env, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", TINY, *_sets([*FAST, "memory.usable_fraction=0.000001"]), "--run-dir", str(run_dir)]
+    done = _run(child_env, *args)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "DOES NOT FIT" in done.stdout and "--force" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(child_env, tmp_path):
+    overrides = [FSDP_OVER_ALL, "train.steps=6", "train.log_every=1", "train.checkpoint_every=3"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    launched = subprocess.run(
+        [sys.executable, "-m", "shardmem", "launch", "--nproc", "2", "--local-devices", "2", "--",
+         "train", TINY, *_sets(overrides), "--run-dir", str(two)],
+        env=child_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert "[0] shardmem train tiny: new run" in launched.stdout
+    assert "mesh data=1 fsdp=4 tensor=1 over 4 devices in 2 processes" in launched.stdout
+    single = _run(child_env, "train", TINY, *_sets(overrides), "--run-dir", str(one), "--local-devices", "4")
+    assert single.returncode == 0, single.stdout + single.stderr
+
+    curves = [[r["loss"] for r in read_metrics(d / "metrics.jsonl")] for d in (two, one)]
+    assert len(curves[0]) == 6
+    np.testing.assert_allclose(curves[0], curves[1], rtol=1e-5)
+    config = load_config(TINY, overrides)
+    from_two = _restore(two, config, jax.devices(), 6)  # 4 devices in 2 processes -> 8 in one
+    _assert_trees_equal(from_two, _restore(one, config, jax.devices(), 6), rtol=1e-5, atol=1e-6)
