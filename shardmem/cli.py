@@ -1,7 +1,8 @@
 """The ``shardmem`` command: thin wrappers that parse arguments and call the library.
 
-Exit codes: 0 success (plan: fits), 3 the plan does not fit, 2 a config or usage error (printed
-without a traceback), 130 interrupted.
+Exit codes: 0 success (plan: fits; train: finished or stopped by SIGTERM with a checkpoint), 3 the
+plan does not fit, 2 a config or usage error (printed without a traceback), 4 training diverged (NaN
+or infinite loss), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from shardmem.errors import ShardmemError
+from shardmem.errors import ConfigError, ShardmemError
 from shardmem.remat import DESCRIPTIONS
 from shardmem.targets import TARGET_NAMES
 
 EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
+EXIT_DIVERGED, EXIT_INTERRUPTED = 4, 130
 
 
 def console() -> Console:
@@ -85,7 +87,74 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("policies", help="list remat policies, model presets and targets")
     p.set_defaults(run=cmd_policies)
+    _add_train_commands(commands)
     return parser
+
+
+def cmd_train(args) -> int:
+    from shardmem.report import render
+    from shardmem.train import DivergedError, DoesNotFitError, start_runtime, train
+
+    config = _load(args)
+    start_runtime(config, coordinator=args.coordinator, num_processes=args.num_processes,
+                  process_id=args.process_id, local_devices=args.local_devices)  # fmt: skip
+    out = console()
+    try:
+        result = train(config, args.run_dir or f"runs/{config.name}", force=args.force, console=out)
+    except DoesNotFitError as e:
+        out.print(render(e.report))
+        print(f"shardmem: error: {e}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    except DivergedError as e:
+        print(f"shardmem: error: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_OK
+
+
+def cmd_launch(args) -> int:
+    from shardmem.distributed import launch
+
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise ConfigError("launch needs a command after --, e.g. shardmem launch --nproc 2 -- train "
+                          "configs/tiny.yaml")  # fmt: skip
+    return launch(args.nproc, argv, devices_per_process=args.local_devices)
+
+
+def _add_train_commands(commands) -> None:
+    p = commands.add_parser(
+        "train",
+        help="train a config: gated by the memory plan, checkpointed, resumable, multi-process",
+        description="Plans the step for the attached devices and refuses to start when it does not "
+        "fit (exit 3; --force runs anyway), then trains, logging to RUN_DIR/metrics.jsonl and "
+        "checkpointing to RUN_DIR/checkpoints. A run directory with checkpoints resumes from the "
+        "newest. SIGTERM or SIGINT saves a checkpoint and stops (exit 0, or 130 for SIGINT). "
+        "Exit 2: config error; 4: the loss became NaN or infinite.",
+    )
+    _config_args(p)
+    p.add_argument("--run-dir", help="where checkpoints and metrics go (default: runs/<config name>)")
+    p.add_argument("--force", action="store_true", help="train even when the plan says it does not fit")
+    p.add_argument("--local-devices", type=int, metavar="N",
+                   help="simulated CPU devices per process (default: as many as the mesh needs)")  # fmt: skip
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-process: the coordinator of process 0 (or SHARDMEM_COORDINATOR)")  # fmt: skip
+    p.add_argument("--num-processes", type=int, metavar="N",
+                   help="multi-process: how many processes (or SHARDMEM_NUM_PROCESSES)")  # fmt: skip
+    p.add_argument("--process-id", type=int, metavar="I",
+                   help="multi-process: this process's index (or SHARDMEM_PROCESS_ID)")  # fmt: skip
+    p.set_defaults(run=cmd_train)
+
+    p = commands.add_parser(
+        "launch",
+        help="run N local processes of a command, e.g. launch --nproc 2 -- train CONFIG",
+        description="Starts N processes of `shardmem ARGS...` on this machine, joined into one JAX "
+        "run over loopback, and prefixes their output with [i]. Signals are forwarded.",
+    )
+    p.add_argument("--nproc", type=int, required=True, help="how many processes")
+    p.add_argument("--local-devices", type=int, metavar="K", help="simulated CPU devices per process")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the shardmem command each process runs")  # fmt: skip
+    p.set_defaults(run=cmd_launch)
 
 
 def cmd_policies(args) -> int:
