@@ -20,11 +20,14 @@ if _NO_GPU:
     _devnull = _os.open(_os.devnull, _os.O_WRONLY)
     _os.dup2(_devnull, 2)
     try:
-        import jax  # noqa: F401
+        import jax
     finally:
         _os.dup2(_stderr, 2)
         _os.close(_stderr)
         _os.close(_devnull)
+    if _os.environ["JAX_PLATFORMS"] == "cpu":
+        # Also when jax was imported before shardmem (and so before the variable was set).
+        jax.config.update("jax_platforms", "cpu")
 
 from shardmem.config import Config, config_from_dict, load_config  # noqa: E402
 from shardmem.errors import ConfigError, PlanError, ShardmemError  # noqa: E402

@@ -261,7 +261,7 @@ def _convert(hint, value: Any, key: str):
             raise ConfigError(f"{key}={value!r}: expected a mapping")
         _, value_type = typing.get_args(hint)
         return {str(k): _convert(value_type, v, f"{key}.{k}") for k, v in value.items()}
-    if origin is list:
+    if origin is list or hint is list:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}={value!r}: expected a list")
         return list(value)

@@ -77,7 +77,9 @@ def test_micro_batch_accumulation_equals_one_big_batch():
     big, big_params, _ = _run(_config({"data": 2, "fsdp": 2}), jax.devices()[:4])
     micro, micro_params, _ = _run(_config({"data": 2, "fsdp": 2}, micro_batches=2), jax.devices()[:4])
     np.testing.assert_allclose(micro, big, rtol=2e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), micro_params, big_params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), micro_params, big_params
+    )
 
 
 def test_loss_falls_when_training_on_a_fixed_batch():

@@ -1,0 +1,73 @@
+"""End-to-end runs of the `shardmem` command, as a user would type them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def shardmem(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "shardmem", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+def test_plan_json_is_one_object_with_the_documented_keys():
+    result = shardmem("plan", "configs/tiny.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    for key in ("target", "devices", "mesh", "per_device", "budget_bytes", "fits", "flops_per_step",
+                "top_buffers"):  # fmt: skip
+        assert key in report
+    assert set(report["per_device"]) == {"params", "optimizer", "batch", "outputs", "temp", "alias",
+                                         "host", "code", "peak"}  # fmt: skip
+    assert all(isinstance(v, int) for v in report["per_device"].values())
+    assert report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and report["devices"] == 8
+    assert {"bytes", "scope", "shape"} <= set(report["top_buffers"][0])
+
+
+def test_plan_table_for_a_gpu_target_and_overrides():
+    result = shardmem("plan", "configs/llama-7b.yaml", "--set", "model.n_layers=4", "--set",
+                      "remat.layers={}", "--sharding")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for text in ("NVIDIA H100 80GB HBM3", "peak", "FITS", "Largest buffers live at the peak",
+                 "Parameter sharding", "layers/wq", "0-3: full"):  # fmt: skip
+        assert text in out
+
+
+def test_plan_that_does_not_fit_exits_3_and_still_reports():
+    result = shardmem("plan", "configs/tiny.yaml", "--set", "memory.usable_fraction=0.0000001")
+    assert result.returncode == 3
+    assert "DOES NOT FIT" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["configs/tiny.yaml", "--set", "remat.policy=fulll"], "remat.policy='fulll'"),
+        (["configs/tiny.yaml", "--set", "mesh.axes.tensor=3"], "mesh.axes"),
+        (["configs/tiny.yaml", "--set", "rules.heads=model"], "mesh axis 'model'"),
+        (["missing.yaml"], "cannot read config"),
+    ],
+)
+def test_config_errors_exit_2_without_a_traceback(args, message):
+    result = shardmem("plan", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_target_is_a_usage_error():
+    result = shardmem("plan", "configs/tiny.yaml", "--target", "tpu-v5")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_policies_lists_presets_policies_and_targets():
+    result = shardmem("policies")
+    assert result.returncode == 0
+    for text in ("offload", "llama-70b", "68,976,648,192", "h200"):
+        assert text in result.stdout
