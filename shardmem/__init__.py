@@ -14,17 +14,10 @@ import os as _os
 _NO_GPU = not _os.path.exists("/dev/nvidiactl")
 if _NO_GPU:
     _os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # Loading the plugin without a driver prints "Could not find cuda drivers" from C++ at import;
-    # it is expected here, so keep it off the terminal while JAX loads.
-    _stderr = _os.dup(2)
-    _devnull = _os.open(_os.devnull, _os.O_WRONLY)
-    _os.dup2(_devnull, 2)
-    try:
+    from shardmem._quiet import native_stderr_silenced
+
+    with native_stderr_silenced():
         import jax
-    finally:
-        _os.dup2(_stderr, 2)
-        _os.close(_stderr)
-        _os.close(_devnull)
     if _os.environ["JAX_PLATFORMS"] == "cpu":
         # Also when jax was imported before shardmem (and so before the variable was set).
         jax.config.update("jax_platforms", "cpu")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 import jax
 
 from shardmem import hlo
+from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
 from shardmem.errors import PlanError
 from shardmem.mesh import build_mesh
@@ -109,7 +111,10 @@ def make_target(config: Config, target: str | None = None) -> Target:
     """Resolves the target (``config.memory.target`` by default) for the config's mesh."""
     name = target or config.memory.target
     if name == "local":
-        return resolve_target("local", n_devices=len(jax.devices()))
+        if os.environ.get("JAX_PLATFORMS") == "cpu":
+            ensure_cpu_devices(config.mesh.device_count())  # CPU-only: simulate the mesh's devices.
+        with native_stderr_silenced():
+            return resolve_target("local", n_devices=len(jax.devices()))
     n_devices = config.mesh.device_count()
     if name == "cpu":
         ensure_cpu_devices(n_devices)

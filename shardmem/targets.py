@@ -16,6 +16,7 @@ import os
 
 import jax
 
+from shardmem._quiet import native_stderr_silenced
 from shardmem.errors import ConfigError, PlanError, did_you_mean, one_of
 
 
@@ -131,9 +132,11 @@ def _gpu_topology(name: str, hosts: int, per_host: int):
 
     spec = GPU_TARGETS[name]
     try:
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=spec.target_config(), topology=f"1x{hosts}x{per_host}"
-        )
+        with native_stderr_silenced():
+            jax.devices()  # Start the host backends first, quietly: the CUDA plugin loads with them.
+            topology = topologies.get_topology_desc(
+                platform="cuda", target_config=spec.target_config(), topology=f"1x{hosts}x{per_host}"
+            )
     except Exception as e:  # The plugin raises a variety of runtime errors when absent or broken.
         raise PlanError(
             f"cannot compile for target {name!r} without a GPU: {e}. Deviceless GPU planning needs "
@@ -156,7 +159,8 @@ def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
         label = f"{n_devices} x {spec.description} ({hosts} host{'s' * (hosts > 1)}), deviceless"
         return Target(name, label, devices, spec.memory_bytes, spec.peak_bf16_flops, True, False)
     if name == "cpu":
-        devices = tuple(jax.devices("cpu"))
+        with native_stderr_silenced():
+            devices = tuple(jax.devices("cpu"))
         if len(devices) < n_devices:
             raise PlanError(
                 f"target 'cpu' needs {n_devices} simulated devices but JAX started with "
@@ -167,7 +171,8 @@ def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
         label = f"{n_devices} simulated CPU devices (approximate: not a GPU prediction)"
         return Target("cpu", label, devices[:n_devices], memory, None, False, True)
     if name == "local":
-        devices = tuple(jax.devices())
+        with native_stderr_silenced():
+            devices = tuple(jax.devices())
         if len(devices) < n_devices:
             raise ConfigError(
                 f"the mesh needs {n_devices} devices but {len(devices)} are attached; change "
