@@ -41,7 +41,8 @@ def test_mixed_per_layer_plan_and_custom_policy_give_the_same_gradients(referenc
          "custom": {"query_proj": "save", "mlp_out": "offload"}},
         CFG.n_layers, tags=CHECKPOINT_TAGS,
     )  # fmt: skip
-    assert [(a, b, p.name) for a, b, p in plan.segments()] == [(0, 1, "full"), (1, 2, "custom"), (2, 4, "dots")]
+    segments = [(a, b, p.name) for a, b, p in plan.segments()]
+    assert segments == [(0, 1, "full"), (1, 2, "custom"), (2, 4, "dots")]
     grads = _grads(plan)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, reference_grads)
 
