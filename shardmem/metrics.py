@@ -146,7 +146,7 @@ class TrainProgress:
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         if self.enabled:
-            self._progress.console.print(*objects, **kwargs)
+            self._progress.console.print(*objects, soft_wrap=True, **kwargs)
 
     def __enter__(self) -> Self:
         self._progress.start()

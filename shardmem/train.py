@@ -123,7 +123,7 @@ def train(
         )
         if not force:
             raise DoesNotFitError(message, report)
-        console.print(f"[yellow]warning:[/yellow] {message.split('; make')[0]}; running anyway (--force)")
+        _say(console, f"[yellow]warning:[/yellow] {message.split('; make')[0]}; running anyway (--force)")
 
     mesh = build_mesh(config.mesh.axes, jax.devices())
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
@@ -142,14 +142,15 @@ def train(
             state = checkpointer.restore(program.abstract_state, start)
         mesh_text = " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
         begin = f"resuming from step {start}" if start else "new run"
-        console.print(
+        _say(
+            console,
             f"[bold]shardmem train[/bold] {config.name}: {begin} in {run_dir}, mesh {mesh_text} over "
             f"{mesh.size} devices in {jax.process_count()} "
             f"process{'es' * (jax.process_count() > 1)}; plan peak {format_bytes(peak)} per device "
-            f"of {format_bytes(limit)}"
+            f"of {format_bytes(limit)}",
         )
         if start >= train_config.steps:
-            console.print(f"already trained to step {start} (train.steps={train_config.steps}); "
+            _say(console, f"already trained to step {start} (train.steps={train_config.steps}); "
                           "raise train.steps to continue")  # fmt: skip
             return TrainResult(run_dir, "finished", start, start, [], report, state)
         loop = _Loop(config, program, source, checkpointer, report, start, lead)
@@ -164,9 +165,10 @@ def train(
         checkpointer.wait()
         final = loop.step
         how = {"finished": "finished", "preempted": "stopped by SIGTERM", "interrupted": "interrupted"}
-        console.print(
+        _say(
+            console,
             f"{how[status]} at step {final}; checkpoint saved in {run_dir / 'checkpoints'}"
-            + ("" if status == "finished" else "; run the same command again to resume")
+            + ("" if status == "finished" else "; run the same command again to resume"),
         )
         return TrainResult(run_dir, status, start, final, loop.history, report, state)
     finally:
@@ -339,7 +341,7 @@ def _write_config(path: Path, config: Config, console: Console) -> None:
             before = {}
         changed = [key for key, value in config.to_dict().items() if before.get(key) != value]
         if changed:
-            console.print(f"note: {', '.join(changed)} changed since this run directory's last start")
+            _say(console, f"note: {', '.join(changed)} changed since this run directory's last start")
     path.write_text(text)
 
 
@@ -369,3 +371,8 @@ def start_runtime(
         processes = max(int(processes), 1) if str(processes).isdigit() else 1
         ensure_cpu_devices(math.ceil(config.mesh.device_count() / processes))
     distributed.initialize(coordinator, num_processes, process_id, local_devices)
+
+
+def _say(console: Console, text: str) -> None:
+    """Prints one line that log files and launcher pipes keep whole (no wrapping at the width)."""
+    console.print(text, soft_wrap=True)
