@@ -17,7 +17,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
 from shardmem.errors import PlanError
 from shardmem.mesh import build_mesh
-from shardmem.rules import path_str, rule_warnings
+from shardmem.rules import rule_warnings
 from shardmem.step import LossFn, ModelFactory, Program, build_program, next_token_loss
 from shardmem.targets import Target, ensure_cpu_devices, resolve_target
 
@@ -138,34 +138,33 @@ def plan(
     resolved = make_target(config, target)
     mesh = build_mesh(config.mesh.axes, resolved.devices)
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
-    flops_no_remat = None
-    plan_has_remat = any(p.remats for p in config.remat_plan().policies)
-    if count_remat_overhead and model_factory is None and plan_has_remat:
-        plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), mesh)
-        flops_no_remat = hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
-    return _plan_program(program, resolved, top=top, flops_no_remat=flops_no_remat,
-                         remat=config.remat_plan().describe() if model_factory is None else "")  # fmt: skip
+    report = _plan_program(program, resolved, top=top)
+    if model_factory is not None:
+        return report  # A user's module: its remat is its own business, no baseline to compare with.
+    layer_plan = config.remat_plan()
+    baseline = report.flops_per_step  # Without remat the step is its own baseline.
+    if any(p.remats for p in layer_plan.policies):
+        baseline = None
+        if count_remat_overhead:  # Tracing the step without remat costs no compile.
+            plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), mesh)
+            baseline = hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
+    return dataclasses.replace(report, flops_no_remat=baseline, remat=layer_plan.describe())
 
 
-def _plan_program(program: Program, target: Target, *, top: int, flops_no_remat, remat: str):
-    config = program.config
+def _plan_program(program: Program, target: Target, *, top: int) -> MemoryReport:
     traced = program.step.trace(program.abstract_state, program.abstract_batch)
-    flops = hlo.matmul_flops(traced.jaxpr)
-    if flops_no_remat is None:
-        flops_no_remat = flops if remat and "none" == remat.split(": ")[-1] else None
+    state = program.abstract_state
     groups = {
-        "params": program.abstract_state["params"],
-        "optimizer": {"opt_state": program.abstract_state["opt_state"],
-                      "step": program.abstract_state["step"]},
+        "params": state["params"],
+        "optimizer": {"opt_state": state["opt_state"], "step": state["step"]},
         "batch": program.abstract_batch,
-    }  # fmt: skip
-    report = analyze(traced, target, config.memory, groups=groups, top=top, name=config.name)
+    }
+    report = analyze(traced, target, program.config.memory, groups=groups, top=top, name=program.config.name)
     rows = program.sharding_table()
     warnings = rule_warnings(rows, program.rules, program.mesh) + report.warnings
     return dataclasses.replace(
-        report, flops_per_step=flops, flops_no_remat=flops_no_remat, remat=remat,
-        warnings=warnings, sharding=rows,
-    )  # fmt: skip
+        report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings, sharding=rows
+    )
 
 
 def plan_function(
@@ -272,8 +271,3 @@ def _mesh_of(groups: Mapping[str, Any]) -> dict[str, int]:
         if mesh is not None:
             return dict(mesh.shape)
     return {}
-
-
-def describe_paths(tree) -> Sequence[str]:
-    """Returns "params/layers/wq"-style paths of a tree's leaves (for naming arguments)."""
-    return [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
