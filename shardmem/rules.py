@@ -105,6 +105,10 @@ class Rules:
         """Returns the PartitionSpec for an array with these logical axes."""
         return _dedupe([self.mesh_axes(name) for name in logical_axes])
 
+    def matches_path(self, path: str) -> bool:
+        """Whether a parameter-path rule applies to ``path``."""
+        return any(re.search(pattern, path) for pattern, _ in self.by_path)
+
     def param_spec(self, path: str, logical_axes: Sequence[str | None] | None, ndim: int) -> P:
         for pattern, entries in self.by_path:
             if re.search(pattern, path):
@@ -255,6 +259,13 @@ def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: in
         warnings.append(
             f"logical axes with no rule (replicated): {', '.join(unmapped)}; add them to rules "
             "(null to replicate on purpose)"
+        )
+    unnamed = [r.path for r in rows if r.shape and not r.logical and not rules.matches_path(r.path)]
+    if unnamed:
+        shown = ", ".join(unnamed[:5]) + (f" and {len(unnamed) - 5} more" if len(unnamed) > 5 else "")
+        warnings.append(
+            f"parameters without logical axes (replicated): {shown}; annotate them with "
+            "nnx.with_partitioning or add param_rules"
         )
     unused = [k for k in rules.user_keys if k not in used_names and k not in ACTIVATION_AXES]
     if unused:

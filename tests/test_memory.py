@@ -109,6 +109,17 @@ def test_plan_a_users_own_nnx_module():
     assert report.per_device["params"] == (64 * 256 // 8 + 256 * 256 // 2) * 4
     rows = {row.path: row for row in report.sharding}
     assert rows["w1"].spec == P("fsdp", "tensor") and rows["w2"].spec == P("tensor")
+    assert not any("without logical axes" in w for w in report.warnings)
+
+    class Unnamed(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (64, 256)))
+
+        def __call__(self, tokens):
+            return jax.nn.one_hot(tokens, 64) @ self.w[...]
+
+    report = plan(config, model_factory=Unnamed)
+    assert any("without logical axes (replicated): w;" in w for w in report.warnings)
 
 
 def test_rule_warnings_and_path_rules():
