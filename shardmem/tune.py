@@ -160,10 +160,15 @@ def tune(
         allow_offload = resolved.platform != "cpu"
     planner = _Planner(config, target, max_compiles, progress)
     if search == "remat":
-        return _tune_remat(planner, resolved, allow_offload)
-    if search == "batch":
-        return _tune_batch(planner, resolved)
-    return _tune_micro_batches(planner, resolved)
+        result = _tune_remat(planner, resolved, allow_offload)
+    elif search == "batch":
+        result = _tune_batch(planner, resolved)
+    else:
+        result = _tune_micro_batches(planner, resolved)
+    if result.config is not None and target is not None:
+        # The tuned file plans for the target it was tuned for.
+        result = dataclasses.replace(result, config=result.config.replace(f"memory.target={target}"))
+    return result
 
 
 # --- remat ---------------------------------------------------------------------------------------
@@ -262,8 +267,8 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         return int(estimate), False
 
     # Uniform plans, cheapest in recomputation first; the first that fits is the base of the plan.
-    order = sorted(policies, key=lambda p: (round(overhead[p], 6), host_est[p], device_residual[p],
-                                            _PREFERENCE.index(p)))  # fmt: skip
+    # Among equals in FLOPs, "none" before "dots": dots still recomputes the cheap elementwise ops.
+    order = sorted(policies, key=lambda p: (round(overhead[p], 6), host_est[p], _PREFERENCE.index(p)))
     rejected: set[str] = set()
     best = "full"
     for policy in order:

@@ -1,0 +1,135 @@
+"""shardmem sweep: grid parsing, planning every candidate, outputs, measuring and the CLI."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from shardmem import load_config
+from shardmem.cli import main
+from shardmem.errors import ConfigError
+from shardmem.sweep import (
+    COLUMNS,
+    candidates,
+    measure_candidate,
+    pareto_front,
+    parse_grid,
+    sweep,
+    write_outputs,
+)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TINY = str(CONFIGS / "tiny.yaml")
+
+
+def test_parse_grid_reads_yaml_values():
+    grid = parse_grid(
+        ["remat.policy=none,minimal", "train.global_batch=8, 16", 'remat.layers={"0-1": full},{}']
+    )
+    assert grid == {
+        "remat.policy": ["none", "minimal"],
+        "train.global_batch": [8, 16],
+        "remat.layers": [{"0-1": "full"}, {}],
+    }
+
+
+@pytest.mark.parametrize("item", ["remat.policy", "=none", "remat.policy=", "a=[1,"])
+def test_parse_grid_rejects_bad_syntax(item):
+    with pytest.raises(ConfigError, match="--grid"):
+        parse_grid([item])
+
+
+def test_parse_grid_rejects_a_key_given_twice_and_no_grid():
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_grid(["train.steps=1", "train.steps=2"])
+    with pytest.raises(ConfigError, match="at least one --grid"):
+        parse_grid([])
+
+
+def test_candidates_are_the_product_in_grid_order():
+    grid = {"remat.policy": ["none", "full"], "train.global_batch": [8, 16], "remat.layers": [{"3": "none"}]}
+    assert candidates(grid) == [
+        ("remat.policy=none", "train.global_batch=8", "remat.layers={'3': none}"),
+        ("remat.policy=none", "train.global_batch=16", "remat.layers={'3': none}"),
+        ("remat.policy=full", "train.global_batch=8", "remat.layers={'3': none}"),
+        ("remat.policy=full", "train.global_batch=16", "remat.layers={'3': none}"),
+    ]
+    config = load_config(TINY).replace(*candidates(grid)[2])
+    assert config.remat_plan().describe() == "0-2: full, 3: none"
+
+
+def test_pareto_front():
+    points = [(1.0, 5.0), (2.0, 3.0), (2.5, 4.0), (3.0, 1.0), (1.5, 6.0), (4.0, 1.0)]
+    assert pareto_front(points) == [0, 1, 3]
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+    grid = {"remat.policy": ["none", "minimal", "full"], "train.global_batch": [8, 7]}
+    return sweep(load_config(TINY), grid, "cpu", jobs=1)
+
+
+def test_sweep_plans_every_candidate_and_reports_bad_ones(tiny_rows):
+    assert len(tiny_rows) == 6
+    bad = [r for r in tiny_rows if r.error]
+    assert [r.overrides[1] for r in bad] == ["train.global_batch=7"] * 3
+    assert all("multiple of 8" in r.error for r in bad)
+    ok = {r.overrides[0].split("=")[1]: r for r in tiny_rows if not r.error}
+    assert ok["full"].peak_bytes < ok["minimal"].peak_bytes < ok["none"].peak_bytes
+    assert ok["none"].recompute_overhead == 0.0
+    assert 0 < ok["minimal"].recompute_overhead < ok["full"].recompute_overhead
+    assert ok["full"].flops_per_step > ok["none"].flops_per_step
+    for row in ok.values():
+        assert row.fits and row.margin_bytes == row.budget_bytes - row.peak_bytes
+        assert row.collectives["all-gather"] > 0  # FSDP gathers the parameters.
+        assert row.host_bytes == 0 and row.approximate
+
+
+def test_write_outputs(tiny_rows, tmp_path):
+    paths = write_outputs(tiny_rows, tmp_path / "out", title="tiny")
+    with paths["csv"].open() as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == list(COLUMNS) and len(table) == 6
+    assert int(table[0]["peak_bytes"]) == tiny_rows[0].peak_bytes
+    assert table[1]["error"] and not table[1]["peak_bytes"]
+    data = json.loads(paths["json"].read_text())
+    assert data[0]["collectives"]["all-gather"] == tiny_rows[0].collectives["all-gather"]
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measure_candidate_runs_real_steps():
+    seconds, peak = measure_candidate(load_config(TINY, ["train.global_batch=8"]), "cpu", steps=2)
+    assert 0 < seconds < 60
+    assert peak is None  # The CPU backend keeps no allocator statistics.
+
+
+def test_measure_refuses_deviceless_targets():
+    with pytest.raises(ConfigError, match="deviceless"):
+        sweep(load_config(TINY), {"remat.policy": ["none"]}, "h100-sxm", measure=True)
+
+
+def test_cli_usage_errors_exit_2(capsys, tmp_path):
+    assert main(["sweep", TINY, "--grid", "remat.policy", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--grid 'remat.policy': write KEY=V1,V2" in err and "Traceback" not in err
+    assert main(["sweep", TINY, "--grid", "remat.policy=none", "--target", "h100-sxm", "--measure"]) == 2
+    assert "deviceless" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_sweep_in_worker_processes_with_measure(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = main(["sweep", TINY, "--grid", "remat.policy=none,full", "--set", "train.global_batch=8",
+                 "--target", "cpu", "--jobs", "2", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    assert "policy=full" in capsys.readouterr().out
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [r["overrides"] for r in rows] == [["remat.policy=none"], ["remat.policy=full"]]
+    assert rows[1]["peak_bytes"] < rows[0]["peak_bytes"]
+
+    code = main(["sweep", TINY, "--grid", "remat.policy=full", "--set", "train.global_batch=8",
+                 "--target", "cpu", "--measure", "--steps", "2", "--out", str(out), "--json"])  # fmt: skip
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["step_seconds"] > 0

@@ -1,0 +1,151 @@
+"""shardmem tune: the cheapest remat plan, the largest batch and the fewest micro-batches that fit."""
+
+from pathlib import Path
+
+import pytest
+
+from shardmem import load_config, plan
+from shardmem.cli import main
+from shardmem.errors import ConfigError
+from shardmem.memory import make_target
+from shardmem.tune import residual_bytes, tune
+
+TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+BASE = ["train.global_batch=8"]
+
+
+def with_budget(config, budget_bytes: int):
+    """The config with its CPU budget set to ``budget_bytes`` (reserve 0, usable fraction to match)."""
+    memory = make_target(config, "cpu").memory_bytes
+    return config.replace("memory.reserve=0", f"memory.usable_fraction={budget_bytes / memory!r}")
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    config = load_config(TINY, BASE)
+    peaks = {
+        policy: plan(config.replace(f"remat.policy={policy}", "remat.layers={}"), "cpu").per_device["peak"]
+        for policy in ("none", "dots", "minimal", "full")
+    }
+    last_dots = config.replace("remat.policy=minimal", 'remat.layers={"3": dots}')
+    peaks["minimal+dots"] = plan(last_dots, "cpu").per_device["peak"]
+    return peaks
+
+
+def test_residual_bytes_follow_what_policies_keep():
+    config = load_config(TINY, BASE)
+    keep = {p: residual_bytes(config.replace(f"remat.policy={p}", "remat.layers={}"))
+            for p in ("none", "dots", "minimal", "save_out_proj", "full")}  # fmt: skip
+    assert keep["full"] < keep["save_out_proj"] < keep["minimal"] < keep["dots"] < keep["none"]
+    bigger = residual_bytes(config.replace("remat.policy=full", "remat.layers={}", "train.global_batch=16"))
+    assert bigger > keep["full"]
+
+
+def test_tune_remat_mixes_policies_per_layer(peaks, tmp_path):
+    # On CPU each extra scanned segment copies its slice of the parameters, so a budget just above
+    # minimal with the last layer on dots (below uniform dots) is where a mixed plan wins.
+    budget = peaks["minimal+dots"] + 1024
+    assert peaks["minimal"] < budget < peaks["dots"]
+    config = with_budget(load_config(TINY, BASE), budget)
+    result = tune(config, "cpu")
+    assert result.found and result.report.fits and result.budget_bytes == budget
+    assert result.compiles <= 12
+    assert not any("offload" in t.candidate for t in result.trials)  # Saves nothing on CPU.
+    verdicts = {t.candidate: t.fits for t in result.trials}
+    assert verdicts["none"] is False and verdicts["dots"] is False and verdicts["minimal"] is True
+    # Minimal for the first layers, dots (no recomputed matmuls) for as many last layers as fit.
+    plan_text = result.config.remat_plan().describe()
+    assert plan_text == result.chosen.candidate == "0-2: minimal, 3: dots"
+    minimal = next(t for t in result.trials if t.candidate == "minimal")
+    assert 0 < result.chosen.recompute_overhead < minimal.recompute_overhead
+    one_more = config.replace("remat.policy=minimal", 'remat.layers={"2-3": dots}')
+    assert not plan(one_more, "cpu").fits
+
+    path = tmp_path / "tuned.yaml"
+    path.write_text(result.config.to_yaml())
+    again = plan(load_config(path), "cpu")
+    assert again.fits and again.per_device["peak"] == result.report.per_device["peak"]
+    assert again.remat == plan_text
+
+
+def test_tune_remat_prunes_what_keeps_more(peaks):
+    config = with_budget(load_config(TINY, BASE), (peaks["dots"] + peaks["none"]) // 2)
+    result = tune(config, "cpu")
+    assert [(t.candidate, t.fits) for t in result.trials] == [("full", True), ("none", False), ("dots", True)]
+    assert result.chosen.recompute_overhead == 0.0
+
+
+def test_tune_remat_when_nothing_fits(peaks):
+    config = with_budget(load_config(TINY, BASE), peaks["full"] - 1)
+    result = tune(config, "cpu")
+    assert not result.found and result.compiles == 1
+    assert "no remat plan fits" in result.explanation[0]
+
+
+def test_tune_prefers_no_remat_when_it_fits(peaks):
+    config = with_budget(load_config(TINY, BASE), peaks["none"] + 1)
+    result = tune(config, "cpu")
+    assert result.chosen.candidate == "none" and result.chosen.recompute_overhead == 0.0
+
+
+@pytest.mark.slow
+def test_tune_batch_finds_the_largest_that_fits(peaks):
+    config = with_budget(
+        load_config(TINY, [*BASE, "remat.policy=full", "remat.layers={}"]), peaks["full"] * 3
+    )
+    result = tune(config, "cpu", search="batch")
+    batch = result.config.train.global_batch
+    assert result.found and batch % 8 == 0 and batch > 8
+    assert plan(config.replace(f"train.global_batch={batch}"), "cpu").fits
+    assert not plan(config.replace(f"train.global_batch={batch + 8}"), "cpu").fits
+    assert result.compiles <= 12
+
+
+@pytest.mark.slow
+def test_tune_micro_batches_finds_the_fewest_that_fit():
+    config = load_config(TINY, ["train.global_batch=64", "remat.policy=none", "remat.layers={}"])
+    one = plan(config, "cpu").per_device["peak"]
+    two = plan(config.replace("train.micro_batches=2"), "cpu").per_device["peak"]
+    assert two < one
+    result = tune(with_budget(config, (one + two) // 2), "cpu", search="micro_batches")
+    assert result.config.train.micro_batches == 2 and result.report.fits
+
+
+def test_tune_rejects_bad_arguments():
+    with pytest.raises(ConfigError, match="--search"):
+        tune(load_config(TINY), "cpu", search="speed")
+    with pytest.raises(ConfigError, match="--max-compiles"):
+        tune(load_config(TINY), "cpu", max_compiles=1)
+
+
+@pytest.mark.slow
+def test_cli_tune_writes_a_config_plan_accepts(peaks, tmp_path, capsys):
+    budget = (peaks["dots"] + peaks["none"]) // 2
+    memory = make_target(load_config(TINY), "cpu").memory_bytes
+    sets = [*BASE, "memory.reserve=0", f"memory.usable_fraction={budget / memory!r}"]
+    out = tmp_path / "tuned.yaml"
+    args = ["tune", TINY, "--target", "cpu", "--out", str(out)]
+    assert main([*args, *(x for s in sets for x in ("--set", s))]) == 0
+    assert "chose" in capsys.readouterr().out
+    assert out.read_text().startswith("# shardmem tune --search remat")
+    assert main(["plan", str(out), "--target", "cpu"]) == 0
+
+    low = [*BASE, "memory.reserve=0", f"memory.usable_fraction={(peaks['full'] - 1) / memory!r}"]
+    assert main(["tune", TINY, "--target", "cpu", *(x for s in low for x in ("--set", s))]) == 3
+
+
+@pytest.mark.slow
+def test_tune_offloads_on_a_gpu_target_when_minimal_does_not_fit():
+    config = load_config(
+        TINY.replace("tiny", "llama-7b"), ["model.n_layers=4", "remat.layers={}", "train.global_batch=8"]
+    )
+    minimal = plan(config.replace("remat.policy=minimal", "remat.layers={}"), "h100-sxm")
+    offload = plan(config.replace("remat.policy=offload", "remat.layers={}"), "h100-sxm")
+    assert offload.per_device["host"] > 0 and offload.per_device["peak"] < minimal.per_device["peak"]
+    device = minimal.device_memory_bytes
+    budget = (minimal.per_device["peak"] + offload.per_device["peak"]) // 2
+    tuned = tune(
+        config.replace("memory.reserve=0", f"memory.usable_fraction={budget / device!r}"), "h100-sxm"
+    )
+    assert tuned.found and tuned.report.fits and tuned.report.per_device["host"] > 0
+    assert tuned.chosen.recompute_overhead == pytest.approx(minimal.recompute_overhead, abs=0.02)
