@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("policies", help="list remat policies, model presets and targets")
     p.set_defaults(run=cmd_policies)
     _add_train_commands(commands)
+    _add_explore_commands(commands)
     return parser
 
 
@@ -155,6 +156,92 @@ def _add_train_commands(commands) -> None:
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the shardmem command each process runs")  # fmt: skip
     p.set_defaults(run=cmd_launch)
+
+
+def cmd_sweep(args) -> int:
+    from rich.progress import Progress
+
+    from shardmem.sweep import parse_grid, render_sweep, sweep, write_outputs
+
+    config = _load(args)
+    grid = parse_grid(args.grid)
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("planning", total=None)
+
+        def advance(done: int, total: int, _row) -> None:
+            bar.update(task, completed=done, total=total)
+
+        rows = sweep(config, grid, args.target, jobs=args.jobs, measure=args.measure,
+                     measure_steps=args.steps, progress=advance)  # fmt: skip
+    paths = write_outputs(rows, args.out or f"sweep-{config.name}", title=f"{config.name}: sweep")
+    if args.json:
+        print(json.dumps([{**row.flat(), "collectives": row.collectives} for row in rows], indent=2))
+    else:
+        console().print(render_sweep(rows, title=f"shardmem sweep  {config.name}"))
+        console().print(f"wrote {paths['csv']}, {paths['json']}, {paths['png']}")
+    return EXIT_OK
+
+
+def cmd_tune(args) -> int:
+    from shardmem.tune import render_tune, tune
+
+    config = _load(args)
+    result = tune(config, args.target, search=args.search, allow_offload=False if args.no_offload else None,
+                  max_compiles=args.max_compiles)  # fmt: skip
+    if result.found and args.out:
+        header = "".join(f"# {line}\n" for line in result.explanation)
+        try:
+            with open(args.out, "w") as f:
+                f.write(f"# shardmem tune --search {args.search}\n{header}{result.config.to_yaml()}")
+        except OSError as e:
+            raise ConfigError(f"--out {args.out!r}: cannot write the tuned config: {e.strerror}") from None
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        console().print(render_tune(result))
+        if result.found and args.out:
+            console().print(f"wrote {args.out}")
+    return EXIT_OK if result.found else EXIT_DOES_NOT_FIT
+
+
+def _add_explore_commands(commands) -> None:
+    target_help = f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}"
+    p = commands.add_parser(
+        "sweep",
+        help="plan every combination of a grid of overrides: memory against compute",
+        description="Plans every combination of the --grid values (in parallel worker processes) and "
+        "tabulates peak memory per device, fit and margin, FLOPs per step, recomputation, host-offloaded "
+        "bytes and collective traffic. Writes sweep.csv, sweep.json and sweep.png (peak memory against "
+        "FLOPs or step time, budget line, Pareto front) to --out. Exit 2: config or usage error.",
+    )
+    _config_args(p)
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", required=True,
+                   help="values to try for a config key (YAML), e.g. remat.policy=none,full")  # fmt: skip
+    p.add_argument("--target", choices=TARGET_NAMES, metavar="TARGET", help=target_help)
+    p.add_argument("--jobs", type=int, help="worker processes (default: CPUs, at most one per candidate)")
+    p.add_argument("--measure", action="store_true",
+                   help="also run real steps (target local or cpu): step time, peak memory")  # fmt: skip
+    p.add_argument("--steps", type=int, default=5, help="timed steps per candidate with --measure")
+    p.add_argument("--out", help="directory for sweep.csv/json/png (default: sweep-<config name>)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    p.set_defaults(run=cmd_sweep)
+
+    p = commands.add_parser(
+        "tune",
+        help="find the cheapest remat plan, largest batch or fewest micro-batches that fit",
+        description="Searches with few compiles (analytic estimates order the candidates, compiles "
+        "confirm, monotonicity prunes) and explains the choice against the rejected alternatives. "
+        "Exit 0: found (written to --out); 3: nothing fits; 2: config error.",
+    )
+    _config_args(p)
+    p.add_argument("--target", choices=TARGET_NAMES, metavar="TARGET", help=target_help)
+    p.add_argument("--search", choices=("remat", "batch", "micro_batches"), default="remat",
+                   help="what to tune (default: remat)")  # fmt: skip
+    p.add_argument("--out", help="write the tuned config as YAML that plan and train accept")
+    p.add_argument("--no-offload", action="store_true", help="never move activations to host memory")
+    p.add_argument("--max-compiles", type=int, default=12, help="compile budget of the search")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.set_defaults(run=cmd_tune)
 
 
 def cmd_policies(args) -> int:
