@@ -97,9 +97,10 @@ def train(
 
     Raises :class:`DoesNotFitError` when the planned step exceeds the memory budget (unless
     ``force``), :class:`DivergedError` on a non-finite loss and :class:`~shardmem.ConfigError` for a
-    bad config or data file, the latter before any work. On multi-process runs call
-    :func:`shardmem.distributed.initialize` first; every process calls ``train`` with the same
-    arguments and ``run_dir`` must be on a file system they share.
+    bad config or data file, the latter before any work. Multi-process runs call
+    :func:`start_runtime` first (before any JAX work); every process calls ``train`` with the same
+    arguments and ``run_dir`` must be on a file system they share. SIGTERM and SIGINT are handled
+    from the first step on: the state is saved and ``status`` says which signal stopped the run.
     """
     run_dir = Path(run_dir)
     lead = jax.process_index() == 0
@@ -153,7 +154,7 @@ def train(
             _say(console, f"already trained to step {start} (train.steps={train_config.steps}); "
                           "raise train.steps to continue")  # fmt: skip
             return TrainResult(run_dir, "finished", start, start, [], report, state)
-        loop = _Loop(config, program, source, checkpointer, report, start, lead)
+        loop = _Loop(config, program, source, checkpointer, report, start)
         tensorboard_dir = run_dir / "tensorboard" if train_config.tensorboard else None
         with (
             MetricsLog(run_dir / "metrics.jsonl", tensorboard_dir=tensorboard_dir, start_step=start)
@@ -180,9 +181,9 @@ class _Loop:
     waits on the device except to log or to save (a state is saved only after every step before it
     is known to be finite)."""
 
-    def __init__(self, config: Config, program, source, checkpointer, report, start: int, lead: bool):
+    def __init__(self, config: Config, program, source, checkpointer, report, start: int):
         self.config, self.program, self.source = config, program, source
-        self.checkpointer, self.report, self.lead = checkpointer, report, lead
+        self.checkpointer, self.report = checkpointer, report
         self.step = start
         self.history: list[dict[str, Any]] = []
         self.tokens_per_step = config.train.global_batch * config.model.seq_len
