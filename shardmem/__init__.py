@@ -32,6 +32,7 @@ from shardmem.report import render  # noqa: E402
 from shardmem.rules import Rules, constrain  # noqa: E402
 from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
 from shardmem.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
+from shardmem.train import TrainResult, train  # noqa: E402
 
 __all__ = [
     "CHECKPOINT_TAGS",
@@ -49,6 +50,7 @@ __all__ = [
     "Rules",
     "ShardmemError",
     "Target",
+    "TrainResult",
     "analyze",
     "build_mesh",
     "build_program",
@@ -63,5 +65,6 @@ __all__ = [
     "remat_scan",
     "render",
     "resolve_target",
+    "train",
 ]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ from shapes and shardings alone as a cross-check.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -206,7 +207,7 @@ def analyze(
 ) -> MemoryReport:
     """Lowers and compiles a traced step for ``target`` and reads XLA's memory analysis."""
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump:
+    with _persistent_cache_off(), tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump:
         try:
             compiled = traced.lower().compile(
                 compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
@@ -263,6 +264,22 @@ def analyze(
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _persistent_cache_off():
+    """Compiles for real: a persistent-cache hit would skip XLA, and with it the dump the report reads.
+    JAX decides once per process whether the cache is used, so the decision is reset around the compile."""
+    from jax._src import compilation_cache  # No public switch exists for this yet.
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def _mesh_of(groups: Mapping[str, Any]) -> dict[str, int]:

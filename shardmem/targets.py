@@ -178,7 +178,7 @@ def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
                 f"the mesh needs {n_devices} devices but {len(devices)} are attached; change "
                 "mesh.axes (use -1 for the remaining devices) or run on more devices"
             )
-        stats = devices[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}  # Only this process's devices answer.
         memory = int(stats.get("bytes_limit") or host_memory_bytes() // len(devices))
         kind = devices[0].device_kind
         approximate = devices[0].platform == "cpu"
