@@ -363,6 +363,7 @@ def start_runtime(
     SLURM, Open MPI or Kubernetes job).
     """
     from shardmem import distributed
+    from shardmem._quiet import native_stderr_silenced
     from shardmem.targets import ensure_cpu_devices
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{config.memory.usable_fraction:.6g}")
@@ -372,6 +373,8 @@ def start_runtime(
         processes = max(int(processes), 1) if str(processes).isdigit() else 1
         ensure_cpu_devices(math.ceil(config.mesh.device_count() / processes))
     distributed.initialize(coordinator, num_processes, process_id, local_devices)
+    with native_stderr_silenced():
+        jax.devices()  # Start the backends now, without the CUDA stub's expected complaint.
 
 
 def _say(console: Console, text: str) -> None:
