@@ -304,6 +304,12 @@ def _validate(config: Config) -> None:
             f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}; "
             "change one, or set model.head_dim"
         )
+    if m.attention_chunk is not None and (m.attention_chunk < 1 or m.seq_len % m.attention_chunk):
+        divisors = [d for d in (128, 256, 512, 1024, 2048) if m.seq_len % d == 0 and d < m.seq_len]
+        raise ConfigError(
+            f"model.attention_chunk={m.attention_chunk} must divide model.seq_len={m.seq_len}; "
+            f"use e.g. {divisors or [m.seq_len]}, or null to attend in one block"
+        )
     if m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
 

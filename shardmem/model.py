@@ -12,6 +12,7 @@ leading ``layers`` axis and run by :func:`shardmem.remat.remat_scan`, one scanne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -53,6 +54,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    attention_chunk: int | None = None  # Query block size for memory-efficient attention (None: off).
 
     @property
     def head_size(self) -> int:
@@ -163,7 +165,10 @@ class Block(nnx.Module):
             v_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), "value_proj")
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
-            ctx_BxLxHxK = checkpoint_name(_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context")
+            attend = _causal_attention
+            if cfg.attention_chunk and cfg.attention_chunk < x_BxLxD.shape[1]:
+                attend = functools.partial(_chunked_causal_attention, chunk=cfg.attention_chunk)
+            ctx_BxLxHxK = checkpoint_name(attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context")
             out_BxLxD = checkpoint_name(
                 jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)), "out_proj"
             )
@@ -179,17 +184,36 @@ class Block(nnx.Module):
             return x_BxLxD + out_BxLxD
 
 
-def _causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
-    """Causal softmax attention; each of the G key/value heads serves H // G query heads."""
+def _causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0):
+    """Causal softmax attention; each of the G key/value heads serves H // G query heads. Query i sits
+    at position ``q_offset + i`` of the keys."""
     b, length, h, k = q_BxLxHxK.shape
-    g = k_BxLxGxK.shape[2]
+    g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
-    scores_BxGxRxLxL = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK)
-    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores_BxGxRxLxL = jnp.where(causal_LxL, scores_BxGxRxLxL.astype(jnp.float32), -1e30)
-    probs_BxGxRxLxL = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(v_BxLxGxK.dtype)
-    ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxL, v_BxLxGxK)
+    scores_BxGxRxLxM = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK)
+    rows_L = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
+    causal_LxM = rows_L >= jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
+    scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM.astype(jnp.float32), -1e30)
+    probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(v_BxLxGxK.dtype)
+    ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxLxGxK)
     return ctx_BxLxGxRxK.reshape(b, length, h, k)
+
+
+def _chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int):
+    """The same attention, one block of ``chunk`` queries at a time, each block rematerialized in the
+    backward pass: score memory falls from L x L to chunk x L per head, for one extra QK/PV product
+    (memory-efficient attention, Rabe & Staats 2021)."""
+    b, length, h, k = q_BxLxHxK.shape
+    blocks = length // chunk
+    q_NxBxCxHxK = q_BxLxHxK.reshape(b, blocks, chunk, h, k).swapaxes(0, 1)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def block(args):
+        q_BxCxHxK, index = args
+        return _causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=index * chunk)
+
+    ctx_NxBxCxHxK = jax.lax.map(block, (q_NxBxCxHxK, jnp.arange(blocks)))
+    return ctx_NxBxCxHxK.swapaxes(0, 1).reshape(b, length, h, k)
 
 
 class Llama(nnx.Module):
