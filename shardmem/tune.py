@@ -275,9 +275,13 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         if policy == "full":
             break
         pruned_by = next((q for q in rejected if policy in _SAVES_MORE[q]), None)
-        if pruned_by:
+        same_as = next((q for q in rejected if q in compiled_peak and q != "offload"
+                        and device_residual[policy] >= device_residual[q]), None)  # fmt: skip
+        if pruned_by or same_as:
+            why = (f"keeps more than '{pruned_by}'" if pruned_by
+                   else f"keeps at least the residual bytes of '{same_as}'")  # fmt: skip
             planner.note(policy, _uniform(policy), None, None, overhead[policy], False, "pruned",
-                         f"keeps more than '{pruned_by}', which does not fit")  # fmt: skip
+                         f"{why}, which does not fit")  # fmt: skip
             rejected.add(policy)
             continue
         estimate, _ = peak_of(policy)

@@ -1,0 +1,30 @@
+"""The notebooks run top to bottom from a clean kernel (the same check as `pytest --nbmake notebooks`)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_notebooks_exist_and_are_stored_without_outputs():
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_quickstart.ipynb", "02_remat_tradeoffs.ipynb", "03_sharding_tradeoffs.ipynb",
+    ]  # fmt: skip
+    for path in NOTEBOOKS:
+        cells = json.loads(path.read_text())["cells"]
+        code = [c for c in cells if c["cell_type"] == "code"]
+        assert all(not c["outputs"] and c["execution_count"] is None for c in code), path.name
+        assert 'jax.config.update("jax_num_cpu_devices", 8)' in "".join(code[0]["source"]), path.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    notebook = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})  # fmt: skip
+    client.execute()  # Raises CellExecutionError, with the failing cell and its traceback.
