@@ -209,9 +209,11 @@ def analyze(
     start = time.perf_counter()
     with _persistent_cache_off(), tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump:
         try:
-            compiled = traced.lower().compile(
-                compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-            )
+            # XLA's own remat pass logs to stderr when a plan exceeds the device; the report says it.
+            with native_stderr_silenced():
+                compiled = traced.lower().compile(
+                    compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+                )
         except Exception as e:  # XLA raises plain runtime errors for programs it cannot compile.
             raise PlanError(f"XLA could not compile the step for {target.label}: {e}") from None
         seconds = time.perf_counter() - start

@@ -103,7 +103,8 @@ DESCRIPTIONS = {
     "none": "save every intermediate (no rematerialization)",
     "full": "save only the layer input; recompute the whole layer",
     "dots": "save the outputs of all matrix multiplications",
-    "dots_no_batch": "save matmul outputs without batch dimensions (the weight-like ones)",
+    "dots_no_batch": "save matmul outputs that have no dot batch dimensions (here: the projections, "
+    "not attention's score and context products)",
     "minimal": "save the named q/k/v/out and MLP projections, recompute the rest",
     "save_qkv": "save the query/key/value projections",
     "save_out_proj": "save the attention output projection",
@@ -199,7 +200,9 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan):
     """Runs stacked layers (an ``nnx.vmap``-created module with a leading ``layers`` axis) over ``x``.
 
     Each run of layers that shares a policy is one ``jax.lax.scan`` of a ``jax.checkpoint``-ed body, so
-    compile time depends on the number of distinct segments, not on depth.
+    compile time depends on the number of distinct segments, not on depth. With several segments each
+    scans a slice of the stacked parameters, which XLA may materialize (in the compute dtype's weight
+    size at most); one segment scans the stack in place.
     """
     graphdef, state = nnx.split(layers)
     n_layers = len(plan.policies)
