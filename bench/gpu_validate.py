@@ -164,17 +164,9 @@ def probe(env: dict[str, str], timeout: float = 120) -> dict:
 
 def twin_target(device_kind: str) -> str | None:
     """Returns the deviceless target (a key of GPU_TARGETS) that models ``device_kind``, if any."""
-    from shardmem.targets import GPU_TARGETS
+    from shardmem.targets import target_for_device_kind
 
-    kind = device_kind.lower()
-    for name, spec in GPU_TARGETS.items():
-        if spec.description.lower() == kind:
-            return name
-    for marker, name in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
-                         ("a100-sxm4-40gb", "a100-40g"), ("a100", "a100-80g"), ("b200", "b200")):  # fmt: skip
-        if marker in kind:
-            return name
-    return None
+    return target_for_device_kind(device_kind)
 
 
 def plan_trial(trial: Trial, target: str, env: dict[str, str], timeout: float) -> dict:

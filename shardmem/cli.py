@@ -40,17 +40,24 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args):
+def _load(args, *, planning_only: bool = False):
+    """Loads the config; for a plan that runs nothing (any target but ``local``), keeps JAX off an
+    attached GPU, whose client would otherwise start and reserve most of its memory."""
     from shardmem.config import load_config
 
-    return load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides)
+    if planning_only and (getattr(args, "target", None) or config.memory.target) != "local":
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    return config
 
 
 def cmd_plan(args) -> int:
     from shardmem.memory import plan
     from shardmem.report import render
 
-    config = _load(args)
+    config = _load(args, planning_only=True)
     report = plan(config, args.target, top=args.top)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
@@ -163,7 +170,7 @@ def cmd_sweep(args) -> int:
 
     from shardmem.sweep import parse_grid, render_sweep, sweep, write_outputs
 
-    config = _load(args)
+    config = _load(args, planning_only=not args.measure)
     grid = parse_grid(args.grid)
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("planning", total=None)
@@ -185,7 +192,7 @@ def cmd_sweep(args) -> int:
 def cmd_tune(args) -> int:
     from shardmem.tune import render_tune, tune
 
-    config = _load(args)
+    config = _load(args, planning_only=True)
     result = tune(config, args.target, search=args.search, allow_offload=False if args.no_offload else None,
                   max_compiles=args.max_compiles)  # fmt: skip
     if result.found and args.out:

@@ -15,7 +15,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 
@@ -26,6 +26,7 @@ from shardmem.targets import TARGET_NAMES
 from shardmem.units import parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
+Bytes = Annotated[int, "bytes"]  # An int in the config that also accepts "1GiB"-style strings.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,7 @@ class MemoryConfig:
 
     target: str = "cpu"
     usable_fraction: float = 0.9
-    reserve: int = 1 << 30
+    reserve: Bytes = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +215,7 @@ def _build(cls, data: Any, key: str):
     where = key or "the config"
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}={data!r}: expected a mapping with keys {one_of(_fields(cls))}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in data:
         if name not in fields:
@@ -267,7 +268,7 @@ def _convert(hint, value: Any, key: str):
         return list(value)
     if hint is Any:
         return value
-    if hint is int and "reserve" in key:
+    if hint == Bytes:
         try:
             return parse_bytes(value)
         except ValueError as e:

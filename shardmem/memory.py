@@ -103,9 +103,13 @@ class MemoryReport:
         }
 
 
-def budget(memory: MemoryConfig, device_memory_bytes: int) -> int:
-    """Returns the bytes a step may use: device memory x usable_fraction - reserve."""
-    return int(device_memory_bytes * memory.usable_fraction) - memory.reserve
+def budget(memory: MemoryConfig, device_memory_bytes: int, allocator_limit: int | None = None) -> int:
+    """Returns the bytes a step may use: device memory x usable_fraction - reserve, and no more than
+    the allocator's limit (on an attached GPU) minus the reserve."""
+    limit = int(device_memory_bytes * memory.usable_fraction)
+    if allocator_limit:
+        limit = min(limit, allocator_limit)
+    return limit - memory.reserve
 
 
 def make_target(config: Config, target: str | None = None) -> Target:
@@ -257,7 +261,7 @@ def analyze(
             f"analytic argument bytes ({accounted}) differ from XLA's ({arguments}): some "
             "arguments are laid out or sharded differently than their shardings say"
         )
-    limit = budget(memory, target.memory_bytes)
+    limit = budget(memory, target.memory_bytes, target.allocator_limit)
     mesh = _mesh_of(groups)
     return MemoryReport(
         name=name, target=target.name, target_label=target.label, approximate=target.approximate,
@@ -272,16 +276,21 @@ def analyze(
 def _persistent_cache_off():
     """Compiles for real: a persistent-cache hit would skip XLA, and with it the dump the report reads.
     JAX decides once per process whether the cache is used, so the decision is reset around the compile."""
-    from jax._src import compilation_cache  # No public switch exists for this yet.
+    try:
+        from jax._src import compilation_cache  # No public switch exists for this yet.
 
+        reset = compilation_cache.reset_cache
+    except (ImportError, AttributeError):  # Another JAX: plan anyway; a cache hit only loses the dump.
+        yield
+        return
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
+    reset()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()
+        reset()
 
 
 def _mesh_of(groups: Mapping[str, Any]) -> dict[str, int]:

@@ -95,6 +95,7 @@ class Target:
     peak_flops: float | None
     deviceless: bool
     approximate: bool
+    allocator_limit: int | None = None  # What JAX's allocator may take on an attached GPU.
 
     @property
     def platform(self) -> str:
@@ -113,17 +114,25 @@ def ensure_cpu_devices(n: int) -> None:
         pass  # Backends already up; resolve_target reports a shortfall clearly.
 
 
+def target_for_device_kind(device_kind: str) -> str | None:
+    """Returns the deviceless target (a key of :data:`GPU_TARGETS`) that models a GPU's ``device_kind``."""
+    kind = device_kind.lower()
+    for name, spec in GPU_TARGETS.items():
+        if spec.description.lower() == kind:
+            return name
+    if "a100" in kind:
+        return "a100-40g" if "40gb" in kind else "a100-80g"
+    markers = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("b200", "b200"))
+    for marker, name in markers:
+        if marker in kind:
+            return name
+    return None
+
+
 def peak_flops_for(device_kind: str) -> float | None:
     """Returns the dense bf16 peak of a GPU recognised from its ``device_kind``."""
-    kind = device_kind.lower()
-    for spec in GPU_TARGETS.values():
-        if spec.description.lower() == kind:
-            return spec.peak_bf16_flops
-    for marker, key in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
-                        ("a100", "a100-80g"), ("b200", "b200")):  # fmt: skip
-        if marker in kind:
-            return GPU_TARGETS[key].peak_bf16_flops
-    return None
+    name = target_for_device_kind(device_kind)
+    return GPU_TARGETS[name].peak_bf16_flops if name else None
 
 
 @functools.cache
@@ -132,8 +141,7 @@ def _gpu_topology(name: str, hosts: int, per_host: int):
 
     spec = GPU_TARGETS[name]
     try:
-        with native_stderr_silenced():
-            jax.devices()  # Start the host backends first, quietly: the CUDA plugin loads with them.
+        with native_stderr_silenced():  # Loading the CUDA plugin without a driver complains in C++.
             topology = topologies.get_topology_desc(
                 platform="cuda", target_config=spec.target_config(), topology=f"1x{hosts}x{per_host}"
             )
@@ -179,12 +187,17 @@ def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
                 "mesh.axes (use -1 for the remaining devices) or run on more devices"
             )
         stats = jax.local_devices()[0].memory_stats() or {}  # Only this process's devices answer.
-        memory = int(stats.get("bytes_limit") or host_memory_bytes() // len(devices))
         kind = devices[0].device_kind
+        known = target_for_device_kind(kind)
+        # The budget takes a fraction of the whole device; JAX's allocator limit (itself a fraction,
+        # XLA_PYTHON_CLIENT_MEM_FRACTION) caps it further, see MemoryReport.budget_bytes.
+        memory = GPU_TARGETS[known].memory_bytes if known else int(stats.get("bytes_limit") or 0)
+        memory = memory or host_memory_bytes() // len(devices)
+        limit = int(stats["bytes_limit"]) if "bytes_limit" in stats else None
         approximate = devices[0].platform == "cpu"
         label = f"{len(devices)} x {kind} (attached)" + (", approximate" if approximate else "")
         return Target("local", label, devices[:n_devices], memory, peak_flops_for(kind), False,
-                      approximate)  # fmt: skip
+                      approximate, allocator_limit=limit)  # fmt: skip
     raise ConfigError(
         f"target {name!r} is not known{did_you_mean(name, TARGET_NAMES)}; use {one_of(TARGET_NAMES)}"
     )
