@@ -20,7 +20,7 @@ def plot_sweep(rows: Sequence[SweepRow], *, x: str | None = None, title: str = "
     """Returns a figure of peak bytes per device against FLOPs per step (or measured step time when
     every planned row has one; force with ``x="flops"`` or ``x="step_seconds"``): fitting candidates in
     green, the others in red, the budget as a dashed line and the Pareto front (least memory for the
-    compute) joined and labelled."""
+    compute) joined; every point is labelled."""
     if ax is None:
         from matplotlib.figure import Figure
 
@@ -43,9 +43,10 @@ def plot_sweep(rows: Sequence[SweepRow], *, x: str | None = None, title: str = "
     if front:
         ax.plot([xs[i] for i in front], [ys[i] for i in front], color="tab:blue", lw=1.5, zorder=2,
                 label="Pareto front")  # fmt: skip
-        for i in front:
-            ax.annotate(_short(planned[i].candidate), (xs[i], ys[i]), textcoords="offset points",
-                        xytext=(5, 4), fontsize=7)  # fmt: skip
+    on_front = set(front)
+    for i, row in enumerate(planned):  # Every point named; the front's names in black, the rest grey.
+        ax.annotate(_short(row.candidate), (xs[i], ys[i]), textcoords="offset points", xytext=(5, 4),
+                    fontsize=7, color="black" if i in on_front else "dimgray")  # fmt: skip
     budgets = {r.budget_bytes for r in planned}
     if len(budgets) == 1:
         budget = budgets.pop() / _GIB
