@@ -63,12 +63,19 @@ class RematConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
+    """Dtypes: ``params`` for the master weights and optimizer, ``compute`` for the forward and
+    backward passes (weights are cast where they are used)."""
+
     params: str = "float32"
     compute: str = "bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
+    """The Optax optimizer: ``name`` (adamw, adam, sgd), a linear warmup to ``learning_rate`` over
+    ``warmup_steps`` then cosine decay to a tenth of it at ``train.steps``; global-norm clipping at
+    ``grad_clip`` (None: off)."""
+
     name: str = "adamw"
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
@@ -81,6 +88,9 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The training run: batch (in sequences) and its split into ``micro_batches`` for gradient
+    accumulation, length, seed, logging and checkpoint cadence."""
+
     global_batch: int = 16
     micro_batches: int = 1
     steps: int = 1000
@@ -133,11 +143,19 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
+        """Returns the config as YAML that :func:`load_config` reads back into an equal Config."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def replace(self, *overrides: str) -> Config:
-        """Returns a copy with ``key.path=value`` overrides applied (values parsed as YAML)."""
-        return config_from_dict(apply_overrides(self.to_dict(), overrides), self.name)
+        """Returns a copy with ``key.path=value`` overrides applied (values parsed as YAML).
+
+        Setting ``model.preset`` replaces the whole model section with that preset; other ``model.*``
+        overrides in the same call apply on top of it.
+        """
+        raw = self.to_dict()
+        if any(item.partition("=")[0].strip() == "model.preset" for item in overrides):
+            raw["model"] = {}
+        return config_from_dict(apply_overrides(raw, overrides), self.name)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -228,7 +246,8 @@ def _build(cls, data: Any, key: str):
         if name in data:
             values[name] = _convert(hints[name], data[name], _join(key, name))
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{_join(key, name)} is required")
+            hint = f"; or give model.preset ({one_of(PRESETS)})" if key == "model" else ""
+            raise ConfigError(f"{_join(key, name)} is required{hint}")
     return cls(**values)
 
 
@@ -294,6 +313,10 @@ def _validate(config: Config) -> None:
     m = config.model
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len"):
         _positive(f"model.{name}", getattr(m, name))
+    if m.head_dim is not None:
+        _positive("model.head_dim", m.head_dim)
+    _positive("model.rope_theta", m.rope_theta)
+    _positive("model.norm_eps", m.norm_eps)
     if m.n_heads % m.n_kv_heads:
         divisors = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]
         raise ConfigError(
@@ -332,7 +355,17 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"{key}={dtype!r}: use {one_of(DTYPES)}")
     if config.optimizer.name not in ("adamw", "adam", "sgd"):
         raise ConfigError(f"optimizer.name={config.optimizer.name!r}: use adamw, adam or sgd")
-    _positive("optimizer.learning_rate", config.optimizer.learning_rate)
+    opt = config.optimizer
+    _positive("optimizer.learning_rate", opt.learning_rate)
+    _positive("optimizer.eps", opt.eps)
+    if opt.grad_clip is not None:
+        _positive("optimizer.grad_clip", opt.grad_clip)
+    for key, value in (("warmup_steps", opt.warmup_steps), ("weight_decay", opt.weight_decay)):
+        if value < 0:
+            raise ConfigError(f"optimizer.{key}={value}: must not be negative")
+    for key, value in (("b1", opt.b1), ("b2", opt.b2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"optimizer.{key}={value}: use a value in [0, 1), e.g. 0.9 or 0.95")
 
     t = config.train
     for name in ("global_batch", "micro_batches", "steps", "log_every", "checkpoint_every",

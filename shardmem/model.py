@@ -58,6 +58,7 @@ class ModelConfig:
 
     @property
     def head_size(self) -> int:
+        """Width of one attention head: ``head_dim``, or ``d_model // n_heads`` when unset."""
         return self.head_dim or self.d_model // self.n_heads
 
     def param_count(self) -> int:

@@ -141,6 +141,7 @@ class LayerPlan:
 
     @staticmethod
     def uniform(n_layers: int, policy: str | RematPolicy = "none") -> LayerPlan:
+        """Returns a plan giving every layer the same policy (a preset name or a RematPolicy)."""
         policy = PRESETS[policy] if isinstance(policy, str) else policy
         return LayerPlan((policy,) * n_layers)
 
@@ -215,6 +216,6 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan):
         if (start, stop) != (0, n_layers):
             segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], state)
         step = jax.checkpoint(body, policy=policy.lower(), prevent_cse=False) if policy.remats else body
-        with jax.named_scope(f"layers_{start}-{stop - 1}"):
+        with jax.named_scope(f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"):
             x, _ = jax.lax.scan(step, x, segment)
     return x

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -102,7 +102,3 @@ def render_sharding(rows: Sequence[ShardingRow]) -> Table:
         table.add_row(row.path, "x".join(map(str, row.shape)), ", ".join(map(str, row.logical)),
                       spec, format_bytes(row.bytes_per_device))  # fmt: skip
     return table
-
-
-def print_report(report: MemoryReport, console: Console | None = None, **kwargs) -> None:
-    (console or Console()).print(render(report, **kwargs))

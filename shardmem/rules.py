@@ -99,6 +99,7 @@ class Rules:
         return Rules(tuple(merged.items()), tuple(paths), tuple(logical or ()))
 
     def mesh_axes(self, logical_name: str | None) -> MeshAxes:
+        """Returns the mesh axes a logical axis name maps to (None: replicated)."""
         return dict(self.logical).get(logical_name) if logical_name else None
 
     def spec(self, logical_axes: Sequence[str | None]) -> P:
@@ -110,6 +111,8 @@ class Rules:
         return any(re.search(pattern, path) for pattern, _ in self.by_path)
 
     def param_spec(self, path: str, logical_axes: Sequence[str | None] | None, ndim: int) -> P:
+        """Returns the PartitionSpec of one parameter: the first matching path rule, else its logical
+        axes through the rules."""
         for pattern, entries in self.by_path:
             if re.search(pattern, path):
                 if len(entries) != ndim:
@@ -178,10 +181,6 @@ def spec_axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def shards_per_dim(spec: P, mesh: Mesh) -> list[int]:
-    return [math.prod(mesh.shape[a] for a in spec_axes(e)) for e in spec]
-
-
 def check_divisible(key: str, shape: Sequence[int], spec: P, mesh: Mesh, logical=()) -> None:
     """Raises ConfigError when a sharded dimension is not a multiple of its mesh axes' product."""
     for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
@@ -223,6 +222,8 @@ def path_str(path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRow:
+    """One parameter in the sharding table."""
+
     path: str
     shape: tuple[int, ...]
     dtype: str

@@ -59,17 +59,13 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     return tx
 
 
-def _dtype(name: str):
-    return jnp.dtype(name)
-
-
 def default_model_factory(config: Config) -> ModelFactory:
     plan = config.remat_plan()
 
     def factory(rngs: nnx.Rngs) -> nnx.Module:
         return Llama(config.model, rngs=rngs, remat=plan,
-                     param_dtype=_dtype(config.precision.params),
-                     compute_dtype=_dtype(config.precision.compute))  # fmt: skip
+                     param_dtype=jnp.dtype(config.precision.params),
+                     compute_dtype=jnp.dtype(config.precision.compute))  # fmt: skip
 
     return factory
 

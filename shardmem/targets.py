@@ -99,6 +99,7 @@ class Target:
 
     @property
     def platform(self) -> str:
+        """JAX platform of the devices: "cpu", "cuda" (deviceless GPUs included) or "gpu"."""
         return self.devices[0].platform
 
 

@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,13 @@ def test_preset_fields_can_be_overridden():
     assert config.model.d_model == PRESETS["llama-7b"].d_model
 
 
+def test_replacing_the_preset_replaces_the_model():
+    config = load_config(CONFIGS[0])
+    other = config.replace("model.preset=gpt2-124m", "model.n_layers=2")
+    assert other.model == dataclasses.replace(PRESETS["gpt2-124m"], n_layers=2)
+    assert config.replace("model.n_layers=2").model.d_model == config.model.d_model
+
+
 def test_reserve_accepts_units():
     config = config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "512MiB"}})
     assert config.memory.reserve == 512 * 2**20
@@ -59,6 +67,10 @@ def test_reserve_accepts_units():
         ({"model": {"preset": "tiny"}, "memory": {"reserve": "lots"}}, ["memory.reserve", "1GiB"]),
         ({"model": {"preset": "tiny"}, "precision": {"compute": "fp8"}}, ["precision.compute", "bfloat16"]),
         ({"mesh": {"axes": {"data": 2}}}, ["no model section"]),
+        ({"model": {}}, ["model.vocab_size is required", "model.preset"]),
+        ({"model": {"preset": "tiny", "head_dim": -4}}, ["model.head_dim=-4", "positive"]),
+        ({"model": {"preset": "tiny"}, "optimizer": {"b2": 1.5}}, ["optimizer.b2=1.5", "[0, 1)"]),
+        ({"model": {"preset": "tiny"}, "optimizer": {"warmup_steps": -1}}, ["optimizer.warmup_steps=-1"]),
     ],
 )
 def test_config_errors_name_the_key_and_the_fix(raw, fragments):
