@@ -100,6 +100,8 @@ def readable_scope(op_name: str) -> str:
     """Turns "jit(step)/while/body/transpose(jvp(layers_0-7))/attention/dot_general" into
     "layers_0-7/attention/dot_general (backward)", and an argument's
     "state['params']['layers']['wq']" into "state/params/layers/wq (argument)"."""
+    if op_name == "loop or call carried state":
+        return op_name
     if not op_name.startswith("jit("):
         return "/".join(re.findall(r"[A-Za-z_][\w.\-]*|\d+", op_name)) + " (argument)"
     backward = "transpose(" in op_name
@@ -117,13 +119,18 @@ def readable_scope(op_name: str) -> str:
 
 
 _CALLED = re.compile(r"calls=%?([\w.\-]+)")
+_OPERAND = re.compile(r"%?([\w.\-]+)")
 
 
 def _instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
-    """Maps instruction name -> (shape text, op_name) for every instruction in an HLO module; a
-    fusion without metadata takes the op_name of the computation it calls."""
+    """Maps instruction name -> (shape text, op_name) for every instruction in an HLO module.
+
+    Instructions XLA created without metadata borrow it: a fusion from the computation it calls, a
+    loop's parameter is named as the loop's carried state, anything else from its first operand that
+    has a name (shown as "from ...")."""
     table: dict[str, tuple[str, str]] = {}
     calls: dict[str, str] = {}
+    operands: dict[str, list[str]] = {}
     first_op: dict[str, str] = {}
     current = ""
     for line in hlo_text.splitlines():
@@ -134,18 +141,29 @@ def _instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
         match = _INSTRUCTION.match(line)
         if not match:
             continue
+        name = match.group("name")
         shape, remainder = _split_shape(match.group("rest"))
         op = _OP_NAME.search(remainder)
         op_name = op.group(1) if op else ""
         if op_name and current:
             first_op.setdefault(current, op_name)
-        called = _CALLED.search(remainder)
-        if called and not op_name:
-            calls[match.group("name")] = called.group(1)
-        table[match.group("name")] = (shape, op_name)
+        if not op_name:
+            opcode, _, args = remainder.strip().partition("(")
+            called = _CALLED.search(remainder)
+            if called:
+                calls[name] = called.group(1)
+            elif opcode == "parameter" and not current.startswith("main"):
+                op_name = "loop or call carried state"
+            operands[name] = _OPERAND.findall(args.split(")", 1)[0])
+        table[name] = (shape, op_name)
     for name, computation in calls.items():
-        shape, _ = table[name]
-        table[name] = (shape, first_op.get(computation, ""))
+        table[name] = (table[name][0], first_op.get(computation, ""))
+    for name, args in operands.items():  # Still unnamed: borrow from an operand.
+        if table[name][1]:
+            continue
+        near = next((table[a][1] for a in args if a in table and table[a][1]), "")
+        near = "" if near.startswith("near ") else near
+        table[name] = (table[name][0], f"near {near}" if near else "")
     return table
 
 
@@ -172,7 +190,10 @@ def live_at_peak(dump_dir: str | Path, top: int = 10) -> tuple[list[LiveBuffer],
         match = _LIVE.match(line) if in_peak else None
         if match:
             shape, op_name = table.get(match.group("name"), ("", ""))
-            scope = readable_scope(op_name) if op_name else match.group("name")
+            if op_name.startswith("near "):
+                scope = "from " + readable_scope(op_name.removeprefix("near "))
+            else:
+                scope = readable_scope(op_name) if op_name else f"{match.group('name')} (made by XLA)"
             buffers.append(LiveBuffer(int(match.group("bytes")), scope,
                                       _tuple_element(shape, match.group("index"))))  # fmt: skip
     buffers.sort(key=lambda b: -b.bytes)
