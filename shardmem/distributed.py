@@ -73,7 +73,7 @@ def initialize(
     if process_id is None:
         process_id = _env_int(ENV_PROCESS_ID)
     _validate(coordinator, num_processes, process_id)
-    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
     cluster = detected_cluster()
     if all(value is None for value in given.values()) and cluster is None:
         return
@@ -82,7 +82,7 @@ def initialize(
     if cluster is None and any(value is None for value in given.values()):
         missing = [name for name, value in given.items() if value is None]
         raise ConfigError(
-            f"Multi-process run needs coordinator, num_processes and process_id, but {missing} "
+            f"Multi-process run needs --coordinator, --num-processes and --process-id, but {missing} "
             f"{'is' if len(missing) == 1 else 'are'} unset (no SLURM, Open MPI or Kubernetes job "
             f"detected to fill them in); pass them or set {ENV_COORDINATOR}, "
             f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}."
@@ -126,11 +126,11 @@ def launch(
     """
     _check_positive("--nproc", nproc)
     if devices_per_process is not None:
-        _check_positive("--devices-per-process", devices_per_process)
+        _check_positive("--local-devices", devices_per_process)
     if port is None:
         port = _free_port()
     elif not 0 < port < 65536:
-        raise ConfigError(f"`--port={port}` is not a TCP port; use 1024-65535, or omit it.")
+        raise ConfigError(f"`port={port}` is not a TCP port; use 1024-65535, or None for a free one.")
     prefix = list(command) if command is not None else [sys.executable, "-m", "shardmem"]
     children: list[subprocess.Popen[bytes]] = []
     for index in range(nproc):
@@ -231,14 +231,14 @@ def _free_port() -> int:
 
 
 def _set_cpu_device_count(count: int) -> None:
-    _check_positive("local_device_count", count, ENV_LOCAL_DEVICES)
+    _check_positive("--local-devices", count, ENV_LOCAL_DEVICES)
     if jax.config.jax_num_cpu_devices == count:
         return
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as error:
         raise ConfigError(
-            f"`local_device_count={count}` ({ENV_LOCAL_DEVICES}) came after JAX had already "
+            f"`--local-devices {count}` ({ENV_LOCAL_DEVICES}) came after JAX had already "
             "created its devices; call shardmem.distributed.initialize() before any JAX "
             "computation."
         ) from error
@@ -249,25 +249,26 @@ def _validate(coordinator: str | None, num_processes: int | None, process_id: in
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(
-                f"`coordinator={coordinator!r}` ({ENV_COORDINATOR}) is not HOST:PORT; "
+                f"`--coordinator {coordinator}` (or {ENV_COORDINATOR}) is not HOST:PORT; "
                 "use e.g. 10.0.0.1:1234 or 127.0.0.1:1234."
             )
     if num_processes is not None:
-        _check_positive("num_processes", num_processes, ENV_NUM_PROCESSES)
+        _check_positive("--num-processes", num_processes, ENV_NUM_PROCESSES)
     if process_id is not None:
         if process_id < 0:
-            raise ConfigError(f"`process_id={process_id}` ({ENV_PROCESS_ID}) must be 0 or more.")
+            raise ConfigError(f"`--process-id {process_id}` (or {ENV_PROCESS_ID}) must be 0 or more.")
         if num_processes is not None and process_id >= num_processes:
             raise ConfigError(
-                f"`process_id={process_id}` ({ENV_PROCESS_ID}) must be below "
-                f"num_processes={num_processes}; use 0 to {num_processes - 1}."
+                f"`--process-id {process_id}` (or {ENV_PROCESS_ID}) must be below "
+                f"`--num-processes {num_processes}` (or {ENV_NUM_PROCESSES}); use 0 to {num_processes - 1}."
             )
 
 
-def _check_positive(name: str, value: int, env_var: str = "") -> None:
+def _check_positive(flag: str, value: int, env_var: str = "") -> None:
+    """Raises ConfigError naming the flag (and the variable that can also set it) unless ``value`` >= 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        source = f" ({env_var})" if env_var else ""
-        raise ConfigError(f"`{name}={value!r}`{source} must be a positive integer.")
+        source = f" (or {env_var})" if env_var else ""
+        raise ConfigError(f"`{flag} {value!r}`{source} must be a positive integer.")
 
 
 def _env_int(name: str) -> int | None:

@@ -129,15 +129,19 @@ def test_initialize_without_settings_is_a_single_process_no_op(clean_env):
         (
             dict(coordinator="localhost", num_processes=2, process_id=0),
             {},
-            "coordinator='localhost'",
+            "--coordinator localhost` \\(or SHARDMEM_COORDINATOR\\)",
         ),
         (dict(coordinator="h:99999", num_processes=2, process_id=0), {}, "is not HOST:PORT"),
-        (dict(coordinator="h:1234", num_processes=2, process_id=2), {}, "process_id=2.*0 to 1"),
-        (dict(coordinator="h:1234", num_processes=0, process_id=0), {}, "num_processes=0"),
-        (dict(coordinator="h:1234"), {}, r"\['num_processes', 'process_id'\] are unset"),
+        (
+            dict(coordinator="h:1234", num_processes=2, process_id=3),
+            {},
+            r"--process-id 3` \(or SHARDMEM_PROCESS_ID\) must be below `--num-processes 2`.*0 to 1",
+        ),
+        (dict(coordinator="h:1234", num_processes=0, process_id=0), {}, "--num-processes 0"),
+        (dict(coordinator="h:1234"), {}, r"\['--num-processes', '--process-id'\] are unset"),
         ({}, {"SHARDMEM_NUM_PROCESSES": "two"}, "SHARDMEM_NUM_PROCESSES='two'"),
-        ({}, {"SHARDMEM_PROCESS_ID": "-1"}, r"process_id=-1.*SHARDMEM_PROCESS_ID"),
-        ({}, {"SHARDMEM_COORDINATOR": "h:1", "SHARDMEM_NUM_PROCESSES": "2"}, "process_id'] is"),
+        ({}, {"SHARDMEM_PROCESS_ID": "-1"}, r"--process-id -1` \(or SHARDMEM_PROCESS_ID\)"),
+        ({}, {"SHARDMEM_COORDINATOR": "h:1", "SHARDMEM_NUM_PROCESSES": "2"}, "--process-id'] is"),
     ],
 )
 def test_initialize_rejects_bad_settings(clean_env, monkeypatch, kwargs, env, message):
@@ -169,9 +173,9 @@ def test_joining_after_jax_started_is_a_config_error(clean_env):
 
 def test_local_device_count_after_backend_start_is_a_config_error(clean_env):
     jax.devices()
-    with pytest.raises(ConfigError, match="local_device_count=3.*before any JAX computation"):
+    with pytest.raises(ConfigError, match="--local-devices 3.*before any JAX computation"):
         initialize(local_device_count=3)
-    with pytest.raises(ConfigError, match="local_device_count=0"):
+    with pytest.raises(ConfigError, match="--local-devices 0"):
         initialize(local_device_count=0)
 
 
@@ -247,7 +251,9 @@ def test_launch_forwards_sigint_to_every_child(clean_env, tmp_path):
 
 
 def test_launch_rejects_bad_arguments():
-    with pytest.raises(ConfigError, match="--nproc=0"):
+    with pytest.raises(ConfigError, match="--nproc 0"):
         launch(0, [])
-    with pytest.raises(ConfigError, match="--port=70000"):
+    with pytest.raises(ConfigError, match="--local-devices 0"):
+        launch(1, [], devices_per_process=0)
+    with pytest.raises(ConfigError, match="`port=70000` is not a TCP port"):
         launch(1, [], port=70000)
