@@ -26,6 +26,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from shardmem.errors import ConfigError
+from shardmem.rules import path_str
 
 __all__ = ["Checkpointer"]
 
@@ -42,12 +43,16 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, every: int, keep: int) -> None:
-        for name, value in (("checkpoint.every", every), ("checkpoint.keep", keep)):
+        for name, key, value in (("every", "train.checkpoint_every", every),
+                                 ("keep", "train.keep_checkpoints", keep)):  # fmt: skip
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"`{name}={value!r}` must be a positive integer.")
+                raise ConfigError(f"`{name}={value!r}` ({key}) must be a positive integer.")
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise ConfigError(f"`checkpoint.dir={self.directory!r}` is a file; point it at a directory.")
+            raise ConfigError(
+                f"the checkpoint directory {self.directory!r} is a file; move it away, or choose another "
+                "--run-dir (checkpoints go to <run dir>/checkpoints)."
+            )
         self.every = every
         self.keep = keep
         options = ocp.CheckpointManagerOptions(
@@ -90,8 +95,8 @@ class Checkpointer:
         if step is None:
             if not steps:
                 raise ConfigError(
-                    f"`checkpoint.dir={self.directory!r}` holds no checkpoint to restore; "
-                    "start without resuming or point checkpoint.dir at a previous run."
+                    f"{self.directory!r} holds no checkpoint to restore; check latest_step() first, "
+                    "or point --run-dir at a previous run."
                 )
             step = steps[-1]
         elif step not in steps:
@@ -141,7 +146,7 @@ class Checkpointer:
             raise ConfigError(
                 f"The checkpoint at step {step} in {self.directory!r} does not match the "
                 f"state being restored:\n  {listed}{more}\nRestore with the model and optimizer "
-                "config the run was saved with, or start from a fresh checkpoint.dir."
+                "config the run was saved with, or train in a new --run-dir."
             )
 
 
@@ -151,5 +156,4 @@ def _shapes_by_path(tree: PyTree) -> Iterator[tuple[str, tuple[int, ...]]]:
     Orbax stores namedtuple fields as dict keys, so paths are compared by name alone.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = [str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path]
-        yield "/".join(names), tuple(getattr(leaf, "shape", ()))
+        yield path_str(path), tuple(getattr(leaf, "shape", ()))

@@ -132,14 +132,23 @@ def test_restore_into_a_different_model_is_a_config_error(tmp_path, mesh8):
     message = str(error.value)
     assert "params/w: checkpoint (16, 4), state (8, 4)" in message
     assert "not in the state: params/b" in message
+    assert "new --run-dir" in message and "checkpoint.dir" not in message
+
+
+def test_restore_without_a_checkpoint_names_real_options(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        with pytest.raises(ConfigError, match="holds no checkpoint.*latest_step.*--run-dir") as error:
+            checkpointer.restore(_abstract(state, lambda x: x.sharding))
+    assert "checkpoint.dir" not in str(error.value)
 
 
 def test_bad_arguments_raise_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="checkpoint.every=0"):
+    with pytest.raises(ConfigError, match=r"`every=0` \(train.checkpoint_every\)"):
         Checkpointer(tmp_path, every=0, keep=1)
-    with pytest.raises(ConfigError, match="checkpoint.keep=-1"):
+    with pytest.raises(ConfigError, match=r"`keep=-1` \(train.keep_checkpoints\)"):
         Checkpointer(tmp_path, every=1, keep=-1)
     file_path = tmp_path / "file"
     file_path.write_text("x")
-    with pytest.raises(ConfigError, match="is a file"):
+    with pytest.raises(ConfigError, match="is a file.*--run-dir"):
         Checkpointer(file_path, every=1, keep=1)
