@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -41,22 +42,41 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args, *, planning_only: bool = False):
-    """Loads the config; for a plan that runs nothing (any target but ``local``), keeps JAX off an
-    attached GPU, whose client would otherwise start and reserve most of its memory."""
+    """Loads the config. For a plan that runs nothing (any target but ``local``), keeps JAX off an
+    attached GPU, whose client would otherwise start and reserve most of its memory; a plan for
+    ``local`` gets the allocator limit ``train`` would run with, so both budget alike."""
     from shardmem.config import load_config
+    from shardmem.targets import configure_local_memory
 
     config = load_config(args.config, args.overrides)
-    if planning_only and (getattr(args, "target", None) or config.memory.target) != "local":
-        import jax
+    if planning_only:
+        if (getattr(args, "target", None) or config.memory.target) == "local":
+            configure_local_memory(config)
+        else:
+            import jax
 
-        jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_platforms", "cpu")
     return config
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Raises ConfigError now, rather than after the work, when ``path`` cannot be written."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path!r}: cannot write there: {e.strerror}; choose another path") from None
+    if not existed:
+        os.remove(path)
 
 
 def cmd_plan(args) -> int:
     from shardmem.memory import plan
     from shardmem.report import render
 
+    if args.top < 0:
+        raise ConfigError(f"--top {args.top}: give the number of buffers to list, 0 or more")
     config = _load(args, planning_only=True)
     report = plan(config, args.target, top=args.top)
     if args.json:
@@ -186,6 +206,9 @@ def cmd_sweep(args) -> int:
     else:
         console().print(render_sweep(rows, title=f"shardmem sweep  {config.name}"))
         console().print(f"wrote {paths['csv']}, {paths['json']}, {paths['png']}")
+    if rows and all(row.error for row in rows):
+        print(f"shardmem: error: all {len(rows)} candidates failed; see their errors", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 
@@ -193,6 +216,8 @@ def cmd_tune(args) -> int:
     from shardmem.tune import render_tune, tune
 
     config = _load(args, planning_only=True)
+    if args.out:
+        _check_writable(args.out, "--out")
     result = tune(config, args.target, search=args.search, allow_offload=False if args.no_offload else None,
                   max_compiles=args.max_compiles)  # fmt: skip
     if result.found and args.out:
@@ -219,7 +244,8 @@ def _add_explore_commands(commands) -> None:
         description="Plans every combination of the --grid values (in parallel worker processes) and "
         "tabulates peak memory per device, fit and margin, FLOPs per step, recomputation, host-offloaded "
         "bytes and collective traffic. Writes sweep.csv, sweep.json and sweep.png (peak memory against "
-        "FLOPs or step time, budget line, Pareto front) to --out. Exit 2: config or usage error.",
+        "FLOPs or step time, budget line, Pareto front) to --out. A candidate that fails is a row with "
+        "its error. Exit 2: config or usage error, or every candidate failed.",
     )
     _config_args(p)
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", required=True,

@@ -115,6 +115,19 @@ def ensure_cpu_devices(n: int) -> None:
         pass  # Backends already up; resolve_target reports a shortfall clearly.
 
 
+def configure_local_memory(config) -> None:
+    """Lets JAX's GPU allocator take ``memory.usable_fraction`` of each device (``config`` is a
+    :class:`~shardmem.Config`), unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is already set; call it
+    before JAX's backends start, wherever a process plans or runs on target ``local``.
+
+    Why: the budget of an attached GPU is the lower of device memory x ``usable_fraction`` and the
+    allocator's limit (see :func:`shardmem.memory.budget`), and that limit is JAX's default 75% unless
+    the variable says otherwise. ``shardmem train`` and ``shardmem plan --target local`` both call
+    this, so that they budget alike and the plan's verdict is the one training is gated on.
+    """
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{config.memory.usable_fraction:.6g}")
+
+
 def target_for_device_kind(device_kind: str) -> str | None:
     """Returns the deviceless target (a key of :data:`GPU_TARGETS`) that models a GPU's ``device_kind``."""
     kind = device_kind.lower()

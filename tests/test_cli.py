@@ -1,13 +1,20 @@
 """End-to-end runs of the `shardmem` command, as a user would type them."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from shardmem.cli import main
+from shardmem.config import load_config
+from shardmem.errors import ConfigError
+from shardmem.targets import configure_local_memory
+
 ROOT = Path(__file__).parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
 def shardmem(*args, cwd=ROOT):
@@ -71,3 +78,36 @@ def test_policies_lists_presets_policies_and_targets():
     assert result.returncode == 0
     for text in ("offload", "llama-70b", "68,976,648,192", "h200"):
         assert text in result.stdout
+
+
+def test_plan_top_must_not_be_negative(capsys):
+    assert main(["plan", TINY, "--top", "-1"]) == 2
+    assert "--top -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target, expected", [("local", "0.5"), ("cpu", None)])
+def test_plan_for_local_gets_the_allocator_limit_train_runs_with(target, expected, monkeypatch, capsys):
+    # JAX's default allocator limit (75% of a GPU) would otherwise cap the budget of plan --target local
+    # below the one train is gated on; the variable must be set before anything starts the backend.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    seen = {}
+
+    def fake_plan(config, target, **kwargs):
+        seen["fraction"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+        raise ConfigError("planned")
+
+    monkeypatch.setattr("shardmem.memory.plan", fake_plan)
+    args = ["plan", TINY, "--target", target, "--set", "memory.usable_fraction=0.5"]
+    assert main(args) == 2 and "planned" in capsys.readouterr().err
+    assert seen == {"fraction": expected}
+
+
+def test_configure_local_memory_keeps_a_value_the_user_set(monkeypatch):
+    config = load_config(TINY, ["memory.usable_fraction=0.85"])
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    configure_local_memory(config)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.6"
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    configure_local_memory(config)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.85"
