@@ -108,7 +108,9 @@ def format_record(record: dict[str, Any]) -> str:
     if record.get("step_time_s") is not None:
         parts.append(f"{record['step_time_s'] * 1e3:.1f} ms/step")
     if record.get("mfu") is not None:
-        parts.append(f"MFU {record['mfu']:.1%}")
+        hfu = record.get("hfu")
+        recomputed = hfu is not None and round(hfu, 3) != round(record["mfu"], 3)
+        parts.append(f"MFU {record['mfu']:.1%}" + (f" (HFU {hfu:.1%})" if recomputed else ""))
     if record.get("memory_bytes_in_use") is not None:
         planned = record.get("memory_planned_bytes")
         memory = format_bytes(record["memory_bytes_in_use"])

@@ -35,7 +35,7 @@ from rich.console import Console
 from shardmem.checkpoint import Checkpointer
 from shardmem.config import Config
 from shardmem.data import global_batch, make_source
-from shardmem.errors import PlanError, ShardmemError
+from shardmem.errors import ConfigError, PlanError, ShardmemError
 from shardmem.memory import MemoryReport, plan
 from shardmem.mesh import build_mesh
 from shardmem.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
@@ -129,10 +129,6 @@ def train(
     mesh = build_mesh(config.mesh.axes, jax.devices())
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if lead:
-        _write_config(run_dir / "config.yaml", config, console)
-        (run_dir / "plan.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
-
     checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
                                 keep=train_config.keep_checkpoints)  # fmt: skip
     try:
@@ -141,6 +137,9 @@ def train(
             start, state = 0, program.init()
         else:
             state = checkpointer.restore(program.abstract_state, start)
+        if lead:  # Only now: a resume that cannot restore leaves the run's files as they were.
+            _write_config(run_dir / "config.yaml", config, console)
+            (run_dir / "plan.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
         mesh_text = " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
         begin = f"resuming from step {start}" if start else "new run"
         _say(
@@ -151,8 +150,9 @@ def train(
             f"of {format_bytes(limit)}",
         )
         if start >= train_config.steps:
-            _say(console, f"already trained to step {start} (train.steps={train_config.steps}); "
-                          "raise train.steps to continue")  # fmt: skip
+            _say(console, f"already trained to step {start} (train.steps={train_config.steps}); raise "
+                          "train.steps to continue (the learning-rate schedule then decays over the new "
+                          "train.steps, so the rate jumps up at the resume)")  # fmt: skip
             return TrainResult(run_dir, "finished", start, start, [], report, state)
         loop = _Loop(config, program, source, checkpointer, report, start)
         tensorboard_dir = run_dir / "tensorboard" if train_config.tensorboard else None
@@ -229,11 +229,13 @@ class _Loop:
             self.checkpointer.wait()
             saved = self.checkpointer.latest_step()
             shown = ", ".join(f"{name} {value}" for name, value in values.items())
-            kept = "no checkpoint was saved" if saved is None else f"the last good checkpoint is step {saved}"
+            kept, rerun = "no checkpoint was saved", "rerun to start again from step 0"
+            if saved is not None:
+                kept, rerun = f"the last good checkpoint is step {saved}", f"rerun to resume from {saved}"
             raise DivergedError(
                 f"non-finite training metrics at step {step} ({shown}); stopped without saving it, "
                 f"{kept} in {self.checkpointer.directory}. Lower optimizer.learning_rate, raise "
-                "optimizer.warmup_steps or set optimizer.grad_clip, then rerun to resume from there",
+                f"optimizer.warmup_steps or set optimizer.grad_clip, then {rerun}",
                 step,
                 saved,
             )
@@ -244,8 +246,7 @@ class _Loop:
             step_time = float(np.mean(self._window[-self.config.train.log_every :]))
             record["step_time_s"] = step_time
             record["tokens_per_s"] = self.tokens_per_step / step_time
-            if self.peak_flops:
-                record["mfu"] = self.report.flops_per_step / step_time / self.peak_flops
+            record.update(_utilization(self.report, step_time, self.peak_flops))
         else:
             record["compile_and_step_s"] = elapsed
         if self.device.platform != "cpu":
@@ -263,21 +264,50 @@ class _Loop:
             progress.log(record)
 
 
+def _utilization(report: MemoryReport, step_time: float, peak_flops: float | None) -> dict[str, float]:
+    """Returns ``{"mfu": ..., "hfu": ...}`` for a step of ``step_time`` seconds on devices of
+    ``peak_flops`` FLOP/s in all (empty when the peak is unknown).
+
+    MFU counts the model's FLOPs (the step without rematerialization); HFU counts what the devices
+    executed, recomputation included, so HFU >= MFU and they are equal without remat.
+    """
+    if not peak_flops:
+        return {}
+    per_second = peak_flops * step_time
+    return {"mfu": (report.flops_no_remat or report.flops_per_step) / per_second,
+            "hfu": report.flops_per_step / per_second}  # fmt: skip
+
+
 def _plan_once(config: Config, model_factory, loss_fn) -> MemoryReport:
     """Plans the step for the attached devices on process 0 and gives every process that report, so
-    that all of them take the same decision (and only one compiles the plan)."""
+    that all of them take the same decision (and only one compiles the plan). A planning error on
+    process 0 is raised on every process, so that all of them exit alike."""
     if jax.process_count() == 1:
         return plan(config, "local", model_factory=model_factory, loss_fn=loss_fn, top=5)
     from jax.experimental import multihost_utils
 
     payload = b""
+    failure: BaseException | None = None
     if jax.process_index() == 0:
-        report = plan(config, "local", model_factory=model_factory, loss_fn=loss_fn, top=5)
-        payload = pickle.dumps(report)
+        try:
+            outcome: object = plan(config, "local", model_factory=model_factory, loss_fn=loss_fn, top=5)
+        except ShardmemError as error:
+            # Sent as class and message, which always pickle; a subclass's own arguments may not.
+            kind = next(c for c in (ConfigError, PlanError, ShardmemError) if isinstance(error, c))
+            failure, outcome = error, (kind, str(error))
+        except Exception as error:  # Unexpected: process 0 shows the traceback, the others need not wait.
+            failure, outcome = error, (PlanError, f"process 0 failed to plan the step: {error!r}")
+        payload = pickle.dumps(outcome)
     size = int(multihost_utils.broadcast_one_to_all(np.int64(len(payload))))
     buffer = np.zeros(size, np.uint8)
     buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
-    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
+    outcome = pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
+    if failure is not None:
+        raise failure
+    if isinstance(outcome, tuple):
+        kind, message = outcome
+        raise kind(message)
+    return outcome
 
 
 def _any_process(flag: bool) -> bool:
@@ -364,9 +394,9 @@ def start_runtime(
     """
     from shardmem import distributed
     from shardmem._quiet import native_stderr_silenced
-    from shardmem.targets import ensure_cpu_devices
+    from shardmem.targets import configure_local_memory, ensure_cpu_devices
 
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{config.memory.usable_fraction:.6g}")
+    configure_local_memory(config)
     if local_devices is None and not os.environ.get(distributed.ENV_LOCAL_DEVICES):
         processes = num_processes or os.environ.get(distributed.ENV_NUM_PROCESSES) or "1"
         # A malformed count is reported by initialize() below; plan for one process meanwhile.

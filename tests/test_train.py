@@ -11,11 +11,13 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -25,10 +27,11 @@ from rich.console import Console
 from shardmem.checkpoint import Checkpointer
 from shardmem.cli import main
 from shardmem.config import load_config
+from shardmem.errors import ConfigError
 from shardmem.mesh import build_mesh
-from shardmem.metrics import read_metrics
+from shardmem.metrics import format_record, read_metrics
 from shardmem.step import build_program
-from shardmem.train import DivergedError, DoesNotFitError, train
+from shardmem.train import DivergedError, DoesNotFitError, _utilization, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -177,6 +180,31 @@ def test_sigterm_saves_and_the_run_resumes_on_a_smaller_mesh(reference, child_en
     np.testing.assert_allclose(losses, [r["loss"] for r in result.history], rtol=1e-4)
 
 
+def test_a_failed_resume_leaves_the_run_files_and_a_finished_run_says_how_to_continue(reference, tmp_path):
+    config, result = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(result.run_dir, run_dir)
+    console = Console(record=True, width=300)
+    again = train(config, run_dir, console=console)
+    assert (again.status, again.start_step, again.final_step) == ("finished", STEPS, STEPS)
+    text = console.export_text()
+    assert f"already trained to step {STEPS}" in text and "the rate jumps" in text, text
+    before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "plan.json")}
+    with pytest.raises(ConfigError, match="does not match the state"):
+        train(load_config(TINY, [*FAST, "model.d_model=128"]), run_dir, console=Console(quiet=True))
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+
+
+def test_mfu_counts_model_flops_and_hfu_the_recomputation_too():
+    report = SimpleNamespace(flops_per_step=150.0, flops_no_remat=100.0)
+    assert _utilization(report, 2.0, 100.0) == {"mfu": 0.5, "hfu": 0.75}
+    no_remat = SimpleNamespace(flops_per_step=100.0, flops_no_remat=None)
+    assert _utilization(no_remat, 2.0, 100.0) == {"mfu": 0.5, "hfu": 0.5}
+    assert _utilization(report, 2.0, None) == {}, "no MFU without a known peak FLOP/s"
+    line = format_record({"step": 3, "loss": 1.0, "mfu": 0.5, "hfu": 0.75})
+    assert "MFU 50.0% (HFU 75.0%)" in line
+
+
 def test_gate_refuses_a_step_that_does_not_fit_before_allocating(tmp_path):
     config = load_config(TINY, [*FAST, "memory.usable_fraction=0.000001"])
     live_before = len(jax.live_arrays())
@@ -187,20 +215,31 @@ def test_gate_refuses_a_step_that_does_not_fit_before_allocating(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+# Adam with a huge step makes the gradients NaN on the 2nd step and the loss on the 3rd.
+UNSTABLE = ["optimizer.learning_rate=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=null",
+            "memory.usable_fraction=0.000001"]  # fmt: skip
+
+
 def test_forced_run_that_diverges_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    # Adam with a huge step makes the gradients NaN on the 2nd step and the loss on the 3rd.
-    unstable = ["optimizer.learning_rate=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=null",
-                "train.checkpoint_every=1", "memory.usable_fraction=0.000001"]  # fmt: skip
-    config = load_config(TINY, [*FAST, *unstable])
+    config = load_config(TINY, [*FAST, *UNSTABLE, "train.checkpoint_every=1"])
     console = Console(record=True, width=200)
     with pytest.raises(DivergedError, match=r"step 2 \(.*grad_norm nan.*last good checkpoint is step 1") as e:
         train(config, tmp_path, force=True, console=console)
+    assert "rerun to resume from 1" in str(e.value)
     assert "running anyway (--force)" in console.export_text()
     assert (e.value.step, e.value.last_checkpoint) == (2, 1)
     with Checkpointer(tmp_path / "checkpoints", every=1, keep=3) as checkpointer:
         assert checkpointer.all_steps() == [1]
     saved = _restore(tmp_path, config, jax.devices(), 1)
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(saved))
+
+
+def test_a_run_that_diverges_before_any_checkpoint_says_a_rerun_starts_over(tmp_path):
+    config = load_config(TINY, [*FAST, *UNSTABLE, "train.checkpoint_every=100"])
+    with pytest.raises(DivergedError, match="no checkpoint was saved") as e:
+        train(config, tmp_path, force=True, console=Console(quiet=True))
+    assert e.value.last_checkpoint is None
+    assert "start again from step 0" in str(e.value) and "resume" not in str(e.value)
 
 
 def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch):
@@ -229,6 +268,21 @@ def test_cli_gate_exits_3_with_the_report(child_env, tmp_path):
     assert "DOES NOT FIT" in done.stdout and "--force" in done.stderr
     assert "Traceback" not in done.stderr
     assert not run_dir.exists()
+
+
+def test_a_planning_error_on_process_0_stops_every_process_alike(child_env, tmp_path):
+    # 2 rows cannot be split over 4 devices: process 0's plan fails, and the other one must not wait.
+    overrides = [FSDP_OVER_ALL, "train.global_batch=2"]
+    launched = subprocess.run(
+        [sys.executable, "-m", "shardmem", "launch", "--nproc", "2", "--local-devices", "2", "--",
+         "train", TINY, *_sets(overrides), "--run-dir", str(tmp_path / "run")],
+        env=child_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = launched.stdout + launched.stderr
+    assert launched.returncode == 2, output
+    for process in (0, 1):
+        assert f"[{process}] shardmem: error: train.global_batch=2" in output, output
+    assert "Traceback" not in output
 
 
 @pytest.mark.slow
