@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardmem.sweep import SweepRow, pareto_front
+from shardmem.sweep import SweepRow, pareto_front, short_label
 
 _GIB = 2**30
 
@@ -45,8 +45,8 @@ def plot_sweep(rows: Sequence[SweepRow], *, x: str | None = None, title: str = "
                 label="Pareto front")  # fmt: skip
     on_front = set(front)
     for i, row in enumerate(planned):  # Every point named; the front's names in black, the rest grey.
-        ax.annotate(_short(row.candidate), (xs[i], ys[i]), textcoords="offset points", xytext=(5, 4),
-                    fontsize=7, color="black" if i in on_front else "dimgray")  # fmt: skip
+        ax.annotate(short_label(row.overrides) or row.candidate, (xs[i], ys[i]), textcoords="offset points",
+                    xytext=(5, 4), fontsize=7, color="black" if i in on_front else "dimgray")  # fmt: skip
     budgets = {r.budget_bytes for r in planned}
     if len(budgets) == 1:
         budget = budgets.pop() / _GIB
@@ -61,7 +61,3 @@ def plot_sweep(rows: Sequence[SweepRow], *, x: str | None = None, title: str = "
     if planned:
         ax.legend(loc="best", fontsize=8)
     return figure
-
-
-def _short(candidate: str) -> str:
-    return " ".join(part.split(".")[-1] for part in candidate.split(" "))

@@ -6,7 +6,8 @@
 
 Each candidate is ``config.replace(*overrides)`` planned by :func:`shardmem.plan` (compiled ahead of
 time; deviceless for GPU targets), in a pool of spawned worker processes because one XLA compile uses
-about one core. A candidate whose overrides are invalid is a row with its error, not a crash. With
+about one core. A candidate that fails, for a bad override or anything else, is a row with its error,
+not a crash. With
 ``measure=True`` each candidate also runs a few real steps on the attached (or simulated CPU) devices,
 each in a fresh process so that the measured peak memory is its own.
 """
@@ -122,14 +123,20 @@ def candidates(grid: Mapping[str, Sequence[Any]]) -> list[tuple[str, ...]]:
     ]
 
 
+def _error_text(error: Exception) -> str:
+    """A user's mistake as its message; anything unexpected with its type, which says more."""
+    return str(error) if isinstance(error, ShardmemError) else f"{type(error).__name__}: {error}"
+
+
 def plan_candidate(config: Config, overrides: tuple[str, ...], target: str | None) -> SweepRow:
-    """Plans one candidate; a config or plan error becomes the row's ``error``."""
+    """Plans one candidate; any error (a config or plan error, or an unexpected one) becomes the row's
+    ``error``, so that one candidate cannot end the sweep."""
     from shardmem.memory import plan
 
     try:
         report = plan(config.replace(*overrides), target, top=3)
-    except ShardmemError as e:
-        return SweepRow(overrides, error=str(e))
+    except Exception as e:
+        return SweepRow(overrides, error=_error_text(e))
     return SweepRow(
         overrides, peak_bytes=report.per_device["peak"], budget_bytes=report.budget_bytes, fits=report.fits,
         margin_bytes=report.margin_bytes, flops_per_step=report.flops_per_step,
@@ -174,12 +181,22 @@ def measure_candidate(config: Config, target: str | None, steps: int = 5) -> tup
     return statistics.median(times), (max(peaks) if peaks else None)
 
 
-def _worker_init(cpu_devices: int) -> None:
+def _worker_init(cpu_devices: int, cpu_only: bool, local_memory: Config | None) -> None:
+    """Prepares a worker before JAX starts: ``cpu_only`` (any target but ``local``) keeps it off an
+    attached GPU, whose client would otherwise start in every worker; ``local_memory`` is the config
+    whose allocator limit a worker planning or measuring on the attached devices gets, as ``shardmem
+    train`` would."""
     # Planning allocates nothing; several workers (and the measuring one) may share one GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import shardmem  # noqa: F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
-    from shardmem.targets import ensure_cpu_devices
+    from shardmem.targets import configure_local_memory, ensure_cpu_devices
 
+    if cpu_only:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    if local_memory is not None:
+        configure_local_memory(local_memory)
     ensure_cpu_devices(cpu_devices)
 
 
@@ -190,8 +207,8 @@ def _plan_and_measure(config: Config, overrides: tuple[str, ...], target: str | 
             row.step_seconds, row.measured_peak_bytes = measure_candidate(
                 config.replace(*overrides), target, steps
             )
-        except ShardmemError as e:
-            row.error = f"measuring: {e}"
+        except Exception as e:
+            row.error = f"measuring: {_error_text(e)}"
     return row
 
 
@@ -218,11 +235,12 @@ def sweep(
     """Plans every combination of ``grid`` (``{key: [values]}``) applied to ``config``; returns one row
     per candidate in grid order. ``jobs`` worker processes (default: CPUs, at most one per candidate;
     1 plans in this process). ``measure`` also runs real steps (target ``local`` or ``cpu``)."""
+    if jobs is not None and jobs < 1:
+        raise ConfigError(f"--jobs {jobs}: use 1 or more worker processes, or omit it for one per CPU")
+    if measure_steps < 1:
+        raise ConfigError(f"--steps {measure_steps}: time at least 1 step per candidate")
     combos = candidates(grid)
-    cpu_count = os.cpu_count() or 1
-    jobs = min(jobs or cpu_count, len(combos))
-    if jobs < 1:
-        raise ConfigError(f"--jobs {jobs}: use a positive number of worker processes")
+    jobs = min(jobs or os.cpu_count() or 1, len(combos))
     if measure:
         from shardmem.targets import GPU_TARGETS
 
@@ -242,25 +260,52 @@ def sweep(
             progress(done, len(combos), row)
 
     cpu_devices = _cpu_devices(config, combos)
+    local = (target or config.memory.target) == "local"
     context = multiprocessing.get_context("spawn")
     if measure:
         # One fresh process per candidate, one at a time: timings are not shared with other work, and
         # the device's peak-bytes counter (which cannot be reset) is the candidate's own.
         for i, overrides in enumerate(combos):
+            settings = (cpu_devices, not local, _replaced(config, overrides) if local else None)
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_worker_init,
-                                                        initargs=(cpu_devices,)) as pool:  # fmt: skip
-                finished(i, pool.submit(_plan_and_measure, config, overrides, target, measure_steps).result())
-    elif jobs == 1:
-        _worker_init(cpu_devices)
+                                                        initargs=settings) as pool:  # fmt: skip
+                future = pool.submit(_plan_and_measure, config, overrides, target, measure_steps)
+                finished(i, _result(future, overrides))
+        return rows  # type: ignore[return-value]
+    # The budget is the lower of the allocator's limit and each candidate's usable_fraction: the
+    # largest fraction of the grid leaves every candidate its own.
+    settings = (cpu_devices, not local, _widest_memory(config, combos) if local else None)
+    if jobs == 1:
+        _worker_init(*settings)
         for i, overrides in enumerate(combos):
             finished(i, plan_candidate(config, overrides, target))
     else:
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init,
-                                                    initargs=(cpu_devices,)) as pool:  # fmt: skip
+                                                    initargs=settings) as pool:  # fmt: skip
             futures = {pool.submit(plan_candidate, config, o, target): i for i, o in enumerate(combos)}
             for future in concurrent.futures.as_completed(futures):
-                finished(futures[future], future.result())
+                finished(futures[future], _result(future, combos[futures[future]]))
     return rows  # type: ignore[return-value]
+
+
+def _result(future: concurrent.futures.Future, overrides: tuple[str, ...]) -> SweepRow:
+    """The future's row, or a row with its error when the worker itself failed (say, it was killed)."""
+    try:
+        return future.result()
+    except Exception as e:
+        return SweepRow(overrides, error=_error_text(e))
+
+
+def _replaced(config: Config, overrides: tuple[str, ...]) -> Config:
+    try:
+        return config.replace(*overrides)
+    except ConfigError:
+        return config  # The candidate's row reports the error.
+
+
+def _widest_memory(config: Config, combos: Sequence[tuple[str, ...]]) -> Config:
+    """The candidate config with the largest ``memory.usable_fraction``."""
+    return max((_replaced(config, o) for o in combos), key=lambda c: c.memory.usable_fraction, default=config)
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:

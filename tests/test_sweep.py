@@ -3,14 +3,18 @@
 import csv
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from shardmem import load_config
+from shardmem import sweep as sweep_module
 from shardmem.cli import main
 from shardmem.errors import ConfigError
+from shardmem.plot import plot_sweep
 from shardmem.sweep import (
     COLUMNS,
+    SweepRow,
     candidates,
     measure_candidate,
     pareto_front,
@@ -98,6 +102,77 @@ def test_write_outputs(tiny_rows, tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_labels_keep_values_with_dots_and_spaces():
+    rows = [
+        SweepRow(("optimizer.learning_rate=3.0e-4", "remat.policy=full"), peak_bytes=2**30,
+                 budget_bytes=2**32, fits=True, flops_per_step=1e12),
+        SweepRow(("optimizer.learning_rate=1.0e-3", "remat.layers={0-1: dots}"), peak_bytes=2**31,
+                 budget_bytes=2**32, fits=True, flops_per_step=2e12),
+    ]  # fmt: skip
+    labels = [text.get_text() for text in plot_sweep(rows).axes[0].texts]
+    assert labels == ["learning_rate=3.0e-4 policy=full", "learning_rate=1.0e-3 layers={0-1: dots}"]
+
+
+def _fake_report():
+    return SimpleNamespace(per_device={"peak": 100, "host": 0}, budget_bytes=1000, fits=True,
+                           margin_bytes=900, flops_per_step=1e9, recompute_overhead=None, collectives={},
+                           compile_seconds=0.5, approximate=True)  # fmt: skip
+
+
+def test_an_unexpected_error_is_the_candidates_row_not_the_end_of_the_sweep(monkeypatch):
+    def fake_plan(config, target, **kwargs):
+        if config.remat.policy == "full":
+            raise RuntimeError("XLA fell over")
+        return _fake_report()
+
+    monkeypatch.setattr("shardmem.memory.plan", fake_plan)
+    rows = sweep(load_config(TINY), {"remat.policy": ["none", "full", "minimal"]}, "cpu", jobs=1)
+    assert [r.error for r in rows] == [None, "RuntimeError: XLA fell over", None]
+    assert rows[2].peak_bytes == 100
+
+
+def test_cli_exits_2_when_every_candidate_failed(monkeypatch, tmp_path, capsys):
+    def fake_plan(config, target, **kwargs):
+        raise ValueError("no")
+
+    monkeypatch.setattr("shardmem.memory.plan", fake_plan)
+    args = ["sweep", TINY, "--grid", "remat.policy=none,full", "--target", "cpu", "--jobs", "1"]
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "ValueError: no" in captured.out and "all 2 candidates failed" in captured.err
+    assert (tmp_path / "sweep.csv").exists()
+
+
+@pytest.mark.parametrize("target, cpu_only", [("cpu", True), ("h100-sxm", True), ("local", False)])
+def test_planning_workers_stay_off_the_gpu_unless_they_plan_for_it(target, cpu_only, monkeypatch):
+    started = []
+
+    class FakePool:  # Records how workers would start; runs nothing.
+        def __init__(self, jobs, *, mp_context, initializer, initargs):
+            started.append(initargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            return False
+
+        def submit(self, function, config, overrides, target):
+            future = sweep_module.concurrent.futures.Future()
+            future.set_result(SweepRow(overrides))
+            return future
+
+    monkeypatch.setattr(sweep_module.concurrent.futures, "ProcessPoolExecutor", FakePool)
+    grid = {"remat.policy": ["none", "full"], "memory.usable_fraction": [0.5, 0.8]}
+    sweep(load_config(TINY), grid, target, jobs=2)
+    ((cpu_devices, cpu_only_flag, local_memory),) = started
+    assert cpu_only_flag is cpu_only
+    if target == "local":  # The allocator limit of the candidate with the largest usable fraction.
+        assert local_memory.memory.usable_fraction == 0.8
+    else:
+        assert local_memory is None
+
+
 def test_measure_candidate_runs_real_steps():
     seconds, peak = measure_candidate(load_config(TINY, ["train.global_batch=8"]), "cpu", steps=2)
     assert 0 < seconds < 60
@@ -115,6 +190,10 @@ def test_cli_usage_errors_exit_2(capsys, tmp_path):
     assert "--grid 'remat.policy': write KEY=V1,V2" in err and "Traceback" not in err
     assert main(["sweep", TINY, "--grid", "remat.policy=none", "--target", "h100-sxm", "--measure"]) == 2
     assert "deviceless" in capsys.readouterr().err
+    assert main(["sweep", TINY, "--grid", "remat.policy=none", "--measure", "--steps", "0"]) == 2
+    assert "--steps 0: time at least 1 step" in capsys.readouterr().err
+    assert main(["sweep", TINY, "--grid", "remat.policy=none", "--jobs", "0"]) == 2
+    assert "--jobs 0: use 1 or more" in capsys.readouterr().err
 
 
 @pytest.mark.slow
