@@ -110,6 +110,9 @@ class _Planner:
         self.compiles = 0
         self.reports: dict[tuple[str, ...], MemoryReport] = {}
         self.trials: list[Trial] = []
+        # Matmul FLOPs of the step without remat, once a search has traced it (the same for every
+        # candidate): plan() then need not trace that baseline again for each compile.
+        self.flops_no_remat: float | None = None
 
     @property
     def exhausted(self) -> bool:
@@ -118,9 +121,13 @@ class _Planner:
     def compile(self, candidate: str, overrides: tuple[str, ...]) -> MemoryReport:
         if overrides not in self.reports:
             self.progress(f"compiling {candidate}")
-            self.reports[overrides] = plan(self.base.replace(*overrides), self.target, top=5)
+            baseline = self.flops_no_remat
+            report = plan(self.base.replace(*overrides), self.target, top=5,
+                          count_remat_overhead=baseline is None)  # fmt: skip
+            if baseline is not None:
+                report = dataclasses.replace(report, flops_no_remat=baseline)
+            self.reports[overrides] = report
             self.compiles += 1
-            report = self.reports[overrides]
             verdict = "fits" if report.fits else "does not fit"
             self.note(candidate, overrides, report.per_device["peak"], report.per_device["host"],
                       report.recompute_overhead or 0.0, report.fits, "compiled",
@@ -238,6 +245,7 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
             residual_bytes(config.replace(*_uniform("offload"))) - device_residual["full"]
         )
     overhead = {p: flops[p] / flops["none"] - 1.0 for p in policies}
+    planner.flops_no_remat = flops["none"]
     host_est = {p: host_residual.get(p, 0) / len(target.devices) for p in policies}
 
     full = planner.compile("full", _uniform("full"))

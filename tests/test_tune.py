@@ -68,11 +68,32 @@ def test_tune_remat_mixes_policies_per_layer(peaks, tmp_path):
     assert again.remat == plan_text
 
 
-def test_tune_remat_prunes_what_keeps_more(peaks):
+def test_tune_remat_prunes_what_keeps_more(peaks, monkeypatch):
     config = with_budget(load_config(TINY, BASE), (peaks["dots"] + peaks["none"]) // 2)
+    counted = []
+
+    def spy(*args, **kwargs):  # The search traced the no-remat baseline itself: plan need not again.
+        counted.append(kwargs.get("count_remat_overhead", True))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr("shardmem.tune.plan", spy)
     result = tune(config, "cpu")
+    assert counted == [False] * result.compiles
     assert [(t.candidate, t.fits) for t in result.trials] == [("full", True), ("none", False), ("dots", True)]
     assert result.chosen.recompute_overhead == 0.0
+    full = plan(config.replace("remat.policy=full", "remat.layers={}"), "cpu")
+    assert result.trials[0].recompute_overhead == full.recompute_overhead > 0
+
+
+def test_tune_out_that_cannot_be_written_fails_before_the_search(monkeypatch, tmp_path, capsys):
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched before checking --out")
+
+    monkeypatch.setattr("shardmem.tune.tune", no_search)
+    out = tmp_path / "missing" / "tuned.yaml"
+    assert main(["tune", TINY, "--target", "cpu", "--out", str(out)]) == 2
+    assert f"--out '{out}': cannot write there" in capsys.readouterr().err
+    assert not out.parent.exists()
 
 
 def test_tune_remat_when_nothing_fits(peaks):
