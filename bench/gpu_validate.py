@@ -129,11 +129,11 @@ CPU_TRIALS = tuple(
 # --- driver -------------------------------------------------------------------------------------------
 
 
-def child_env(cpu: bool, mem_fraction: float) -> dict[str, str]:
+def child_env(cpu: bool, mem_fraction: float, preallocate: bool = False) -> dict[str, str]:
     """The environment of every process the driver starts (plans and children)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if preallocate else "false"
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:.3f}"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if cpu:
@@ -366,7 +366,7 @@ def write_outputs(out_dir: Path, meta: dict, rows: list[dict], bars: list[dict])
 
 def driver(args) -> int:
     started = time.perf_counter()
-    env = child_env(args.cpu, args.mem_fraction)
+    env = child_env(args.cpu, args.mem_fraction, args.preallocate)
     device = probe(env)
     on_gpu = device["platform"] == "gpu"
     if not on_gpu and not args.cpu:
@@ -413,7 +413,9 @@ def driver(args) -> int:
         futures = {}
         for t in trials:
             futures[pool.submit(plan_trial, t, twin, twin_env, args.plan_timeout)] = (t.name, "twin")
-            futures[pool.submit(plan_trial, t, "local", env, args.plan_timeout)] = (t.name, "local")
+            if not args.twin_only:
+                local_env = {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # Plans share the GPU.
+                futures[pool.submit(plan_trial, t, "local", local_env, args.plan_timeout)] = (t.name, "local")
         for future in concurrent.futures.as_completed(futures):
             name, kind = futures[future]
             plans[name][kind] = plan = future.result()
@@ -428,7 +430,9 @@ def driver(args) -> int:
             measured = {"status": "skipped", "message": f"the {args.deadline:.0f} s deadline was reached"}
         else:
             measured = run_child(t, args.steps, env, min(args.child_timeout, remaining))
-        row = summarize(t, {k: plans[t.name][k] for k in ("local", "twin")}, measured, peak_flops)
+        skipped = {"status": "skipped", "message": "--twin-only"}
+        trial_plans = {k: plans[t.name].get(k, skipped) for k in ("local", "twin")}
+        row = summarize(t, trial_plans, measured, peak_flops)
         rows.append(row)
         log(f"run {t.name}: {measured['status']}, peak {_gib(measured.get('peak_bytes_in_use'))}, "
             f"measured/predicted {row['measured_over_predicted']} [{measured.get('wall_s')} s]")  # fmt: skip
@@ -542,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--twin", help="deviceless target to compare with (default: from device_kind)")
     parser.add_argument("--mem-fraction", type=float, default=0.95,
                         help="XLA_PYTHON_CLIENT_MEM_FRACTION for plans and children")  # fmt: skip
+    parser.add_argument("--preallocate", action="store_true",
+                        help="children keep JAX's default up-front pool (XLA_PYTHON_CLIENT_PREALLOCATE=true)")
+    parser.add_argument("--twin-only", action="store_true", help="skip the --target local plans")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                         help="plans run in parallel")  # fmt: skip
     parser.add_argument("--plan-timeout", type=float, default=240, help="seconds per plan")
