@@ -55,6 +55,7 @@ class MemoryReport:
     device_memory_bytes: int
     budget_bytes: int
     fits: bool
+    deviceless_margin: float
     flops_per_step: float
     flops_no_remat: float | None
     top_buffers: list[hlo.LiveBuffer]
@@ -90,6 +91,7 @@ class MemoryReport:
             "per_device": self.per_device,
             "device_memory_bytes": self.device_memory_bytes,
             "budget_bytes": self.budget_bytes,
+            "deviceless_margin": self.deviceless_margin,
             "fits": self.fits,
             "margin_bytes": self.margin_bytes,
             "flops_per_step": self.flops_per_step,
@@ -103,13 +105,17 @@ class MemoryReport:
         }
 
 
-def budget(memory: MemoryConfig, device_memory_bytes: int, allocator_limit: int | None = None) -> int:
-    """Returns the bytes a step may use: device memory x usable_fraction - reserve, and no more than
-    the allocator's limit (on an attached GPU) minus the reserve."""
+def budget(
+    memory: MemoryConfig, device_memory_bytes: int, allocator_limit: int | None = None, *, deviceless=False
+) -> int:
+    """Returns the bytes a step may use: device memory x usable_fraction (no more than the allocator's
+    limit on an attached GPU) - reserve; for a deviceless GPU compile, divided by 1 + deviceless_margin,
+    the measured gap between deviceless and real-GPU compiles."""
     limit = int(device_memory_bytes * memory.usable_fraction)
     if allocator_limit:
         limit = min(limit, allocator_limit)
-    return limit - memory.reserve
+    margin = memory.deviceless_margin if deviceless else 0.0
+    return int((limit - memory.reserve) / (1 + margin))
 
 
 def make_target(config: Config, target: str | None = None) -> Target:
@@ -261,12 +267,13 @@ def analyze(
             f"analytic argument bytes ({accounted}) differ from XLA's ({arguments}): some "
             "arguments are laid out or sharded differently than their shardings say"
         )
-    limit = budget(memory, target.memory_bytes, target.allocator_limit)
+    limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
     mesh = _mesh_of(groups)
     return MemoryReport(
         name=name, target=target.name, target_label=target.label, approximate=target.approximate,
         devices=len(target.devices), mesh=mesh, per_device=per_device,
         device_memory_bytes=target.memory_bytes, budget_bytes=limit, fits=peak <= limit,
+        deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
     )  # fmt: skip

@@ -52,7 +52,9 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     how = "to spare" if report.fits else "over budget"
     parts.append(Text.assemble(
         "budget ", format_bytes(report.budget_bytes),
-        f" (device {format_bytes(report.device_memory_bytes)} x usable fraction - reserve): ",
+        f" (device {format_bytes(report.device_memory_bytes)} x usable fraction - reserve"
+        + (f", / {1 + report.deviceless_margin:g} deviceless margin" if report.deviceless_margin else "")
+        + "): ",
         (verdict, "bold green" if report.fits else "bold red"),
         f", {format_bytes(abs(report.margin_bytes))} {how}",
     ))  # fmt: skip

@@ -60,6 +60,8 @@ def test_plan_function_reports_any_jitted_function():
 def test_budget_and_verdict():
     config = _tiny(memory={"target": "cpu", "usable_fraction": 0.5, "reserve": "1MiB"})
     assert budget(config.memory, 100 << 20) == (50 << 20) - (1 << 20)
+    # Deviceless GPU plans keep a measured margin for what autotuning on the real GPU adds.
+    assert budget(config.memory, 100 << 20, deviceless=True) == int(((50 << 20) - (1 << 20)) / 1.16)
     small = _tiny(memory={"target": "cpu", "usable_fraction": 1e-7, "reserve": 0})
     report = plan(small)
     assert not report.fits and report.margin_bytes < 0

@@ -166,7 +166,10 @@ def test_tune_offloads_on_a_gpu_target_when_minimal_does_not_fit():
     device = minimal.device_memory_bytes
     budget = (minimal.per_device["peak"] + offload.per_device["peak"]) // 2
     tuned = tune(
-        config.replace("memory.reserve=0", f"memory.usable_fraction={budget / device!r}"), "h100-sxm"
+        config.replace(
+            "memory.reserve=0", "memory.deviceless_margin=0", f"memory.usable_fraction={budget / device!r}"
+        ),
+        "h100-sxm",
     )
     assert tuned.found and tuned.report.fits and tuned.report.per_device["host"] > 0
     assert tuned.chosen.recompute_overhead == pytest.approx(minimal.recompute_overhead, abs=0.02)
