@@ -126,6 +126,15 @@ def train(
             raise DoesNotFitError(message, report)
         _say(console, f"[yellow]warning:[/yellow] {message.split('; make')[0]}; running anyway (--force)")
 
+    preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower()
+    if preallocate in ("false", "0") and not report.approximate:
+        _say(
+            console,
+            "[yellow]warning:[/yellow] XLA_PYTHON_CLIENT_PREALLOCATE=false: the allocator then grows region "
+            "by region and can fragment, so a step that fits the plan may still run out of memory "
+            "(measured on an H200, BENCHMARKS.md); unset it to keep JAX's preallocated pool",
+        )
+
     mesh = build_mesh(config.mesh.axes, jax.devices())
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
     run_dir.mkdir(parents=True, exist_ok=True)
