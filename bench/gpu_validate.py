@@ -19,10 +19,12 @@ For each trial (a shipped config plus ``--set`` overrides, on a one-device mesh)
    trial that ran, no trial the plan said fits ran out of memory, and the trial planned too big really
    fails while its nearest neighbour that fits really runs.
 
-Children and the local plans run with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: by default JAX reserves
-75% of the GPU up front, and ``peak_bytes_in_use`` would then report that reservation, not what the
-program used. ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (``--mem-fraction``, default 0.95) caps what the
-allocator may grow to; the default cap of 0.75 would make a step fail at 75% of the card although the
+Children keep JAX's default preallocated pool (as ``shardmem train`` does): ``peak_bytes_in_use`` counts
+what the program holds, not the pool, and measured on an H200 it matched the plan exactly. With
+``--no-preallocate`` (``XLA_PYTHON_CLIENT_PREALLOCATE=false``) the allocator grows region by region and
+compile-time autotuning can fragment it, so steps that fit ran out of memory there. Local plans run with
+preallocation off, since several share the GPU. ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (``--mem-fraction``,
+default 0.95) caps the pool; the default cap of 0.75 would make a step fail at 75% of the card although the
 deviceless twin rightly plans for all of it. The local plan sees the same cap as ``bytes_limit``.
 
 Order matters for the measurement: the child compiles the step before it allocates the state, so that
@@ -546,8 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--twin", help="deviceless target to compare with (default: from device_kind)")
     parser.add_argument("--mem-fraction", type=float, default=0.95,
                         help="XLA_PYTHON_CLIENT_MEM_FRACTION for plans and children")  # fmt: skip
-    parser.add_argument("--preallocate", action="store_true",
-                        help="children keep JAX's default up-front pool (XLA_PYTHON_CLIENT_PREALLOCATE=true)")
+    parser.add_argument(
+        "--no-preallocate",
+        dest="preallocate",
+        action="store_false",
+        help="children run with XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX's pool grows on demand)",
+    )
     parser.add_argument("--twin-only", action="store_true", help="skip the --target local plans")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                         help="plans run in parallel")  # fmt: skip
