@@ -32,7 +32,7 @@ from shardmem.report import render  # noqa: E402
 from shardmem.rules import Rules, constrain  # noqa: E402
 from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
 from shardmem.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
-from shardmem.train import TrainResult, train  # noqa: E402
+from shardmem.training import TrainResult, train  # noqa: E402
 
 __all__ = [
     "CHECKPOINT_TAGS",

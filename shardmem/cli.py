@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from shardmem.report import render
-    from shardmem.train import DivergedError, DoesNotFitError, start_runtime, train
+    from shardmem.training import DivergedError, DoesNotFitError, start_runtime, train
 
     config = _load(args)
     start_runtime(config, coordinator=args.coordinator, num_processes=args.num_processes,

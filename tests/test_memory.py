@@ -67,12 +67,19 @@ def test_budget_and_verdict():
     assert not report.fits and report.margin_bytes < 0
 
 
+def _h100_plan(policy: str, n_layers: int):
+    """llama-7b widths with ``n_layers`` layers and sequences of 1024, FSDP over 8 deviceless H100s."""
+    return plan(config_from_dict({
+        "model": {"preset": "llama-7b", "n_layers": n_layers, "seq_len": 1024},
+        "mesh": {"axes": {"fsdp": -1}, "devices_per_host": 8},
+        "train": {"global_batch": 8},
+        "memory": {"target": "h100-sxm"},
+        "remat": {"policy": policy},
+    }))  # fmt: skip
+
+
 def test_gpu_target_compiles_deviceless_and_remat_cuts_temporaries():
-    widths = {"preset": "llama-7b", "n_layers": 8, "seq_len": 1024}
-    base = {"model": widths, "mesh": {"axes": {"fsdp": -1}, "devices_per_host": 8},
-            "train": {"global_batch": 8}, "memory": {"target": "h100-sxm"}}  # fmt: skip
-    none = plan(config_from_dict({**base, "remat": {"policy": "none"}}))
-    full = plan(config_from_dict({**base, "remat": {"policy": "full"}}))
+    none, full = _h100_plan("none", 8), _h100_plan("full", 8)
     assert none.devices == 8 and not none.approximate
     assert none.target_label.startswith("8 x NVIDIA H100 80GB HBM3")
     assert full.per_device["temp"] < 0.5 * none.per_device["temp"]
@@ -86,11 +93,7 @@ def test_gpu_target_compiles_deviceless_and_remat_cuts_temporaries():
 
 
 def test_offload_moves_bytes_to_host_on_gpu_targets():
-    widths = {"preset": "llama-7b", "n_layers": 2, "seq_len": 1024}
-    base = {"model": widths, "mesh": {"axes": {"fsdp": -1}, "devices_per_host": 8},
-            "train": {"global_batch": 8}, "memory": {"target": "h100-sxm"}}  # fmt: skip
-    offload = plan(config_from_dict({**base, "remat": {"policy": "offload"}}))
-    minimal = plan(config_from_dict({**base, "remat": {"policy": "minimal"}}))
+    offload, minimal = _h100_plan("offload", 2), _h100_plan("minimal", 2)
     assert offload.per_device["host"] > 0
     assert offload.per_device["temp"] < minimal.per_device["temp"]
 

@@ -1,4 +1,4 @@
-"""Tests for shardmem.train and the ``train``/``launch`` commands: the gate, the loop, checkpoints,
+"""Tests for shardmem.training and the ``train``/``launch`` commands: the gate, the loop, checkpoints,
 preemption, resuming (after kill -9, and onto a different mesh), divergence and multi-process runs.
 
 Subprocess runs use ``python -m shardmem`` like a user would; they share a persistent compilation
@@ -31,7 +31,7 @@ from shardmem.errors import ConfigError
 from shardmem.mesh import build_mesh
 from shardmem.metrics import format_record, read_metrics
 from shardmem.step import build_program
-from shardmem.train import DivergedError, DoesNotFitError, _utilization, train
+from shardmem.training import DivergedError, DoesNotFitError, _utilization, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
