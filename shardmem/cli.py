@@ -192,6 +192,12 @@ def cmd_sweep(args) -> int:
 
     config = _load(args, planning_only=not args.measure)
     grid = parse_grid(args.grid)
+    out_dir = args.out or f"sweep-{config.name}"
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {e.strerror}") from None
+    _check_writable(os.path.join(out_dir, "sweep.csv"), "--out")  # Now, not after the sweep.
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("planning", total=None)
 
@@ -200,7 +206,7 @@ def cmd_sweep(args) -> int:
 
         rows = sweep(config, grid, args.target, jobs=args.jobs, measure=args.measure,
                      measure_steps=args.steps, progress=advance)  # fmt: skip
-    paths = write_outputs(rows, args.out or f"sweep-{config.name}", title=f"{config.name}: sweep")
+    paths = write_outputs(rows, out_dir, title=f"{config.name}: sweep")
     if args.json:
         print(json.dumps([{**row.flat(), "collectives": row.collectives} for row in rows], indent=2))
     else:

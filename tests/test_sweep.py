@@ -212,3 +212,12 @@ def test_cli_sweep_in_worker_processes_with_measure(tmp_path, capsys):
     assert code == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["step_seconds"] > 0
+
+
+def test_cli_sweep_checks_out_before_planning(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sweep_module, "sweep", lambda *a, **k: pytest.fail("planned before checking --out"))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    args = ["sweep", TINY, "--grid", "remat.policy=none,full", "--target", "cpu", "--out", str(blocker / "x")]
+    assert main(args) == 2
+    assert "--out" in capsys.readouterr().err
