@@ -8,7 +8,10 @@ For each trial (a shipped config plus ``--set`` overrides, on a one-device mesh)
 
 1. the driver plans it twice with the real CLI, ``shardmem plan ... --target local --json`` and against the
    deviceless twin of the attached GPU (``h200`` for an H200, read from ``device_kind``), each in its own
-   process, so that the driver itself never starts a GPU client and holds no device memory;
+   process, so that the driver itself never starts a GPU client and holds no device memory (with
+   ``--autotune-off``, a third plan compiles for the GPU without autotuning, to tell whether autotuning
+   is what separates the twin's plan from the GPU's). The twin's plans run in the background throughout;
+   local plans run ``--local-jobs`` at a time and all finish before the first child starts;
 2. a fresh child process (``--child``) builds the program, compiles the step ahead of time, initialises
    the state, runs ``--steps`` steps on synthetic tokens and prints one JSON line with the allocator's
    ``peak_bytes_in_use`` and the step times; an XLA ``RESOURCE_EXHAUSTED`` is recorded as ``oom``;
@@ -56,6 +59,7 @@ RESULT_MARK = "GPU_VALIDATE_RESULT "
 GIB = 2**30
 PEAK_TOLERANCE = 0.05  # Issue 5: measured/predicted peak within 5%.
 OOM_MARKERS = ("resource_exhausted", "out of memory", "out_of_memory")
+VERDICT_KINDS = ("local", "twin")  # Plans whose verdicts the bars judge.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +266,7 @@ def check_bars(rows: list[dict], measurable: bool) -> list[dict]:
                      "too-big trial fails, nearest fitting neighbour runs"):  # fmt: skip
             bars.append({"bar": name, "result": "N/A", "detail": why})
         return bars
-    for kind in ("local", "twin"):
+    for kind in VERDICT_KINDS:
         ratios = {r["trial"]: r["measured_over_predicted"][kind] for r in rows
                   if kind in r["measured_over_predicted"]}  # fmt: skip
         worst = max(ratios.items(), key=lambda kv: abs(kv[1] - 1), default=None)
@@ -273,7 +277,7 @@ def check_bars(rows: list[dict], measurable: bool) -> list[dict]:
                      "result": "PASS" if ok else "FAIL", "detail": detail})  # fmt: skip
     failures = []
     for row in rows:
-        for kind, plan in row["plans"].items():
+        for kind, plan in _verdict_plans(row).items():
             if plan.get("status") == "ok" and plan["fits"] and row["measured"].get("status") == "oom":
                 failures.append(f"{row['trial']} ({kind})")
     ran = [r for r in rows if r["measured"].get("status") in ("ok", "oom")]
@@ -295,15 +299,20 @@ def check_bars(rows: list[dict], measurable: bool) -> list[dict]:
     return bars
 
 
+def _verdict_plans(row: dict) -> dict[str, dict]:
+    """The plans whose verdict is on trial: ``local-autotune-off`` is a diagnostic, not a verdict."""
+    return {kind: plan for kind, plan in row["plans"].items() if kind in VERDICT_KINDS}
+
+
 def _planned(row: dict, *, fits: bool) -> bool:
-    plans = [p for p in row["plans"].values() if p.get("status") == "ok"]
+    plans = [p for p in _verdict_plans(row).values() if p.get("status") == "ok"]
     return bool(plans) and all(p["fits"] == fits for p in plans)
 
 
 def _verdicts(row: dict) -> str:
     return "/".join(
         f"{kind}:{'fits' if p['fits'] else 'too big'}" if p.get("status") == "ok" else f"{kind}:error"
-        for kind, p in row["plans"].items()
+        for kind, p in _verdict_plans(row).items()
     )
 
 
@@ -350,6 +359,14 @@ def markdown(meta: dict, rows: list[dict], bars: list[dict]) -> str:
             f"| {_pct(errors.get('local'))} / {_pct(errors.get('twin'))} | {m.get('status')} "
             f"| {step} | {tokens} | {mfu} | {hfu} |"
         )
+    diagnosed = [row for row in rows if "local-autotune-off" in row["plans"]]
+    if diagnosed:
+        lines += ["", f"| trial | predicted peak: local / local, autotune off / {twin} | measured peak |",
+                  "|---|---|---|"]  # fmt: skip
+        for row in diagnosed:
+            peaks = " / ".join(_gib(row["plans"].get(kind, {}).get("peak_bytes"))
+                               for kind in ("local", "local-autotune-off", "twin"))  # fmt: skip
+            lines.append(f"| {row['trial']} | {peaks} | {_gib(row['measured'].get('peak_bytes_in_use'))} |")
     lines += ["", "| bar | result | detail |", "|---|---|---|"]
     lines += [f"| {b['bar']} | {b['result']} | {b['detail']} |" for b in bars]
     return "\n".join(lines) + "\n"
@@ -407,38 +424,53 @@ def driver(args) -> int:
     log = lambda text: print(f"[{time.perf_counter() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
     log(f"{device['device_kind']} ({device['platform']}), twin {twin}, {len(trials)} trials -> {out_dir}")
 
-    # Plans first, in parallel: the twin's compile needs no GPU (JAX_PLATFORMS=cpu keeps its processes off
-    # the device); the local plans touch the GPU, so they all finish before any child runs.
-    twin_env = {**env, "JAX_PLATFORMS": "cpu"}
+    # The twin's compiles need no GPU (JAX_PLATFORMS=cpu keeps their processes off the device), so they run
+    # in the background, beside everything else. The local plans compile on the GPU and autotune there:
+    # a few at a time (eight at once ran out of memory autotuning on an H200), all before any child runs.
     plans: dict[str, dict[str, dict]] = {t.name: {} for t in trials}
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {}
-        for t in trials:
-            futures[pool.submit(plan_trial, t, twin, twin_env, args.plan_timeout)] = (t.name, "twin")
-            if not args.twin_only:
-                local_env = {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # Plans share the GPU.
-                futures[pool.submit(plan_trial, t, "local", local_env, args.plan_timeout)] = (t.name, "local")
-        for future in concurrent.futures.as_completed(futures):
-            name, kind = futures[future]
-            plans[name][kind] = plan = future.result()
-            verdict = (f"peak {_gib(plan['peak_bytes'])}, fits {plan['fits']}" if plan["status"] == "ok"
-                       else plan["message"][-300:])  # fmt: skip
-            log(f"plan {name} ({kind}): {verdict} [{plan['wall_s']} s]")
 
-    rows: list[dict] = []
-    for t in trials:
-        remaining = args.deadline - (time.perf_counter() - started)
-        if remaining < 20:
-            measured = {"status": "skipped", "message": f"the {args.deadline:.0f} s deadline was reached"}
-        else:
-            measured = run_child(t, args.steps, env, min(args.child_timeout, remaining))
-        skipped = {"status": "skipped", "message": "--twin-only"}
-        trial_plans = {k: plans[t.name].get(k, skipped) for k in ("local", "twin")}
-        row = summarize(t, trial_plans, measured, peak_flops)
-        rows.append(row)
-        log(f"run {t.name}: {measured['status']}, peak {_gib(measured.get('peak_bytes_in_use'))}, "
-            f"measured/predicted {row['measured_over_predicted']} [{measured.get('wall_s')} s]")  # fmt: skip
-        write_outputs(out_dir, meta, rows, check_bars(rows, measurable=on_gpu))
+    def planned(name, kind, plan):
+        plans[name][kind] = plan
+        verdict = (f"peak {_gib(plan['peak_bytes'])}, fits {plan['fits']}" if plan["status"] == "ok"
+                   else plan["message"][-300:])  # fmt: skip
+        log(f"plan {name} ({kind}): {verdict} [{plan['wall_s']} s]")
+
+    twin_env = {**env, "JAX_PLATFORMS": "cpu"}
+    local_env = {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # Local plans share the GPU.
+    local_envs = {} if args.twin_only else {"local": local_env}
+    if args.autotune_off and not args.twin_only:
+        # The GPU's compile without autotuning: whether autotuning is what separates the twin's plan.
+        flags = " ".join(f for f in (env.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0") if f)
+        local_envs["local-autotune-off"] = {**local_env, "XLA_FLAGS": flags}
+    with (
+        concurrent.futures.ThreadPoolExecutor(args.jobs) as twin_pool,
+        concurrent.futures.ThreadPoolExecutor(args.local_jobs) as local_pool,
+    ):
+        twins = {t.name: twin_pool.submit(plan_trial, t, twin, twin_env, args.plan_timeout) for t in trials}
+        local = {
+            local_pool.submit(plan_trial, t, "local", kind_env, args.plan_timeout): (t.name, kind)
+            for t in trials
+            for kind, kind_env in local_envs.items()
+        }
+        for future in concurrent.futures.as_completed(local):
+            planned(*local[future], future.result())
+
+        rows: list[dict] = []
+        for t in trials:
+            remaining = args.deadline - (time.perf_counter() - started)
+            if remaining < 20:
+                measured = {"status": "skipped", "message": f"the {args.deadline:.0f} s deadline was reached"}
+            else:
+                measured = run_child(t, args.steps, env, min(args.child_timeout, remaining))
+            planned(t.name, "twin", twins[t.name].result())
+            skipped = {"status": "skipped", "message": "--twin-only"}
+            trial_plans = {"local": skipped, **plans[t.name]}
+            row = summarize(t, trial_plans, measured, peak_flops)
+            rows.append(row)
+            ratios = row["measured_over_predicted"]
+            log(f"run {t.name}: {measured['status']}, peak {_gib(measured.get('peak_bytes_in_use'))}, "
+                f"measured/predicted {ratios} [{measured.get('wall_s')} s]")  # fmt: skip
+            write_outputs(out_dir, meta, rows, check_bars(rows, measurable=on_gpu))
 
     bars = check_bars(rows, measurable=on_gpu)
     meta["total_s"] = round(time.perf_counter() - started, 1)
@@ -555,8 +587,13 @@ def main(argv: list[str] | None = None) -> int:
         help="children run with XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX's pool grows on demand)",
     )
     parser.add_argument("--twin-only", action="store_true", help="skip the --target local plans")
+    parser.add_argument("--autotune-off", action="store_true",
+                        help="also plan --target local with autotuning off (--xla_gpu_autotune_level=0): "
+                             "does autotuning separate the twin's plan from the GPU's?")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
-                        help="plans run in parallel")  # fmt: skip
+                        help="deviceless plans run in parallel")  # fmt: skip
+    parser.add_argument("--local-jobs", type=int, default=2,
+                        help="local plans (compiled and autotuned on the GPU) run in parallel")  # fmt: skip
     parser.add_argument("--plan-timeout", type=float, default=240, help="seconds per plan")
     parser.add_argument("--child-timeout", type=float, default=150, help="seconds per child run")
     parser.add_argument("--deadline", type=float, default=450,

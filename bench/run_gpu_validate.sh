@@ -12,8 +12,9 @@
 #   source tree (PYTHONPATH), so nothing needs installing when the imports work.
 # - Wheels carried in .whl/ (see /work/.library/device/README.md), if any, are installed first into
 #   /tmp/site: the way to bring a missing or too old package to a machine without a registry.
-# - About 8 minutes: a probe, 2 plans per trial in parallel, then one fresh child process per trial
-#   (150 s timeout each, no child started after 450 s). Results go to $OUT (gpu_validate.md,
+# - About 8 minutes: a probe, local plans 2 at a time, then one fresh child process per trial (150 s
+#   timeout each, no child started after 450 s) while the deviceless plans run on the CPUs beside them.
+#   `--autotune-off` adds a local plan without autotuning per trial (issue 5's open question). Results go to $OUT (gpu_validate.md,
 #   gpu_validate.json, gpu_validate.log) after every trial, so a run cut short keeps what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."

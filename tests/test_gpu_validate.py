@@ -22,7 +22,8 @@ GIB = 2**30
 def test_cpu_dry_run_writes_well_formed_results(tmp_path):
     trials = ("tiny-offload",)  # One trial keeps this under a minute on two shared cores.
     argv = [sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--cpu", "--out", str(tmp_path),
-            "--steps", "2", "--jobs", "2", *(a for t in trials for a in ("--only", t))]  # fmt: skip
+            "--steps", "2", "--jobs", "2", "--autotune-off",
+            *(a for t in trials for a in ("--only", t))]  # fmt: skip
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -32,7 +33,7 @@ def test_cpu_dry_run_writes_well_formed_results(tmp_path):
     assert [row["trial"] for row in payload["rows"]] == list(trials)
     for row in payload["rows"]:
         local, twin = row["plans"]["local"], row["plans"]["twin"]
-        assert local["status"] == twin["status"] == "ok", row["plans"]
+        assert local["status"] == twin["status"] == row["plans"]["local-autotune-off"]["status"] == "ok"
         assert local["target"] == "local" and twin["target"] == "h200"
         assert "deviceless" in twin["target_label"]
         for plan in (local, twin):
@@ -54,6 +55,7 @@ def test_cpu_dry_run_writes_well_formed_results(tmp_path):
     assert table.startswith("CPU dry run (not a GPU result)")
     assert "| tiny-offload | offload |" in table and "MiB" in table
     assert "| bar | result | detail |" in table
+    assert "| tiny-offload | " in table.split("local, autotune off")[1]
 
 
 def test_is_oom_recognises_xla_and_cuda_messages():
@@ -136,3 +138,16 @@ def test_plan_trial_reads_a_does_not_fit_verdict():
     plan = gv.plan_trial(trial, "h200", gv.child_env(cpu=True, mem_fraction=0.95), timeout=120)
     assert plan["status"] == "ok" and plan["exit_code"] == 3, plan
     assert plan["fits"] is False and plan["peak_bytes"] > plan["budget_bytes"]
+
+
+def test_autotune_off_plan_is_shown_but_not_judged():
+    row = _row("a", _plan(10, True), _plan(10, True), _ran(10.1))
+    row["plans"]["local-autotune-off"] = _plan(5, True)  # A diagnostic 50% below the measurement.
+    row = gv.summarize(gv.Trial("a", "configs/tiny.yaml", ()), row["plans"], _ran(10.1), peak_flops=1e15)
+    assert row["measured_over_predicted"]["local-autotune-off"] == pytest.approx(2.02, rel=1e-6)
+    bars = gv.check_bars([row], measurable=True)
+    assert {b["bar"]: b["result"] for b in bars}["measured/predicted peak within 5% (local plan)"] == "PASS"
+    meta = {"label": "GPU validation", "device_kind": "NVIDIA H200", "platform": "gpu", "jax": "0",
+            "bytes_limit": 140 * GIB, "twin": "h200", "steps": 5}  # fmt: skip
+    table = gv.markdown(meta, [row], bars)
+    assert "| a | 10.00 GiB / 5.00 GiB / 10.00 GiB | 10.10 GiB |" in table
