@@ -149,20 +149,15 @@ def plan(
     resolved = make_target(config, target)
     mesh = build_mesh(config.mesh.axes, resolved.devices)
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
-    report = _plan_program(program, resolved, top=top)
-    if model_factory is not None:
-        return report  # A user's module: its remat is its own business, no baseline to compare with.
-    layer_plan = config.remat_plan()
-    baseline = report.flops_per_step  # Without remat the step is its own baseline.
-    if any(p.remats for p in layer_plan.policies):
-        baseline = None
-        if count_remat_overhead:  # Tracing the step without remat costs no compile.
-            plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), mesh)
-            baseline = hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
-    return dataclasses.replace(report, flops_no_remat=baseline, remat=layer_plan.describe())
+    report, _ = plan_program(program, resolved, top=top, count_remat_overhead=count_remat_overhead)
+    return report
 
 
-def _plan_program(program: Program, target: Target, *, top: int) -> MemoryReport:
+def plan_program(
+    program: Program, target: Target, *, top: int = 10, count_remat_overhead: bool = True
+) -> tuple[MemoryReport, jax.stages.Compiled]:
+    """Plans a built program (its mesh over ``target.devices``) and returns the report with the compiled
+    step, which runs on attached devices: ``shardmem train`` steps with it rather than compiling again."""
     traced = program.step.trace(program.abstract_state, program.abstract_batch)
     state = program.abstract_state
     groups = {
@@ -170,12 +165,24 @@ def _plan_program(program: Program, target: Target, *, top: int) -> MemoryReport
         "optimizer": {"opt_state": state["opt_state"], "step": state["step"]},
         "batch": program.abstract_batch,
     }
-    report = analyze(traced, target, program.config.memory, groups=groups, top=top, name=program.config.name)
+    config = program.config
+    report, compiled = _compile_and_analyze(traced, target, config.memory, groups=groups, top=top,
+                                            name=config.name)  # fmt: skip
     rows = program.sharding_table()
     warnings = rule_warnings(rows, program.rules, program.mesh) + report.warnings
-    return dataclasses.replace(
+    report = dataclasses.replace(
         report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings, sharding=rows
     )
+    if program.custom_model:  # A user's module: its remat is its own business, no baseline to compare with.
+        return report, compiled
+    layer_plan = config.remat_plan()
+    baseline = report.flops_per_step  # Without remat the step is its own baseline.
+    if any(p.remats for p in layer_plan.policies):
+        baseline = None
+        if count_remat_overhead:  # Tracing the step without remat costs no compile.
+            plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), program.mesh)
+            baseline = hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
+    return dataclasses.replace(report, flops_no_remat=baseline, remat=layer_plan.describe()), compiled
 
 
 def plan_function(
@@ -192,8 +199,7 @@ def plan_function(
     (e.g. ``{"params": abstract_params}``) whose per-device bytes the report lists separately."""
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     traced = jitted.trace(*abstract_args)
-    report = analyze(traced, target, memory or MemoryConfig(), groups=groups or {}, top=top,
-                     name=name)  # fmt: skip
+    report = analyze(traced, target, memory or MemoryConfig(), groups=groups or {}, top=top, name=name)
     return dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr))
 
 
@@ -216,6 +222,12 @@ def analyze(
     name: str = "run",
 ) -> MemoryReport:
     """Lowers and compiles a traced step for ``target`` and reads XLA's memory analysis."""
+    return _compile_and_analyze(traced, target, memory, groups=groups, top=top, name=name)[0]
+
+
+def _compile_and_analyze(
+    traced, target: Target, memory: MemoryConfig, *, groups: Mapping[str, Any], top: int, name: str
+) -> tuple[MemoryReport, jax.stages.Compiled]:
     start = time.perf_counter()
     with _persistent_cache_off(), tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump:
         try:
@@ -276,7 +288,7 @@ def analyze(
         deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
-    )  # fmt: skip
+    ), compiled  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -86,6 +86,7 @@ class Program:
     optimizer: optax.GradientTransformation
     step: Callable  # jitted (state, batch) -> (state, metrics); state is donated
     init: Callable  # () -> state, initialised from train.seed with its shardings
+    custom_model: bool = False  # Built from a user's model_factory rather than the reference model.
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.rules.ShardingRow` per parameter."""
@@ -208,4 +209,5 @@ def build_program(
 
     init = jax.jit(init_state, out_shardings=state_shardings)
     return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
-                   batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)))  # fmt: skip
+                   batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
+                   custom_model=model_factory is not None)  # fmt: skip

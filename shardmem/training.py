@@ -4,8 +4,9 @@
     result.status, result.final_step, result.history[-1]["loss"]
 
 Before anything the size of the model is allocated, the step is planned for the attached devices
-(:func:`shardmem.plan` with target ``local``); a step that does not fit raises
-:class:`DoesNotFitError` unless ``force=True``. A run directory that holds checkpoints resumes from
+(:func:`shardmem.memory.plan_program` with target ``local``); a step that does not fit raises
+:class:`DoesNotFitError` unless ``force=True``. In a single process the plan's compiled step is the
+one that trains, so the step is compiled once. A run directory that holds checkpoints resumes from
 the newest one, onto whatever mesh the current devices give, and the batch of step ``k`` depends only
 on ``(train.seed, k)``, so a resumed run computes what an uninterrupted one would have.
 
@@ -24,6 +25,7 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,10 @@ from shardmem.checkpoint import Checkpointer
 from shardmem.config import Config
 from shardmem.data import global_batch, make_source
 from shardmem.errors import ConfigError, PlanError, ShardmemError
-from shardmem.memory import MemoryReport, plan
+from shardmem.memory import MemoryReport, make_target, plan_program
 from shardmem.mesh import build_mesh
 from shardmem.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
-from shardmem.step import LossFn, ModelFactory, build_program, next_token_loss
+from shardmem.step import LossFn, ModelFactory, Program, build_program, next_token_loss
 from shardmem.targets import peak_flops_for
 from shardmem.units import format_bytes
 
@@ -113,7 +115,9 @@ def train(
     if train_config.tensorboard:
         tensorboard_writer_class()  # Fails now, not after the first checkpoint.
 
-    report = _plan_once(config, model_factory, loss_fn)
+    mesh = build_mesh(config.mesh.axes, jax.devices())
+    program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
+    report, step_fn = _plan_once(program)
     peak, limit = report.per_device["peak"], report.budget_bytes
     if not report.fits:
         message = (
@@ -135,8 +139,6 @@ def train(
             "(measured on an H200, BENCHMARKS.md); unset it to keep JAX's preallocated pool",
         )
 
-    mesh = build_mesh(config.mesh.axes, jax.devices())
-    program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
                                 keep=train_config.keep_checkpoints)  # fmt: skip
@@ -163,7 +165,7 @@ def train(
                           "train.steps to continue (the learning-rate schedule then decays over the new "
                           "train.steps, so the rate jumps up at the resume)")  # fmt: skip
             return TrainResult(run_dir, "finished", start, start, [], report, state)
-        loop = _Loop(config, program, source, checkpointer, report, start)
+        loop = _Loop(config, program, step_fn, source, checkpointer, report, start)
         tensorboard_dir = run_dir / "tensorboard" if train_config.tensorboard else None
         with (
             MetricsLog(run_dir / "metrics.jsonl", tensorboard_dir=tensorboard_dir, start_step=start)
@@ -190,8 +192,8 @@ class _Loop:
     waits on the device except to log or to save (a state is saved only after every step before it
     is known to be finite)."""
 
-    def __init__(self, config: Config, program, source, checkpointer, report, start: int):
-        self.config, self.program, self.source = config, program, source
+    def __init__(self, config: Config, program, step_fn, source, checkpointer, report, start: int):
+        self.config, self.program, self.step_fn, self.source = config, program, step_fn, source
         self.checkpointer, self.report = checkpointer, report
         self.step = start
         self.history: list[dict[str, Any]] = []
@@ -214,7 +216,7 @@ class _Loop:
                 status = "interrupted" if signals.received == signal.SIGINT else "preempted"
                 break
             batch = global_batch(self.source, self.step, train.global_batch, self.program.batch_sharding)
-            state, metrics = self.program.step(state, batch)
+            state, metrics = self.step_fn(state, batch)
             self.step += 1
             if pending is not None:
                 self._complete(*pending, log, progress)
@@ -287,19 +289,22 @@ def _utilization(report: MemoryReport, step_time: float, peak_flops: float | Non
             "hfu": report.flops_per_step / per_second}  # fmt: skip
 
 
-def _plan_once(config: Config, model_factory, loss_fn) -> MemoryReport:
-    """Plans the step for the attached devices on process 0 and gives every process that report, so
-    that all of them take the same decision (and only one compiles the plan). A planning error on
-    process 0 is raised on every process, so that all of them exit alike."""
+def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
+    """Plans the step for the attached devices and returns the report with the step function to train
+    with. One process: the plan's compiled step, so the step is compiled once. Several: process 0 plans
+    and gives every process the report, so that all of them take the same decision, and each compiles
+    ``program.step`` itself. A planning error on process 0 is raised on every process, so that all of
+    them exit alike."""
+    target = make_target(program.config, "local")
     if jax.process_count() == 1:
-        return plan(config, "local", model_factory=model_factory, loss_fn=loss_fn, top=5)
+        return plan_program(program, target, top=5)
     from jax.experimental import multihost_utils
 
     payload = b""
     failure: BaseException | None = None
     if jax.process_index() == 0:
         try:
-            outcome: object = plan(config, "local", model_factory=model_factory, loss_fn=loss_fn, top=5)
+            outcome: object = plan_program(program, target, top=5)[0]
         except ShardmemError as error:
             # Sent as class and message, which always pickle; a subclass's own arguments may not.
             kind = next(c for c in (ConfigError, PlanError, ShardmemError) if isinstance(error, c))
@@ -316,7 +321,7 @@ def _plan_once(config: Config, model_factory, loss_fn) -> MemoryReport:
     if isinstance(outcome, tuple):
         kind, message = outcome
         raise kind(message)
-    return outcome
+    return outcome, program.step
 
 
 def _any_process(flag: bool) -> bool:

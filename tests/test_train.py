@@ -123,6 +123,19 @@ def test_train_writes_the_run_dir_and_the_loss_falls(reference):
     assert int(result.state["step"]) == STEPS
 
 
+def test_one_process_trains_with_the_plans_compiled_step(tmp_path, monkeypatch):
+    import shardmem.training
+
+    built = []
+    monkeypatch.setattr(shardmem.training, "build_program",
+                        lambda *a, **k: built.append(build_program(*a, **k)) or built[-1])  # fmt: skip
+    result = train(load_config(TINY, [*FAST, "train.steps=3"]), tmp_path, console=Console(quiet=True))
+    assert result.final_step == 3 and len(built) == 1
+    if not hasattr(built[0].step, "_cache_size"):
+        pytest.skip("this JAX's jit has no _cache_size()")
+    assert built[0].step._cache_size() == 0, "the step was compiled again on its first call"
+
+
 def test_checkpoint_restores_exactly_onto_half_the_devices(reference):
     config, result = reference
     restored = _restore(result.run_dir, config, jax.devices()[:4], STEPS)
