@@ -25,13 +25,16 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError, ShardmemError
 from shardmem.units import format_bytes, format_flops
+
+if TYPE_CHECKING:
+    from shardmem.step import Program
 
 #: Columns of the CSV, in order.
 COLUMNS = (
@@ -128,55 +131,64 @@ def _error_text(error: Exception) -> str:
     return str(error) if isinstance(error, ShardmemError) else f"{type(error).__name__}: {error}"
 
 
-def plan_candidate(config: Config, overrides: tuple[str, ...], target: str | None) -> SweepRow:
-    """Plans one candidate; any error (a config or plan error, or an unexpected one) becomes the row's
+def plan_candidate(
+    config: Config, overrides: tuple[str, ...], target: str | None, measure_steps: int = 0
+) -> SweepRow:
+    """Plans one candidate; with ``measure_steps``, also times that many real steps of the step the
+    plan compiled. Any error (a config or plan error, or an unexpected one) becomes the row's
     ``error``, so that one candidate cannot end the sweep."""
-    from shardmem.memory import plan
+    from shardmem.memory import make_target, plan_program
+    from shardmem.mesh import build_mesh
+    from shardmem.step import build_program
 
     try:
-        report = plan(config.replace(*overrides), target, top=3)
+        candidate = config.replace(*overrides)
+        resolved = make_target(candidate, target)
+        program = build_program(candidate, build_mesh(candidate.mesh.axes, resolved.devices))
+        report, compiled = plan_program(program, resolved, top=3)
     except Exception as e:
         return SweepRow(overrides, error=_error_text(e))
-    return SweepRow(
+    row = SweepRow(
         overrides, peak_bytes=report.per_device["peak"], budget_bytes=report.budget_bytes, fits=report.fits,
         margin_bytes=report.margin_bytes, flops_per_step=report.flops_per_step,
         recompute_overhead=report.recompute_overhead if report.recompute_overhead is not None else 0.0,
         host_bytes=report.per_device["host"], collectives=dict(report.collectives),
         compile_seconds=round(report.compile_seconds, 3), approximate=report.approximate,
     )  # fmt: skip
+    if measure_steps:
+        try:
+            row.step_seconds, row.measured_peak_bytes = time_steps(program, compiled, resolved.devices,
+                                                                   measure_steps)  # fmt: skip
+        except Exception as e:
+            row.error = f"measuring: {_error_text(e)}"
+    return row
 
 
-def measure_candidate(config: Config, target: str | None, steps: int = 5) -> tuple[float, int | None]:
-    """Runs ``steps`` real training steps (after one to compile) on synthetic data; returns the median
-    step time in seconds and the device's peak bytes in use (None where the backend does not say)."""
+def time_steps(
+    program: Program, step_fn: Callable, devices: Sequence, steps: int
+) -> tuple[float, int | None]:
+    """Runs ``steps`` real training steps of ``step_fn`` (``program``'s step, after one more that warms
+    up) on synthetic data; returns the median step time in seconds and the devices' peak bytes in use
+    (None where the backend does not say)."""
     import jax
 
     from shardmem import data
-    from shardmem.memory import make_target
-    from shardmem.mesh import build_mesh
-    from shardmem.step import build_program
 
-    resolved = make_target(config, target)
-    if resolved.deviceless:
-        raise ConfigError(
-            f"--measure runs real steps, but target {resolved.name!r} is compiled deviceless; "
-            "use --target local (the attached devices) or --target cpu"
-        )
-    program = build_program(config, build_mesh(config.mesh.axes, resolved.devices))
+    config = program.config
     source = data.make_source(None, vocab_size=config.model.vocab_size, seq_len=config.model.seq_len,
                               seed=config.train.seed)  # fmt: skip
     batches = [data.global_batch(source, i, config.train.global_batch, program.batch_sharding)
                for i in range(steps + 1)]  # fmt: skip
     state = program.init()
-    state, metrics = program.step(state, batches[0])
+    state, metrics = step_fn(state, batches[0])
     jax.block_until_ready(metrics)
     times = []
     for batch in batches[1:]:
         start = time.perf_counter()
-        state, metrics = program.step(state, batch)
+        state, metrics = step_fn(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in resolved.devices]
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
     peaks = [p for p in peaks if p is not None]
     return statistics.median(times), (max(peaks) if peaks else None)
 
@@ -198,18 +210,6 @@ def _worker_init(cpu_devices: int, cpu_only: bool, local_memory: Config | None) 
     if local_memory is not None:
         configure_local_memory(local_memory)
     ensure_cpu_devices(cpu_devices)
-
-
-def _plan_and_measure(config: Config, overrides: tuple[str, ...], target: str | None, steps: int) -> SweepRow:
-    row = plan_candidate(config, overrides, target)
-    if row.error is None:
-        try:
-            row.step_seconds, row.measured_peak_bytes = measure_candidate(
-                config.replace(*overrides), target, steps
-            )
-        except Exception as e:
-            row.error = f"measuring: {_error_text(e)}"
-    return row
 
 
 def _cpu_devices(config: Config, rows: Sequence[tuple[str, ...]]) -> int:
@@ -269,7 +269,7 @@ def sweep(
             settings = (cpu_devices, not local, _replaced(config, overrides) if local else None)
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_worker_init,
                                                         initargs=settings) as pool:  # fmt: skip
-                future = pool.submit(_plan_and_measure, config, overrides, target, measure_steps)
+                future = pool.submit(plan_candidate, config, overrides, target, measure_steps)
                 finished(i, _result(future, overrides))
         return rows  # type: ignore[return-value]
     # The budget is the lower of the allocator's limit and each candidate's usable_fraction: the

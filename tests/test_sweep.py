@@ -16,9 +16,9 @@ from shardmem.sweep import (
     COLUMNS,
     SweepRow,
     candidates,
-    measure_candidate,
     pareto_front,
     parse_grid,
+    plan_candidate,
     sweep,
     write_outputs,
 )
@@ -120,22 +120,22 @@ def _fake_report():
 
 
 def test_an_unexpected_error_is_the_candidates_row_not_the_end_of_the_sweep(monkeypatch):
-    def fake_plan(config, target, **kwargs):
-        if config.remat.policy == "full":
+    def fake_plan(program, target, **kwargs):
+        if program.config.remat.policy == "full":
             raise RuntimeError("XLA fell over")
-        return _fake_report()
+        return _fake_report(), None
 
-    monkeypatch.setattr("shardmem.memory.plan", fake_plan)
+    monkeypatch.setattr("shardmem.memory.plan_program", fake_plan)
     rows = sweep(load_config(TINY), {"remat.policy": ["none", "full", "minimal"]}, "cpu", jobs=1)
     assert [r.error for r in rows] == [None, "RuntimeError: XLA fell over", None]
     assert rows[2].peak_bytes == 100
 
 
 def test_cli_exits_2_when_every_candidate_failed(monkeypatch, tmp_path, capsys):
-    def fake_plan(config, target, **kwargs):
+    def fake_plan(program, target, **kwargs):
         raise ValueError("no")
 
-    monkeypatch.setattr("shardmem.memory.plan", fake_plan)
+    monkeypatch.setattr("shardmem.memory.plan_program", fake_plan)
     args = ["sweep", TINY, "--grid", "remat.policy=none,full", "--target", "cpu", "--jobs", "1"]
     assert main([*args, "--out", str(tmp_path)]) == 2
     captured = capsys.readouterr()
@@ -173,10 +173,10 @@ def test_planning_workers_stay_off_the_gpu_unless_they_plan_for_it(target, cpu_o
         assert local_memory is None
 
 
-def test_measure_candidate_runs_real_steps():
-    seconds, peak = measure_candidate(load_config(TINY, ["train.global_batch=8"]), "cpu", steps=2)
-    assert 0 < seconds < 60
-    assert peak is None  # The CPU backend keeps no allocator statistics.
+def test_plan_candidate_measures_real_steps_of_the_step_it_compiled():
+    row = plan_candidate(load_config(TINY), ("train.global_batch=8",), "cpu", measure_steps=2)
+    assert row.error is None and row.fits and 0 < row.step_seconds < 60
+    assert row.measured_peak_bytes is None  # The CPU backend keeps no allocator statistics.
 
 
 def test_measure_refuses_deviceless_targets():
