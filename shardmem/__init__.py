@@ -24,7 +24,7 @@ if _NO_GPU:
 
 from shardmem.config import Config, config_from_dict, load_config  # noqa: E402
 from shardmem.errors import ConfigError, PlanError, ShardmemError  # noqa: E402
-from shardmem.memory import MemoryReport, analyze, make_target, plan, plan_function  # noqa: E402
+from shardmem.memory import MemoryReport, analyze, make_target, plan, plan_function, plan_program  # noqa: E402
 from shardmem.mesh import build_mesh  # noqa: E402
 from shardmem.model import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig  # noqa: E402
 from shardmem.remat import LayerPlan, RematPolicy, remat_scan  # noqa: E402
@@ -62,6 +62,7 @@ __all__ = [
     "next_token_loss",
     "plan",
     "plan_function",
+    "plan_program",
     "remat_scan",
     "render",
     "resolve_target",

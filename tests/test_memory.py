@@ -139,5 +139,13 @@ def test_rule_warnings_and_path_rules():
 
 
 def test_public_api_exports_the_headline_functions():
-    for name in ("plan", "plan_function", "load_config", "build_program", "MemoryReport", "ConfigError"):
+    for name in (
+        "plan",
+        "plan_function",
+        "plan_program",
+        "load_config",
+        "build_program",
+        "MemoryReport",
+        "ConfigError",
+    ):
         assert hasattr(shardmem, name) and getattr(shardmem, name).__doc__
