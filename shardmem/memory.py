@@ -65,6 +65,7 @@ class MemoryReport:
     warnings: list[str]
     compile_seconds: float
     sharding: list = dataclasses.field(default_factory=list, repr=False)
+    jax_version: str = jax.__version__  # Plans move with the XLA version (BENCHMARKS.md).
 
     @property
     def margin_bytes(self) -> int:
@@ -102,6 +103,7 @@ class MemoryReport:
             "cross_check": self.cross_check,
             "warnings": self.warnings,
             "compile_seconds": round(self.compile_seconds, 3),
+            "jax_version": self.jax_version,
         }
 
 

@@ -89,7 +89,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         parts.append(render_sharding(report.sharding))
     for warning in report.warnings:
         parts.append(Text(f"warning: {warning}", style="yellow"))
-    parts.append(Text(f"compiled in {report.compile_seconds:.1f} s", style="dim"))
+    parts.append(Text(f"compiled in {report.compile_seconds:.1f} s by JAX {report.jax_version}", style="dim"))
     return Group(*parts)
 
 

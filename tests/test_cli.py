@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from shardmem.cli import main
@@ -34,6 +35,7 @@ def test_plan_json_is_one_object_with_the_documented_keys():
     assert all(isinstance(v, int) for v in report["per_device"].values())
     assert report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and report["devices"] == 8
     assert {"bytes", "scope", "shape"} <= set(report["top_buffers"][0])
+    assert report["jax_version"] == jax.__version__
 
 
 def test_plan_table_for_a_gpu_target_and_overrides():
@@ -42,7 +44,7 @@ def test_plan_table_for_a_gpu_target_and_overrides():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for text in ("NVIDIA H100 80GB HBM3", "peak", "FITS", "Largest buffers live at the peak",
-                 "Parameter sharding", "layers/wq", "0-3: full"):  # fmt: skip
+                 "Parameter sharding", "layers/wq", "0-3: full", f"by JAX {jax.__version__}"):  # fmt: skip
         assert text in out
 
 
