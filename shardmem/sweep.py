@@ -157,19 +157,16 @@ def plan_candidate(
     )  # fmt: skip
     if measure_steps:
         try:
-            row.step_seconds, row.measured_peak_bytes = time_steps(program, compiled, resolved.devices,
-                                                                   measure_steps)  # fmt: skip
+            row.step_seconds, row.measured_peak_bytes = time_steps(program, compiled, measure_steps)
         except Exception as e:
             row.error = f"measuring: {_error_text(e)}"
     return row
 
 
-def time_steps(
-    program: Program, step_fn: Callable, devices: Sequence, steps: int
-) -> tuple[float, int | None]:
+def time_steps(program: Program, step_fn: Callable, steps: int) -> tuple[float, int | None]:
     """Runs ``steps`` real training steps of ``step_fn`` (``program``'s step, after one more that warms
-    up) on synthetic data; returns the median step time in seconds and the devices' peak bytes in use
-    (None where the backend does not say)."""
+    up) on synthetic data; returns the median step time in seconds and the peak bytes in use of the
+    mesh's devices (None where the backend does not say)."""
     import jax
 
     from shardmem import data
@@ -188,7 +185,7 @@ def time_steps(
         state, metrics = step_fn(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in program.mesh.devices.flat]
     peaks = [p for p in peaks if p is not None]
     return statistics.median(times), (max(peaks) if peaks else None)
 
