@@ -11,6 +11,7 @@ is built.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -151,15 +152,11 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def replace(self, *overrides: str) -> Config:
-        """Returns a copy with ``key.path=value`` overrides applied (values parsed as YAML).
-
-        Setting ``model.preset`` replaces the whole model section with that preset; other ``model.*``
-        overrides in the same call apply on top of it.
-        """
-        raw = self.to_dict()
-        if any(item.partition("=")[0].strip() == "model.preset" for item in overrides):
-            raw["model"] = {}
-        return config_from_dict(apply_overrides(raw, overrides), self.name)
+        """Returns a copy with ``key.path=value`` overrides applied (values parsed as YAML), exactly as
+        :func:`load_config` would apply them to the file this config came from (see
+        :func:`apply_overrides` for ``model.preset``)."""
+        source = self.__dict__.get("_source") or self.to_dict()
+        return config_from_dict(apply_overrides(source, overrides), self.name)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -179,8 +176,17 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Returns ``raw`` with each ``a.b.c=value`` set (the value is parsed as YAML)."""
+    """Returns ``raw`` with each ``a.b.c=value`` set (the value is parsed as YAML).
+
+    Setting ``model.preset`` keeps the ``model.*`` keys written beside a preset (they override any
+    preset); a model section spelled out in full, without a preset (a run's resolved config.yaml), is
+    replaced by the new preset, since its keys would override all of it.
+    """
     out = _deep_copy(raw)
+    model = out.get("model")
+    if isinstance(model, Mapping) and "preset" not in model:
+        if any(item.partition("=")[0].strip() == "model.preset" for item in overrides):
+            out["model"] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -214,6 +220,7 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
     """Builds and validates a Config from plain data (a parsed YAML file)."""
     raw = dict(raw)
     raw.setdefault("name", name)
+    source = _deep_copy(raw)
     model = raw.get("model")
     if model is None:
         raise ConfigError(
@@ -229,6 +236,8 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
     raw["model"] = model
     config = _build(Config, raw, "")
     _validate(config)
+    # The mapping as written (presets unexpanded), so that replace() applies overrides as load_config does.
+    object.__setattr__(config, "_source", source)
     return config
 
 
@@ -296,13 +305,15 @@ def _convert(hint, value: Any, key: str):
             return parse_bytes(value)
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
+    if hint is float and not isinstance(value, bool):
         try:
-            return float(value)  # YAML 1.1 reads 3e-4 as a string.
-        except ValueError:
-            pass
+            number = float(value)  # Also a string: YAML 1.1 reads 3e-4 as one.
+        except (TypeError, ValueError):
+            number = None
+        if number is not None and not math.isfinite(number):
+            raise ConfigError(f"{key}={value!r}: must be a finite number")
+        if number is not None:
+            return number
     if hint in (int, str, bool) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
     raise ConfigError(f"{key}={value!r}: expected {getattr(hint, '__name__', hint)}")
@@ -375,6 +386,8 @@ def _validate(config: Config) -> None:
     for name in ("global_batch", "micro_batches", "steps", "log_every", "checkpoint_every",
                  "keep_checkpoints"):  # fmt: skip
         _positive(f"train.{name}", getattr(t, name))
+    if t.seed < 0:
+        raise ConfigError(f"train.seed={t.seed}: use a non-negative integer")
     if t.global_batch % t.micro_batches:
         raise ConfigError(
             f"train.micro_batches={t.micro_batches} does not divide train.global_batch="

@@ -26,11 +26,12 @@ import jax
 from shardmem import hlo
 from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
-from shardmem.errors import PlanError
+from shardmem.errors import ConfigError, PlanError
 from shardmem.mesh import build_mesh
 from shardmem.rules import rule_warnings
 from shardmem.step import LossFn, ModelFactory, Program, build_program, next_token_loss
 from shardmem.targets import Target, ensure_cpu_devices, resolve_target
+from shardmem.units import format_bytes
 
 #: The per-device figures of a report, in the order tables show them.
 CATEGORIES = ("params", "optimizer", "batch", "outputs", "temp", "alias", "host", "code", "peak")
@@ -116,6 +117,13 @@ def budget(
     limit = int(device_memory_bytes * memory.usable_fraction)
     if allocator_limit:
         limit = min(limit, allocator_limit)
+    if limit <= memory.reserve:
+        raise ConfigError(
+            f"memory.reserve={format_bytes(memory.reserve)} leaves no budget: it is not below the usable "
+            f"{format_bytes(limit)} (device {format_bytes(device_memory_bytes)} x memory.usable_fraction="
+            f"{memory.usable_fraction:g}{', capped by the allocator' if limit == allocator_limit else ''}); "
+            "lower memory.reserve or raise memory.usable_fraction"
+        )
     margin = memory.deviceless_margin if deviceless else 0.0
     return int((limit - memory.reserve) / (1 + margin))
 
@@ -230,6 +238,7 @@ def analyze(
 def _compile_and_analyze(
     traced, target: Target, memory: MemoryConfig, *, groups: Mapping[str, Any], top: int, name: str
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
+    limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
     start = time.perf_counter()
     with _persistent_cache_off(), tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump:
         try:
@@ -281,7 +290,6 @@ def _compile_and_analyze(
             f"analytic argument bytes ({accounted}) differ from XLA's ({arguments}): some "
             "arguments are laid out or sharded differently than their shardings say"
         )
-    limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
     mesh = _mesh_of(groups)
     return MemoryReport(
         name=name, target=target.name, target_label=target.label, approximate=target.approximate,

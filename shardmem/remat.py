@@ -150,6 +150,8 @@ class LayerPlan:
         """Builds the plan from the config's ``remat`` section: a default ``policy``, per-range
         ``layers`` overrides such as ``{"0-7": full, "31": none}``, and ``custom`` tag actions."""
         custom = remat.get("custom") or {}
+        if custom:
+            _parse_custom(custom, tags)  # Checked even where no layer uses it yet: a typo should not wait.
         default = RematPolicy.parse(str(remat.get("policy", "none")), custom, tags=tags)
         policies = [default] * n_layers
         claimed: dict[int, str] = {}
@@ -189,7 +191,9 @@ def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
     if not match:
         raise ConfigError(f'remat.layers: key {span!r} is not a layer or a range; write e.g. "3" or "0-7"')
     first, last = int(match.group(1)), int(match.group(2) or match.group(1))
-    if first > last or last >= n_layers:
+    if first > last:
+        raise ConfigError(f'remat.layers.{span}: the range runs backwards; write it as "{last}-{first}"')
+    if last >= n_layers:
         raise ConfigError(
             f"remat.layers.{span}: layers run from 0 to {n_layers - 1} (model.n_layers={n_layers}); "
             f"give a range inside that"

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
 from rich.console import Console
@@ -57,7 +58,8 @@ class DoesNotFitError(PlanError):
 
 
 class DivergedError(ShardmemError):
-    """The loss or gradient norm became NaN or infinite; nothing from that step on was saved."""
+    """The loss, the gradient norm or the trained state became NaN or infinite; nothing from that step
+    on was saved."""
 
     def __init__(self, message: str, step: int, last_checkpoint: int | None) -> None:
         super().__init__(message)
@@ -224,11 +226,32 @@ class _Loop:
             if self.step % train.checkpoint_every == 0:
                 self._complete(*pending, log, progress)
                 pending = None
-                self.checkpointer.save(self.step, state)
+                self._save(state)
         if pending is not None:
             self._complete(*pending, log, progress)
-        self.checkpointer.save(self.step, state, force=True)
+        self._save(state, force=True)
         return status, state
+
+    def _save(self, state, force: bool = False) -> None:
+        """Saves the state, if it is finite: an update can overflow although the loss and gradient it
+        came from were finite, and a checkpoint of it would fail every resume."""
+        if not bool(_all_finite(state).addressable_data(0)):
+            self._diverged(self.step, "the parameters or optimizer state after it are not finite")
+        self.checkpointer.save(self.step, state, force=force)
+
+    def _diverged(self, step: int, what: str):
+        self.checkpointer.wait()
+        saved = self.checkpointer.latest_step()
+        kept, rerun = "no checkpoint was saved", "rerun to start again from step 0"
+        if saved is not None:
+            kept, rerun = f"the last good checkpoint is step {saved}", f"rerun to resume from {saved}"
+        raise DivergedError(
+            f"non-finite training at step {step}: {what}; stopped without saving it, {kept} in "
+            f"{self.checkpointer.directory}. Lower optimizer.learning_rate, raise optimizer.warmup_steps "
+            f"or set optimizer.grad_clip, then {rerun}",
+            step,
+            saved,
+        )
 
     def _complete(self, step: int, metrics, log, progress) -> None:
         """Waits for ``step``'s metrics, stops on a non-finite value, updates the bar and the log."""
@@ -237,19 +260,8 @@ class _Loop:
         elapsed, self._last_done = now - self._last_done, now
         first, self._compiled = not self._compiled, True
         if not all(math.isfinite(v) for v in values.values()):
-            self.checkpointer.wait()
-            saved = self.checkpointer.latest_step()
             shown = ", ".join(f"{name} {value}" for name, value in values.items())
-            kept, rerun = "no checkpoint was saved", "rerun to start again from step 0"
-            if saved is not None:
-                kept, rerun = f"the last good checkpoint is step {saved}", f"rerun to resume from {saved}"
-            raise DivergedError(
-                f"non-finite training metrics at step {step} ({shown}); stopped without saving it, "
-                f"{kept} in {self.checkpointer.directory}. Lower optimizer.learning_rate, raise "
-                f"optimizer.warmup_steps or set optimizer.grad_clip, then {rerun}",
-                step,
-                saved,
-            )
+            self._diverged(step, f"metrics {shown}")
         if not first:  # The first step of a process includes compilation.
             self._window.append(elapsed)
         record: dict[str, Any] = {"step": step, **values}
@@ -273,6 +285,13 @@ class _Loop:
             self.history.append(record)
             log.write(record)
             progress.log(record)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    """Whether every floating-point value in ``tree`` is finite (one scalar, on device)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
 def _utilization(report: MemoryReport, step_time: float, peak_flops: float | None) -> dict[str, float]:

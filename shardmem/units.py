@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -15,21 +16,25 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 def parse_bytes(value: int | float | str) -> int:
     """Returns a byte count from an int or a string such as "1GiB", "512 MiB" or "2e9".
 
-    Raises ValueError with the accepted units when the string cannot be read.
+    Raises ValueError with the accepted units when the value cannot be read or is not finite.
     """
+    hint = "write e.g. 1GiB, 512MiB, 2GB or 1073741824"
     if isinstance(value, bool):
-        raise ValueError(f"expected a byte size, got {value!r}")
-    if isinstance(value, int | float):
-        return int(value)
+        raise ValueError(f"expected a byte size, got {value!r}; {hint}")
+    if isinstance(value, int):
+        return value
     match = _PATTERN.match(str(value))
     unit = match.group(2).lower() if match else ""
-    if not match or (unit and unit not in _UNITS):
-        try:
-            return int(float(value))
-        except ValueError:
-            pass
-        raise ValueError(f"cannot read {value!r} as a byte size; write e.g. 1GiB, 512MiB, 2GB or 1073741824")
-    return int(float(match.group(1)) * _UNITS[unit or "b"])
+    try:
+        if match and (not unit or unit in _UNITS):
+            number = float(match.group(1)) * _UNITS[unit or "b"]
+        else:
+            number = float(value)  # "2e9", "inf", ...
+    except ValueError:
+        raise ValueError(f"cannot read {value!r} as a byte size; {hint}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite byte size; {hint}")
+    return int(number)
 
 
 def format_bytes(n: float) -> str:

@@ -43,6 +43,18 @@ def test_replacing_the_preset_replaces_the_model():
     assert config.replace("model.n_layers=2").model.d_model == config.model.d_model
 
 
+def test_a_preset_override_keeps_the_keys_written_beside_the_preset(tmp_path):
+    path = tmp_path / "long.yaml"
+    path.write_text("model: {preset: tiny, seq_len: 128}\n")
+    config = load_config(path)
+    # The same override, from the command line and through replace() (sweep, tune): the same model.
+    for other in (load_config(path, ["model.preset=gpt2-124m"]), config.replace("model.preset=gpt2-124m")):
+        assert other.model == dataclasses.replace(PRESETS["gpt2-124m"], seq_len=128)
+    # A model spelled out in full (a run's resolved config.yaml) is replaced by the preset whole.
+    resolved = config_from_dict(config.to_dict())
+    assert resolved.replace("model.preset=gpt2-124m").model == PRESETS["gpt2-124m"]
+
+
 def test_reserve_accepts_units():
     config = config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "512MiB"}})
     assert config.memory.reserve == 512 * 2**20
@@ -71,6 +83,14 @@ def test_reserve_accepts_units():
         ({"model": {"preset": "tiny", "head_dim": -4}}, ["model.head_dim=-4", "positive"]),
         ({"model": {"preset": "tiny"}, "optimizer": {"b2": 1.5}}, ["optimizer.b2=1.5", "[0, 1)"]),
         ({"model": {"preset": "tiny"}, "optimizer": {"warmup_steps": -1}}, ["optimizer.warmup_steps=-1"]),
+        ({"model": {"preset": "tiny"}, "optimizer": {"learning_rate": float("nan")}},
+         ["optimizer.learning_rate=nan", "finite"]),
+        ({"model": {"preset": "tiny", "rope_theta": float("inf")}}, ["model.rope_theta=inf", "finite"]),
+        ({"model": {"preset": "tiny"}, "memory": {"reserve": float("inf")}}, ["memory.reserve", "finite"]),
+        ({"model": {"preset": "tiny"}, "train": {"seed": -1}}, ["train.seed=-1", "non-negative"]),
+        ({"model": {"preset": "tiny"}, "remat": {"layers": {"3-1": "full"}}}, ["remat.layers.3-1", '"1-3"']),
+        ({"model": {"preset": "tiny"}, "remat": {"custom": {"qeury_proj": "save"}}},
+         ["remat.custom.qeury_proj", "query_proj"]),
     ],
 )
 def test_config_errors_name_the_key_and_the_fix(raw, fragments):

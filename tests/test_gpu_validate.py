@@ -134,7 +134,8 @@ def test_markdown_lists_every_trial_and_bar():
 
 @pytest.mark.slow
 def test_plan_trial_reads_a_does_not_fit_verdict():
-    trial = gv.Trial("tiny-over", "configs/tiny.yaml", (*gv.ONE_DEVICE, "memory.usable_fraction=0.000001"))
+    too_small = ("memory.reserve=0", "memory.usable_fraction=0.000001")
+    trial = gv.Trial("tiny-over", "configs/tiny.yaml", (*gv.ONE_DEVICE, *too_small))
     plan = gv.plan_trial(trial, "h200", gv.child_env(cpu=True, mem_fraction=0.95), timeout=120)
     assert plan["status"] == "ok" and plan["exit_code"] == 3, plan
     assert plan["fits"] is False and plan["peak_bytes"] > plan["budget_bytes"]

@@ -62,6 +62,8 @@ def test_budget_and_verdict():
     assert budget(config.memory, 100 << 20) == (50 << 20) - (1 << 20)
     # Deviceless GPU plans keep a measured margin for what autotuning on the real GPU adds.
     assert budget(config.memory, 100 << 20, deviceless=True) == int(((50 << 20) - (1 << 20)) / 1.16)
+    with pytest.raises(ConfigError, match=r"memory.reserve=1.00 MiB leaves no budget.*lower memory.reserve"):
+        budget(config.memory, 2 << 20)  # 50% of 2 MiB is the reserve.
     small = _tiny(memory={"target": "cpu", "usable_fraction": 1e-7, "reserve": 0})
     report = plan(small)
     assert not report.fits and report.margin_bytes < 0
