@@ -116,6 +116,7 @@ def train(
                          seq_len=config.model.seq_len, seed=train_config.seed)  # fmt: skip
     if train_config.tensorboard:
         tensorboard_writer_class()  # Fails now, not after the first checkpoint.
+    _check_run_dir(run_dir)
 
     mesh = build_mesh(config.mesh.axes, jax.devices())
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
@@ -141,7 +142,11 @@ def train(
             "(measured on an H200, BENCHMARKS.md); unset it to keep JAX's preallocated pool",
         )
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create run directory {str(run_dir)!r}: {e.strerror}; choose another "
+                          "--run-dir") from None  # fmt: skip
     checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
                                 keep=train_config.keep_checkpoints)  # fmt: skip
     try:
@@ -341,6 +346,22 @@ def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
         kind, message = outcome
         raise kind(message)
     return outcome, program.step
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """Fails before any work when the run directory cannot be one (a file is in its way, or its nearest
+    existing folder is not writable)."""
+    for path in (run_dir, *run_dir.parents):
+        if not path.exists():
+            continue
+        if not path.is_dir():
+            raise ConfigError(
+                f"run directory {str(run_dir)!r}: {str(path)!r} is a file; choose another --run-dir"
+            )
+        if path != run_dir and not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"run directory {str(run_dir)!r}: cannot create it in {str(path)!r} "
+                              "(permission denied); choose another --run-dir")  # fmt: skip
+        return
 
 
 def _any_process(flag: bool) -> bool:

@@ -281,6 +281,12 @@ def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch)
         err = capsys.readouterr().err
         assert err.startswith("shardmem: error: ") and message in err, err
     assert not Path(run_dir).exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept\n")
+    for under in (blocker, blocker / "run"):  # Before planning: a traceback after compiling otherwise.
+        assert main(["train", TINY, "--run-dir", str(under)]) == 2
+        assert f"'{blocker}' is a file; choose another --run-dir" in capsys.readouterr().err
+    assert blocker.read_text() == "kept\n"
     assert main(["launch", "--nproc", "2"]) == 2
     assert "needs a command after --" in capsys.readouterr().err
 
