@@ -146,10 +146,15 @@ class TokenFileSource(_WindowSource):
     def _row(self, rng: np.random.Generator) -> np.ndarray:
         window = super()._row(rng)
         low, high = int(window.min()), int(window.max())
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
+        if low < 0:
             raise ConfigError(
-                f"`data.path={self.path!r}` contains token id {bad}, outside "
+                f"`data.path={self.path!r}` contains token id {low}; ids are never negative, so the file "
+                f"is damaged or its signed dtype ({self._tokens.dtype}) is too small for the ids: save "
+                "them again, e.g. as uint32"
+            )
+        if high >= self.vocab_size:
+            raise ConfigError(
+                f"`data.path={self.path!r}` contains token id {high}, outside "
                 f"[0, model.vocab_size={self.vocab_size}); set model.vocab_size to the "
                 "tokenizer's vocabulary size."
             )

@@ -202,7 +202,7 @@ class _Loop:
     def __init__(self, config: Config, program, step_fn, source, checkpointer, report, start: int):
         self.config, self.program, self.step_fn, self.source = config, program, step_fn, source
         self.checkpointer, self.report = checkpointer, report
-        self.step = start
+        self.start = self.step = start
         self.history: list[dict[str, Any]] = []
         self.tokens_per_step = config.train.global_batch * config.model.seq_len
         device = jax.local_devices()[0]
@@ -222,7 +222,10 @@ class _Loop:
             if _any_process(signals.received is not None):
                 status = "interrupted" if signals.received == signal.SIGINT else "preempted"
                 break
-            batch = global_batch(self.source, self.step, train.global_batch, self.program.batch_sharding)
+            try:
+                batch = global_batch(self.source, self.step, train.global_batch, self.program.batch_sharding)
+            except ConfigError as error:  # A bad token id shows on the batch that holds it.
+                self._stop_on_bad_data(error, state, pending, log, progress)
             state, metrics = self.step_fn(state, batch)
             self.step += 1
             if pending is not None:
@@ -236,6 +239,18 @@ class _Loop:
             self._complete(*pending, log, progress)
         self._save(state, force=True)
         return status, state
+
+    def _stop_on_bad_data(self, error: ConfigError, state, pending, log, progress):
+        """Keeps the steps done so far (one process: several would have to save together, and only
+        this one read the bad batch), then raises ``error`` with the step it stopped at."""
+        kept = ""
+        if jax.process_count() == 1 and self.step > self.start:
+            if pending is not None:
+                self._complete(*pending, log, progress)
+            self._save(state, force=True)
+            self.checkpointer.wait()
+            kept = f"; steps up to {self.step} are saved in {self.checkpointer.directory}, rerun to resume"
+        raise ConfigError(f"the batch of step {self.step + 1}: {error}{kept}") from None
 
     def _save(self, state, force: bool = False) -> None:
         """Saves the state, if it is finite: an update can overflow although the loss and gradient it

@@ -110,6 +110,14 @@ def test_token_ids_beyond_the_vocab_are_reported(npy_path):
         source.rows(0, 0, 8, 8)
 
 
+def test_negative_token_ids_say_the_file_is_at_fault(tmp_path):
+    path = tmp_path / "wrapped.npy"
+    np.save(path, np.array([5, 40000, 7] * 40, dtype=np.uint16).astype(np.int16))  # 40000 wraps around.
+    source = make_source(str(path), vocab_size=50000, seq_len=8, seed=0)
+    with pytest.raises(ConfigError, match=r"token id -25536; ids are never negative.*int16.*uint32"):
+        source.rows(0, 0, 8, 8)
+
+
 def test_npy_must_hold_1d_integers(tmp_path):
     path = tmp_path / "floats.npy"
     np.save(path, np.zeros((4, 50), dtype=np.float32))

@@ -267,6 +267,24 @@ def test_a_run_that_diverges_before_any_checkpoint_says_a_rerun_starts_over(tmp_
     assert "start again from step 0" in str(e.value) and "resume" not in str(e.value)
 
 
+def test_bad_data_found_mid_run_keeps_the_steps_done(tmp_path, monkeypatch):
+    import shardmem.training
+
+    def global_batch(source, step, *args):
+        if step == 5:  # What a token file raises on the batch that holds a bad id.
+            raise ConfigError("`data.path='ids.npy'` contains token id 999, outside [0, 256)")
+        return real(source, step, *args)
+
+    real = shardmem.training.global_batch
+    monkeypatch.setattr(shardmem.training, "global_batch", global_batch)
+    config = load_config(TINY, [*FAST, "train.checkpoint_every=100"])
+    with pytest.raises(ConfigError, match=r"the batch of step 6: .*token id 999.*steps up to 5 are saved"):
+        train(config, tmp_path, console=Console(quiet=True))
+    with Checkpointer(tmp_path / "checkpoints", every=1, keep=3) as checkpointer:
+        assert checkpointer.all_steps() == [5]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+
 def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # start_runtime sets it otherwise
     run_dir = str(tmp_path / "run")
