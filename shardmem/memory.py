@@ -137,6 +137,17 @@ def make_target(config: Config, target: str | None = None) -> Target:
         with native_stderr_silenced():
             return resolve_target("local", n_devices=len(jax.devices()))
     n_devices = config.mesh.device_count()
+    mesh = config.mesh
+    fixed = math.prod(mesh.axes.values())
+    if -1 not in mesh.axes.values() and mesh.devices_per_host and fixed != n_devices:
+        axes = ", ".join(f"{k}: {v}" for k, v in mesh.axes.items())
+        per_host = fixed // mesh.hosts
+        fix = f"set mesh.devices_per_host={per_host}" if fixed % mesh.hosts == 0 else "change mesh.hosts"
+        raise ConfigError(
+            f"mesh.axes {{{axes}}} multiply to {fixed}, but the plan is for {n_devices} devices "
+            f"(mesh.hosts={mesh.hosts} x mesh.devices_per_host={mesh.devices_per_host}); make the axes "
+            f"multiply to {n_devices}, set one to -1, or {fix}"
+        )
     if name == "cpu":
         ensure_cpu_devices(n_devices)
     return resolve_target(name, n_devices=n_devices, hosts=config.mesh.hosts)

@@ -151,3 +151,10 @@ def test_public_api_exports_the_headline_functions():
         "ConfigError",
     ):
         assert hasattr(shardmem, name) and getattr(shardmem, name).__doc__
+
+
+def test_a_deviceless_mesh_that_does_not_match_the_devices_names_devices_per_host():
+    config = _tiny(mesh={"axes": {"data": 1, "fsdp": 4, "tensor": 1}, "devices_per_host": 8})
+    message = r"multiply to 4, .*mesh.devices_per_host=8\); .*set mesh.devices_per_host=4"
+    with pytest.raises(ConfigError, match=message):
+        plan(config, "h100-sxm")
