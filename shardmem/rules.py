@@ -108,20 +108,25 @@ class Rules:
 
     def matches_path(self, path: str) -> bool:
         """Whether a parameter-path rule applies to ``path``."""
-        return any(re.search(pattern, path) for pattern, _ in self.by_path)
+        return self.path_rule(path) is not None
+
+    def path_rule(self, path: str) -> str | None:
+        """Returns the pattern of the first parameter-path rule that applies to ``path``."""
+        return next((pattern for pattern, _ in self.by_path if re.search(pattern, path)), None)
 
     def param_spec(self, path: str, logical_axes: Sequence[str | None] | None, ndim: int) -> P:
         """Returns the PartitionSpec of one parameter: the first matching path rule, else its logical
         axes through the rules."""
-        for pattern, entries in self.by_path:
-            if re.search(pattern, path):
-                if len(entries) != ndim:
-                    raise ConfigError(
-                        f"param_rules.{pattern!r} matches {path}, which has {ndim} dimensions, "
-                        f"but gives {len(entries)} entries; give one per dimension"
-                    )
-                return _dedupe(list(entries))
-        return self.spec(logical_axes or (None,) * ndim)
+        pattern = self.path_rule(path)
+        if pattern is None:
+            return self.spec(logical_axes or (None,) * ndim)
+        entries = dict(self.by_path)[pattern]
+        if len(entries) != ndim:
+            raise ConfigError(
+                f"param_rules.{pattern!r} matches {path}, which has {ndim} dimensions, "
+                f"but gives {len(entries)} entries; give one per dimension"
+            )
+        return _dedupe(list(entries))
 
     def shardings(self, mesh: Mesh, abstract_state: nnx.State | object):
         """Returns a tree of NamedShardings matching ``abstract_state`` (an ``nnx.State`` whose
@@ -131,7 +136,7 @@ class Rules:
         def one(path, leaf, names):
             key = path_str(path)
             spec = self.param_spec(key, tuple(names) if names is not None else None, leaf.ndim)
-            check_divisible(key, leaf.shape, spec, mesh, tuple(names or ()))
+            check_divisible(key, leaf.shape, spec, mesh, tuple(names or ()), path_rule=self.path_rule(key))
             return NamedSharding(mesh, spec)
 
         values = nnx.to_pure_dict(abstract_state)
@@ -181,8 +186,11 @@ def spec_axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def check_divisible(key: str, shape: Sequence[int], spec: P, mesh: Mesh, logical=()) -> None:
-    """Raises ConfigError when a sharded dimension is not a multiple of its mesh axes' product."""
+def check_divisible(
+    key: str, shape: Sequence[int], spec: P, mesh: Mesh, logical=(), *, path_rule: str | None = None
+) -> None:
+    """Raises ConfigError when a sharded dimension is not a multiple of its mesh axes' product;
+    ``path_rule`` names the ``param_rules`` pattern that gave ``spec``, if one did."""
     for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
         axes = spec_axes(entry)
         shards = math.prod(mesh.shape[a] for a in axes)
@@ -190,10 +198,13 @@ def check_divisible(key: str, shape: Sequence[int], spec: P, mesh: Mesh, logical
             name = logical[dim] if dim < len(logical) and logical[dim] else f"dimension {dim}"
             sizes = ", ".join(f"mesh.axes.{a}={mesh.shape[a]}" for a in axes)
             fits = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            rule, other = f"rule {name} -> {list(axes)}", f"map {name} to other axes in rules"
+            if path_rule is not None:
+                rule = f"param_rules.{path_rule!r} puts dimension {dim} on {list(axes)}"
+                other = f"change entry {dim} of param_rules.{path_rule!r}"
             raise ConfigError(
-                f"{key}: {name} has size {size}, which {sizes} does not divide "
-                f"(rule {name} -> {list(axes)}); use a mesh axis size among {fits}, or map "
-                f"{name} to other axes in rules"
+                f"{key}: {name} has size {size}, which {sizes} does not divide ({rule}); "
+                f"use a mesh axis size among {fits}, or {other}"
             )
 
 

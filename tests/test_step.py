@@ -97,6 +97,9 @@ def test_indivisible_dimensions_are_config_errors():
     with pytest.raises(ConfigError, match=r"mesh.axes.tensor=8 does not divide"):
         config = _config({"tensor": 8})  # tiny has 4 heads
         build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    with pytest.raises(ConfigError, match=r"param_rules.'layers/wq\$' puts dimension 2 on \['fsdp'\]"):
+        config = _config({"fsdp": 8}).replace('param_rules={"layers/wq$": [null, null, fsdp, null]}')
+        build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     with pytest.raises(ConfigError, match=r"micro-batches of 2 sequences.*multiple of 8"):
         config = _config({"data": 8}, micro_batches=4)
         build_program(config, build_mesh(config.mesh.axes, jax.devices()))
