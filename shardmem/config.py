@@ -197,12 +197,15 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             value = text
         node = out
         parts = key.strip().split(".")
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1], 1):
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part} is not a section")
+                section = ".".join(parts[:depth])
+                raise ConfigError(
+                    f"--set {item!r}: {section} is a value, not a section; write --set {section}=VALUE"
+                )
             node = child
         node[parts[-1]] = value
     return out
@@ -344,10 +347,10 @@ def _validate(config: Config) -> None:
             "change one, or set model.head_dim"
         )
     if m.attention_chunk is not None and (m.attention_chunk < 1 or m.seq_len % m.attention_chunk):
-        divisors = [d for d in (128, 256, 512, 1024, 2048) if m.seq_len % d == 0 and d < m.seq_len]
+        divisors = [d for d in range(1, m.seq_len) if m.seq_len % d == 0 and d >= min(128, m.seq_len // 4)]
         raise ConfigError(
-            f"model.attention_chunk={m.attention_chunk} must divide model.seq_len={m.seq_len}; "
-            f"use e.g. {divisors or [m.seq_len]}, or null to attend in one block"
+            f"model.attention_chunk={m.attention_chunk} must be a positive divisor of model.seq_len="
+            f"{m.seq_len}; use e.g. {divisors[:4] or [m.seq_len]}, or null to attend in one block"
         )
     if m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")

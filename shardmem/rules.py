@@ -281,7 +281,9 @@ def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: in
         )
     unused = [k for k in rules.user_keys if k not in used_names and k not in ACTIVATION_AXES]
     if unused:
-        warnings.append(f"rules never used by any parameter: {', '.join(unused)}")
+        names = used_names | set(ACTIVATION_AXES)
+        shown = ", ".join(f"{k}{did_you_mean(k, names - {k})}" for k in unused)
+        warnings.append(f"rules never used by any parameter: {shown}")
     if mesh.size > 1:
         replicated = [r for r in rows if r.bytes_per_device == r.bytes_total and r.bytes_total > 0]
         replicated.sort(key=lambda r: -r.bytes_total)

@@ -103,6 +103,8 @@ def test_config_errors_name_the_key_and_the_fix(raw, fragments):
 def test_bad_override_syntax(tmp_path):
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_config(CONFIGS[0], ["remat.policy"])
+    with pytest.raises(ConfigError, match="train.steps is a value, not a section; write --set train.steps="):
+        load_config(CONFIGS[0], ["train.steps.x=1"])
 
 
 def test_missing_and_invalid_files(tmp_path):

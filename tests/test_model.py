@@ -69,5 +69,6 @@ def test_attention_chunk_must_divide_the_sequence():
     from shardmem.config import config_from_dict
     from shardmem.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"model.attention_chunk=48 must divide model.seq_len=64"):
+    message = r"attention_chunk=48 must be a positive divisor of model.seq_len=64; use e.g. \[16, 32\]"
+    with pytest.raises(ConfigError, match=message):
         config_from_dict({"model": {"preset": "tiny", "attention_chunk": 48}})
