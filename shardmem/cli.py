@@ -2,7 +2,7 @@
 
 Exit codes: 0 success (plan: fits; train: finished or stopped by SIGTERM with a checkpoint), 3 the
 plan does not fit, 2 a config or usage error (printed without a traceback), 4 training diverged (NaN
-or infinite loss), 130 interrupted.
+or infinite loss, gradient or state), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from rich.console import Console
@@ -23,10 +24,14 @@ EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
 EXIT_DIVERGED, EXIT_INTERRUPTED = 4, 130
 
 
-def console() -> Console:
-    """A console that does not squeeze tables to 80 columns when output goes to a file or pipe."""
+def console(fit=None) -> Console:
+    """A console that does not squeeze tables to 80 columns when output goes to a file or pipe: there
+    it is 120 columns wide, or as wide as the rich renderable ``fit`` is unwrapped."""
     out = Console()
-    return out if out.is_terminal else Console(width=120)
+    if out.is_terminal:
+        return out
+    needed = out.measure(fit, options=out.options.update_width(10_000)).maximum if fit is not None else 0
+    return Console(width=max(120, needed))
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -73,14 +78,17 @@ def _check_writable(path: str, flag: str) -> None:
 
 def cmd_plan(args) -> int:
     from shardmem.memory import plan
-    from shardmem.report import render
+    from shardmem.report import render, sharding_json
 
     if args.top < 0:
         raise ConfigError(f"--top {args.top}: give the number of buffers to list, 0 or more")
     config = _load(args, planning_only=True)
     report = plan(config, args.target, top=args.top)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        data = report.to_json()
+        if args.sharding:
+            data["sharding"] = sharding_json(report.sharding)
+        print(json.dumps(data, indent=2))
     else:
         console().print(render(report, sharding=args.sharding))
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
@@ -157,7 +165,8 @@ def _add_train_commands(commands) -> None:
         "fit (exit 3; --force runs anyway), then trains, logging to RUN_DIR/metrics.jsonl and "
         "checkpointing to RUN_DIR/checkpoints. A run directory with checkpoints resumes from the "
         "newest. SIGTERM or SIGINT saves a checkpoint and stops (exit 0, or 130 for SIGINT). "
-        "Exit 2: config error; 4: the loss became NaN or infinite.",
+        "Exit 2: config error (also a bad token id found mid-run, once the steps done are saved); "
+        "4: the loss, the gradient or the state became NaN or infinite.",
     )
     _config_args(p)
     p.add_argument("--run-dir", help="where checkpoints and metrics go (default: runs/<config name>)")
@@ -188,10 +197,11 @@ def _add_train_commands(commands) -> None:
 def cmd_sweep(args) -> int:
     from rich.progress import Progress
 
-    from shardmem.sweep import parse_grid, render_sweep, sweep, write_outputs
+    from shardmem.sweep import check_options, parse_grid, render_sweep, sweep, write_outputs
 
     config = _load(args, planning_only=not args.measure)
     grid = parse_grid(args.grid)
+    check_options(config, args.target, jobs=args.jobs, measure=args.measure, measure_steps=args.steps)
     out_dir = args.out or f"sweep-{config.name}"
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -210,7 +220,8 @@ def cmd_sweep(args) -> int:
     if args.json:
         print(json.dumps([{**row.flat(), "collectives": row.collectives} for row in rows], indent=2))
     else:
-        console().print(render_sweep(rows, title=f"shardmem sweep  {config.name}"))
+        rendered = render_sweep(rows, title=f"shardmem sweep  {config.name}")
+        console(fit=rendered.renderables[0]).print(rendered)  # Wide enough for the table; errors wrap.
         console().print(f"wrote {paths['csv']}, {paths['json']}, {paths['png']}")
     if rows and all(row.error for row in rows):
         print(f"shardmem: error: all {len(rows)} candidates failed; see their errors", file=sys.stderr)
@@ -289,8 +300,9 @@ def cmd_policies(args) -> int:
 
     out = console()
     out.print("[bold]remat policies[/bold]")
-    for name, text in DESCRIPTIONS.items():
-        out.print(f"  {name:<14} {text}")
+    for name, text in DESCRIPTIONS.items():  # A long description wraps under itself, not to column 0.
+        out.print(textwrap.fill(text, out.width, initial_indent=f"  {name:<14} ", subsequent_indent=" " * 17),
+                  markup=False, highlight=False)  # fmt: skip
     out.print("[bold]model presets[/bold]")
     for name, model in PRESETS.items():
         out.print(f"  {name:<14} {model.param_count():>15,} parameters")

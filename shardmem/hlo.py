@@ -81,6 +81,9 @@ def _split_shape(rest: str) -> tuple[str, str]:
 
 
 def _tuple_element(shape: str, index: str) -> str:
+    """Returns element ``index`` ("1,0": nested) of a tuple shape, without comments and layouts:
+    ("(f32[2]{0}, /*index=1*/bf16[3,4]{1,0})", "1") -> "bf16[3,4]"."""
+    shape = re.sub(r"/\*.*?\*/", "", shape)  # XLA numbers long tuples' elements: /*index=5*/.
     for i in (int(x) for x in index.split(",") if x.strip()):
         if not shape.startswith("("):
             break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Group
 from rich.table import Table
@@ -104,3 +105,14 @@ def render_sharding(rows: Sequence[ShardingRow]) -> Table:
         table.add_row(row.path, "x".join(map(str, row.shape)), ", ".join(map(str, row.logical)),
                       spec, format_bytes(row.bytes_per_device))  # fmt: skip
     return table
+
+
+def sharding_json(rows: Sequence[ShardingRow]) -> list[dict[str, Any]]:
+    """Returns the sharding table as JSON-ready rows (``plan --json --sharding``); a PartitionSpec entry is
+    null (replicated), a mesh axis name, or a list of them."""
+    return [
+        {"path": row.path, "shape": list(row.shape), "dtype": row.dtype, "logical": list(row.logical),
+         "spec": [list(e) if isinstance(e, tuple) else e for e in row.spec],
+         "bytes_per_device": row.bytes_per_device, "bytes_total": row.bytes_total}
+        for row in rows
+    ]  # fmt: skip

@@ -219,6 +219,25 @@ def _cpu_devices(config: Config, rows: Sequence[tuple[str, ...]]) -> int:
     return max(counts)
 
 
+def check_options(
+    config: Config, target: str | None, *, jobs: int | None, measure: bool, measure_steps: int
+) -> None:
+    """Raises ConfigError for options :func:`sweep` cannot run with, before any work (or output) starts."""
+    if jobs is not None and jobs < 1:
+        raise ConfigError(f"--jobs {jobs}: use 1 or more worker processes, or omit it for one per CPU")
+    if measure_steps < 1:
+        raise ConfigError(f"--steps {measure_steps}: time at least 1 step per candidate")
+    if measure:
+        from shardmem.targets import GPU_TARGETS
+
+        name = target or config.memory.target
+        if name in GPU_TARGETS:
+            raise ConfigError(
+                f"--measure runs real steps, but target {name!r} is compiled deviceless; use --target "
+                "local (the attached devices) or --target cpu"
+            )
+
+
 def sweep(
     config: Config,
     grid: Mapping[str, Sequence[Any]],
@@ -232,21 +251,9 @@ def sweep(
     """Plans every combination of ``grid`` (``{key: [values]}``) applied to ``config``; returns one row
     per candidate in grid order. ``jobs`` worker processes (default: CPUs, at most one per candidate;
     1 plans in this process). ``measure`` also runs real steps (target ``local`` or ``cpu``)."""
-    if jobs is not None and jobs < 1:
-        raise ConfigError(f"--jobs {jobs}: use 1 or more worker processes, or omit it for one per CPU")
-    if measure_steps < 1:
-        raise ConfigError(f"--steps {measure_steps}: time at least 1 step per candidate")
+    check_options(config, target, jobs=jobs, measure=measure, measure_steps=measure_steps)
     combos = candidates(grid)
     jobs = min(jobs or os.cpu_count() or 1, len(combos))
-    if measure:
-        from shardmem.targets import GPU_TARGETS
-
-        name = target or config.memory.target
-        if name in GPU_TARGETS:
-            raise ConfigError(
-                f"--measure runs real steps, but target {name!r} is compiled deviceless; use --target "
-                "local (the attached devices) or --target cpu"
-            )
     done = 0
     rows: list[SweepRow | None] = [None] * len(combos)
 
@@ -345,28 +352,27 @@ def short_label(overrides: Sequence[str]) -> str:
 
 
 def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
-    """Returns the rows as a rich renderable: one table row per candidate, then the errors."""
+    """Returns the rows as a rich renderable: one table row per candidate, then the errors.
+
+    Nothing is cut short with an ellipsis: on a console too narrow for the whole table the candidate
+    column wraps first, then the figures (between number and unit while they can)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     measured = any(r.step_seconds is not None for r in rows)
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    table.add_column("candidate", no_wrap=True)
-    columns = ["peak", "margin", "FLOPs", "recompute", "host", "all-gather", "reduce-sc.", "all-reduce"]
+    headers = ["peak", "margin", "FLOPs", "recompute", "host", "all-gather", "reduce-sc.", "all-reduce"]
     if measured:
-        columns += ["step time", "measured peak"]
-    for column in columns:
-        table.add_column(column, justify="right", no_wrap=True)
-    errors = []
+        headers += ["step time", "meas. peak"]
+    cells, errors = [], []
     for r in rows:
         label = short_label(r.overrides) or r.candidate
         if r.error:
-            table.add_row(label, Text("error", style="red"))
+            cells.append([label, Text("error", style="red")])
             errors.append(Text(f"{label}: {r.error}", style="red"))
             continue
         moved = r.collectives
-        cells = [
+        row = [
             label, format_bytes(r.peak_bytes),
             Text(("+" if r.fits else "") + format_bytes(r.margin_bytes), style="green" if r.fits else "red"),
             format_flops(r.flops_per_step), f"+{r.recompute_overhead:.1%}",
@@ -374,9 +380,15 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
             *(format_bytes(moved.get(k, 0)) for k in ("all-gather", "reduce-scatter", "all-reduce")),
         ]  # fmt: skip
         if measured:
-            cells.append("-" if r.step_seconds is None else f"{r.step_seconds * 1e3:.1f} ms")
-            cells.append("-" if r.measured_peak_bytes is None else format_bytes(r.measured_peak_bytes))
-        table.add_row(*cells)
+            row.append("-" if r.step_seconds is None else f"{r.step_seconds * 1e3:.1f} ms")
+            row.append("-" if r.measured_peak_bytes is None else format_bytes(r.measured_peak_bytes))
+        cells.append(row)
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("candidate", overflow="fold")
+    for header in headers:
+        table.add_column(header, justify="right", overflow="fold")
+    for row in cells:
+        table.add_row(*row)
     table.caption = (
         "per device and step; margin: budget - peak (negative: does not fit); recompute: "
         "extra matmul FLOPs over no remat"

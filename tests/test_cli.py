@@ -48,8 +48,23 @@ def test_plan_table_for_a_gpu_target_and_overrides():
         assert text in out
 
 
+def test_plan_json_with_sharding_has_the_sharding_table(capsys):
+    args = ["plan", TINY, "--target", "cpu", "--json", "--sharding", "--set", "rules.embed=[data, fsdp]"]
+    assert main(args) == 0
+    rows = {row["path"]: row for row in json.loads(capsys.readouterr().out)["sharding"]}
+    assert rows["layers/wq"] == {
+        "path": "layers/wq", "shape": [4, 64, 4, 16], "dtype": "float32",
+        "logical": ["layers", "embed", "heads", "head_dim"], "spec": [None, ["data", "fsdp"], "tensor"],
+        "bytes_per_device": 4 * 64 * 4 * 16 * 4 // 8, "bytes_total": 4 * 64 * 4 * 16 * 4,
+    }  # fmt: skip
+    assert rows["final_norm/scale"]["spec"] == [] and "lm_head" in rows
+    assert main(["plan", TINY, "--target", "cpu", "--json"]) == 0
+    assert "sharding" not in json.loads(capsys.readouterr().out)
+
+
 def test_plan_that_does_not_fit_exits_3_and_still_reports():
-    result = shardmem("plan", "configs/tiny.yaml", "--set", "memory.usable_fraction=0.0000001")
+    result = shardmem("plan", "configs/tiny.yaml", "--set", "memory.usable_fraction=0.0000001",
+                      "--set", "memory.reserve=0")  # fmt: skip
     assert result.returncode == 3
     assert "DOES NOT FIT" in result.stdout
 
@@ -80,6 +95,8 @@ def test_policies_lists_presets_policies_and_targets():
     assert result.returncode == 0
     for text in ("offload", "llama-70b", "68,976,648,192", "h200"):
         assert text in result.stdout
+    sections = ("remat policies", "model presets", "targets")
+    assert all(line.startswith("  ") or line in sections for line in result.stdout.splitlines())
 
 
 def test_plan_top_must_not_be_negative(capsys):

@@ -1,11 +1,13 @@
 """shardmem sweep: grid parsing, planning every candidate, outputs, measuring and the CLI."""
 
 import csv
+import io
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from shardmem import load_config
 from shardmem import sweep as sweep_module
@@ -19,6 +21,7 @@ from shardmem.sweep import (
     pareto_front,
     parse_grid,
     plan_candidate,
+    render_sweep,
     sweep,
     write_outputs,
 )
@@ -113,6 +116,46 @@ def test_plot_labels_keep_values_with_dots_and_spaces():
     assert labels == ["learning_rate=3.0e-4 policy=full", "learning_rate=1.0e-3 layers={0-1: dots}"]
 
 
+def _realistic_rows(measured: bool = False) -> list[SweepRow]:
+    """Rows as llama-7b on an H100 gives them, long candidate names and all."""
+    budget, moved = 64_981_312_716, {"all-gather": 26_424_950_000, "reduce-scatter": 1_685_783_000,
+                                     "all-reduce": 1_069_548}  # fmt: skip
+    rows = []
+    for policy, batch, peak, flops in [("none", 16, 396_400_000_000, 3.03e15),
+                                       ("minimal", 16, 47_127_000_000, 3.16e15)]:  # fmt: skip
+        rows.append(SweepRow(
+            (f"remat.policy={policy}", f"train.global_batch={batch}"), peak_bytes=peak, budget_bytes=budget,
+            fits=peak <= budget, margin_bytes=budget - peak, flops_per_step=flops, recompute_overhead=0.047,
+            host_bytes=0, collectives=moved, step_seconds=1.2345 if measured else None,
+            measured_peak_bytes=peak if measured else None,
+        ))  # fmt: skip
+    return rows
+
+
+_FIGURES = ["policy=none", "policy=minimal", "global_batch=16", "369.18 GiB", "-308.66 GiB",
+            "+16.63 GiB", "43.89 GiB", "3.03 PFLOP", "3.16 PFLOP", "+4.7%", "24.61 GiB", "1.57 GiB",
+            "1.02 MiB"]  # fmt: skip
+
+
+def test_sweep_table_prints_every_figure_in_full_at_120_columns():
+    out = Console(file=io.StringIO(), width=120)  # As a file or pipe gets it.
+    out.print(render_sweep(_realistic_rows()))
+    text = out.file.getvalue()
+    assert "…" not in text
+    for figure in _FIGURES:
+        assert figure in text
+
+
+def test_cli_sweep_widens_a_piped_table_rather_than_cut_its_figures(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sweep_module, "sweep", lambda *a, **k: _realistic_rows(measured=True))
+    args = ["sweep", TINY, "--grid", "remat.policy=none,minimal", "--target", "cpu", "--measure"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "…" not in text
+    for figure in [*_FIGURES, "1234.5 ms", "policy=minimal global_batch=16 │  43.89 GiB", "meas. peak"]:
+        assert figure in text
+
+
 def _fake_report():
     return SimpleNamespace(per_device={"peak": 100, "host": 0}, budget_bytes=1000, fits=True,
                            margin_bytes=900, flops_per_step=1e9, recompute_overhead=None, collectives={},
@@ -184,16 +227,19 @@ def test_measure_refuses_deviceless_targets():
         sweep(load_config(TINY), {"remat.policy": ["none"]}, "h100-sxm", measure=True)
 
 
-def test_cli_usage_errors_exit_2(capsys, tmp_path):
-    assert main(["sweep", TINY, "--grid", "remat.policy", "--out", str(tmp_path)]) == 2
+def test_cli_usage_errors_exit_2_and_leave_no_out_directory(capsys, tmp_path):
+    out = tmp_path / "sweep"
+    assert main(["sweep", TINY, "--grid", "remat.policy", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--grid 'remat.policy': write KEY=V1,V2" in err and "Traceback" not in err
-    assert main(["sweep", TINY, "--grid", "remat.policy=none", "--target", "h100-sxm", "--measure"]) == 2
-    assert "deviceless" in capsys.readouterr().err
-    assert main(["sweep", TINY, "--grid", "remat.policy=none", "--measure", "--steps", "0"]) == 2
-    assert "--steps 0: time at least 1 step" in capsys.readouterr().err
-    assert main(["sweep", TINY, "--grid", "remat.policy=none", "--jobs", "0"]) == 2
-    assert "--jobs 0: use 1 or more" in capsys.readouterr().err
+    for args, message in [
+        (["--target", "h100-sxm", "--measure"], "deviceless"),
+        (["--measure", "--steps", "0"], "--steps 0: time at least 1 step"),
+        (["--jobs", "0"], "--jobs 0: use 1 or more"),
+    ]:
+        assert main(["sweep", TINY, "--grid", "remat.policy=none", *args, "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()
 
 
 @pytest.mark.slow
