@@ -175,15 +175,19 @@ def twin_target(device_kind: str) -> str | None:
     return target_for_device_kind(device_kind)
 
 
-def plan_trial(trial: Trial, target: str, env: dict[str, str], timeout: float) -> dict:
-    """Plans ``trial`` for ``target`` with the real CLI; returns the figures the comparison needs."""
+def plan_trial(trial: Trial, target: str, env: dict[str, str], timeout: float, niceness: int = 0) -> dict:
+    """Plans ``trial`` for ``target`` with the real CLI (at ``niceness``, so that background plans yield
+    the CPUs to the trials); returns the figures the comparison needs."""
     argv = [sys.executable, "-m", "shardmem", "plan", trial.config, "--target", target, "--json", *trial.sets]
-    code, out, err, seconds = _run(argv, env, timeout)
+    code, out, err, seconds = _run(["nice", "-n", str(niceness), *argv] if niceness else argv, env, timeout)
     result = {"target": target, "exit_code": code, "wall_s": round(seconds, 2)}
     if code not in (0, 3):  # 0: fits, 3: does not fit; both print the report.
         what = "timed out" if code is None else f"exit {code}"
         return {**result, "status": "error", "message": f"{what}: {err.strip()[-1500:]}"}
-    report = json.loads(out)
+    try:
+        report = json.loads(out)
+    except json.JSONDecodeError:
+        return {**result, "status": "error", "message": f"no JSON report: {out.strip()[-1500:]}"}
     return {
         **result,
         "status": "ok",
@@ -425,11 +429,12 @@ def driver(args) -> int:
     log(f"{device['device_kind']} ({device['platform']}), twin {twin}, {len(trials)} trials -> {out_dir}")
 
     # The twin's compiles need no GPU (JAX_PLATFORMS=cpu keeps their processes off the device), so they run
-    # in the background, beside everything else. The local plans compile on the GPU and autotune there:
-    # a few at a time (eight at once ran out of memory autotuning on an H200), all before any child runs.
+    # in the background, beside everything else, at the lowest CPU priority. The local plans compile on
+    # the GPU and autotune there: a few at a time (eight at once ran out of memory autotuning on an
+    # H200), all before any child runs.
     plans: dict[str, dict[str, dict]] = {t.name: {} for t in trials}
 
-    def planned(name, kind, plan):
+    def record_plan(name, kind, plan):
         plans[name][kind] = plan
         verdict = (f"peak {_gib(plan['peak_bytes'])}, fits {plan['fits']}" if plan["status"] == "ok"
                    else plan["message"][-300:])  # fmt: skip
@@ -446,14 +451,15 @@ def driver(args) -> int:
         concurrent.futures.ThreadPoolExecutor(args.jobs) as twin_pool,
         concurrent.futures.ThreadPoolExecutor(args.local_jobs) as local_pool,
     ):
-        twins = {t.name: twin_pool.submit(plan_trial, t, twin, twin_env, args.plan_timeout) for t in trials}
+        twins = {t.name: twin_pool.submit(plan_trial, t, twin, twin_env, args.plan_timeout, niceness=19)
+                 for t in trials}  # fmt: skip
         local = {
             local_pool.submit(plan_trial, t, "local", kind_env, args.plan_timeout): (t.name, kind)
             for t in trials
             for kind, kind_env in local_envs.items()
         }
         for future in concurrent.futures.as_completed(local):
-            planned(*local[future], future.result())
+            record_plan(*local[future], future.result())
 
         rows: list[dict] = []
         for t in trials:
@@ -462,7 +468,7 @@ def driver(args) -> int:
                 measured = {"status": "skipped", "message": f"the {args.deadline:.0f} s deadline was reached"}
             else:
                 measured = run_child(t, args.steps, env, min(args.child_timeout, remaining))
-            planned(t.name, "twin", twins[t.name].result())
+            record_plan(t.name, "twin", twins[t.name].result())
             skipped = {"status": "skipped", "message": "--twin-only"}
             trial_plans = {"local": skipped, **plans[t.name]}
             row = summarize(t, trial_plans, measured, peak_flops)

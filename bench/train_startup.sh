@@ -6,7 +6,7 @@
 #
 # Runs `python -m shardmem train configs/tiny.yaml --set train.steps=N` from each checkout (so that its
 # own shardmem is imported) in a fresh run directory, for N = 1 and 300, REPS times each (default 3).
-# "first_step_s" is the first metrics record's compile_and_step_s.
+# "first_step_s" is the first metrics record's first_step_s.
 set -euo pipefail
 PY="${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}"
 REPS="${REPS:-3}"
@@ -19,7 +19,7 @@ for steps in 1 300; do
       (cd "$checkout" && "$PY" -m shardmem train configs/tiny.yaml --set "train.steps=$steps" \
         --run-dir "$run" >/dev/null 2>&1)
       end=$(date +%s.%N)
-      first=$("$PY" -c "import json, sys; print(json.loads(open(sys.argv[1]).readline())['compile_and_step_s'])" \
+      first=$("$PY" -c "import json, sys; print(json.loads(open(sys.argv[1]).readline())['first_step_s'])" \
         "$run/metrics.jsonl")
       printf 'steps=%s checkout=%s rep=%s wall_s=%.2f first_step_s=%.3f\n' \
         "$steps" "$checkout" "$rep" "$(echo "$end - $start" | bc)" "$first"

@@ -152,11 +152,9 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def replace(self, *overrides: str) -> Config:
-        """Returns a copy with ``key.path=value`` overrides applied (values parsed as YAML), exactly as
-        :func:`load_config` would apply them to the file this config came from (see
-        :func:`apply_overrides` for ``model.preset``)."""
-        source = self.__dict__.get("_source") or self.to_dict()
-        return config_from_dict(apply_overrides(source, overrides), self.name)
+        """Returns a copy with ``key.path=value`` overrides applied (values parsed as YAML), as
+        :func:`load_config` applies them (see :func:`apply_overrides` for ``model.preset``)."""
+        return config_from_dict(apply_overrides(self.to_dict(), overrides), self.name)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -178,15 +176,13 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Returns ``raw`` with each ``a.b.c=value`` set (the value is parsed as YAML).
 
-    Setting ``model.preset`` keeps the ``model.*`` keys written beside a preset (they override any
-    preset); a model section spelled out in full, without a preset (a run's resolved config.yaml), is
-    replaced by the new preset, since its keys would override all of it.
+    Setting ``model.preset`` replaces the whole model section with that preset (the keys written in
+    ``raw["model"]`` would otherwise override it, all of them in a resolved config); other ``model.*``
+    overrides, before or after it, apply on top.
     """
     out = _deep_copy(raw)
-    model = out.get("model")
-    if isinstance(model, Mapping) and "preset" not in model:
-        if any(item.partition("=")[0].strip() == "model.preset" for item in overrides):
-            out["model"] = {}
+    if any(item.partition("=")[0].strip() == "model.preset" for item in overrides):
+        out["model"] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -223,7 +219,6 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
     """Builds and validates a Config from plain data (a parsed YAML file)."""
     raw = dict(raw)
     raw.setdefault("name", name)
-    source = _deep_copy(raw)
     model = raw.get("model")
     if model is None:
         raise ConfigError(
@@ -239,8 +234,6 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
     raw["model"] = model
     config = _build(Config, raw, "")
     _validate(config)
-    # The mapping as written (presets unexpanded), so that replace() applies overrides as load_config does.
-    object.__setattr__(config, "_source", source)
     return config
 
 

@@ -147,10 +147,13 @@ class TokenFileSource(_WindowSource):
         window = super()._row(rng)
         low, high = int(window.min()), int(window.max())
         if low < 0:
+            dtype = self._tokens.dtype
+            if np.iinfo(dtype).max < self.vocab_size - 1:
+                why = f"its dtype {dtype} cannot hold ids up to {self.vocab_size - 1}; save them as uint32"
+            else:
+                why = "negative values are usually padding or ignore markers (such as -100); drop them"
             raise ConfigError(
-                f"`data.path={self.path!r}` contains token id {low}; ids are never negative, so the file "
-                f"is damaged or its signed dtype ({self._tokens.dtype}) is too small for the ids: save "
-                "them again, e.g. as uint32"
+                f"`data.path={self.path!r}` contains token id {low}; ids are never negative: {why}"
             )
         if high >= self.vocab_size:
             raise ConfigError(

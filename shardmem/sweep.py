@@ -4,12 +4,12 @@
     rows = sweep(load_config("configs/llama-7b.yaml"), grid, target="h100-sxm", jobs=2)
     write_outputs(rows, "sweep-out")   # sweep.csv, sweep.json, sweep.png
 
-Each candidate is ``config.replace(*overrides)`` planned by :func:`shardmem.plan` (compiled ahead of
-time; deviceless for GPU targets), in a pool of spawned worker processes because one XLA compile uses
-about one core. A candidate that fails, for a bad override or anything else, is a row with its error,
-not a crash. With
-``measure=True`` each candidate also runs a few real steps on the attached (or simulated CPU) devices,
-each in a fresh process so that the measured peak memory is its own.
+Each candidate is ``config.replace(*overrides)`` planned by :func:`shardmem.plan_program` (compiled
+ahead of time; deviceless for GPU targets), in a pool of spawned worker processes because one XLA compile
+uses about one core. A candidate that fails, for a bad override or anything else, is a row with its
+error, not a crash. With ``measure=True`` each candidate also runs a few real steps of the step its plan
+compiled on the attached (or simulated CPU) devices, each in a fresh process so that the measured peak
+memory is its own.
 """
 
 from __future__ import annotations

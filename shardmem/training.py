@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -100,11 +100,13 @@ def train(
     """Trains ``config`` for ``train.steps`` steps in ``run_dir``, resuming from its newest checkpoint.
 
     Raises :class:`DoesNotFitError` when the planned step exceeds the memory budget (unless
-    ``force``), :class:`DivergedError` on a non-finite loss and :class:`~shardmem.ConfigError` for a
-    bad config or data file, the latter before any work. Multi-process runs call
-    :func:`start_runtime` first (before any JAX work); every process calls ``train`` with the same
-    arguments and ``run_dir`` must be on a file system they share. SIGTERM and SIGINT are handled
-    from the first step on: the state is saved and ``status`` says which signal stopped the run.
+    ``force``), :class:`DivergedError` on a non-finite loss, gradient or state, and
+    :class:`~shardmem.ConfigError` for a bad config or data file: before any work, except for a bad
+    token id, which shows on the batch that holds it (the steps done before it are saved first).
+    Multi-process runs call :func:`start_runtime` first (before any JAX work); every process calls
+    ``train`` with the same arguments and ``run_dir`` must be on a file system they share. SIGTERM and
+    SIGINT are handled from the first step on: the state is saved and ``status`` says which signal
+    stopped the run.
     """
     run_dir = Path(run_dir)
     lead = jax.process_index() == 0
@@ -240,7 +242,7 @@ class _Loop:
         self._save(state, force=True)
         return status, state
 
-    def _stop_on_bad_data(self, error: ConfigError, state, pending, log, progress):
+    def _stop_on_bad_data(self, error: ConfigError, state, pending, log, progress) -> NoReturn:
         """Keeps the steps done so far (one process: several would have to save together, and only
         this one read the bad batch), then raises ``error`` with the step it stopped at."""
         kept = ""
@@ -259,7 +261,7 @@ class _Loop:
             self._diverged(self.step, "the parameters or optimizer state after it are not finite")
         self.checkpointer.save(self.step, state, force=force)
 
-    def _diverged(self, step: int, what: str):
+    def _diverged(self, step: int, what: str) -> NoReturn:
         self.checkpointer.wait()
         saved = self.checkpointer.latest_step()
         kept, rerun = "no checkpoint was saved", "rerun to start again from step 0"
@@ -282,7 +284,7 @@ class _Loop:
         if not all(math.isfinite(v) for v in values.values()):
             shown = ", ".join(f"{name} {value}" for name, value in values.items())
             self._diverged(step, f"metrics {shown}")
-        if not first:  # The first step of a process includes compilation.
+        if not first:  # A process's first step pays one-off costs (and compiles, with several processes).
             self._window.append(elapsed)
         record: dict[str, Any] = {"step": step, **values}
         if self._window:
@@ -291,7 +293,7 @@ class _Loop:
             record["tokens_per_s"] = self.tokens_per_step / step_time
             record.update(_utilization(self.report, step_time, self.peak_flops))
         else:
-            record["compile_and_step_s"] = elapsed
+            record["first_step_s"] = elapsed
         if self.device.platform != "cpu":
             stats = self.device.memory_stats() or {}
             if "bytes_in_use" in stats:
@@ -364,18 +366,20 @@ def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
 
 
 def _check_run_dir(run_dir: Path) -> None:
-    """Fails before any work when the run directory cannot be one (a file is in its way, or its nearest
-    existing folder is not writable)."""
+    """Fails before any work when the run directory cannot be one: a file is in its way, or it (or
+    else its nearest existing folder) is not writable."""
     for path in (run_dir, *run_dir.parents):
-        if not path.exists():
+        if not os.path.exists(path):  # False also where a parent cannot be searched: check that one.
             continue
-        if not path.is_dir():
+        if not os.path.isdir(path):
             raise ConfigError(
                 f"run directory {str(run_dir)!r}: {str(path)!r} is a file; choose another --run-dir"
             )
-        if path != run_dir and not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(f"run directory {str(run_dir)!r}: cannot create it in {str(path)!r} "
-                              "(permission denied); choose another --run-dir")  # fmt: skip
+        if not os.access(path, os.W_OK | os.X_OK):
+            what = "write to it" if path == run_dir else f"create it in {str(path)!r}"
+            raise ConfigError(
+                f"run directory {str(run_dir)!r}: cannot {what} (permission denied); choose another --run-dir"
+            )
         return
 
 

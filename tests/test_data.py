@@ -114,7 +114,12 @@ def test_negative_token_ids_say_the_file_is_at_fault(tmp_path):
     path = tmp_path / "wrapped.npy"
     np.save(path, np.array([5, 40000, 7] * 40, dtype=np.uint16).astype(np.int16))  # 40000 wraps around.
     source = make_source(str(path), vocab_size=50000, seq_len=8, seed=0)
-    with pytest.raises(ConfigError, match=r"token id -25536; ids are never negative.*int16.*uint32"):
+    with pytest.raises(ConfigError, match=r"token id -25536; ids are never negative: its dtype int16 .*"):
+        source.rows(0, 0, 8, 8)
+    padded = tmp_path / "padded.npy"
+    np.save(padded, np.array([5, -100, 7] * 40, dtype=np.int32))
+    source = make_source(str(padded), vocab_size=50000, seq_len=8, seed=0)
+    with pytest.raises(ConfigError, match=r"token id -100; .*padding or ignore markers"):
         source.rows(0, 0, 8, 8)
 
 

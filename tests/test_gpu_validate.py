@@ -142,12 +142,16 @@ def test_plan_trial_reads_a_does_not_fit_verdict():
 
 
 def test_autotune_off_plan_is_shown_but_not_judged():
-    row = _row("a", _plan(10, True), _plan(10, True), _ran(10.1))
-    row["plans"]["local-autotune-off"] = _plan(5, True)  # A diagnostic 50% below the measurement.
-    row = gv.summarize(gv.Trial("a", "configs/tiny.yaml", ()), row["plans"], _ran(10.1), peak_flops=1e15)
+    plans = {"local": _plan(10, True), "twin": _plan(10, True), "local-autotune-off": _plan(5, True)}
+    row = gv.summarize(gv.Trial("a", "configs/tiny.yaml", ()), plans, _ran(10.1), peak_flops=1e15)
     assert row["measured_over_predicted"]["local-autotune-off"] == pytest.approx(2.02, rel=1e-6)
     bars = gv.check_bars([row], measurable=True)
     assert {b["bar"]: b["result"] for b in bars}["measured/predicted peak within 5% (local plan)"] == "PASS"
+    # The diagnostic plan says it fits; the verdicts said it does not, and it ran out of memory.
+    plans = {"local": _plan(90, False), "twin": _plan(90, False), "local-autotune-off": _plan(50, True)}
+    oom = gv.summarize(gv.Trial("b", "configs/tiny.yaml", ()), plans, {"status": "oom"}, peak_flops=1e15)
+    results = {b["bar"]: b["result"] for b in gv.check_bars([oom], measurable=True)}
+    assert results["no trial the plan said fits ran out of memory"] == "PASS"
     meta = {"label": "GPU validation", "device_kind": "NVIDIA H200", "platform": "gpu", "jax": "0",
             "bytes_limit": 140 * GIB, "twin": "h200", "steps": 5}  # fmt: skip
     table = gv.markdown(meta, [row], bars)

@@ -216,10 +216,18 @@ def test_planning_workers_stay_off_the_gpu_unless_they_plan_for_it(target, cpu_o
         assert local_memory is None
 
 
-def test_plan_candidate_measures_real_steps_of_the_step_it_compiled():
+def test_plan_candidate_measures_real_steps_of_the_step_it_compiled(monkeypatch):
+    import shardmem.step
+
+    built = []
+    real = shardmem.step.build_program
+    monkeypatch.setattr(shardmem.step, "build_program",
+                        lambda *a, **k: built.append(real(*a, **k)) or built[-1])  # fmt: skip
     row = plan_candidate(load_config(TINY), ("train.global_batch=8",), "cpu", measure_steps=2)
     assert row.error is None and row.fits and 0 < row.step_seconds < 60
     assert row.measured_peak_bytes is None  # The CPU backend keeps no allocator statistics.
+    if hasattr(built[0].step, "_cache_size"):  # Timed with the plan's executable, not compiled again.
+        assert built[0].step._cache_size() == 0
 
 
 def test_measure_refuses_deviceless_targets():

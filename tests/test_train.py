@@ -305,6 +305,9 @@ def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch)
         assert main(["train", TINY, "--run-dir", str(under)]) == 2
         assert f"'{blocker}' is a file; choose another --run-dir" in capsys.readouterr().err
     assert blocker.read_text() == "kept\n"
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # As a user without write permission.
+    assert main(["train", TINY, "--run-dir", str(tmp_path / "new")]) == 2
+    assert f"cannot create it in '{tmp_path}' (permission denied)" in capsys.readouterr().err
     assert main(["launch", "--nproc", "2"]) == 2
     assert "needs a command after --" in capsys.readouterr().err
 
