@@ -170,7 +170,7 @@ def probe(env: dict[str, str], timeout: float = 120) -> dict:
 
 def twin_target(device_kind: str) -> str | None:
     """Returns the deviceless target (a key of GPU_TARGETS) that models ``device_kind``, if any."""
-    from shardmem.targets import target_for_device_kind
+    from shardmem.planning.targets import target_for_device_kind
 
     return target_for_device_kind(device_kind)
 
@@ -401,7 +401,7 @@ def driver(args) -> int:
         print(f"gpu_validate: no deviceless target models {device['device_kind']!r}; pass --twin NAME",
               file=sys.stderr)  # fmt: skip
         return 2
-    from shardmem.targets import peak_flops_for
+    from shardmem.planning.targets import peak_flops_for
 
     peak_flops = peak_flops_for(device["device_kind"]) if on_gpu else None
     trials = CPU_TRIALS if args.cpu else GPU_TRIALS
@@ -512,8 +512,8 @@ def child(config_path: str, overrides: list[str], steps: int) -> int:
         import jax
 
         from shardmem.config import load_config
-        from shardmem.data import global_batch, make_source
-        from shardmem.mesh import build_mesh
+        from shardmem.parallel.mesh import build_mesh
+        from shardmem.run.data import global_batch, make_source
         from shardmem.step import build_program
 
         config = load_config(config_path, overrides)

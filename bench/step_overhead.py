@@ -36,7 +36,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shardmem.data import global_batch, make_source
+    from shardmem.run.data import global_batch, make_source
 
     config = shardmem.load_config(args.config, args.overrides)
     mesh = shardmem.build_mesh(config.mesh.axes, jax.devices()[: args.devices])

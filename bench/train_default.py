@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardmem.metrics import read_metrics  # noqa: E402
+from shardmem.run.metrics import read_metrics  # noqa: E402
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import shardmem
-from shardmem.tune import tune
+from shardmem.explore.tune import tune
 from shardmem.units import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent

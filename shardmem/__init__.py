@@ -24,15 +24,15 @@ if _NO_GPU:
 
 from shardmem.config import Config, config_from_dict, load_config  # noqa: E402
 from shardmem.errors import ConfigError, PlanError, ShardmemError  # noqa: E402
-from shardmem.memory import MemoryReport, analyze, make_target, plan, plan_function, plan_program  # noqa: E402
-from shardmem.mesh import build_mesh  # noqa: E402
-from shardmem.model import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig  # noqa: E402
+from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig  # noqa: E402
+from shardmem.parallel.mesh import build_mesh  # noqa: E402
+from shardmem.parallel.rules import Rules, constrain  # noqa: E402
+from shardmem.planning.memory import MemoryReport, analyze, make_target, plan, plan_function, plan_program  # noqa: E402
+from shardmem.planning.report import render  # noqa: E402
+from shardmem.planning.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
 from shardmem.remat import LayerPlan, RematPolicy, remat_scan  # noqa: E402
-from shardmem.report import render  # noqa: E402
-from shardmem.rules import Rules, constrain  # noqa: E402
+from shardmem.run.training import TrainResult, train  # noqa: E402
 from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
-from shardmem.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
-from shardmem.training import TrainResult, train  # noqa: E402
 
 __all__ = [
     "CHECKPOINT_TAGS",

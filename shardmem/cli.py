@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from shardmem.errors import ConfigError, ShardmemError
+from shardmem.planning.targets import TARGET_NAMES
 from shardmem.remat import DESCRIPTIONS
-from shardmem.targets import TARGET_NAMES
 
 EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
 EXIT_DIVERGED, EXIT_INTERRUPTED = 4, 130
@@ -51,7 +51,7 @@ def _load(args, *, planning_only: bool = False):
     attached GPU, whose client would otherwise start and reserve most of its memory; a plan for
     ``local`` gets the allocator limit ``train`` would run with, so both budget alike."""
     from shardmem.config import load_config
-    from shardmem.targets import configure_local_memory
+    from shardmem.planning.targets import configure_local_memory
 
     config = load_config(args.config, args.overrides)
     if planning_only:
@@ -77,8 +77,8 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def cmd_plan(args) -> int:
-    from shardmem.memory import plan
-    from shardmem.report import render, sharding_json
+    from shardmem.planning.memory import plan
+    from shardmem.planning.report import render, sharding_json
 
     if args.top < 0:
         raise ConfigError(f"--top {args.top}: give the number of buffers to list, 0 or more")
@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from shardmem.report import render
-    from shardmem.training import DivergedError, DoesNotFitError, start_runtime, train
+    from shardmem.planning.report import render
+    from shardmem.run.training import DivergedError, DoesNotFitError, start_runtime, train
 
     config = _load(args)
     start_runtime(config, coordinator=args.coordinator, num_processes=args.num_processes,
@@ -148,7 +148,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from shardmem.distributed import launch
+    from shardmem.run.distributed import launch
 
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
@@ -197,7 +197,7 @@ def _add_train_commands(commands) -> None:
 def cmd_sweep(args) -> int:
     from rich.progress import Progress
 
-    from shardmem.sweep import check_options, parse_grid, render_sweep, sweep, write_outputs
+    from shardmem.explore.sweep import check_options, parse_grid, render_sweep, sweep, write_outputs
 
     config = _load(args, planning_only=not args.measure)
     grid = parse_grid(args.grid)
@@ -230,7 +230,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from shardmem.tune import render_tune, tune
+    from shardmem.explore.tune import render_tune, tune
 
     config = _load(args, planning_only=True)
     if args.out:
@@ -295,8 +295,8 @@ def _add_explore_commands(commands) -> None:
 
 
 def cmd_policies(args) -> int:
-    from shardmem.model import PRESETS
-    from shardmem.targets import GPU_TARGETS
+    from shardmem.models.llama import PRESETS
+    from shardmem.planning.targets import GPU_TARGETS
 
     out = console()
     out.print("[bold]remat policies[/bold]")

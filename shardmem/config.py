@@ -21,9 +21,9 @@ from typing import Annotated, Any
 import yaml
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
-from shardmem.model import CHECKPOINT_TAGS, PRESETS, ModelConfig
+from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, ModelConfig
+from shardmem.planning.targets import TARGET_NAMES
 from shardmem.remat import LayerPlan
-from shardmem.targets import TARGET_NAMES
 from shardmem.units import parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")

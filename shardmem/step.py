@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError
-from shardmem.model import Llama
-from shardmem.rules import Rules, sharding_table, spec_axes
+from shardmem.models.llama import Llama
+from shardmem.parallel.rules import Rules, sharding_table, spec_axes
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 LossFn = Callable[[nnx.Module, jax.Array], jax.Array]
@@ -89,7 +89,7 @@ class Program:
     custom_model: bool = False  # Built from a user's model_factory rather than the reference model.
 
     def sharding_table(self):
-        """Returns one :class:`~shardmem.rules.ShardingRow` per parameter."""
+        """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
         params = self.abstract_state["params"]
         return sharding_table(params, self.state_shardings["params"], self.param_logical)
 
@@ -114,7 +114,8 @@ def build_program(
     until ``program.init`` is called.
 
     ``model_factory(rngs)`` builds any Flax NNX module whose parameters carry logical axis names (the
-    default is the reference :class:`~shardmem.model.Llama`); ``loss_fn(model, batch)`` returns a scalar.
+    default is the reference :class:`~shardmem.models.llama.Llama`); ``loss_fn(model, batch)`` returns a
+    scalar.
     ``batch_shape`` defaults to ``(train.global_batch, model.seq_len + 1)`` int32 tokens.
     """
     factory = model_factory or default_model_factory(config)

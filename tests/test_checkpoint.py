@@ -1,4 +1,4 @@
-"""Tests for shardmem.checkpoint: round trips, retention, cross-mesh restore and errors."""
+"""Tests for shardmem.run.checkpoint: round trips, retention, cross-mesh restore and errors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem.checkpoint import Checkpointer
 from shardmem.errors import ConfigError
+from shardmem.run.checkpoint import Checkpointer
 
 
 def _train_state(mesh: jax.sharding.Mesh) -> dict:

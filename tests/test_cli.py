@@ -12,7 +12,7 @@ import pytest
 from shardmem.cli import main
 from shardmem.config import load_config
 from shardmem.errors import ConfigError
-from shardmem.targets import configure_local_memory
+from shardmem.planning.targets import configure_local_memory
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -116,7 +116,7 @@ def test_plan_for_local_gets_the_allocator_limit_train_runs_with(target, expecte
         seen["fraction"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
         raise ConfigError("planned")
 
-    monkeypatch.setattr("shardmem.memory.plan", fake_plan)
+    monkeypatch.setattr("shardmem.planning.memory.plan", fake_plan)
     args = ["plan", TINY, "--target", target, "--set", "memory.usable_fraction=0.5"]
     assert main(args) == 2 and "planned" in capsys.readouterr().err
     assert seen == {"fraction": expected}

@@ -5,7 +5,7 @@ import pytest
 
 from shardmem.config import Config, config_from_dict, load_config
 from shardmem.errors import ConfigError
-from shardmem.model import PRESETS
+from shardmem.models.llama import PRESETS
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
 
@@ -64,15 +64,19 @@ def test_reserve_accepts_units():
         ({"model": {"preset": "tiny"}, "remat": {"polcy": "full"}}, ["remat.polcy", "did you mean 'policy'"]),
         ({"model": {"preset": "llama-8b"}}, ["model.preset='llama-8b'", "llama-7b"]),
         ({"model": {"preset": "tiny"}, "train": {"global_batch": "many"}}, ["train.global_batch", "int"]),
-        ({"model": {"preset": "tiny"}, "train": {"global_batch": 10, "micro_batches": 4}},
-         ["train.micro_batches=4", "divisor of 10"]),
+        (
+            {"model": {"preset": "tiny"}, "train": {"global_batch": 10, "micro_batches": 4}},
+            ["train.micro_batches=4", "divisor of 10"],
+        ),
         ({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": -1, "fsdp": -1}}}, ["at most one axis"]),
         ({"model": {"preset": "tiny", "n_kv_heads": 3}}, ["model.n_kv_heads=3", "model.n_heads=4"]),
         ({"model": {"preset": "tiny"}, "remat": {"policy": "fulll"}}, ["remat.policy='fulll'", "full"]),
         ({"model": {"preset": "tiny"}, "remat": {"layers": {"2-9": "full"}}}, ["remat.layers.2-9", "0 to 3"]),
         ({"model": {"preset": "tiny"}, "remat": {"layers": {"0-2": "full", "2": "none"}}}, ["already"]),
-        ({"model": {"preset": "tiny"}, "remat": {"policy": "custom", "custom": {"qkv": "save"}}},
-         ["remat.custom.qkv", "query_proj"]),
+        (
+            {"model": {"preset": "tiny"}, "remat": {"policy": "custom", "custom": {"qkv": "save"}}},
+            ["remat.custom.qkv", "query_proj"],
+        ),
         ({"model": {"preset": "tiny"}, "memory": {"target": "h100"}}, ["memory.target='h100'", "h100-sxm"]),
         ({"model": {"preset": "tiny"}, "memory": {"reserve": "lots"}}, ["memory.reserve", "1GiB"]),
         ({"model": {"preset": "tiny"}, "precision": {"compute": "fp8"}}, ["precision.compute", "bfloat16"]),
@@ -81,14 +85,18 @@ def test_reserve_accepts_units():
         ({"model": {"preset": "tiny", "head_dim": -4}}, ["model.head_dim=-4", "positive"]),
         ({"model": {"preset": "tiny"}, "optimizer": {"b2": 1.5}}, ["optimizer.b2=1.5", "[0, 1)"]),
         ({"model": {"preset": "tiny"}, "optimizer": {"warmup_steps": -1}}, ["optimizer.warmup_steps=-1"]),
-        ({"model": {"preset": "tiny"}, "optimizer": {"learning_rate": float("nan")}},
-         ["optimizer.learning_rate=nan", "finite"]),
+        (
+            {"model": {"preset": "tiny"}, "optimizer": {"learning_rate": float("nan")}},
+            ["optimizer.learning_rate=nan", "finite"],
+        ),
         ({"model": {"preset": "tiny", "rope_theta": float("inf")}}, ["model.rope_theta=inf", "finite"]),
         ({"model": {"preset": "tiny"}, "memory": {"reserve": float("inf")}}, ["memory.reserve", "finite"]),
         ({"model": {"preset": "tiny"}, "train": {"seed": -1}}, ["train.seed=-1", "non-negative"]),
         ({"model": {"preset": "tiny"}, "remat": {"layers": {"3-1": "full"}}}, ["remat.layers.3-1", '"1-3"']),
-        ({"model": {"preset": "tiny"}, "remat": {"custom": {"qeury_proj": "save"}}},
-         ["remat.custom.qeury_proj", "query_proj"]),
+        (
+            {"model": {"preset": "tiny"}, "remat": {"custom": {"qeury_proj": "save"}}},
+            ["remat.custom.qeury_proj", "query_proj"],
+        ),
     ],
 )
 def test_config_errors_name_the_key_and_the_fix(raw, fragments):

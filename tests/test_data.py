@@ -1,4 +1,4 @@
-"""Tests for shardmem.data: determinism, file sources, errors and sharded global batches."""
+"""Tests for shardmem.run.data: determinism, file sources, errors and sharded global batches."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem.data import (
+from shardmem.errors import ConfigError
+from shardmem.run.data import (
     ByteTextSource,
     SyntheticSource,
     TokenFileSource,
     global_batch,
     make_source,
 )
-from shardmem.errors import ConfigError
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Tests for shardmem.distributed: argument checks, cluster detection and the local launcher."""
+"""Tests for shardmem.run.distributed: argument checks, cluster detection and the local launcher."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from shardmem import distributed
-from shardmem.distributed import detected_cluster, initialize, launch
 from shardmem.errors import ConfigError
+from shardmem.run import distributed
+from shardmem.run.distributed import detected_cluster, initialize, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ CLUSTER_VARS = (
 )
 
 SUM_OVER_ALL_DEVICES = """
-    from shardmem.distributed import initialize
+    from shardmem.run.distributed import initialize
 
     initialize(local_device_count=2)
 
@@ -51,7 +51,7 @@ SUM_OVER_ALL_DEVICES = """
 BATCH_AND_CHECKPOINT = """
     import sys
 
-    from shardmem.distributed import initialize
+    from shardmem.run.distributed import initialize
 
     initialize()
 
@@ -59,8 +59,8 @@ BATCH_AND_CHECKPOINT = """
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from shardmem.checkpoint import Checkpointer
-    from shardmem.data import SyntheticSource, global_batch
+    from shardmem.run.checkpoint import Checkpointer
+    from shardmem.run.data import SyntheticSource, global_batch
 
     mesh = jax.make_mesh((4,), ("data",))
     source = SyntheticSource(vocab_size=100, seq_len=7, seed=0)
@@ -156,7 +156,7 @@ def test_a_cluster_jax_cannot_read_is_a_config_error(clean_env, monkeypatch):
     # Kubernetes, but no kubernetes package; in a fresh process, since JAX checks that first.
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
     probe = (
-        "from shardmem.distributed import initialize\n"
+        "from shardmem.run.distributed import initialize\n"
         "from shardmem.errors import ConfigError\n"
         "try:\n    initialize()\nexcept ConfigError as error:\n    print(error)\n"
     )
@@ -192,8 +192,8 @@ def test_processes_share_batches_and_checkpoints(clean_env, tmp_path, capsys):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shardmem.checkpoint import Checkpointer
-    from shardmem.data import SyntheticSource
+    from shardmem.run.checkpoint import Checkpointer
+    from shardmem.run.data import SyntheticSource
 
     command = [sys.executable, _script(tmp_path, BATCH_AND_CHECKPOINT)]
     directory = str(tmp_path / "ckpt")
@@ -234,7 +234,7 @@ def test_a_failing_child_stops_the_others(clean_env):
 def test_launch_forwards_sigint_to_every_child(clean_env, tmp_path):
     script = _script(tmp_path, WAIT_FOR_SIGNAL)
     runner = (
-        "import sys\nfrom shardmem.distributed import launch\n"
+        "import sys\nfrom shardmem.run.distributed import launch\n"
         f"sys.exit(launch(2, [], command=[sys.executable, {script!r}]))\n"
     )
     launcher = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, text=True)

@@ -5,8 +5,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem import hlo
-from shardmem.targets import resolve_target
+from shardmem.planning import hlo
+from shardmem.planning.targets import resolve_target
 
 HLO = """\
 HloModule m

@@ -8,9 +8,9 @@ from jax.sharding import PartitionSpec as P
 import shardmem
 from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
-from shardmem.memory import budget, plan, plan_function
-from shardmem.mesh import build_mesh
-from shardmem.targets import resolve_target
+from shardmem.parallel.mesh import build_mesh
+from shardmem.planning.memory import budget, plan, plan_function
+from shardmem.planning.targets import resolve_target
 
 
 def _tiny(**sections):

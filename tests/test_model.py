@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from shardmem.model import PRESETS, Llama, ModelConfig
+from shardmem.models.llama import PRESETS, Llama, ModelConfig
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_forward_is_causal():
 
 
 def test_chunked_attention_matches_full_attention_and_its_gradients():
-    from shardmem.model import _causal_attention, _chunked_causal_attention
+    from shardmem.models.llama import _causal_attention, _chunked_causal_attention
 
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, 64, 4, 16))

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from shardmem.errors import ConfigError
-from shardmem.model import CHECKPOINT_TAGS, Llama, ModelConfig
+from shardmem.models.llama import CHECKPOINT_TAGS, Llama, ModelConfig
 from shardmem.remat import PRESETS, LayerPlan, RematPolicy
 
 CFG = ModelConfig.preset("tiny")
@@ -64,7 +64,7 @@ def test_segments_group_consecutive_layers():
 
 def test_remat_saves_less_and_recomputes_more():
     """Saved residuals shrink from none to full while recomputed matmuls grow."""
-    from shardmem.hlo import matmul_flops
+    from shardmem.planning.hlo import matmul_flops
 
     tokens = jnp.zeros((2, CFG.seq_len), jnp.int32)
 

@@ -5,7 +5,7 @@ import pytest
 
 from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
-from shardmem.mesh import build_mesh
+from shardmem.parallel.mesh import build_mesh
 from shardmem.step import build_program
 
 

@@ -10,11 +10,11 @@ import pytest
 from rich.console import Console
 
 from shardmem import load_config
-from shardmem import sweep as sweep_module
 from shardmem.cli import main
 from shardmem.errors import ConfigError
-from shardmem.plot import plot_sweep
-from shardmem.sweep import (
+from shardmem.explore import sweep as sweep_module
+from shardmem.explore.plot import plot_sweep
+from shardmem.explore.sweep import (
     COLUMNS,
     SweepRow,
     candidates,
@@ -168,7 +168,7 @@ def test_an_unexpected_error_is_the_candidates_row_not_the_end_of_the_sweep(monk
             raise RuntimeError("XLA fell over")
         return _fake_report(), None
 
-    monkeypatch.setattr("shardmem.memory.plan_program", fake_plan)
+    monkeypatch.setattr("shardmem.planning.memory.plan_program", fake_plan)
     rows = sweep(load_config(TINY), {"remat.policy": ["none", "full", "minimal"]}, "cpu", jobs=1)
     assert [r.error for r in rows] == [None, "RuntimeError: XLA fell over", None]
     assert rows[2].peak_bytes == 100
@@ -178,7 +178,7 @@ def test_cli_exits_2_when_every_candidate_failed(monkeypatch, tmp_path, capsys):
     def fake_plan(program, target, **kwargs):
         raise ValueError("no")
 
-    monkeypatch.setattr("shardmem.memory.plan_program", fake_plan)
+    monkeypatch.setattr("shardmem.planning.memory.plan_program", fake_plan)
     args = ["sweep", TINY, "--grid", "remat.policy=none,full", "--target", "cpu", "--jobs", "1"]
     assert main([*args, "--out", str(tmp_path)]) == 2
     captured = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""Tests for shardmem.training and the ``train``/``launch`` commands: the gate, the loop, checkpoints,
+"""Tests for shardmem.run.training and the ``train``/``launch`` commands: the gate, the loop, checkpoints,
 preemption, resuming (after kill -9, and onto a different mesh), divergence and multi-process runs.
 
 Subprocess runs use ``python -m shardmem`` like a user would; they share a persistent compilation
@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from shardmem.checkpoint import Checkpointer
 from shardmem.cli import main
 from shardmem.config import load_config
 from shardmem.errors import ConfigError
-from shardmem.mesh import build_mesh
-from shardmem.metrics import format_record, read_metrics
+from shardmem.parallel.mesh import build_mesh
+from shardmem.run.checkpoint import Checkpointer
+from shardmem.run.metrics import format_record, read_metrics
+from shardmem.run.training import DivergedError, DoesNotFitError, _utilization, train
 from shardmem.step import build_program
-from shardmem.training import DivergedError, DoesNotFitError, _utilization, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -124,10 +124,10 @@ def test_train_writes_the_run_dir_and_the_loss_falls(reference):
 
 
 def test_one_process_trains_with_the_plans_compiled_step(tmp_path, monkeypatch):
-    import shardmem.training
+    import shardmem.run.training
 
     built = []
-    monkeypatch.setattr(shardmem.training, "build_program",
+    monkeypatch.setattr(shardmem.run.training, "build_program",
                         lambda *a, **k: built.append(build_program(*a, **k)) or built[-1])  # fmt: skip
     result = train(load_config(TINY, [*FAST, "train.steps=3"]), tmp_path, console=Console(quiet=True))
     assert result.final_step == 3 and len(built) == 1
@@ -268,15 +268,15 @@ def test_a_run_that_diverges_before_any_checkpoint_says_a_rerun_starts_over(tmp_
 
 
 def test_bad_data_found_mid_run_keeps_the_steps_done(tmp_path, monkeypatch):
-    import shardmem.training
+    import shardmem.run.training
 
     def global_batch(source, step, *args):
         if step == 5:  # What a token file raises on the batch that holds a bad id.
             raise ConfigError("`data.path='ids.npy'` contains token id 999, outside [0, 256)")
         return real(source, step, *args)
 
-    real = shardmem.training.global_batch
-    monkeypatch.setattr(shardmem.training, "global_batch", global_batch)
+    real = shardmem.run.training.global_batch
+    monkeypatch.setattr(shardmem.run.training, "global_batch", global_batch)
     config = load_config(TINY, [*FAST, "train.checkpoint_every=100"])
     with pytest.raises(ConfigError, match=r"the batch of step 6: .*token id 999.*steps up to 5 are saved"):
         train(config, tmp_path, console=Console(quiet=True))

@@ -7,8 +7,8 @@ import pytest
 from shardmem import load_config, plan
 from shardmem.cli import main
 from shardmem.errors import ConfigError
-from shardmem.memory import make_target
-from shardmem.tune import residual_bytes, tune
+from shardmem.explore.tune import residual_bytes, tune
+from shardmem.planning.memory import make_target
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
 BASE = ["train.global_batch=8"]
@@ -76,7 +76,7 @@ def test_tune_remat_prunes_what_keeps_more(peaks, monkeypatch):
         counted.append(kwargs.get("count_remat_overhead", True))
         return plan(*args, **kwargs)
 
-    monkeypatch.setattr("shardmem.tune.plan", spy)
+    monkeypatch.setattr("shardmem.explore.tune.plan", spy)
     result = tune(config, "cpu")
     assert counted == [False] * result.compiles
     assert [(t.candidate, t.fits) for t in result.trials] == [("full", True), ("none", False), ("dots", True)]
@@ -89,7 +89,7 @@ def test_tune_out_that_cannot_be_written_fails_before_the_search(monkeypatch, tm
     def no_search(*args, **kwargs):
         raise AssertionError("searched before checking --out")
 
-    monkeypatch.setattr("shardmem.tune.tune", no_search)
+    monkeypatch.setattr("shardmem.explore.tune.tune", no_search)
     out = tmp_path / "missing" / "tuned.yaml"
     assert main(["tune", TINY, "--target", "cpu", "--out", str(out)]) == 2
     assert f"--out '{out}': cannot write there" in capsys.readouterr().err

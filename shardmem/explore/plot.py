@@ -1,6 +1,6 @@
 """Plots of plans for people: peak memory against compute, with the budget and the Pareto front.
 
-    figure = plot_sweep(rows)            # rows from shardmem.sweep.sweep
+    figure = plot_sweep(rows)            # rows from shardmem.explore.sweep.sweep
     figure.savefig("sweep.png")
 
 Uses matplotlib's object API only (no global pyplot state beyond creating the figure), so it works in
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardmem.sweep import SweepRow, pareto_front, short_label
+from shardmem.explore.sweep import SweepRow, pareto_front, short_label
 
 _GIB = 2**30
 

@@ -5,7 +5,7 @@ process. :func:`launch` runs N local processes that find each other over loopbac
 cluster scheduler would start them on N hosts::
 
     # in the program (python -m shardmem ...):
-    shardmem.distributed.initialize()
+    shardmem.run.distributed.initialize()
 
     # on one machine, 2 processes with 4 simulated CPU devices each:
     launch(2, ["train", "configs/tiny.yaml"], devices_per_process=4)
@@ -96,7 +96,7 @@ def initialize(
     except RuntimeError as error:  # raised when JAX already created its devices
         raise ConfigError(
             f"Could not join the multi-process run ({error}); call "
-            "shardmem.distributed.initialize() before any JAX computation."
+            "shardmem.run.distributed.initialize() before any JAX computation."
         ) from error
     except ValueError as error:  # JAX could not fill in what the cluster left out
         found = f"Detected a {cluster} job, but" if cluster else "With the settings given,"
@@ -239,7 +239,7 @@ def _set_cpu_device_count(count: int) -> None:
     except RuntimeError as error:
         raise ConfigError(
             f"`--local-devices {count}` ({ENV_LOCAL_DEVICES}) came after JAX had already "
-            "created its devices; call shardmem.distributed.initialize() before any JAX "
+            "created its devices; call shardmem.run.distributed.initialize() before any JAX "
             "computation."
         ) from error
 

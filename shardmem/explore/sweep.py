@@ -137,8 +137,8 @@ def plan_candidate(
     """Plans one candidate; with ``measure_steps``, also times that many real steps of the step the
     plan compiled. Any error (a config or plan error, or an unexpected one) becomes the row's
     ``error``, so that one candidate cannot end the sweep."""
-    from shardmem.memory import make_target, plan_program
-    from shardmem.mesh import build_mesh
+    from shardmem.parallel.mesh import build_mesh
+    from shardmem.planning.memory import make_target, plan_program
     from shardmem.step import build_program
 
     try:
@@ -169,7 +169,7 @@ def time_steps(program: Program, step_fn: Callable, steps: int) -> tuple[float, 
     mesh's devices (None where the backend does not say)."""
     import jax
 
-    from shardmem import data
+    from shardmem.run import data
 
     config = program.config
     source = data.make_source(None, vocab_size=config.model.vocab_size, seq_len=config.model.seq_len,
@@ -198,7 +198,7 @@ def _worker_init(cpu_devices: int, cpu_only: bool, local_memory: Config | None) 
     # Planning allocates nothing; several workers (and the measuring one) may share one GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import shardmem  # noqa: F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
-    from shardmem.targets import configure_local_memory, ensure_cpu_devices
+    from shardmem.planning.targets import configure_local_memory, ensure_cpu_devices
 
     if cpu_only:
         import jax
@@ -228,7 +228,7 @@ def check_options(
     if measure_steps < 1:
         raise ConfigError(f"--steps {measure_steps}: time at least 1 step per candidate")
     if measure:
-        from shardmem.targets import GPU_TARGETS
+        from shardmem.planning.targets import GPU_TARGETS
 
         name = target or config.memory.target
         if name in GPU_TARGETS:
@@ -326,7 +326,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 def write_outputs(rows: Sequence[SweepRow], out_dir: str | Path, *, title: str = "") -> dict[str, Path]:
     """Writes ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``out_dir``; returns their paths."""
-    from shardmem.plot import plot_sweep
+    from shardmem.explore.plot import plot_sweep
 
     out = Path(out_dir)
     try:

@@ -9,8 +9,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from shardmem.memory import MemoryReport
-from shardmem.rules import ShardingRow
+from shardmem.parallel.rules import ShardingRow
+from shardmem.planning.memory import MemoryReport
 from shardmem.units import format_bytes, format_flops
 
 _LABELS = {

@@ -121,8 +121,8 @@ def configure_local_memory(config) -> None:
     before JAX's backends start, wherever a process plans or runs on target ``local``.
 
     Why: the budget of an attached GPU is the lower of device memory x ``usable_fraction`` and the
-    allocator's limit (see :func:`shardmem.memory.budget`), and that limit is JAX's default 75% unless
-    the variable says otherwise. ``shardmem train`` and ``shardmem plan --target local`` both call
+    allocator's limit (see :func:`shardmem.planning.memory.budget`), and that limit is JAX's default
+    75% unless the variable says otherwise. ``shardmem train`` and ``shardmem plan --target local`` both call
     this, so that they budget alike and the plan's verdict is the one training is gated on.
     """
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{config.memory.usable_fraction:.6g}")

@@ -23,14 +23,14 @@ from typing import Any
 
 import jax
 
-from shardmem import hlo
 from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, PlanError
-from shardmem.mesh import build_mesh
-from shardmem.rules import rule_warnings
+from shardmem.parallel.mesh import build_mesh
+from shardmem.parallel.rules import rule_warnings
+from shardmem.planning import hlo
+from shardmem.planning.targets import Target, ensure_cpu_devices, resolve_target
 from shardmem.step import LossFn, ModelFactory, Program, build_program, next_token_loss
-from shardmem.targets import Target, ensure_cpu_devices, resolve_target
 from shardmem.units import format_bytes
 
 #: The per-device figures of a report, in the order tables show them.

@@ -23,13 +23,13 @@ from typing import Any
 import jax
 from flax import nnx
 
-from shardmem import hlo
 from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
-from shardmem.memory import MemoryReport, make_target, plan
-from shardmem.mesh import build_mesh
+from shardmem.parallel.mesh import build_mesh
+from shardmem.parallel.rules import Rules, spec_axes
+from shardmem.planning import hlo
+from shardmem.planning.memory import MemoryReport, make_target, plan
 from shardmem.remat import PRESETS
-from shardmem.rules import Rules, spec_axes
 from shardmem.step import build_program, default_model_factory, next_token_loss
 from shardmem.units import format_bytes
 

@@ -26,7 +26,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from shardmem.errors import ConfigError
-from shardmem.rules import path_str
+from shardmem.parallel.rules import path_str
 
 __all__ = ["Checkpointer"]
 

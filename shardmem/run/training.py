@@ -4,7 +4,7 @@
     result.status, result.final_step, result.history[-1]["loss"]
 
 Before anything the size of the model is allocated, the step is planned for the attached devices
-(:func:`shardmem.memory.plan_program` with target ``local``); a step that does not fit raises
+(:func:`shardmem.planning.memory.plan_program` with target ``local``); a step that does not fit raises
 :class:`DoesNotFitError` unless ``force=True``. In a single process the plan's compiled step is the
 one that trains, so the step is compiled once. A run directory that holds checkpoints resumes from
 the newest one, onto whatever mesh the current devices give, and the batch of step ``k`` depends only
@@ -35,15 +35,15 @@ import numpy as np
 import yaml
 from rich.console import Console
 
-from shardmem.checkpoint import Checkpointer
 from shardmem.config import Config
-from shardmem.data import global_batch, make_source
 from shardmem.errors import ConfigError, PlanError, ShardmemError
-from shardmem.memory import MemoryReport, make_target, plan_program
-from shardmem.mesh import build_mesh
-from shardmem.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
+from shardmem.parallel.mesh import build_mesh
+from shardmem.planning.memory import MemoryReport, make_target, plan_program
+from shardmem.planning.targets import peak_flops_for
+from shardmem.run.checkpoint import Checkpointer
+from shardmem.run.data import global_batch, make_source
+from shardmem.run.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
 from shardmem.step import LossFn, ModelFactory, Program, build_program, next_token_loss
-from shardmem.targets import peak_flops_for
 from shardmem.units import format_bytes
 
 __all__ = ["DivergedError", "DoesNotFitError", "TrainResult", "start_runtime", "train"]
@@ -462,12 +462,12 @@ def start_runtime(
     Gives GPUs the memory the plan budgets (``XLA_PYTHON_CLIENT_MEM_FRACTION`` from
     ``memory.usable_fraction``, unless already set), simulates ``local_devices`` CPU devices (by
     default as many as the mesh needs, split over the processes) and joins a multi-process run
-    through :func:`shardmem.distributed.initialize` (flags, ``SHARDMEM_*`` variables or a detected
+    through :func:`shardmem.run.distributed.initialize` (flags, ``SHARDMEM_*`` variables or a detected
     SLURM, Open MPI or Kubernetes job).
     """
-    from shardmem import distributed
     from shardmem._quiet import native_stderr_silenced
-    from shardmem.targets import configure_local_memory, ensure_cpu_devices
+    from shardmem.planning.targets import configure_local_memory, ensure_cpu_devices
+    from shardmem.run import distributed
 
     configure_local_memory(config)
     if local_devices is None and not os.environ.get(distributed.ENV_LOCAL_DEVICES):

@@ -22,8 +22,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.parallel.rules import constrain
 from shardmem.remat import LayerPlan, remat_scan
-from shardmem.rules import constrain
 
 #: The intermediates a layer tags for remat policies, in the order they are computed.
 CHECKPOINT_TAGS = (

@@ -1,0 +1,1 @@
+"""Models shardmem builds itself: the reference Llama-style decoder with logical axes and remat tags."""

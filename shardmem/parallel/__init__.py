@@ -1,0 +1,1 @@
+"""How arrays are spread over devices: the device mesh, and logical/path rules -> NamedShardings."""

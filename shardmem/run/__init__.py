@@ -1,0 +1,1 @@
+"""Training runs: the loop, data sources, checkpoints, multi-process start-up and metrics."""
