@@ -128,6 +128,7 @@ class Program:
     custom_model: bool = False  # Built from a user's model rather than the reference model.
     remat_plan: LayerPlan | None = None  # The plan the model applies (None: the model remats itself).
     token_batch: bool = True  # The batch is the reference [batch, seq_len + 1] token array.
+    build_args: dict = dataclasses.field(default_factory=dict)  # build_program's keywords, to rebuild it.
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
@@ -152,8 +153,13 @@ class _Keys:
     plain arrays); ``wrap`` turns them back into keys of the same implementation."""
 
     def __init__(self, abstract_rest):
-        self.impls = jax.tree.map(lambda x: jax.random.key_impl(x) if _is_key(x) else None,
-                                  abstract_rest)  # fmt: skip
+        found = {}
+
+        def record(tree):  # key_impl needs a (traced) key array, not a ShapeDtypeStruct.
+            found["impls"] = jax.tree.map(lambda x: jax.random.key_impl(x) if _is_key(x) else None, tree)
+
+        jax.eval_shape(record, abstract_rest)
+        self.impls = found["impls"]
 
     def unwrap(self, tree):
         return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
@@ -327,7 +333,8 @@ def build_program(
     return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
                    batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
                    custom_model=custom, remat_plan=config.remat_plan() if takes_remat else None,
-                   token_batch=token)  # fmt: skip
+                   token_batch=token, build_args=dict(model_factory=model_factory, loss_fn=loss_fn,
+                                                      batch=batch, batch_shape=batch_shape))  # fmt: skip
 
 
 def _batch_leaves(config: Config, batch: Any, batch_shape: tuple[int, ...] | None):
