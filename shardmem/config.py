@@ -395,8 +395,9 @@ def _validate_batch(batch: Mapping[str, Any], key: str = "data.batch") -> None:
     """Checks a declared batch: each leaf ``{shape, dtype, axes}``, possibly nested in mappings."""
     if not isinstance(batch, Mapping) or not batch:
         raise ConfigError(f"{key}={batch!r}: give a mapping of names to {{shape, dtype, axes}}")
-    for name, leaf in batch.items():
-        where = f"{key}.{name}"
+    items = {"": batch} if "shape" in batch else batch  # One array, or a mapping of named ones.
+    for name, leaf in items.items():
+        where = f"{key}.{name}" if name else key
         if isinstance(leaf, Mapping) and "shape" not in leaf:
             _validate_batch(leaf, where)
             continue
