@@ -129,6 +129,8 @@ class Program:
     remat_plan: LayerPlan | None = None  # The plan the model applies (None: the model remats itself).
     token_batch: bool = True  # The batch is the reference [batch, seq_len + 1] token array.
     build_args: dict = dataclasses.field(default_factory=dict)  # build_program's keywords, to rebuild it.
+    # (params, model_state, batch) -> (loss, (metrics, new model_state)): what the step differentiates.
+    loss: Callable | None = None
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
@@ -333,8 +335,9 @@ def build_program(
     return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
                    batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
                    custom_model=custom, remat_plan=config.remat_plan() if takes_remat else None,
-                   token_batch=token, build_args=dict(model_factory=model_factory, loss_fn=loss_fn,
-                                                      batch=batch, batch_shape=batch_shape))  # fmt: skip
+                   token_batch=token, loss=loss_of_params,
+                   build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
+                                   batch_shape=batch_shape))  # fmt: skip
 
 
 def _batch_leaves(config: Config, batch: Any, batch_shape: tuple[int, ...] | None):
