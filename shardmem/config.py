@@ -218,6 +218,13 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, mesh, ...)")
+    if raw.get("model") is None and not any(
+        o.partition("=")[0].strip().startswith("model") for o in overrides
+    ):
+        raise ConfigError(
+            f"{path}: the config has no model section; add e.g. model: {{preset: tiny}} (presets: "
+            f"{one_of(PRESETS)}) or model: {{factory: mypkg.models:build}} for a model of your own"
+        )
     config = config_from_dict(apply_overrides(raw, overrides), raw.get("name", path.stem))
     return dataclasses.replace(config, folder=str(path.resolve().parent))
 
