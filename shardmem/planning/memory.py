@@ -360,10 +360,10 @@ def _compile_and_analyze(
     warnings = []
     if retried:
         warnings.append(
-            f"the deviceless compile failed with XLA's Triton GEMM fusions ({retried.split(':  ')[0][:90]}); "
-            f"planned with {TRITON_GEMM}=false instead, so every matmul is a cuBLAS call: on the Llama trials "
-            "of BENCHMARKS.md this setting raised deviceless peaks by 0-23% over the default, so the "
-            "verdict errs on the safe side"
+            f"the deviceless compile failed with XLA's Triton GEMM fusions ({retried[:90]}); "
+            f"planned with {TRITON_GEMM}=false instead, so every matmul is a cuBLAS call: on the Llama "
+            "trials of BENCHMARKS.md this setting raised deviceless peaks by 0-23% over the default, so "
+            "the verdict errs on the safe side"
         )
     if groups and accounted != arguments:
         warnings.append(
