@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -54,12 +55,28 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class UserModelConfig:
+    """A model of your own: ``factory`` is an import path ``package.module:function`` (looked up from the
+    config file's folder, then the working directory, then ``sys.path``) called as
+    ``factory(rngs, **options)`` -- or ``factory(rngs, remat=plan, **options)`` when it takes a ``remat``
+    argument, which then receives the per-layer :class:`~shardmem.remat.LayerPlan` for ``n_layers``
+    layers (required for ``remat.layers`` ranges)."""
+
+    factory: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    n_layers: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RematConfig:
-    """``policy`` for every layer, ``layers`` overrides per range, ``custom`` tag actions."""
+    """``policy`` for every layer, ``layers`` overrides per range, ``custom`` tag actions; ``tags`` are a
+    model's own ``checkpoint_name`` tags (the ones ``minimal`` saves and ``offload`` moves to the host;
+    default: the reference model's projections)."""
 
     policy: str = "none"
     layers: dict[str, str] = dataclasses.field(default_factory=dict)
     custom: dict[str, str] = dataclasses.field(default_factory=dict)
+    tags: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +117,22 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     tensorboard: bool = False
+    loss: str | None = None  # Import path of loss_fn(model, batch) -> loss or (loss, metrics).
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """``path``: None for the synthetic stream, a text file (bytes), or a ``.npy`` token file."""
+    """``path``: None for the synthetic stream, a text file (bytes), or a ``.npy`` token file.
+
+    For a batch of your own: ``batch`` maps names to ``{shape, dtype, axes}`` (``shape`` may say
+    ``global_batch``; ``axes`` are logical names such as ``batch``), and ``source`` is the import path of
+    ``batches(step, rows, seed) -> {name: array}``, the rows ``range`` of batch ``step`` that this process
+    holds, deterministic per ``(seed, step)``.
+    """
 
     path: str | None = None
+    batch: dict[str, Any] | None = None
+    source: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +146,15 @@ class MemoryConfig:
     # Deviceless compiles cannot autotune; on an H200 one measured step needed 15.5% more than its
     # deviceless plan (the real-GPU plan, --target local, was exact): see BENCHMARKS.md, issue 5.
     deviceless_margin: float = 0.16
+    # XLA options for every compile of the plan (e.g. xla_gpu_enable_triton_gemm: false).
+    compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One training run, as a YAML file describes it."""
 
-    model: ModelConfig
+    model: ModelConfig | UserModelConfig | None = None
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     rules: dict[str, Any] = dataclasses.field(default_factory=dict)
     param_rules: dict[str, list] = dataclasses.field(default_factory=dict)
@@ -137,15 +165,34 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     name: str = "run"
+    # The loaded file's folder, where import paths (model.factory, ...) are looked up first; not a key.
+    folder: str | None = dataclasses.field(default=None, compare=False, metadata={"internal": True})
+
+    @property
+    def user_model(self) -> bool:
+        """Whether the model comes from the user (``model.factory``, or no model section at all)."""
+        return not isinstance(self.model, ModelConfig)
 
     def remat_plan(self) -> LayerPlan:
-        """Returns the per-layer remat plan."""
-        return LayerPlan.parse(dataclasses.asdict(self.remat), self.model.n_layers,
-                               tags=CHECKPOINT_TAGS)  # fmt: skip
+        """Returns the per-layer remat plan (for a model of your own without ``model.n_layers``, one
+        policy that :meth:`LayerPlan.for_layers` stretches over any depth)."""
+        remat = dataclasses.asdict(self.remat)
+        if not self.user_model:
+            return LayerPlan.parse(remat, self.model.n_layers, tags=CHECKPOINT_TAGS)
+        n_layers = getattr(self.model, "n_layers", None)
+        if n_layers is None and self.remat.layers:
+            raise ConfigError(
+                f"remat.layers={self.remat.layers} needs the depth of your model: set model.n_layers"
+            )
+        tags = self.remat.tags or None
+        plan = LayerPlan.parse(remat, n_layers or 1, tags=tags, named=tuple(self.remat.tags) or None)
+        return plan if n_layers else dataclasses.replace(plan, any_depth=True)
 
     def to_dict(self) -> dict[str, Any]:
         """Returns plain data that :func:`config_from_dict` turns back into an equal Config."""
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data.pop("folder")
+        return data
 
     def to_yaml(self) -> str:
         """Returns the config as YAML that :func:`load_config` reads back into an equal Config."""
@@ -154,7 +201,8 @@ class Config:
     def replace(self, *overrides: str) -> Config:
         """Returns a copy with ``key.path=value`` overrides applied (values parsed as YAML), as
         :func:`load_config` applies them (see :func:`apply_overrides` for ``model.preset``)."""
-        return config_from_dict(apply_overrides(self.to_dict(), overrides), self.name)
+        changed = config_from_dict(apply_overrides(self.to_dict(), overrides), self.name)
+        return dataclasses.replace(changed, folder=self.folder)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -170,7 +218,15 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, mesh, ...)")
-    return config_from_dict(apply_overrides(raw, overrides), raw.get("name", path.stem))
+    if raw.get("model") is None and not any(
+        o.partition("=")[0].strip().startswith("model") for o in overrides
+    ):
+        raise ConfigError(
+            f"{path}: the config has no model section; add e.g. model: {{preset: tiny}} (presets: "
+            f"{one_of(PRESETS)}) or model: {{factory: mypkg.models:build}} for a model of your own"
+        )
+    config = config_from_dict(apply_overrides(raw, overrides), raw.get("name", path.stem))
+    return dataclasses.replace(config, folder=str(path.resolve().parent))
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -220,18 +276,20 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
     raw = dict(raw)
     raw.setdefault("name", name)
     model = raw.get("model")
-    if model is None:
-        raise ConfigError(
-            f"the config has no model section; add e.g. model: {{preset: tiny}} (presets: {one_of(PRESETS)})"
-        )
-    if not isinstance(model, Mapping):
+    if model is not None and not isinstance(model, Mapping):
         raise ConfigError(f"model={model!r}: give a mapping such as {{preset: llama-7b}}")
-    model = dict(model)
-    preset = model.pop("preset", None)
-    if preset is not None:
-        base = dataclasses.asdict(ModelConfig.preset(str(preset)))
-        model = {**base, **model}
-    raw["model"] = model
+    if model is not None and "factory" in model:
+        user = dict(model)
+        if "preset" in user:
+            raise ConfigError("model: give either model.preset or model.factory, not both")
+        raw["model"] = _build(UserModelConfig, user, "model")
+    elif model is not None:
+        model = dict(model)
+        preset = model.pop("preset", None)
+        if preset is not None:
+            base = dataclasses.asdict(ModelConfig.preset(str(preset)))
+            model = {**base, **model}
+        raw["model"] = _build(ModelConfig, model, "model")
     config = _build(Config, raw, "")
     _validate(config)
     return config
@@ -243,7 +301,7 @@ def _build(cls, data: Any, key: str):
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}={data!r}: expected a mapping with keys {one_of(_fields(cls))}")
     hints = typing.get_type_hints(cls, include_extras=True)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     for name in data:
         if name not in fields:
             raise ConfigError(
@@ -261,7 +319,7 @@ def _build(cls, data: Any, key: str):
 
 
 def _fields(cls) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+    return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
 
 
 def _join(key: str, name: str) -> str:
@@ -284,7 +342,7 @@ def _convert(hint, value: Any, key: str):
                 errors.append(str(e))
         raise ConfigError(errors[0])
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key)
+        return value if isinstance(value, hint) else _build(hint, value, key)
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}={value!r}: expected a mapping")
@@ -321,7 +379,65 @@ def _positive(key: str, value: int | float) -> None:
 
 
 def _validate(config: Config) -> None:
-    m = config.model
+    if isinstance(config.model, ModelConfig):
+        _validate_model(config.model)
+    elif isinstance(config.model, UserModelConfig):
+        _import_path("model.factory", config.model.factory)
+        if config.model.n_layers is not None:
+            _positive("model.n_layers", config.model.n_layers)
+    _validate_rest(config)
+
+
+def _import_path(key: str, value: str) -> None:
+    """Checks the form ``package.module:attribute`` now; importing waits until the program is built."""
+    module, _, attribute = value.partition(":")
+    names = [*module.split("."), *attribute.split(".")]
+    if not module or not attribute or not all(n.isidentifier() for n in names):
+        raise ConfigError(
+            f"{key}={value!r}: give an import path package.module:function, e.g. mypkg.vit:build"
+        )
+
+
+def _validate_batch(batch: Mapping[str, Any], key: str = "data.batch") -> None:
+    """Checks a declared batch: each leaf ``{shape, dtype, axes}``, possibly nested in mappings."""
+    if not isinstance(batch, Mapping) or not batch:
+        raise ConfigError(f"{key}={batch!r}: give a mapping of names to {{shape, dtype, axes}}")
+    items = {"": batch} if "shape" in batch else batch  # One array, or a mapping of named ones.
+    for name, leaf in items.items():
+        where = f"{key}.{name}" if name else key
+        if isinstance(leaf, Mapping) and "shape" not in leaf:
+            _validate_batch(leaf, where)
+            continue
+        if not isinstance(leaf, Mapping):
+            raise ConfigError(f"{where}={leaf!r}: give {{shape: [...], dtype: ..., axes: [...]}}")
+        unknown = set(leaf) - {"shape", "dtype", "axes"}
+        if unknown:
+            bad = sorted(unknown)[0]
+            raise ConfigError(
+                f"unknown key {where}.{bad}{did_you_mean(bad, ('shape', 'dtype', 'axes'))}; "
+                "valid keys: shape, dtype or axes"
+            )
+        shape = leaf.get("shape")
+        if not isinstance(shape, list) or not shape:
+            raise ConfigError(f"{where}.shape={shape!r}: give a list such as [global_batch, 224, 224, 3]")
+        for size in shape:
+            if size != "global_batch" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+                raise ConfigError(f"{where}.shape: {size!r} is neither a positive integer nor global_batch")
+        dtype = leaf.get("dtype", "float32")
+        try:
+            import numpy as np
+
+            np.dtype(dtype)
+        except TypeError:
+            raise ConfigError(f"{where}.dtype={dtype!r}: not a dtype; use e.g. float32 or int32") from None
+        axes = leaf.get("axes")
+        if axes is not None and (not isinstance(axes, list) or len(axes) != len(shape)):
+            raise ConfigError(
+                f"{where}.axes={axes!r}: give one logical name (or null) per dimension of shape {shape}"
+            )
+
+
+def _validate_model(m: ModelConfig) -> None:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len"):
         _positive(f"model.{name}", getattr(m, name))
     if m.head_dim is not None:
@@ -348,6 +464,8 @@ def _validate(config: Config) -> None:
     if m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
 
+
+def _validate_rest(config: Config) -> None:
     axes = config.mesh.axes
     if not axes:
         raise ConfigError("mesh.axes is empty; give at least one axis, e.g. {data: -1}")
@@ -403,4 +521,18 @@ def _validate(config: Config) -> None:
         )
     if mem.reserve < 0:
         raise ConfigError(f"memory.reserve={mem.reserve}: must not be negative")
+    for pattern in config.param_rules:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"param_rules.{pattern!r}: not a valid regular expression ({e})") from None
+    for key, value in (("train.loss", config.train.loss), ("data.source", config.data.source)):
+        if value is not None:
+            _import_path(key, value)
+    if config.data.batch is not None:
+        _validate_batch(config.data.batch)
+    if config.data.source is not None and config.data.path is not None:
+        raise ConfigError(
+            "data: give either data.path (token files) or data.source (your function), not both"
+        )
     config.remat_plan()  # Validates policies, layer ranges and custom tags.

@@ -71,11 +71,14 @@ class RematPolicy:
         custom: Mapping[str, str] | None = None,
         *,
         tags: Sequence[str] | None = None,
+        named: Sequence[str] | None = None,
         key: str = "remat.policy",
     ) -> RematPolicy:
         """Returns the policy named ``name``; ``custom`` maps tag -> save/offload/recompute.
 
         ``tags`` are the names the model tags; a custom policy that names another tag is an error.
+        ``named`` replaces the reference model's projections as the tags ``minimal`` saves and
+        ``offload`` moves to the host (a model of your own declares them in ``remat.tags``).
         """
         if name == "custom":
             return _parse_custom(custom or {}, tags)
@@ -84,7 +87,16 @@ class RematPolicy:
             raise ConfigError(
                 f"{key}={name!r} is not a remat policy{did_you_mean(name, choices)}; use {one_of(choices)}"
             )
-        return PRESETS[name]
+        policy = PRESETS[name]
+        if named and name == "minimal":
+            return dataclasses.replace(policy, save=tuple(named))
+        if named and name == "offload":
+            return dataclasses.replace(policy, offload=tuple(named))
+        return policy
+
+    def named_tags(self) -> tuple[str, ...]:
+        """The ``checkpoint_name`` tags this policy keeps or offloads by name (empty for the others)."""
+        return self.save + self.offload if self.saves == "names" else ()
 
 
 PRESETS: dict[str, RematPolicy] = {
@@ -138,6 +150,7 @@ class LayerPlan:
     """One remat policy per layer."""
 
     policies: tuple[RematPolicy, ...]
+    any_depth: bool = False  # One policy for a model whose depth the config does not give.
 
     @staticmethod
     def uniform(n_layers: int, policy: str | RematPolicy = "none") -> LayerPlan:
@@ -146,19 +159,26 @@ class LayerPlan:
         return LayerPlan((policy,) * n_layers)
 
     @staticmethod
-    def parse(remat: Mapping[str, object], n_layers: int, *, tags: Sequence[str] | None = None) -> LayerPlan:
+    def parse(
+        remat: Mapping[str, object],
+        n_layers: int,
+        *,
+        tags: Sequence[str] | None = None,
+        named: Sequence[str] | None = None,
+    ) -> LayerPlan:
         """Builds the plan from the config's ``remat`` section: a default ``policy``, per-range
-        ``layers`` overrides such as ``{"0-7": full, "31": none}``, and ``custom`` tag actions."""
+        ``layers`` overrides such as ``{"0-7": full, "31": none}``, and ``custom`` tag actions
+        (``named``: see :meth:`RematPolicy.parse`)."""
         custom = remat.get("custom") or {}
         if custom:
             _parse_custom(custom, tags)  # Checked even where no layer uses it yet: a typo should not wait.
-        default = RematPolicy.parse(str(remat.get("policy", "none")), custom, tags=tags)
+        default = RematPolicy.parse(str(remat.get("policy", "none")), custom, tags=tags, named=named)
         policies = [default] * n_layers
         claimed: dict[int, str] = {}
         for span, name in (remat.get("layers") or {}).items():
             start, stop = _parse_span(str(span), n_layers)
             key = f"remat.layers.{span}"
-            policy = RematPolicy.parse(str(name), custom, tags=tags, key=key)
+            policy = RematPolicy.parse(str(name), custom, tags=tags, named=named, key=key)
             for i in range(start, stop):
                 if i in claimed:
                     raise ConfigError(
@@ -168,6 +188,18 @@ class LayerPlan:
                 claimed[i] = str(span)
                 policies[i] = policy
         return LayerPlan(tuple(policies))
+
+    def for_layers(self, n_layers: int) -> LayerPlan:
+        """Returns this plan for a stack of ``n_layers``: itself when the depths agree, the one policy
+        repeated for a plan made without a depth, else a ConfigError."""
+        if len(self.policies) == n_layers:
+            return self
+        if self.any_depth:
+            return LayerPlan((self.policies[0],) * n_layers)
+        raise ConfigError(
+            f"the remat plan covers {len(self.policies)} layers (model.n_layers) but the model stacks "
+            f"{n_layers}; set model.n_layers={n_layers}"
+        )
 
     def segments(self) -> list[tuple[int, int, RematPolicy]]:
         """Returns ``(start, stop, policy)`` for each run of consecutive layers sharing a policy."""
@@ -180,7 +212,9 @@ class LayerPlan:
         return runs
 
     def describe(self) -> str:
-        """Returns e.g. "0-29: full, 30-31: none"."""
+        """Returns e.g. "0-29: full, 30-31: none" ("every layer: full" for a plan without a depth)."""
+        if self.any_depth:
+            return f"every layer: {self.policies[0].name}"
         return ", ".join(
             f"{a}-{b - 1}: {p.name}" if b - a > 1 else f"{a}: {p.name}" for a, b, p in self.segments()
         )
@@ -209,17 +243,27 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan):
     scans a slice of the stacked parameters, which XLA may materialize (in the compute dtype's weight
     size at most); one segment scans the stack in place.
     """
-    graphdef, state = nnx.split(layers)
-    n_layers = len(plan.policies)
+    graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+    n_layers = jax.tree.leaves(params)[0].shape[0]
+    plan = plan.for_layers(n_layers)
+    # Variables other than parameters (batch statistics, RNG counters) may change in the call: each
+    # layer returns its own, and the stack is updated with them after the scans.
+    mutable = bool(jax.tree.leaves(rest))
 
-    def body(carry, layer_state):
-        return nnx.merge(graphdef, layer_state)(carry), None
+    def body(carry, layer):
+        module = nnx.merge(graphdef, *layer)
+        y = module(carry)
+        return y, (nnx.split(module, nnx.Param, ...)[2] if mutable else None)
 
+    updates = []
     for start, stop, policy in plan.segments():
-        segment = state
+        segment = (params, rest)
         if (start, stop) != (0, n_layers):
-            segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], state)
+            segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], segment)
         step = jax.checkpoint(body, policy=policy.lower(), prevent_cse=False) if policy.remats else body
         with jax.named_scope(f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"):
-            x, _ = jax.lax.scan(step, x, segment)
+            x, new_rest = jax.lax.scan(step, x, segment)
+        updates.append(new_rest)
+    if mutable:
+        nnx.update(layers, jax.tree.map(lambda *parts: jax.numpy.concatenate(parts), *updates))
     return x

@@ -23,13 +23,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardmem.batch import BatchLeaf, parse_batch, token_batch
+from shardmem.batch import is_leaf as is_batch_leaf
 from shardmem.config import Config
-from shardmem.errors import ConfigError
-from shardmem.models.llama import Llama
+from shardmem.errors import ConfigError, one_of
+from shardmem.models.llama import PRESETS, Llama, ModelConfig
+from shardmem.models.user import import_object, search_from, takes
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
+from shardmem.remat import LayerPlan
 
-ModelFactory = Callable[[nnx.Rngs], nnx.Module]
-LossFn = Callable[[nnx.Module, jax.Array], jax.Array]
+ModelFactory = Callable[..., nnx.Module]
+LossFn = Callable[[nnx.Module, Any], Any]
 
 
 def next_token_loss(model: nnx.Module, batch_BxL1: jax.Array) -> jax.Array:
@@ -60,7 +64,18 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
 
 
 def default_model_factory(config: Config) -> ModelFactory:
+    """Returns ``rngs -> model`` for the config: the reference Llama, or ``model.factory`` called with
+    ``model.options`` (and ``remat=`` the per-layer plan, where it takes one)."""
+    if config.model is None:
+        raise ConfigError(
+            "the config has no model section; add e.g. model: {preset: tiny} (presets: "
+            f"{one_of(PRESETS)}), model: {{factory: mypkg.models:build}}, or pass model_factory="
+        )
     plan = config.remat_plan()
+    if config.user_model:
+        with search_from(config.folder):
+            build = import_object(config.model.factory, "model.factory")
+        return _with_options(build, plan, config.model.options)
 
     def factory(rngs: nnx.Rngs) -> nnx.Module:
         return Llama(config.model, rngs=rngs, remat=plan,
@@ -70,23 +85,52 @@ def default_model_factory(config: Config) -> ModelFactory:
     return factory
 
 
+def _with_options(build: Callable, plan: LayerPlan, options: dict) -> ModelFactory:
+    extra = dict(options)
+    if takes(build, "remat"):
+        extra["remat"] = plan
+
+    def factory(rngs: nnx.Rngs) -> nnx.Module:
+        try:
+            return build(rngs, **extra)
+        except TypeError as e:
+            if options and any(f"'{name}'" in str(e) for name in options):
+                raise ConfigError(f"model.options={options}: {build.__name__}() says {e}") from None
+            raise
+
+    factory.takes_remat = "remat" in extra  # type: ignore[attr-defined]
+    return factory
+
+
 @dataclasses.dataclass
 class Program:
-    """Everything needed to initialise and run (or only compile) the sharded step."""
+    """Everything needed to initialise and run (or only compile) the sharded step.
+
+    The state is ``{"params", "opt_state", "step"}`` plus ``"model_state"`` when the model has
+    variables other than ``nnx.Param`` (batch statistics, RNG streams, ...): those are carried through
+    the step and updated, sharded by the same rules and checkpointed, but never differentiated, decayed
+    or given optimizer moments. ``abstract_batch`` and ``batch_sharding`` are pytrees shaped like the
+    batch.
+    """
 
     config: Config
     mesh: Mesh
     rules: Rules
     graphdef: Any
-    abstract_state: dict  # ShapeDtypeStructs with shardings: params, opt_state, step
-    abstract_batch: jax.ShapeDtypeStruct
+    abstract_state: dict  # ShapeDtypeStructs with shardings
+    abstract_batch: Any
     state_shardings: dict
-    batch_sharding: NamedSharding
+    batch_sharding: Any
     param_logical: Any
     optimizer: optax.GradientTransformation
     step: Callable  # jitted (state, batch) -> (state, metrics); state is donated
     init: Callable  # () -> state, initialised from train.seed with its shardings
-    custom_model: bool = False  # Built from a user's model_factory rather than the reference model.
+    custom_model: bool = False  # Built from a user's model rather than the reference model.
+    remat_plan: LayerPlan | None = None  # The plan the model applies (None: the model remats itself).
+    token_batch: bool = True  # The batch is the reference [batch, seq_len + 1] token array.
+    build_args: dict = dataclasses.field(default_factory=dict)  # build_program's keywords, to rebuild it.
+    # (params, model_state, batch) -> (loss, (metrics, new model_state)): what the step differentiates.
+    loss: Callable | None = None
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
@@ -102,35 +146,103 @@ def _abstract(tree, shardings):
     )
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+class _Keys:
+    """Typed PRNG keys in the model's variables travel as their raw ``uint32`` data (checkpoints hold
+    plain arrays); ``wrap`` turns them back into keys of the same implementation."""
+
+    def __init__(self, abstract_rest):
+        found = {}
+
+        def record(tree):  # key_impl needs a (traced) key array, not a ShapeDtypeStruct.
+            found["impls"] = jax.tree.map(lambda x: jax.random.key_impl(x) if _is_key(x) else None, tree)
+
+        jax.eval_shape(record, abstract_rest)
+        self.impls = found["impls"]
+
+    def unwrap(self, tree):
+        return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+    def wrap(self, tree):
+        return jax.tree.map(lambda x, impl: x if impl is None else jax.random.wrap_key_data(x, impl=impl),
+                            tree, self.impls, is_leaf=lambda x: x is None)  # fmt: skip
+
+
+def resolve_loss(config: Config, loss_fn: LossFn | None, token_batch: bool) -> LossFn:
+    """The loss: ``loss_fn``, else ``train.loss``, else next-token cross-entropy on a token batch."""
+    if loss_fn is not None:
+        return loss_fn
+    if config.train.loss is not None:
+        with search_from(config.folder):
+            return import_object(config.train.loss, "train.loss")
+    if not token_batch:
+        raise ConfigError(
+            "train.loss is not set, and the batch is not the token batch next-token cross-entropy "
+            "needs; set train.loss: mypkg.module:loss (loss(model, batch) -> loss or (loss, metrics)) "
+            "or pass loss_fn="
+        )
+    return next_token_loss
+
+
 def build_program(
     config: Config,
     mesh: Mesh,
     *,
     model_factory: ModelFactory | None = None,
-    loss_fn: LossFn = next_token_loss,
+    loss_fn: LossFn | None = None,
+    batch: Any = None,
     batch_shape: tuple[int, ...] | None = None,
 ) -> Program:
     """Returns the sharded step for ``config`` on ``mesh``. Nothing the size of the model is allocated
     until ``program.init`` is called.
 
-    ``model_factory(rngs)`` builds any Flax NNX module whose parameters carry logical axis names (the
-    default is the reference :class:`~shardmem.models.llama.Llama`); ``loss_fn(model, batch)`` returns a
-    scalar.
-    ``batch_shape`` defaults to ``(train.global_batch, model.seq_len + 1)`` int32 tokens.
+    ``model_factory(rngs)`` (or ``model.factory`` in the config) builds any Flax NNX module whose
+    parameters carry logical axis names (default: the reference :class:`~shardmem.models.llama.Llama`);
+    one that takes a ``remat`` argument receives the config's per-layer
+    :class:`~shardmem.remat.LayerPlan`. ``loss_fn(model, batch)`` (or ``train.loss``) returns a scalar
+    loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
+    :mod:`shardmem.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
+    (``batch_shape`` changes its shape).
     """
-    factory = model_factory or default_model_factory(config)
+    train = config.train
+    if model_factory is not None:
+        plan = config.remat_plan()
+        factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
+    else:
+        factory = default_model_factory(config)
+    custom = model_factory is not None or config.user_model
+    takes_remat = getattr(factory, "takes_remat", not custom)
+    batch_tree, token = _batch_leaves(config, batch, batch_shape)
+    loss_fn = resolve_loss(config, loss_fn, token)
+
     rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     seed = config.train.seed
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(lambda: factory(nnx.Rngs(seed)))
-    graphdef, abstract_params_state = nnx.split(abstract_model)
+    if not isinstance(abstract_model, nnx.Module):
+        raise ConfigError(
+            f"the model factory returned a {type(abstract_model).__name__}, not a Flax NNX module; for a "
+            "Linen module wrap it with shardmem.models.linen.from_linen"
+        )
+    graphdef, abstract_params_state, abstract_rest_state = nnx.split(abstract_model, nnx.Param, ...)
     param_logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params_state))
     abstract_params = nnx.to_pure_dict(abstract_params_state)
+    if not jax.tree.leaves(abstract_params):
+        raise ConfigError("the model has no nnx.Param variables: there is nothing to train")
     param_shardings = rules.shardings(mesh, abstract_params_state)
+    keys = _Keys(nnx.to_pure_dict(abstract_rest_state))
+    replicated = NamedSharding(mesh, P())
+    rest_shardings = rules.shardings(mesh, abstract_rest_state)
+    rest_shardings = jax.tree.map(lambda s, impl: s if impl is None else replicated, rest_shardings,
+                                  keys.impls, is_leaf=lambda x: x is None)  # fmt: skip
+    abstract_rest = jax.eval_shape(keys.unwrap, nnx.to_pure_dict(abstract_rest_state))
+    has_rest = bool(jax.tree.leaves(abstract_rest))
 
     tx = make_optimizer(config)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    replicated = NamedSharding(mesh, P())
     opt_shardings = optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,
@@ -139,60 +251,67 @@ def build_program(
         transform_non_params=lambda _: replicated,
     )
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
-    abstract_state = _abstract(
-        {"params": abstract_params, "opt_state": abstract_opt,
-         "step": jax.ShapeDtypeStruct((), jnp.int32)},
-        state_shardings,
-    )  # fmt: skip
+    abstract_tree = {"params": abstract_params, "opt_state": abstract_opt,
+                     "step": jax.ShapeDtypeStruct((), jnp.int32)}  # fmt: skip
+    if has_rest:
+        state_shardings["model_state"] = rest_shardings
+        abstract_tree["model_state"] = abstract_rest
+    abstract_state = _abstract(abstract_tree, state_shardings)
 
-    train = config.train
-    batch_shape = batch_shape or (train.global_batch, config.model.seq_len + 1)
-    batch_spec = rules.spec(("batch",) + (None,) * (len(batch_shape) - 1))
-    batch_sharding = NamedSharding(mesh, batch_spec)
-    micro_rows = batch_shape[0] // train.micro_batches
-    batch_shards = math.prod(mesh.shape[a] for a in spec_axes(batch_spec[0] if batch_spec else None))
-    if micro_rows % batch_shards:
-        axes = " x ".join(f"{a}={mesh.shape[a]}" for a in spec_axes(batch_spec[0]))
-        raise ConfigError(
-            f"train.global_batch={batch_shape[0]} / train.micro_batches={train.micro_batches} gives "
-            f"micro-batches of {micro_rows} sequences, which the batch mesh axes ({axes}) cannot split "
-            f"evenly; make train.global_batch / train.micro_batches a multiple of {batch_shards}"
-        )
-    abstract_batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
+    batch_sharding = jax.tree.map(lambda leaf: NamedSharding(mesh, rules.spec(leaf.logical_axes())),
+                                  batch_tree, is_leaf=is_batch_leaf)  # fmt: skip
+    _check_micro_batches(config, mesh, batch_tree, batch_sharding)
+    abstract_batch = jax.tree.map(lambda leaf, s: leaf.abstract(s), batch_tree, batch_sharding,
+                                  is_leaf=is_batch_leaf)  # fmt: skip
 
-    def loss_of_params(params, batch):
-        return loss_fn(nnx.merge(graphdef, params), batch)
+    def loss_of_params(params, rest, batch):
+        model = nnx.merge(graphdef, params, keys.wrap(rest)) if has_rest else nnx.merge(graphdef, params)
+        out = loss_fn(model, batch)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(metrics, dict):
+            raise ConfigError(f"the loss returned metrics of type {type(metrics).__name__}; return "
+                              "(loss, {name: scalar})")  # fmt: skip
+        new_rest = keys.unwrap(nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])) if has_rest else {}
+        return jnp.asarray(loss, jnp.float32), (metrics, new_rest)
 
-    grad_fn = jax.value_and_grad(loss_of_params)
-    micro_spec = P(None, *batch_spec)
+    grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
+    micro_shardings = jax.tree.map(lambda s: NamedSharding(mesh, P(None, *s.spec)), batch_sharding)
 
     def train_step(state, batch):
         with rules.activate(mesh):
-            params = state["params"]
+            params, rest = state["params"], state.get("model_state", {})
             if train.micro_batches == 1:
-                loss, grads = grad_fn(params, batch)
+                (loss, (metrics, rest)), grads = grad_fn(params, rest, batch)
             else:
                 # Micro-batch i takes every k-th row, so each device keeps its own rows.
                 k = train.micro_batches
-                micro = batch.reshape(batch.shape[0] // k, k, *batch.shape[1:]).swapaxes(0, 1)
-                micro = jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, micro_spec))
+                micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
+                                     batch)  # fmt: skip
+                micro = jax.lax.with_sharding_constraint(micro, micro_shardings)
 
                 def accumulate(carry, one_batch):
-                    loss_sum, grad_sum = carry
-                    loss, grads = grad_fn(params, one_batch)
-                    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                    loss_sum, metric_sum, grad_sum, rest = carry
+                    (loss, (metrics, rest)), grads = grad_fn(params, rest, one_batch)
+                    metric_sum = jax.tree.map(jnp.add, metric_sum, metrics)
+                    return (loss_sum + loss, metric_sum, jax.tree.map(jnp.add, grad_sum, grads), rest), None
 
-                zeros = jax.tree.map(jnp.zeros_like, params)
-                (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                                micro)  # fmt: skip
+                first = jax.tree.map(lambda x: x[0], micro)
+                metric_shapes = jax.eval_shape(lambda: grad_fn(params, rest, first)[0][1][0])
+                zeros = (jnp.zeros((), jnp.float32),
+                         jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
+                         jax.tree.map(jnp.zeros_like, params), rest)  # fmt: skip
+                (loss, metrics, grads, rest), _ = jax.lax.scan(accumulate, zeros, micro)
                 loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
+                metrics = jax.tree.map(lambda m: m / k, metrics)
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             new_state = {
                 "params": optax.apply_updates(params, updates),
                 "opt_state": opt_state,
                 "step": state["step"] + 1,
             }
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+            if has_rest:
+                new_state["model_state"] = rest
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return new_state, metrics
 
     step = jax.jit(
@@ -205,10 +324,57 @@ def build_program(
     def init_state(key):
         with nnx.use_eager_sharding(False):
             model = factory(nnx.Rngs(key))
-        params = nnx.to_pure_dict(nnx.split(model)[1])
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        if has_rest:
+            state["model_state"] = keys.unwrap(nnx.to_pure_dict(rest))
+        return state
 
     init = jax.jit(init_state, out_shardings=state_shardings)
     return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
                    batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
-                   custom_model=model_factory is not None)  # fmt: skip
+                   custom_model=custom, remat_plan=config.remat_plan() if takes_remat else None,
+                   token_batch=token, loss=loss_of_params,
+                   build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
+                                   batch_shape=batch_shape))  # fmt: skip
+
+
+def _batch_leaves(config: Config, batch: Any, batch_shape: tuple[int, ...] | None):
+    """Returns the batch's :class:`~shardmem.batch.BatchLeaf` tree and whether it is the token batch."""
+    global_batch = config.train.global_batch
+    declared = batch if batch is not None else config.data.batch
+    if declared is not None:
+        key = "batch" if batch is not None else "data.batch"
+        return parse_batch(declared, global_batch=global_batch, key=key), False
+    if batch_shape is not None:
+        return BatchLeaf(tuple(batch_shape), "int32", ("batch",) + (None,) * (len(batch_shape) - 1)), True
+    if not isinstance(config.model, ModelConfig):
+        raise ConfigError(
+            "data.batch is not set: a model of your own needs its batch declared, e.g. data: {batch: "
+            "{images: {shape: [global_batch, 224, 224, 3], dtype: float32, axes: [batch, null, null, null]}}}"
+        )
+    return token_batch(global_batch, config.model.seq_len), True
+
+
+def _check_micro_batches(config: Config, mesh: Mesh, batch_tree, shardings) -> None:
+    train = config.train
+    for leaf, sharding in zip(jax.tree.leaves(batch_tree, is_leaf=is_batch_leaf), jax.tree.leaves(shardings),
+                              strict=True):  # fmt: skip
+        rows = leaf.shape[0]
+        if train.micro_batches > 1 and rows % train.micro_batches:
+            raise ConfigError(
+                f"train.micro_batches={train.micro_batches} does not divide the batch's first dimension "
+                f"({rows}, shape {list(leaf.shape)}); every batch array must lead with the global batch"
+            )
+        spec = sharding.spec
+        micro_rows = rows // train.micro_batches
+        shards = math.prod(mesh.shape[a] for a in spec_axes(spec[0] if spec else None))
+        if micro_rows % shards:
+            axes = " x ".join(f"{a}={mesh.shape[a]}" for a in spec_axes(spec[0]))
+            raise ConfigError(
+                f"train.global_batch={rows} / train.micro_batches={train.micro_batches} gives "
+                f"micro-batches of {micro_rows} {'rows' if config.user_model else 'sequences'}, which the "
+                f"batch mesh axes ({axes}) cannot split evenly; make train.global_batch / "
+                f"train.micro_batches a multiple of {shards}"
+            )

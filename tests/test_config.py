@@ -80,7 +80,6 @@ def test_reserve_accepts_units():
         ({"model": {"preset": "tiny"}, "memory": {"target": "h100"}}, ["memory.target='h100'", "h100-sxm"]),
         ({"model": {"preset": "tiny"}, "memory": {"reserve": "lots"}}, ["memory.reserve", "1GiB"]),
         ({"model": {"preset": "tiny"}, "precision": {"compute": "fp8"}}, ["precision.compute", "bfloat16"]),
-        ({"mesh": {"axes": {"data": 2}}}, ["no model section"]),
         ({"model": {}}, ["model.vocab_size is required", "model.preset"]),
         ({"model": {"preset": "tiny", "head_dim": -4}}, ["model.head_dim=-4", "positive"]),
         ({"model": {"preset": "tiny"}, "optimizer": {"b2": 1.5}}, ["optimizer.b2=1.5", "[0, 1)"]),
@@ -120,3 +119,11 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_a_file_needs_a_model_section_and_python_may_bring_the_model(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("mesh: {axes: {data: 2}}\n")
+    with pytest.raises(ConfigError, match="no model section; add e.g. model: {preset: tiny}"):
+        load_config(path)
+    assert config_from_dict({"mesh": {"axes": {"data": 2}}}).model is None  # model_factory= comes later

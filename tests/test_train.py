@@ -268,15 +268,15 @@ def test_a_run_that_diverges_before_any_checkpoint_says_a_rerun_starts_over(tmp_
 
 
 def test_bad_data_found_mid_run_keeps_the_steps_done(tmp_path, monkeypatch):
-    import shardmem.run.training
+    import shardmem.run.data
 
     def global_batch(source, step, *args):
         if step == 5:  # What a token file raises on the batch that holds a bad id.
             raise ConfigError("`data.path='ids.npy'` contains token id 999, outside [0, 256)")
         return real(source, step, *args)
 
-    real = shardmem.run.training.global_batch
-    monkeypatch.setattr(shardmem.run.training, "global_batch", global_batch)
+    real = shardmem.run.data.global_batch
+    monkeypatch.setattr(shardmem.run.data, "global_batch", global_batch)
     config = load_config(TINY, [*FAST, "train.checkpoint_every=100"])
     with pytest.raises(ConfigError, match=r"the batch of step 6: .*token id 999.*steps up to 5 are saved"):
         train(config, tmp_path, console=Console(quiet=True))

@@ -172,10 +172,8 @@ def time_steps(program: Program, step_fn: Callable, steps: int) -> tuple[float, 
     from shardmem.run import data
 
     config = program.config
-    source = data.make_source(None, vocab_size=config.model.vocab_size, seq_len=config.model.seq_len,
-                              seed=config.train.seed)  # fmt: skip
-    batches = [data.global_batch(source, i, config.train.global_batch, program.batch_sharding)
-               for i in range(steps + 1)]  # fmt: skip
+    stream = data.batch_stream(config.replace("data.path=null"), program, synthetic=True)
+    batches = [stream(i) for i in range(steps + 1)]
     state = program.init()
     state, metrics = step_fn(state, batches[0])
     jax.block_until_ready(metrics)

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
+import numpy as np
+from jax.sharding import Mesh
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
@@ -30,7 +31,7 @@ from shardmem.parallel.rules import Rules, spec_axes
 from shardmem.planning import hlo
 from shardmem.planning.memory import MemoryReport, make_target, plan
 from shardmem.remat import PRESETS
-from shardmem.step import build_program, default_model_factory, next_token_loss
+from shardmem.step import build_program
 from shardmem.units import format_bytes
 
 SEARCHES = ("remat", "batch", "micro_batches")
@@ -184,20 +185,20 @@ def tune(
 def residual_bytes(config: Config) -> int:
     """Returns the global bytes the backward pass keeps for one micro-batch (the residuals of
     ``jax.vjp`` of the loss, traced on abstract shapes; host-offloaded ones included)."""
-    factory = default_model_factory(config)
-    with nnx.use_eager_sharding(False):
-        abstract_model = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract_model)
-    params = nnx.to_pure_dict(state)
-    train = config.train
-    batch = jax.ShapeDtypeStruct(
-        (train.global_batch // train.micro_batches, config.model.seq_len + 1), "int32"
-    )
+    one_device = Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(config.mesh.axes)),
+                      tuple(config.mesh.axes))  # fmt: skip
+    program = build_program(config.replace("train.micro_batches=1"), one_device)
+    unsharded = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+    state = program.abstract_state
+    params, rest = unsharded(state["params"]), unsharded(state.get("model_state", {}))
+    k = config.train.micro_batches
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype),
+                         program.abstract_batch)  # fmt: skip
 
-    def vjp_residuals(params, batch):
-        return jax.vjp(lambda p: next_token_loss(nnx.merge(graphdef, p), batch), params)[1]
+    def vjp_residuals(params, rest, batch):
+        return jax.vjp(lambda p: program.loss(p, rest, batch)[0], params)[1]
 
-    leaves = jax.tree.leaves(jax.eval_shape(vjp_residuals, params, batch))
+    leaves = jax.tree.leaves(jax.eval_shape(vjp_residuals, params, rest, batch))
     return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
 
 
@@ -227,7 +228,12 @@ def _mix_name(base: str, top: str, m: int, n: int) -> str:
 
 def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
     config = planner.base
-    n = config.model.n_layers
+    n = getattr(config.model, "n_layers", None)
+    if n is None:
+        raise ConfigError(
+            "shardmem tune --search remat picks a policy per layer: set model.n_layers to your model's "
+            "depth (and give its factory a remat argument)"
+        )
     mesh = build_mesh(config.mesh.axes, target.devices)
     policies = [p for p in PRESETS if allow_offload or p != "offload"]
 

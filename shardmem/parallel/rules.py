@@ -292,3 +292,14 @@ def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: in
             listed = ", ".join(f"{r.path} {list(r.shape)}" for r in big)
             warnings.append(f"largest fully replicated parameters: {listed}")
     return warnings
+
+
+def unused_path_rules(rows: Sequence[ShardingRow], rules: Rules) -> list[str]:
+    """Warns about ``param_rules`` patterns that match no parameter path (a typo shards nothing)."""
+    paths = [row.path for row in rows]
+    unused = [pattern for pattern, _ in rules.by_path if not any(re.search(pattern, p) for p in paths)]
+    if not unused:
+        return []
+    example = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+    shown = ", ".join(repr(p) for p in unused)
+    return [f"param_rules that match no parameter: {shown}; parameter paths look like {example}"]

@@ -17,8 +17,8 @@ from jax.extend import core as jex_core
 
 
 def matmul_flops(jaxpr) -> float:
-    """Returns the FLOPs of every ``dot_general`` in a (closed) jaxpr, counting scan trip counts and
-    the recomputation that remat adds to the backward pass (it appears as extra ops there)."""
+    """Returns the FLOPs of every ``dot_general`` and convolution in a (closed) jaxpr, counting scan trip
+    counts and the recomputation that remat adds to the backward pass (it appears as extra ops there)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
     for eqn in jaxpr.eqns:
@@ -29,6 +29,13 @@ def matmul_flops(jaxpr) -> float:
             k = math.prod(lhs[d] for d in contracting)
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
             continue
+        if name == "conv_general_dilated":
+            # Each output element is a dot over the kernel's spatial window and its input features
+            # (per feature group): 2 x output size x kernel elements / output features.
+            rhs = eqn.invars[1].aval.shape
+            out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
+            continue
         inner = sum(matmul_flops(sub) for sub in _sub_jaxprs(eqn.params))
         if name == "scan":
             inner *= eqn.params["length"]
@@ -36,6 +43,18 @@ def matmul_flops(jaxpr) -> float:
             inner = max((matmul_flops(b) for b in eqn.params["branches"]), default=0.0)
         total += inner
     return total
+
+
+def checkpoint_tags(jaxpr) -> set[str]:
+    """Returns the names given with ``checkpoint_name`` anywhere in a (closed) jaxpr."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    tags = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name" and "name" in eqn.params:
+            tags.add(str(eqn.params["name"]))
+        for sub in _sub_jaxprs(eqn.params):
+            tags |= checkpoint_tags(sub)
+    return tags
 
 
 def _sub_jaxprs(params):

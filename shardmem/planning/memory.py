@@ -27,14 +27,25 @@ from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, PlanError
 from shardmem.parallel.mesh import build_mesh
-from shardmem.parallel.rules import rule_warnings
+from shardmem.parallel.rules import rule_warnings, unused_path_rules
 from shardmem.planning import hlo
 from shardmem.planning.targets import Target, ensure_cpu_devices, resolve_target
-from shardmem.step import LossFn, ModelFactory, Program, build_program, next_token_loss
+from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
 #: The per-device figures of a report, in the order tables show them.
-CATEGORIES = ("params", "optimizer", "batch", "outputs", "temp", "alias", "host", "code", "peak")
+CATEGORIES = (
+    "params",
+    "optimizer",
+    "model_state",
+    "batch",
+    "outputs",
+    "temp",
+    "alias",
+    "host",
+    "code",
+    "peak",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +78,8 @@ class MemoryReport:
     compile_seconds: float
     sharding: list = dataclasses.field(default_factory=list, repr=False)
     jax_version: str = jax.__version__  # Plans move with the XLA version (BENCHMARKS.md).
+    # XLA options the compile used beyond the defaults (memory.compiler_options, and any retry's).
+    compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def margin_bytes(self) -> int:
@@ -105,6 +118,7 @@ class MemoryReport:
             "warnings": self.warnings,
             "compile_seconds": round(self.compile_seconds, 3),
             "jax_version": self.jax_version,
+            "compiler_options": self.compiler_options,
         }
 
 
@@ -158,18 +172,27 @@ def plan(
     target: str | None = None,
     *,
     model_factory: ModelFactory | None = None,
-    loss_fn: LossFn = next_token_loss,
+    loss_fn: LossFn | None = None,
+    batch: Any = None,
+    compiler_options: Mapping[str, Any] | None = None,
     top: int = 10,
     count_remat_overhead: bool = True,
 ) -> MemoryReport:
     """Compiles the config's training step for ``target`` and returns its :class:`MemoryReport`.
 
-    ``model_factory(rngs)`` plans a user's own Flax NNX module (its logical axis names, with the
-    config's mesh, rules and remat) instead of the reference model.
+    ``model_factory(rngs)``, ``loss_fn(model, batch)`` and ``batch`` plan a model of your own (as
+    :func:`~shardmem.step.build_program` takes them; or ``model.factory``, ``train.loss`` and
+    ``data.batch`` in the config) with the config's mesh, rules and remat. ``compiler_options`` are XLA
+    options added to ``memory.compiler_options``.
     """
+    if compiler_options:
+        options = {**config.memory.compiler_options, **compiler_options}
+        config = dataclasses.replace(
+            config, memory=dataclasses.replace(config.memory, compiler_options=options)
+        )
     resolved = make_target(config, target)
     mesh = build_mesh(config.mesh.axes, resolved.devices)
-    program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
+    program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn, batch=batch)
     report, _ = plan_program(program, resolved, top=top, count_remat_overhead=count_remat_overhead)
     return report
 
@@ -184,26 +207,53 @@ def plan_program(
     groups = {
         "params": state["params"],
         "optimizer": {"opt_state": state["opt_state"], "step": state["step"]},
+        "model_state": state.get("model_state", {}),
         "batch": program.abstract_batch,
     }
     config = program.config
     report, compiled = _compile_and_analyze(traced, target, config.memory, groups=groups, top=top,
                                             name=config.name)  # fmt: skip
     rows = program.sharding_table()
-    warnings = rule_warnings(rows, program.rules, program.mesh) + report.warnings
+    warnings = rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
+    layer_plan = program.remat_plan
+    warnings += _remat_warnings(config, layer_plan, hlo.checkpoint_tags(traced.jaxpr)) + report.warnings
     report = dataclasses.replace(
         report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings, sharding=rows
     )
-    if program.custom_model:  # A user's module: its remat is its own business, no baseline to compare with.
-        return report, compiled
-    layer_plan = config.remat_plan()
+    if layer_plan is None:  # A model that remats itself: no plan of ours to compare with.
+        return dataclasses.replace(report, remat="the model's own"), compiled
     baseline = report.flops_per_step  # Without remat the step is its own baseline.
     if any(p.remats for p in layer_plan.policies):
         baseline = None
         if count_remat_overhead:  # Tracing the step without remat costs no compile.
-            plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), program.mesh)
+            plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), program.mesh,
+                                  **program.build_args)  # fmt: skip
             baseline = hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
     return dataclasses.replace(report, flops_no_remat=baseline, remat=layer_plan.describe()), compiled
+
+
+def _remat_warnings(config: Config, layer_plan, traced_tags: set[str]) -> list[str]:
+    """Never a silent full recompute: a policy that keeps tags by name when the step has none of them,
+    or a remat section the model cannot apply."""
+    if layer_plan is None:
+        remat = config.remat
+        if remat.policy != "none" or remat.layers or remat.custom:
+            return [
+                f"remat.policy={remat.policy!r} is not applied: the model factory takes no remat argument; "
+                "give it one (factory(rngs, remat=plan)) and run its layers with shardmem.remat_scan"
+            ]
+        return []
+    warnings = []
+    for policy in dict.fromkeys(layer_plan.policies):
+        named = policy.named_tags()
+        if named and not traced_tags & set(named):
+            yours = ", ".join(sorted(traced_tags)) or "none"
+            warnings.append(
+                f"remat policy {policy.name!r} keeps the tags {', '.join(named)}, but the step tags none of "
+                f"them (its checkpoint_name tags: {yours}), so those layers recompute everything as 'full' "
+                "would; list your tags in remat.tags or use remat.policy=custom"
+            )
+    return warnings
 
 
 def plan_function(
@@ -214,13 +264,17 @@ def plan_function(
     groups: Mapping[str, Any] | None = None,
     name: str = "function",
     top: int = 10,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> MemoryReport:
     """Plans any jitted function on abstract arguments (``jax.ShapeDtypeStruct`` with shardings over
     ``target.devices``): bring your own model and step. ``groups`` names argument subtrees
     (e.g. ``{"params": abstract_params}``) whose per-device bytes the report lists separately."""
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     traced = jitted.trace(*abstract_args)
-    report = analyze(traced, target, memory or MemoryConfig(), groups=groups or {}, top=top, name=name)
+    memory = memory or MemoryConfig()
+    if compiler_options:
+        memory = dataclasses.replace(memory, compiler_options={**memory.compiler_options, **compiler_options})
+    report = analyze(traced, target, memory, groups=groups or {}, top=top, name=name)
     return dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr))
 
 
@@ -251,15 +305,23 @@ def _compile_and_analyze(
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
     limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
     start = time.perf_counter()
+    options = dict(memory.compiler_options)
     with _persistent_cache_off(), tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump:
+        retried = None
         try:
-            # XLA's own remat pass logs to stderr when a plan exceeds the device; the report says it.
-            with native_stderr_silenced():
-                compiled = traced.lower().compile(
-                    compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-                )
+            compiled = _compile(traced, options, dump)
         except Exception as e:  # XLA raises plain runtime errors for programs it cannot compile.
-            raise PlanError(f"XLA could not compile the step for {target.label}: {e}") from None
+            first = _first_line(e)
+            if not (target.deviceless and TRITON_GEMM not in options):
+                raise PlanError(_compile_failure(target, first, options)) from None
+            # Deviceless GPU compiles can fail to tile a Triton GEMM fusion that autotuning on a real GPU
+            # would have replaced; cuBLAS calls compile anywhere.
+            options[TRITON_GEMM] = False
+            try:
+                compiled = _compile(traced, options, dump)
+            except Exception as e2:
+                raise PlanError(_compile_failure(target, _first_line(e2), options)) from None
+            retried = first
         seconds = time.perf_counter() - start
         top_buffers, live_peak = hlo.live_at_peak(dump, top=top)
         collectives = hlo.collective_bytes(compiled.as_text() or "")
@@ -296,6 +358,13 @@ def _compile_and_analyze(
         "live_range_peak_bytes": live_peak,
     }
     warnings = []
+    if retried:
+        warnings.append(
+            f"the deviceless compile failed with XLA's Triton GEMM fusions ({retried[:90]}); "
+            f"planned with {TRITON_GEMM}=false instead, so every matmul is a cuBLAS call: on the Llama "
+            "trials of BENCHMARKS.md this setting raised deviceless peaks by 0-23% over the default, so "
+            "the verdict errs on the safe side"
+        )
     if groups and accounted != arguments:
         warnings.append(
             f"analytic argument bytes ({accounted}) differ from XLA's ({arguments}): some "
@@ -309,7 +378,33 @@ def _compile_and_analyze(
         deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
+        compiler_options=options,
     ), compiled  # fmt: skip
+
+
+TRITON_GEMM = "xla_gpu_enable_triton_gemm"
+
+
+def _compile(traced, options: Mapping[str, Any], dump: str):
+    # XLA's own remat pass logs to stderr when a plan exceeds the device; the report says it.
+    with native_stderr_silenced():
+        return traced.lower().compile(
+            compiler_options={**options, "xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _compile_failure(target: Target, what: str, options: Mapping[str, Any]) -> str:
+    used = f" with {', '.join(f'{k}={v}' for k, v in options.items())}" if options else ""
+    return (
+        f"XLA could not compile the step for {target.label}{used}: {what[:300]}. This is a compiler "
+        "failure, not a memory verdict: try other XLA options in memory.compiler_options, plan for "
+        "another target, or report it with the command that failed"
+    )
 
 
 @contextlib.contextmanager

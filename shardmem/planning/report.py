@@ -16,6 +16,7 @@ from shardmem.units import format_bytes, format_flops
 _LABELS = {
     "params": "parameters",
     "optimizer": "optimizer state",
+    "model_state": "model state (statistics, RNG)",
     "batch": "batch",
     "outputs": "outputs",
     "temp": "temporaries (activations, workspace)",
@@ -40,7 +41,9 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     table.add_column("bytes", justify="right")
     table.add_column("", justify="right", style="dim")
     for key, label in _LABELS.items():
-        value = report.per_device[key]
+        value = report.per_device.get(key, 0)
+        if key == "model_state" and not value:
+            continue
         sign = "-" if key == "alias" and value else ""
         share = f"{value / report.device_memory_bytes:.1%} of device" if key == "peak" else ""
         style = "bold" if key == "peak" else None
@@ -90,7 +93,9 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         parts.append(render_sharding(report.sharding))
     for warning in report.warnings:
         parts.append(Text(f"warning: {warning}", style="yellow"))
-    parts.append(Text(f"compiled in {report.compile_seconds:.1f} s by JAX {report.jax_version}", style="dim"))
+    options = ", ".join(f"{k}={v}" for k, v in report.compiler_options.items())
+    parts.append(Text(f"compiled in {report.compile_seconds:.1f} s by JAX {report.jax_version}"
+                      + (f" with {options}" if options else ""), style="dim"))  # fmt: skip
     return Group(*parts)
 
 

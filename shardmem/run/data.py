@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,6 +24,8 @@ import numpy as np
 from shardmem.errors import ConfigError
 
 __all__ = [
+    "batch_stream",
+    "source_batch",
     "TokenSource",
     "SyntheticSource",
     "ByteTextSource",
@@ -210,6 +213,71 @@ def global_batch(
         return blocks[key][:, index[1]]
 
     return jax.make_array_from_callback(shape, sharding, rows_for)
+
+
+def batch_stream(config, program, *, synthetic: bool = False) -> Callable[[int], Any]:
+    """Returns ``step -> global batch`` for a built program: token rows from ``data.path`` (or the
+    synthetic stream) for the reference batch, else the user's ``data.source`` function. ``synthetic``
+    lets a declared batch without a source run on zeros (for timing steps)."""
+    train = config.train
+    if program.token_batch:
+        vocab = config.model.vocab_size if hasattr(config.model, "vocab_size") else 256
+        rows = jax.tree.leaves(program.abstract_batch)[0].shape
+        source = make_source(config.data.path, vocab_size=vocab, seq_len=rows[1] - 1, seed=train.seed)
+        return lambda step: global_batch(source, step, rows[0], program.batch_sharding)
+    if config.data.source is None:
+        if synthetic:
+            return lambda step: jax.tree.map(
+                lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype, device=leaf.sharding),
+                program.abstract_batch,
+            )
+        raise ConfigError(
+            "data.source is not set: a declared data.batch needs a function that makes it, e.g. data: "
+            "{source: mypkg.data:batches} with batches(step, rows, seed) -> {name: array of len(rows) rows}"
+        )
+    from shardmem.models.user import import_object, search_from
+
+    with search_from(config.folder):
+        fn = import_object(config.data.source, "data.source")
+    return lambda step: source_batch(fn, step, train.seed, program.abstract_batch)
+
+
+def source_batch(fn: Callable, step: int, seed: int, abstract_batch) -> Any:
+    """Returns batch ``step`` of ``fn(step, rows, seed)`` as global arrays shaped like ``abstract_batch``
+    (sharded abstract arrays). Each process asks only for the rows its devices hold, once per block."""
+    blocks: dict[tuple[int, int], Any] = {}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_batch)
+    total = leaves[0][1].shape[0]
+
+    def block(start: int, stop: int):
+        if (start, stop) not in blocks:
+            out = fn(step, range(start, stop), seed)
+            flat, got = jax.tree_util.tree_flatten_with_path(out)
+            if got != treedef:
+                raise ConfigError(
+                    f"data.source returned a batch shaped {jax.tree.structure(out)}, but data.batch "
+                    f"declares {treedef}; return the same names"
+                )
+            blocks[(start, stop)] = [np.asarray(value) for _, value in flat]
+        return blocks[(start, stop)]
+
+    arrays = []
+    for index, (path, leaf) in enumerate(leaves):
+        name = jax.tree_util.keystr(path)
+
+        def rows_for(slices: Sequence[slice], index=index, leaf=leaf, name=name) -> np.ndarray:
+            start, stop, _ = slices[0].indices(total)
+            value = block(start, stop)[index]
+            expected = (stop - start, *leaf.shape[1:])
+            if value.shape != expected:
+                raise ConfigError(
+                    f"data.source gave {name} of shape {list(value.shape)} for rows {start}:{stop} of step "
+                    f"{step}; data.batch declares {list(expected)} for them"
+                )
+            return value.astype(leaf.dtype, copy=False)[(slice(None), *slices[1:])]
+
+        arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, rows_for))
+    return jax.tree.unflatten(treedef, arrays)
 
 
 def _check_positive(name: str, value: int) -> None:

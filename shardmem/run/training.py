@@ -41,9 +41,9 @@ from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
 from shardmem.run.checkpoint import Checkpointer
-from shardmem.run.data import global_batch, make_source
+from shardmem.run.data import batch_stream
 from shardmem.run.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
-from shardmem.step import LossFn, ModelFactory, Program, build_program, next_token_loss
+from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
 __all__ = ["DivergedError", "DoesNotFitError", "TrainResult", "start_runtime", "train"]
@@ -95,7 +95,8 @@ def train(
     force: bool = False,
     console: Console | None = None,
     model_factory: ModelFactory | None = None,
-    loss_fn: LossFn = next_token_loss,
+    loss_fn: LossFn | None = None,
+    batch: Any = None,
 ) -> TrainResult:
     """Trains ``config`` for ``train.steps`` steps in ``run_dir``, resuming from its newest checkpoint.
 
@@ -106,7 +107,9 @@ def train(
     Multi-process runs call :func:`start_runtime` first (before any JAX work); every process calls
     ``train`` with the same arguments and ``run_dir`` must be on a file system they share. SIGTERM and
     SIGINT are handled from the first step on: the state is saved and ``status`` says which signal
-    stopped the run.
+    stopped the run. ``model_factory``, ``loss_fn`` and ``batch`` train a model of your own, as
+    :func:`shardmem.build_program` takes them (or ``model.factory``, ``train.loss``, ``data.batch`` and
+    ``data.source`` in the config).
     """
     run_dir = Path(run_dir)
     lead = jax.process_index() == 0
@@ -114,14 +117,13 @@ def train(
     if not lead:
         console = Console(quiet=True)
     train_config = config.train
-    source = make_source(config.data.path, vocab_size=config.model.vocab_size,
-                         seq_len=config.model.seq_len, seed=train_config.seed)  # fmt: skip
     if train_config.tensorboard:
         tensorboard_writer_class()  # Fails now, not after the first checkpoint.
     _check_run_dir(run_dir)
 
     mesh = build_mesh(config.mesh.axes, jax.devices())
-    program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn)
+    program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn, batch=batch)
+    source = batch_stream(config, program)  # A bad data file fails now, before the compile.
     report, step_fn = _plan_once(program)
     peak, limit = report.per_device["peak"], report.budget_bytes
     if not report.fits:
@@ -206,7 +208,10 @@ class _Loop:
         self.checkpointer, self.report = checkpointer, report
         self.start = self.step = start
         self.history: list[dict[str, Any]] = []
-        self.tokens_per_step = config.train.global_batch * config.model.seq_len
+        first = jax.tree.leaves(program.abstract_batch)[0].shape
+        # Tokens for the reference batch (its rows hold seq_len + 1 tokens); examples for any other.
+        self.items_per_step = first[0] * (first[1] - 1) if program.token_batch else first[0]
+        self.items = "tokens" if program.token_batch else "examples"
         device = jax.local_devices()[0]
         self.device = device
         peak = peak_flops_for(device.device_kind)
@@ -225,7 +230,7 @@ class _Loop:
                 status = "interrupted" if signals.received == signal.SIGINT else "preempted"
                 break
             try:
-                batch = global_batch(self.source, self.step, train.global_batch, self.program.batch_sharding)
+                batch = self.source(self.step)
             except ConfigError as error:  # A bad token id shows on the batch that holds it.
                 self._stop_on_bad_data(error, state, pending, log, progress)
             state, metrics = self.step_fn(state, batch)
@@ -290,7 +295,7 @@ class _Loop:
         if self._window:
             step_time = float(np.mean(self._window[-self.config.train.log_every :]))
             record["step_time_s"] = step_time
-            record["tokens_per_s"] = self.tokens_per_step / step_time
+            record[f"{self.items}_per_s"] = self.items_per_step / step_time
             record.update(_utilization(self.report, step_time, self.peak_flops))
         else:
             record["first_step_s"] = elapsed

@@ -1,0 +1,72 @@
+"""Flax Linen models in shardmem: wrap them as NNX, and give their layers the config's remat plan.
+
+    def build(rngs, remat):                      # model.factory in the config
+        decoder = Decoder(vocab=512, layers=RematLayers(Block, remat, n_layers=4))
+        return from_linen(decoder, jnp.zeros((1, 128), jnp.int32), rngs=rngs)
+
+:func:`from_linen` is Flax's own bridge (``nnx.bridge.ToNNX`` plus ``lazy_init`` on example inputs):
+Linen's ``nn.with_logical_partitioning`` names become the NNX sharding metadata the config's rules read,
+``params`` become ``nnx.Param`` (trained) and every other collection (``batch_stats``, RNG streams)
+is carried through the step like any NNX variable. :class:`RematLayers` runs a stack of Linen blocks as
+one ``nn.scan`` per segment of the per-layer plan, each under ``nn.remat`` with that segment's policy,
+so ``remat.policy`` and ``remat.layers`` from YAML reach a Linen model as they reach the reference one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+from flax import nnx
+from flax.nnx import bridge
+
+from shardmem.remat import LayerPlan
+
+
+def from_linen(module: nn.Module, *example_args: Any, rngs: nnx.Rngs, **example_kwargs: Any) -> nnx.Module:
+    """Returns ``module`` as an NNX module, initialised by calling it on the example inputs (abstract
+    when planning: nothing is allocated inside ``nnx.eval_shape``). RNG streams the module asks for
+    (``dropout``, ...) are drawn from ``rngs``."""
+    model = bridge.ToNNX(module, rngs=rngs)
+    bridge.lazy_init(model, *example_args, **example_kwargs)
+    return model
+
+
+class _Carried(nn.Module):
+    """Adapts a block ``x -> x`` to the ``(carry, x) -> (carry, out)`` form ``nn.scan`` runs."""
+
+    block: Any
+    options: dict
+
+    @nn.compact
+    def __call__(self, x, _):
+        return self.block(**self.options)(x), None
+
+
+class RematLayers(nn.Module):
+    """``n_layers`` copies of the Linen module class ``block`` (built with ``options``), applied in turn
+    to ``x``, their parameters stacked on a leading ``layers`` axis; each run of layers that shares a
+    policy in ``plan`` is one scanned, rematerialized segment named ``layers_{first}-{last}``."""
+
+    block: Any
+    plan: LayerPlan
+    n_layers: int
+    options: dict | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        plan = self.plan.for_layers(self.n_layers)
+        for start, stop, policy in plan.segments():
+            body = _Carried
+            if policy.remats:
+                body = nn.remat(body, policy=policy.lower(), prevent_cse=False)
+            scanned = nn.scan(
+                body,
+                variable_axes={True: 0},  # Every collection is per layer: params, batch_stats, ...
+                split_rngs={True: True},
+                length=stop - start,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            name = f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"
+            x, _ = scanned(self.block, dict(self.options or {}), name=name)(x, None)
+        return x

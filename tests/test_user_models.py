@@ -1,0 +1,249 @@
+"""Models, losses and batches of your own: the examples (NNX ViT, Linen decoder, NNX MoE) plan and
+train from their YAML; NNX variables beyond parameters are carried, not trained; remat reaches user
+layers or says why not; config lint for user code."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from rich.console import Console
+
+import shardmem
+from shardmem.config import config_from_dict, load_config
+from shardmem.errors import ConfigError, PlanError
+from shardmem.parallel.mesh import build_mesh
+from shardmem.planning import hlo, memory
+from shardmem.run.training import train
+from shardmem.step import build_program
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+QUIET = Console(quiet=True)
+
+
+def _analytic_param_count(name: str, options: dict) -> int:
+    """Parameter counts worked from each example's architecture, not from the traced model."""
+    o = options
+    if name == "vit":
+        w, m, p = o["width"], o["mlp"], o["patch"]
+        tokens = (o["image"] // p) ** 2 + 1
+        block = 2 * 2 * w + (4 * w * w + 4 * w) + (w * m + m + m * w + w)
+        return (
+            p * p * 3 * w + w + w + tokens * w + o["depth"] * block + 2 * w + w * o["classes"] + o["classes"]
+        )
+    if name == "linen_decoder":
+        d, f = o["d_model"], o["d_ff"]
+        block = 2 * d + 3 * d * d + d * d + 2 * d * f
+        return o["vocab"] * d + o["n_layers"] * block + d
+    if name == "moe":
+        w, e, f = o["width"], o["experts"], o["hidden"]
+        block = 2 * w + 3 * w * w + w * w + w * e + 2 * e * w * f
+        return o["vocab"] * w + o["depth"] * block + w
+    raise AssertionError(name)
+
+
+def _per_device_bytes(program) -> int:
+    """Parameter bytes per device from shapes and the mesh axes each spec names."""
+    total = 0
+    for leaf in jax.tree.leaves(program.abstract_state["params"]):
+        spec, mesh = leaf.sharding.spec, program.mesh
+        shards = math.prod(mesh.shape[a] for e in spec if e for a in ((e,) if isinstance(e, str) else e))
+        total += math.prod(leaf.shape) * leaf.dtype.itemsize // shards
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["vit", "linen_decoder", "moe"])
+def test_example_plans_for_h100_and_trains_on_cpu(example, tmp_path):
+    config = load_config(EXAMPLES / f"{example}.yaml", ["train.steps=3", "train.log_every=1"])
+    result = train(config, tmp_path / "run", console=QUIET)
+    assert result.status == "finished" and result.final_step == 3
+    assert all(math.isfinite(r["loss"]) for r in result.history)
+    report = result.report
+    params = report.sharding
+    assert sum(math.prod(r.shape) for r in params) == _analytic_param_count(example, config.model.options)
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    assert report.per_device["params"] == _per_device_bytes(program)
+    # AdamW's mu and nu, its step count and the schedule's (int32), and the train step counter.
+    assert report.per_device["optimizer"] == 2 * report.per_device["params"] + 3 * 4
+    assert report.cross_check["matches"]
+    assert report.remat == config.remat_plan().describe() and report.recompute_overhead > 0
+    assert not any("keeps the tags" in w or "not applied" in w for w in report.warnings), report.warnings
+
+    gpu = shardmem.plan(config, target="h100-sxm", count_remat_overhead=False)
+    assert gpu.fits and gpu.per_device["params"] == report.per_device["params"]
+
+
+class WithState(nnx.Module):
+    """Batch statistics and a dropout RNG stream beside the parameters."""
+
+    def __init__(self, rngs):
+        kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+        self.lin = nnx.Linear(8, 16, kernel_init=kernel, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.relu(self.bn(self.lin(x)))))
+
+
+def _classify(model, batch):
+    logits = model(batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+BATCH = {"x": {"shape": ["global_batch", 8], "dtype": "float32", "axes": ["batch", None]},
+         "y": {"shape": ["global_batch"], "dtype": "int32", "axes": ["batch"]}}  # fmt: skip
+
+
+def _batch(program, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    return {"x": jax.device_put(x, program.batch_sharding["x"]),
+            "y": jax.device_put((x[:, 0] > 0).astype(np.int32), program.batch_sharding["y"])}  # fmt: skip
+
+
+def test_nnx_variables_beyond_params_are_carried_not_trained():
+    # No model section: the model, loss and batch all come from Python.
+    train_section = {"global_batch": 16, "micro_batches": 2}
+    config = config_from_dict({"mesh": {"axes": {"data": 8}}, "train": train_section})
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()), model_factory=WithState,
+                            loss_fn=_classify, batch=BATCH)  # fmt: skip
+    state = program.init()
+    assert set(state["model_state"]) == {"bn", "drop"}
+    assert set(state["params"]["bn"]) == {"scale", "bias"}  # Statistics are no parameters ...
+    assert "mean" not in str(jax.tree.structure(state["opt_state"]))  # ... and have no moments.
+    mean_before = np.asarray(state["model_state"]["bn"]["mean"])
+    count_before = int(state["model_state"]["drop"]["rngs"]["count"])
+    new, metrics = program.step(state, _batch(program))
+    assert set(metrics) == {"loss", "grad_norm", "accuracy"} and math.isfinite(float(metrics["loss"]))
+    assert not np.allclose(np.asarray(new["model_state"]["bn"]["mean"]), mean_before)
+    assert int(new["model_state"]["drop"]["rngs"]["count"]) == count_before + 2  # one per micro-batch
+    assert new["model_state"]["drop"]["rngs"]["key"].dtype == jnp.uint32  # stored as raw key data
+    report, _ = memory.plan_program(program, memory.make_target(config, "cpu"))
+    assert report.per_device["model_state"] == 2 * 16 * 4 + 4 + 8
+    assert report.cross_check["matches"]
+
+
+def test_user_remat_plan_reaches_layers_and_unmatched_tags_warn():
+    class Stack(nnx.Module):
+        def __init__(self, rngs, remat):
+            self.remat = remat
+
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def layers(rngs):
+                return Layer(rngs)
+
+            self.layers = layers(rngs)
+
+        def __call__(self, x):
+            return shardmem.remat_scan(self.layers, x, self.remat).sum()
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (16, 16)))
+
+        def __call__(self, x):
+            return jnp.tanh(checkpoint_name(x @ self.w[...], "my_proj"))
+
+    batch = {"shape": ["global_batch", 16], "dtype": "float32"}
+
+    def loss(model, x):
+        return model(x)
+
+    def planned(**remat):
+        config = config_from_dict({"mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8},
+                                   "remat": remat})  # fmt: skip
+        return shardmem.plan(config, model_factory=Stack, loss_fn=loss, batch=batch)
+
+    silent = planned(policy="minimal")  # minimal's default tags are the reference model's.
+    assert any("keeps the tags query_proj" in w and "my_proj" in w for w in silent.warnings)
+    tagged = planned(policy="minimal", tags=["my_proj"])
+    assert not any("keeps the tags" in w for w in tagged.warnings)
+    full = planned(policy="full")
+    # Saving the tagged projection leaves no matmul to recompute; saving nothing recomputes it.
+    assert tagged.remat == "every layer: minimal" and tagged.recompute_overhead == 0
+    assert full.remat == "every layer: full" and full.recompute_overhead > 0
+
+    def fixed(rngs):  # Remats nothing itself, and takes no plan.
+        return Stack(rngs, shardmem.LayerPlan.uniform(3))
+
+    config = config_from_dict({"mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8},
+                               "remat": {"policy": "full"}})  # fmt: skip
+    report = shardmem.plan(config, model_factory=fixed, loss_fn=loss, batch=batch)
+    assert report.remat == "the model's own"
+    assert any("remat.policy='full' is not applied" in w for w in report.warnings)
+
+
+def test_deviceless_compile_failure_retries_without_triton_gemm(monkeypatch):
+    calls = []
+    real = memory._compile
+
+    def flaky(traced, options, dump):
+        calls.append(dict(options))
+        if memory.TRITON_GEMM not in options:
+            raise RuntimeError("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot")
+        return real(traced, options, dump)
+
+    monkeypatch.setattr(memory, "_compile", flaky)
+    config = config_from_dict({"model": {"preset": "tiny", "n_layers": 1}, "mesh": {"axes": {"fsdp": 8}}})
+    report = shardmem.plan(config, target="h100-sxm", count_remat_overhead=False)
+    assert calls == [{}, {memory.TRITON_GEMM: False}]
+    assert report.compiler_options == {memory.TRITON_GEMM: False}
+    assert any("planned with xla_gpu_enable_triton_gemm=false" in w for w in report.warnings)
+
+    monkeypatch.setattr(memory, "_compile", lambda *a: (_ for _ in ()).throw(RuntimeError("INTERNAL: no")))
+    with pytest.raises(PlanError, match="INTERNAL: no. This is a compiler failure, not a memory verdict"):
+        shardmem.plan(config, target="h100-sxm")
+
+
+def test_user_code_and_batch_errors_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"param_rules.'\(\[': not a valid regular expression"):
+        config_from_dict({"model": {"preset": "tiny"}, "param_rules": {"([": [None]}})
+    with pytest.raises(ConfigError, match="model.factory='vit.build': give an import path"):
+        config_from_dict({"model": {"factory": "vit.build"}})
+    with pytest.raises(ConfigError, match=r"data.batch.x.axes=\['batch'\]: give one logical name"):
+        config_from_dict({"data": {"batch": {"x": {"shape": ["global_batch", 3], "axes": ["batch"]}}}})
+    with pytest.raises(ConfigError, match="data.batch.x.shape: 'gb' is neither"):
+        config_from_dict({"data": {"batch": {"x": {"shape": ["gb", 3]}}}})
+    with pytest.raises(ConfigError, match="remat.layers=.* set model.n_layers"):
+        config_from_dict({"model": {"factory": "a:b"}, "remat": {"layers": {"0": "full"}}})
+
+    (tmp_path / "mine.py").write_text("def build(rngs):\n    return None\n")
+    (tmp_path / "run.yaml").write_text(
+        "model: {factory: mine:biuld}\ndata: {batch: {shape: [global_batch, 2]}}\n"
+    )
+    config = load_config(tmp_path / "run.yaml")  # mine.py is found beside the YAML file
+    mesh = build_mesh({"data": 8}, jax.devices())
+    with pytest.raises(ConfigError, match="mine has no 'biuld' \\(did you mean 'build'\\?\\)"):
+        build_program(config, mesh)
+    with pytest.raises(ConfigError, match="no module 'nowhere'"):
+        build_program(config.replace("model.factory=nowhere:build"), mesh)
+    with pytest.raises(ConfigError, match="train.loss is not set"):
+        build_program(config.replace("model.factory=mine:build"), mesh, model_factory=WithState)
+    with pytest.raises(ConfigError, match="returned a NoneType, not a Flax NNX module"):
+        build_program(config.replace("model.factory=mine:build"), mesh, loss_fn=_classify)
+
+
+def test_unused_param_rules_and_conv_flops():
+    rules = {"lin/kernel$": [None, None], "nothing_here": [None]}
+    sections = {"mesh": {"axes": {"data": 8}}, "train": {"global_batch": 16}, "param_rules": rules}
+    config = config_from_dict(sections)
+    report = shardmem.plan(config, model_factory=WithState, loss_fn=_classify, batch=BATCH)
+    assert any("param_rules that match no parameter: 'nothing_here'" in w for w in report.warnings)
+
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(x, k, (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    jaxpr = jax.make_jaxpr(conv)(jnp.ones((2, 8, 8, 3)), jnp.ones((2, 2, 3, 5)))
+    assert hlo.matmul_flops(jaxpr) == 2 * (2 * 4 * 4 * 5) * (2 * 2 * 3)
