@@ -30,7 +30,7 @@ MeshAxes = tuple[str, ...] | None
 
 #: Defaults for the reference model; a config's ``rules`` entries replace these key by key.
 DEFAULT_RULES: dict[str, MeshAxes] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "seq": None,
     "embed": ("fsdp",),
     "vocab": ("tensor",),
@@ -40,6 +40,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "mlp": ("tensor",),
     "layers": None,
     "norm": None,
+    "expert": ("expert",),  # Mixture-of-experts weights; tokens reach them by all-to-all.
 }
 
 #: Logical names used by activations rather than parameters (never reported as unused rules).
