@@ -279,3 +279,27 @@ def test_a_users_own_moe_module_plans_with_an_expert_axis():
     experts = 2 * 8 * 32 * 64 * 4
     assert report.per_device["params"] == experts // 4 + (2 * 256 * 32 + 32 * 8) * 4
     assert not any("without logical axes" in w or "no rule" in w for w in report.warnings)
+
+
+def test_the_sweep_table_shows_all_to_all_when_a_candidate_moves_tokens():
+    import io
+
+    from rich.console import Console
+
+    from shardmem.explore.sweep import SweepRow, render_sweep
+
+    def row(expert, moved):
+        return SweepRow((f"mesh.axes.expert={expert}",), peak_bytes=2**30, budget_bytes=2**32, fits=True,
+                        margin_bytes=3 * 2**30, flops_per_step=1e12, recompute_overhead=0.0, host_bytes=0,
+                        collectives=moved)  # fmt: skip
+
+    def table(rows):
+        out = Console(file=io.StringIO(), width=160)
+        out.print(render_sweep(rows))
+        return out.file.getvalue()
+
+    fsdp = row(1, {"all-gather": 173 * 2**30, "all-to-all": 0})
+    expert = row(8, {"all-gather": 26 * 2**30, "all-to-all": 30 * 2**30})
+    assert "all-to-all" not in table([fsdp])
+    text = table([fsdp, expert])
+    assert "all-to-all" in text and "30.00 GiB" in text and "173.00 GiB" in text

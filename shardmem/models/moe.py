@@ -28,7 +28,7 @@ used once per array, so the groups stay sharded over data and FSDP). The experts
 same move in reverse. This keeps the layer one global-view function -- the same code on one device or 64,
 differentiable, remat-able and plannable deviceless -- and lets the planner report the all-to-all bytes.
 The price of the one-hot dispatch and combine is two matmuls of ``seq_len x n_experts x capacity x
-d_model`` per group (about a tenth of the experts' FLOPs for Mixtral) and a ``[seq_len, n_experts,
+d_model`` per group (a fifth of the experts' FLOPs at Mixtral's sizes) and a ``[seq_len, n_experts,
 capacity]`` mask per group, the same trade MaxText's dropping path makes.
 
 The experts' projections are tagged ``mlp_gate``, ``mlp_up`` and ``mlp_out`` like the dense MLP's, so every
