@@ -303,3 +303,12 @@ def test_the_sweep_table_shows_all_to_all_when_a_candidate_moves_tokens():
     assert "all-to-all" not in table([fsdp])
     text = table([fsdp, expert])
     assert "all-to-all" in text and "30.00 GiB" in text and "173.00 GiB" in text
+
+
+def test_an_expert_axis_left_out_of_the_batch_rule_is_a_warning():
+    config = _config({"data": 2, "expert": 4}).replace("rules={batch: data}")
+    report = plan(config, "cpu", model_factory=UserMoE, count_remat_overhead=False)
+    assert (
+        "rules.batch=['data'] leaves out mesh axis expert: its 4 devices repeat the same tokens"
+        in " ".join(report.warnings)
+    )
