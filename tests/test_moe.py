@@ -80,15 +80,16 @@ def test_route_top2_gates_are_the_softmax_of_the_chosen_logits():
     assert dispatch.sum(1).max() == 1.0, "a slot of a group holds one token"
 
 
-def test_moe_decoder_is_causal_even_when_tokens_are_dropped():
-    cfg = dataclasses.replace(TINY_MOE, n_layers=2, capacity_factor=0.5)
+def test_moe_layer_is_causal_even_when_tokens_are_dropped():
     with nnx.use_eager_sharding(False):
-        model = Llama(cfg, rngs=nnx.Rngs(0), compute_dtype=jnp.float32)
-    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)
-    changed = tokens.at[:, 20:].set((tokens[:, 20:] + 1) % cfg.vocab_size)
-    a, b = nnx.jit(lambda m, t: m(t))(model, jnp.concatenate([tokens, changed])).reshape(2, 2, 32, -1)
-    np.testing.assert_allclose(a[:, :20], b[:, :20], atol=1e-5)
-    assert not jnp.allclose(a[:, 20:], b[:, 20:], atol=1e-3)
+        moe = MoEFeedForward(16, 32, 4, rngs=nnx.Rngs(0), capacity_factor=0.5, compute_dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (2, 32, 16))
+    changed = x.at[:, 10:].set(jax.random.normal(jax.random.key(2), (2, 22, 16)))
+    a, b = jax.jit(lambda x: moe.forward(x)[0])(jnp.concatenate([x, changed])).reshape(2, 2, 32, 16)
+    np.testing.assert_allclose(a[:, :10], b[:, :10], atol=1e-6)
+    assert not jnp.allclose(a[:, 10:], b[:, 10:], atol=1e-3)
+    # 4 experts x 8 slots hold 32 of the 64 assignments: the earliest tokens', the last ones get none.
+    assert not jnp.any(a[:, -8:]) and jnp.all(jnp.any(a[:, :8], axis=-1))
 
 
 def test_load_balancing_loss_enters_the_gradients_with_its_weight():
