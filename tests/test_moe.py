@@ -5,6 +5,7 @@ checkpoints across expert meshes, and a user's own MoE module."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardmem.config import config_from_dict
+from shardmem.config import config_from_dict, load_config
 from shardmem.errors import ConfigError
 from shardmem.models.llama import PRESETS, Llama, ModelConfig
 from shardmem.models.moe import MoEFeedForward, _top_k, expert_capacity, route
@@ -24,6 +25,7 @@ from shardmem.run.checkpoint import Checkpointer
 from shardmem.step import build_program
 
 TINY_MOE = ModelConfig.preset("tiny-moe")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_mixtral_preset_has_mixtrals_parameter_count():
@@ -313,3 +315,21 @@ def test_an_expert_axis_left_out_of_the_batch_rule_is_a_warning():
         "rules.batch=['data'] leaves out mesh axis expert: its 4 devices repeat the same tokens"
         in " ".join(report.warnings)
     )
+
+
+@pytest.mark.slow
+def test_the_shipped_mixtral_config_plans_for_64_h100s_with_the_all_to_all_by_hand():
+    config = load_config(ROOT / "configs" / "mixtral-8x7b.yaml", ["model.n_layers=2"])  # Depth is a scan.
+    report = plan(config, count_remat_overhead=False)
+    assert (report.target, report.devices, report.mesh) == (
+        "h100-sxm",
+        64,
+        {"data": 1, "fsdp": 8, "expert": 8},
+    )
+    assert report.fits and not report.approximate
+    cfg = config.model
+    capacity = expert_capacity(cfg.seq_len, cfg.n_experts, cfg.experts_per_token, cfg.capacity_factor)
+    groups_per_device = config.train.global_batch // 64
+    dispatched = cfg.n_experts * groups_per_device * capacity * cfg.d_model * 2  # bf16 on the GPU
+    # Full remat: dispatch and return forward, both again in the recomputation, both transposed.
+    assert report.collectives["all-to-all"] == cfg.n_layers * 6 * dispatched
