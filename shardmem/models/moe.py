@@ -20,16 +20,19 @@ routing is uniform; its gradient, times ``load_balance_weight``, is added in the
 cross-entropy -- stay those of the dense model.
 
 **Expert parallelism** is left to XLA's SPMD partitioner, with sharding constraints rather than a
-``shard_map``: tokens are dispatched into per-expert slots with a one-hot einsum, giving
-``x_ExGxCxD`` whose group axis is still sharded like the batch; constraining it to ``("expert",
-"batch", ...)`` moves the expert axis of the mesh from the groups to the experts, which XLA compiles into
-one all-to-all over that axis (the batch rule defaults to ``[data, fsdp, expert]``, and a mesh axis is
-used once per array, so the groups stay sharded over data and FSDP). The experts' outputs come back by the
-same move in reverse. This keeps the layer one global-view function -- the same code on one device or 64,
-differentiable, remat-able and plannable deviceless -- and lets the planner report the all-to-all bytes.
-The price of the one-hot dispatch and combine is two matmuls of ``seq_len x n_experts x capacity x
-d_model`` per group (a fifth of the experts' FLOPs at Mixtral's sizes) and a ``[seq_len, n_experts,
-capacity]`` mask per group, the same trade MaxText's dropping path makes.
+``shard_map``: tokens are dispatched into per-expert slots with a one-hot einsum, giving ``x_ExGxCxD`` whose
+group axis is still sharded like the batch; constraining it to ``("expert", "batch", ...)`` moves the expert
+axis of the mesh from the groups to the experts, which XLA compiles into one all-to-all over that axis (the
+batch rule defaults to ``[data, fsdp, expert]``, and a mesh axis is used once per array, so the groups stay
+sharded over data and FSDP). Both layouts are pinned (:data:`GROUPED_AXES` where the einsum makes the
+tensor, then :data:`DISPATCHED_AXES`): given only the second, XLA moved the dispatch mask instead and
+all-gathered every token over the expert axis. The experts' outputs come back by the same move in reverse.
+Top-k is taken as k argmaxes, which stay on each device's tokens where ``lax.top_k`` made XLA gather the
+whole batch. This keeps the layer one global-view function -- the same code on one device or 64,
+differentiable, remat-able and plannable deviceless -- and lets the planner report the all-to-all bytes. The
+price of the one-hot dispatch and combine is two matmuls of ``seq_len x n_experts x capacity x d_model`` per
+group (a fifth of the experts' FLOPs at Mixtral's sizes) and a ``[seq_len, n_experts, capacity]`` mask per
+group, the same trade MaxText's dropping path makes.
 
 The experts' projections are tagged ``mlp_gate``, ``mlp_up`` and ``mlp_out`` like the dense MLP's, so every
 remat policy means the same thing for both.
