@@ -28,7 +28,7 @@ sharded over data and FSDP). Both layouts are pinned (:data:`GROUPED_AXES` where
 tensor, then :data:`DISPATCHED_AXES`): given only the second, XLA moved the dispatch mask instead and
 all-gathered every token over the expert axis. The experts' outputs come back by the same move in reverse.
 Top-k is taken as k argmaxes, which stay on each device's tokens where ``lax.top_k`` made XLA gather the
-whole batch. This keeps the layer one global-view function -- the same code on one device or 64,
+whole batch. The constraints keep the layer one global-view function -- the same code on one device or 64,
 differentiable, remat-able and plannable deviceless -- and lets the planner report the all-to-all bytes. The
 price of the one-hot dispatch and combine is two matmuls of ``seq_len x n_experts x capacity x d_model`` per
 group (a fifth of the experts' FLOPs at Mixtral's sizes) and a ``[seq_len, n_experts, capacity]`` mask per
