@@ -378,6 +378,29 @@ def _positive(key: str, value: int | float) -> None:
         raise ConfigError(f"{key}={value}: must be positive")
 
 
+def _validate_experts(m: ModelConfig) -> None:
+    if m.n_experts < 0:
+        raise ConfigError(f"model.n_experts={m.n_experts}: use 0 for a dense MLP, or the number of experts")
+    if not m.n_experts:
+        return
+    if not 1 <= m.experts_per_token <= m.n_experts:
+        raise ConfigError(
+            f"model.experts_per_token={m.experts_per_token}: each token goes to between 1 and "
+            f"model.n_experts={m.n_experts} experts; use e.g. {min(2, m.n_experts)}"
+        )
+    if m.capacity_factor <= 0:
+        no_drops = m.n_experts / m.experts_per_token
+        raise ConfigError(
+            f"model.capacity_factor={m.capacity_factor}: must be positive; 1.25 is usual, "
+            f"{no_drops:g} (n_experts / experts_per_token) never drops a token"
+        )
+    if m.load_balance_weight < 0:
+        raise ConfigError(
+            f"model.load_balance_weight={m.load_balance_weight}: must not be negative; use e.g. 0.01, "
+            "or 0 to train without the load-balancing loss"
+        )
+
+
 def _validate(config: Config) -> None:
     if isinstance(config.model, ModelConfig):
         _validate_model(config.model)
@@ -463,6 +486,7 @@ def _validate_model(m: ModelConfig) -> None:
         )
     if m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
+    _validate_experts(m)
 
 
 def _validate_rest(config: Config) -> None:

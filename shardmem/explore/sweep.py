@@ -360,6 +360,10 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
 
     measured = any(r.step_seconds is not None for r in rows)
     headers = ["peak", "margin", "FLOPs", "recompute", "host", "all-gather", "reduce-sc.", "all-reduce"]
+    moves = ["all-gather", "reduce-scatter", "all-reduce"]
+    if any(r.collectives.get("all-to-all") for r in rows):  # Expert parallelism's token dispatch.
+        headers.append("all-to-all")
+        moves.append("all-to-all")
     if measured:
         headers += ["step time", "meas. peak"]
     cells, errors = [], []
@@ -375,7 +379,7 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
             Text(("+" if r.fits else "") + format_bytes(r.margin_bytes), style="green" if r.fits else "red"),
             format_flops(r.flops_per_step), f"+{r.recompute_overhead:.1%}",
             format_bytes(r.host_bytes),
-            *(format_bytes(moved.get(k, 0)) for k in ("all-gather", "reduce-scatter", "all-reduce")),
+            *(format_bytes(moved.get(k, 0)) for k in moves),
         ]  # fmt: skip
         if measured:
             row.append("-" if r.step_seconds is None else f"{r.step_seconds * 1e3:.1f} ms")

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.models.moe import MoEFeedForward
 from shardmem.parallel.rules import constrain
 from shardmem.remat import LayerPlan, remat_scan
 
@@ -55,6 +56,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention_chunk: int | None = None  # Query block size for memory-efficient attention (None: off).
+    # Mixture of experts (shardmem.models.moe): n_experts > 0 replaces each layer's MLP by that many
+    # SwiGLU experts of width d_ff, experts_per_token of them per token, each taking at most
+    # capacity_factor x its balanced share of a sequence's tokens.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    capacity_factor: float = 1.25
+    load_balance_weight: float = 0.01  # Weight of the Switch load-balancing loss in the gradients.
 
     @property
     def head_size(self) -> int:
@@ -65,7 +73,10 @@ class ModelConfig:
         """Returns the exact number of parameters, from the architecture alone."""
         d, h, kv, k = self.d_model, self.n_heads, self.n_kv_heads, self.head_size
         attention = d * h * k * 2 + d * kv * k * 2
-        layer = attention + 3 * d * self.d_ff + 2 * d
+        mlp = 3 * d * self.d_ff
+        if self.n_experts:
+            mlp = self.n_experts * mlp + d * self.n_experts  # Experts and the router.
+        layer = attention + mlp + 2 * d
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embeddings + d
 
@@ -100,6 +111,12 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama-2-70B (grouped-query attention with 8 KV heads): 68,976,648,192 parameters.
     "llama-70b": ModelConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                              d_ff=28672, seq_len=4096),
+    # Mixtral-8x7B (8 SwiGLU experts per layer, top-2): 46,702,792,704 parameters.
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                d_ff=14336, seq_len=4096, rope_theta=1e6, n_experts=8, experts_per_token=2),
+    # The tiny model with 8 top-2 experts per layer, for expert-parallel tests.
+    "tiny-moe": ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64,
+                            seq_len=64, n_experts=8, experts_per_token=2),
 }  # fmt: skip
 
 
@@ -134,7 +151,8 @@ def rope(x_BxLxHxK, positions_L, theta: float):
 
 
 class Block(nnx.Module):
-    """One decoder layer: pre-norm grouped-query attention, then a pre-norm SwiGLU MLP."""
+    """One decoder layer: pre-norm grouped-query attention, then a pre-norm SwiGLU MLP (or, with
+    ``n_experts``, a mixture of SwiGLU experts)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype, compute_dtype):
         d, h, kv, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff
@@ -147,9 +165,15 @@ class Block(nnx.Module):
         self.wv = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
         self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), param_dtype, h * k)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps, **norm)
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), param_dtype, f)
+        if cfg.n_experts:
+            self.moe = MoEFeedForward(d, f, cfg.n_experts, rngs=rngs, experts_per_token=cfg.experts_per_token,
+                                      capacity_factor=cfg.capacity_factor,
+                                      load_balance_weight=cfg.load_balance_weight,
+                                      param_dtype=param_dtype, compute_dtype=compute_dtype)  # fmt: skip
+        else:
+            self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
+            self.w_up = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
+            self.w_down = _param(rngs, (f, d), ("mlp", "embed"), param_dtype, f)
 
     def _w(self, param):
         return param[...].astype(self.compute_dtype)
@@ -177,6 +201,8 @@ class Block(nnx.Module):
 
         with jax.named_scope("mlp"):
             h_BxLxD = self.mlp_norm(x_BxLxD)
+            if cfg.n_experts:
+                return x_BxLxD + self.moe(h_BxLxD)
             gate_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_gate), "mlp_gate")
             up_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_up), "mlp_up")
             out_BxLxD = checkpoint_name(

@@ -30,7 +30,7 @@ MeshAxes = tuple[str, ...] | None
 
 #: Defaults for the reference model; a config's ``rules`` entries replace these key by key.
 DEFAULT_RULES: dict[str, MeshAxes] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "seq": None,
     "embed": ("fsdp",),
     "vocab": ("tensor",),
@@ -40,6 +40,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "mlp": ("tensor",),
     "layers": None,
     "norm": None,
+    "expert": ("expert",),  # Mixture-of-experts weights; tokens reach them by all-to-all.
 }
 
 #: Logical names used by activations rather than parameters (never reported as unused rules).
@@ -284,6 +285,12 @@ def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: in
         names = used_names | set(ACTIVATION_AXES)
         shown = ", ".join(f"{k}{did_you_mean(k, names - {k})}" for k in unused)
         warnings.append(f"rules never used by any parameter: {shown}")
+    batch_axes = rules.mesh_axes("batch") or ()
+    if mesh.shape.get("expert", 1) > 1 and "expert" in used_names and "expert" not in batch_axes:
+        warnings.append(
+            f"rules.batch={list(batch_axes)} leaves out mesh axis expert: its {mesh.shape['expert']} devices "
+            "repeat the same tokens outside the experts; add it, e.g. rules.batch: [data, fsdp, expert]"
+        )
     if mesh.size > 1:
         replicated = [r for r in rows if r.bytes_per_device == r.bytes_total and r.bytes_total > 0]
         replicated.sort(key=lambda r: -r.bytes_total)
