@@ -247,3 +247,29 @@ def test_unused_param_rules_and_conv_flops():
 
     jaxpr = jax.make_jaxpr(conv)(jnp.ones((2, 8, 8, 3)), jnp.ones((2, 2, 3, 5)))
     assert hlo.matmul_flops(jaxpr) == 2 * (2 * 4 * 4 * 5) * (2 * 2 * 3)
+
+
+def test_linen_batch_statistics_update_and_are_not_trained():
+    import flax.linen as nn
+
+    from shardmem.models.linen import from_linen
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            x = nn.BatchNorm(use_running_average=False)(nn.Dense(16, kernel_init=init)(x))
+            return nn.Dense(4)(nn.Dropout(0.5, deterministic=False)(x))
+
+    config = config_from_dict({"mesh": {"axes": {"data": 8}}, "train": {"global_batch": 16}})
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()),
+                            model_factory=lambda rngs: from_linen(Net(), jnp.zeros((1, 8)), rngs=rngs),
+                            loss_fn=_classify, batch=BATCH)  # fmt: skip
+    state = program.init()
+    assert set(state["model_state"]["BatchNorm_0"]) == {"mean", "var"}
+    assert set(state["params"]["BatchNorm_0"]) == {"scale", "bias"}
+    rows = {row.path: row for row in program.sharding_table()}
+    assert rows["Dense_0/kernel"].logical == ("embed", "mlp")
+    new, _ = program.step(jax.tree.map(lambda x: x.copy(), state), _batch(program))
+    before, after = state["model_state"]["BatchNorm_0"]["mean"], new["model_state"]["BatchNorm_0"]["mean"]
+    assert not np.allclose(np.asarray(after), np.asarray(before))

@@ -19,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 from flax.nnx import bridge
+from flax.nnx.bridge import variables as bridge_variables
 
 from shardmem.remat import LayerPlan
 
@@ -26,10 +27,24 @@ from shardmem.remat import LayerPlan
 def from_linen(module: nn.Module, *example_args: Any, rngs: nnx.Rngs, **example_kwargs: Any) -> nnx.Module:
     """Returns ``module`` as an NNX module, initialised by calling it on the example inputs (abstract
     when planning: nothing is allocated inside ``nnx.eval_shape``). RNG streams the module asks for
-    (``dropout``, ...) are drawn from ``rngs``."""
-    model = bridge.ToNNX(module, rngs=rngs)
+    (``dropout``, ...) are drawn from ``rngs``; calls may update every collection (``batch_stats``, ...),
+    as a training step needs."""
+    model = _Trainable(module, rngs=rngs)
     bridge.lazy_init(model, *example_args, **example_kwargs)
+    attrs = {k: v for k, v in vars(model).items() if not k.startswith(("to_nnx__", "_pytree__"))}
+    # The bridge reads every attribute but its own ``to_nnx__*`` ones as a Linen collection.
+    model.to_nnx__mutable = tuple(c for c in bridge_variables.nnx_attrs_to_linen_vars(attrs) if c != "params")
     return model
+
+
+class _Trainable(bridge.ToNNX):
+    """Flax's bridge, called with every collection but ``params`` mutable unless the caller says
+    otherwise (its default, immutable, fails on a BatchNorm in training mode)."""
+
+    def __call__(self, *args: Any, mutable: Any = None, **kwargs: Any) -> Any:
+        if mutable is None:
+            mutable = list(getattr(self, "to_nnx__mutable", ())) or False
+        return super().__call__(*args, mutable=mutable, **kwargs)
 
 
 class _Carried(nn.Module):
