@@ -55,6 +55,8 @@ def test_plan_function_reports_any_jitted_function():
     assert report.cross_check["compiled_argument_bytes"] == 1024 * 512 * 4 // 8 + 64 * 1024 * 4 // 8
     assert report.flops_per_step == 2 * 64 * 1024 * 512
     assert report.mesh == {"fsdp": 8}
+    [row] = report.sharding  # The sharding table comes with it, from the arguments' shardings.
+    assert row.spec == P("fsdp") and row.bytes_per_device == 1024 * 512 * 4 // 8
 
 
 def test_budget_and_verdict():

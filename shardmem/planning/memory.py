@@ -27,7 +27,7 @@ from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, PlanError
 from shardmem.parallel.mesh import build_mesh
-from shardmem.parallel.rules import rule_warnings, unused_path_rules
+from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
 from shardmem.planning import hlo
 from shardmem.planning.targets import Target, ensure_cpu_devices, resolve_target
 from shardmem.step import LossFn, ModelFactory, Program, build_program
@@ -275,7 +275,11 @@ def plan_function(
     if compiler_options:
         memory = dataclasses.replace(memory, compiler_options={**memory.compiler_options, **compiler_options})
     report = analyze(traced, target, memory, groups=groups or {}, top=top, name=name)
-    return dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr))
+    rows = []
+    if groups and "params" in groups:  # The sharding table, from the arguments' own shardings.
+        params = groups["params"]
+        rows = sharding_table(params, jax.tree.map(lambda leaf: leaf.sharding, params), {})
+    return dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), sharding=rows)
 
 
 def per_device_bytes(tree) -> int:
