@@ -1,12 +1,14 @@
 """The sharded training step: loss, gradients (with micro-batch accumulation), Optax update.
 
-    program = build_program(config, mesh)
+    program = build_program(config, mesh)         # or model_factory=, loss_fn=, batch= of your own
     state = program.init()                        # allocated directly with its shardings
     state, metrics = program.step(state, batch)   # jit with explicit shardings, state donated
 
 The model declares logical axes; the config's rules turn them into NamedShardings for parameters and
 optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Parameters are kept in
-``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used.
+``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used. Only
+``nnx.Param`` variables are differentiated; a model's other variables (batch statistics, RNG streams)
+ride along in ``state["model_state"]``. The batch is any pytree of arrays (:mod:`shardmem.batch`).
 """
 
 from __future__ import annotations

@@ -77,6 +77,11 @@ def test_example_plans_for_h100_and_trains_on_cpu(example, tmp_path):
     assert report.remat == config.remat_plan().describe() and report.recompute_overhead > 0
     assert not any("keeps the tags" in w or "not applied" in w for w in report.warnings), report.warnings
 
+    if example == "vit":  # Its dropout streams are model state: checkpointed, and restored on resume.
+        resumed = train(config.replace("train.steps=4"), tmp_path / "run", console=QUIET)
+        assert resumed.start_step == 3 and resumed.final_step == 4
+        assert int(jax.tree.leaves(resumed.state["model_state"])[0].max()) > 0
+
     gpu = shardmem.plan(config, target="h100-sxm", count_remat_overhead=False)
     assert gpu.fits and gpu.per_device["params"] == report.per_device["params"]
 
