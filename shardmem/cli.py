@@ -82,8 +82,18 @@ def cmd_plan(args) -> int:
 
     if args.top < 0:
         raise ConfigError(f"--top {args.top}: give the number of buffers to list, 0 or more")
+    for path, flag in ((args.html, "--html"), (args.png, "--png")):
+        if path:
+            _check_writable(path, flag)
     config = _load(args, planning_only=True)
     report = plan(config, args.target, top=args.top)
+    if args.html or args.png:
+        from shardmem.planning.timeline import timeline
+
+        figure = timeline(report)
+        written = [str(figure.save_html(args.html)) if args.html else "",
+                   str(figure.save_png(args.png)) if args.png else ""]  # fmt: skip
+        print(f"wrote the memory timeline to {' and '.join(w for w in written if w)}", file=sys.stderr)
     if args.json:
         data = report.to_json()
         if args.sharding:
@@ -118,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--top", type=int, default=10, help="buffers live at the peak to list")
     p.add_argument("--sharding", action="store_true", help="also print the parameter sharding table")
+    p.add_argument("--html", metavar="PATH", help="write the memory timeline as a self-contained HTML page")
+    p.add_argument("--png", metavar="PATH", help="write the memory timeline as a PNG image")
     p.set_defaults(run=cmd_plan)
 
     p = commands.add_parser("policies", help="list remat policies, model presets and targets")

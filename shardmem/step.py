@@ -186,12 +186,13 @@ def build_program(
                 (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
                                                 micro)  # fmt: skip
                 loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
-            new_state = {
-                "params": optax.apply_updates(params, updates),
-                "opt_state": opt_state,
-                "step": state["step"] + 1,
-            }
+            with jax.named_scope("optimizer_update"):  # Names its buffers in the plan's timeline.
+                updates, opt_state = tx.update(grads, state["opt_state"], params)
+                new_state = {
+                    "params": optax.apply_updates(params, updates),
+                    "opt_state": opt_state,
+                    "step": state["step"] + 1,
+                }
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return new_state, metrics
 

@@ -66,6 +66,8 @@ class MemoryReport:
     warnings: list[str]
     compile_seconds: float
     sharding: list = dataclasses.field(default_factory=list, repr=False)
+    #: Every buffer over the compiled step's schedule (XLA's buffer assignment); what the timeline draws.
+    schedule: hlo.BufferSchedule | None = dataclasses.field(default=None, repr=False, compare=False)
     jax_version: str = jax.__version__  # Plans move with the XLA version (BENCHMARKS.md).
 
     @property
@@ -261,7 +263,9 @@ def _compile_and_analyze(
         except Exception as e:  # XLA raises plain runtime errors for programs it cannot compile.
             raise PlanError(f"XLA could not compile the step for {target.label}: {e}") from None
         seconds = time.perf_counter() - start
-        top_buffers, live_peak = hlo.live_at_peak(dump, top=top)
+        schedule = hlo.buffer_schedule(dump)
+        top_buffers = hlo.peak_buffers(schedule, top) if schedule else []
+        live_peak = schedule.peak_bytes if schedule else None
         collectives = hlo.collective_bytes(compiled.as_text() or "")
     stats = compiled.memory_analysis()
     if stats is None:
@@ -308,7 +312,7 @@ def _compile_and_analyze(
         device_memory_bytes=target.memory_bytes, budget_bytes=limit, fits=peak <= limit,
         deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
-        cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
+        cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds, schedule=schedule,
     ), compiled  # fmt: skip
 
 
