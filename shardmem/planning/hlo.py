@@ -322,19 +322,32 @@ def buffer_schedule(dump_dir: str | Path) -> BufferSchedule | None:
             group = [value]
     length = max([len(sequence), *(b.end + 1 for b in buffers)])
 
-    def first(predicate) -> int | None:
-        for position, instruction in sequence:
-            op_name = table.get(instruction, ("", ""))[1]
-            if op_name and predicate(op_name):
-                return int(position)
-        return None
-
+    phases = []  # (position, phase) of every instruction with a model scope
+    for position, instruction in sequence:
+        op_name = table.get(instruction, ("", ""))[1]
+        if op_name.startswith("jit("):
+            phase = 2 if "optimizer_update" in op_name else int("transpose(" in op_name)
+            phases.append((int(position), phase))
     return BufferSchedule(
         length=length,
         buffers=tuple(buffers),
-        backward_start=first(lambda op: "transpose(" in op),
-        optimizer_start=first(lambda op: "optimizer_update" in op),
+        backward_start=_boundary([(p, phase == 1) for p, phase in phases if phase < 2]),
+        optimizer_start=_boundary([(p, phase == 2) for p, phase in phases]),
     )
+
+
+def _boundary(marked: list[tuple[int, bool]]) -> int | None:
+    """Returns the position that best splits unmarked instructions (before) from marked ones (after): XLA
+    moves a few ops far from their phase (a step counter, a transposed constant), so the first marked one is
+    no boundary. None without marked instructions."""
+    if not any(m for _, m in marked):
+        return None
+    best, best_errors, errors = None, None, sum(not m for _, m in marked)  # Split before everything.
+    for position, m in marked:
+        if best_errors is None or errors < best_errors:
+            best, best_errors = position, errors
+        errors += 1 if m else -1  # This one now falls before the split.
+    return best
 
 
 def live_at_peak(dump_dir: str | Path, top: int = 10) -> tuple[list[LiveBuffer], int | None]:

@@ -61,6 +61,17 @@ class Timeline:
                 self.by_category[c] = [row[p] for p in self.positions]
 
     @property
+    def budget_on_chart(self) -> bool:
+        """Whether the budget is drawn as a line: not when it is over 3x the peak, which would flatten the
+        picture into the bottom of the chart; it is then named at the top edge."""
+        return self.report.budget_bytes <= 3 * max(self.peak_bytes, self.report_peak_bytes, 1)
+
+    @property
+    def y_max(self) -> float:
+        shown = [self.peak_bytes, self.report_peak_bytes, 1]
+        return max(shown + [self.report.budget_bytes] * self.budget_on_chart) * 1.1
+
+    @property
     def report_peak_bytes(self) -> int:
         return self.report.per_device["peak"]
 
@@ -93,7 +104,7 @@ class Timeline:
         left, right, top, bottom = 78, 190, 30, 42
         plot_w, plot_h = width - left - right, height - top - bottom
         r = self.report
-        y_max = max(self.peak_bytes, self.report_peak_bytes, r.budget_bytes, 1) * 1.08
+        y_max = self.y_max
         span = max(self.schedule.length - 1, 1)
 
         def px(position: int) -> float:
@@ -136,25 +147,30 @@ class Timeline:
                 f"{format_bytes(at_peak)} at the peak</title></polygon>"
             )
             base = upper
-        for position, label in (
-            (self.schedule.backward_start, "backward"),
-            (self.schedule.optimizer_start, "optimizer update"),
+        for row, (position, label) in enumerate(
+            ((self.schedule.backward_start, "backward"), (self.schedule.optimizer_start, "optimizer update"))
         ):
             if position is not None:
                 x = px(position)
                 out.append(
                     f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + plot_h}" stroke="#444" '
                     f'stroke-dasharray="2,3"><title>{label} begins at position {position}</title></line>'
-                    f'<text x="{x + 3:.1f}" y="{top + 12}" fill="#444">{label} →</text>'
+                    f'<text x="{x + 3:.1f}" y="{top + plot_h - 8 - 16 * row}" fill="#222">{label} →</text>'
                 )
-        budget_y = y(r.budget_bytes)
-        out.append(
-            f'<line id="budget" x1="{left}" x2="{left + plot_w}" y1="{budget_y:.1f}" y2="{budget_y:.1f}" '
-            f'stroke="#D55E00" stroke-width="2" stroke-dasharray="8,4"><title>budget '
-            f"{format_bytes(r.budget_bytes)}</title></line>"
-            f'<text x="{left + plot_w + 6}" y="{budget_y + 4:.1f}" fill="#D55E00">budget '
-            f"{format_bytes(r.budget_bytes)}</text>"
-        )
+        budget = f"budget {format_bytes(r.budget_bytes)}"
+        if self.budget_on_chart:
+            budget_y = y(r.budget_bytes)
+            out.append(
+                f'<line id="budget" x1="{left}" x2="{left + plot_w}" y1="{budget_y:.1f}" y2="{budget_y:.1f}" '
+                f'stroke="#D55E00" stroke-width="2" stroke-dasharray="8,4"><title>{budget}</title></line>'
+                f'<text x="{left + plot_w + 6}" y="{budget_y + 4:.1f}" fill="#D55E00">{budget}</text>'
+            )
+        else:
+            ratio = r.budget_bytes / max(self.peak_bytes, self.report_peak_bytes, 1)
+            out.append(
+                f'<text id="budget" x="{left + plot_w}" y="{top - 8}" text-anchor="end" fill="#D55E00">'
+                f"↑ {budget}: {ratio:,.0f}x the peak, above the chart</text>"
+            )
         if r.approximate and self.report_peak_bytes != self.peak_bytes:
             ry = y(self.report_peak_bytes)
             out.append(
@@ -172,7 +188,7 @@ class Timeline:
             f"peak {format_bytes(self.peak_bytes)}</text>"
         )
         for i, category in enumerate(self.by_category):  # Legend, top category first like the bands.
-            ly = top + 40 + 18 * (len(self.by_category) - 1 - i)
+            ly = top + 64 + 18 * (len(self.by_category) - 1 - i)
             out.append(
                 f'<rect x="{left + plot_w + 8}" y="{ly - 10}" width="12" height="12" '
                 f'fill="{COLORS[category]}"/><text x="{left + plot_w + 26}" y="{ly}">{category}</text>'
@@ -231,7 +247,7 @@ each buffer is counted once however many values XLA aliases into it. Hover a ban
         r = self.report
         figure = Figure(figsize=(11, 4.8))
         ax = figure.add_subplot()
-        y_max = max(self.peak_bytes, self.report_peak_bytes, r.budget_bytes, 1) * 1.08
+        y_max = self.y_max
         unit, scale = _unit(y_max)
         ax.stackplot(
             self.positions,
@@ -240,13 +256,17 @@ each buffer is counted once however many values XLA aliases into it. Hover a ban
             colors=[COLORS[c] for c in self.by_category],
             alpha=0.85,
         )
-        ax.axhline(
-            r.budget_bytes / scale,
-            color="#D55E00",
-            ls="--",
-            lw=2,
-            label=f"budget {format_bytes(r.budget_bytes)}",
-        )
+        if self.budget_on_chart:
+            ax.axhline(
+                r.budget_bytes / scale,
+                color="#D55E00",
+                ls="--",
+                lw=2,
+                label=f"budget {format_bytes(r.budget_bytes)}",
+            )
+        else:
+            ax.set_title(f"budget {format_bytes(r.budget_bytes)}: above the chart", loc="right", fontsize=9,
+                         color="#D55E00")  # fmt: skip
         if r.approximate and self.report_peak_bytes != self.peak_bytes:
             ax.axhline(
                 self.report_peak_bytes / scale,
@@ -269,7 +289,8 @@ each buffer is counted once however many values XLA aliases into it. Hover a ban
         ):
             if position is not None:
                 ax.axvline(position, color="#444", ls=(0, (2, 3)), lw=1)
-                ax.text(position, y_max / scale * 0.97, f" {label} →", va="top", fontsize=8, color="#444")
+                height = y_max / scale * (0.02 + 0.05 * (label != "backward"))
+                ax.text(position, height, f" {label} →", va="bottom", fontsize=8, color="#222")
         ax.set_ylim(0, y_max / scale)
         ax.set_xlim(0, max(self.schedule.length - 1, 1))
         ax.set_xlabel("position in the compiled step's schedule")
