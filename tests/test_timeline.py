@@ -145,8 +145,13 @@ def _chromium() -> str | None:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found or os.geteuid() != 0 or not shutil.which("apt-get"):
         return found
-    subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=600,
-                   env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+
+    def apt_get(*args: str) -> bool:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        return subprocess.run(["apt-get", *args], capture_output=True, timeout=900, env=env).returncode == 0
+
+    if not apt_get("install", "-y", "-q", "chromium"):  # A stale package list: refresh it once.
+        apt_get("update", "-q") and apt_get("install", "-y", "-q", "chromium")
     return shutil.which("chromium")
 
 
