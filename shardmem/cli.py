@@ -99,6 +99,13 @@ def cmd_plan(args) -> int:
             _check_writable(path, flag)
     config = _load(args, planning_only=True)
     report = plan(config, args.target, top=args.top)
+    if args.json:
+        data = report.to_json()
+        if args.sharding:
+            data["sharding"] = sharding_json(report.sharding)
+        print(json.dumps(data, indent=2), flush=True)
+    else:
+        console().print(render(report, sharding=args.sharding))
     if args.html or args.png:
         from shardmem.planning.timeline import timeline
 
@@ -106,13 +113,6 @@ def cmd_plan(args) -> int:
         written = [str(figure.save_html(args.html)) if args.html else "",
                    str(figure.save_png(args.png)) if args.png else ""]  # fmt: skip
         print(f"wrote the memory timeline to {' and '.join(w for w in written if w)}", file=sys.stderr)
-    if args.json:
-        data = report.to_json()
-        if args.sharding:
-            data["sharding"] = sharding_json(report.sharding)
-        print(json.dumps(data, indent=2))
-    else:
-        console().print(render(report, sharding=args.sharding))
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
 
 
