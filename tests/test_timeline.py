@@ -93,6 +93,11 @@ def test_aliased_values_are_one_buffer_and_reused_offsets_are_two(tmp_path):
     assert [hlo.category(b.scope) for b in buffers] == ["attention", "arguments", "mlp"]
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardmem", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
 @functools.cache
 def _plan(config: Path, target: str) -> dict:
     """The JSON report of ``shardmem plan`` (a fresh process: cpu plans need the config's device count)."""
@@ -161,10 +166,24 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
     if browser is None:
         pytest.skip("chromium is not installed and cannot be installed here (apt-get as root): HTML untested")
     page = tmp_path / "report.html"
-    result = subprocess.run([sys.executable, "-m", "shardmem", "plan", "configs/tiny.yaml", "--target", "cpu",
-                             "--html", str(page), "--json"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    still = tmp_path / "report-static.png"
+    args = [
+        "plan",
+        "configs/tiny.yaml",
+        "--target",
+        "cpu",
+        "--html",
+        str(page),
+        "--png",
+        str(still),
+        "--json",
+    ]
+    result = _cli(*args)
     assert result.returncode == 0, result.stderr
+    assert (
+        still.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        and f"wrote the memory timeline to {page}" in result.stderr
+    )
     report = json.loads(result.stdout)
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -181,3 +200,10 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
     assert f"peak {peak}" in dom and 'id="budget"' in dom and "budget " in dom
     assert shardmem.units.format_bytes(report["per_device"]["peak"]) in dom  # the cpu report's bound
     print(f"screenshot: {shot}")  # In pytest's output dir (kept for the last runs), for a person to look at.
+
+
+def test_plan_html_to_an_unwritable_place_is_a_usage_error_before_compiling(tmp_path):
+    args = ["plan", "configs/tiny.yaml", "--html", str(tmp_path / "missing" / "report.html")]
+    result = _cli(*args)
+    assert result.returncode == 2 and "--html" in result.stderr and "cannot write there" in result.stderr
+    assert "Traceback" not in result.stderr and not result.stdout
