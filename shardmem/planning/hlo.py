@@ -1,5 +1,6 @@
-"""Reading what XLA says about a compiled program: FLOPs from the jaxpr, buffers live at the peak from
-the compiler's dumps, and collective traffic from the optimized HLO.
+"""Reading what XLA says about a compiled program: FLOPs from the jaxpr, every buffer over the step's schedule
+(and so what is live at the peak) from the compiler's buffer assignment, and collective traffic from the
+optimized HLO.
 
 These are the parts of the memory report that :meth:`jax.stages.Compiled.memory_analysis` does not give.
 """

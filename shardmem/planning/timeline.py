@@ -8,8 +8,9 @@
 The picture is PyTorch's memory snapshot, drawn from XLA's buffer assignment instead of a run: every buffer
 of the compiled step (see :class:`shardmem.planning.hlo.BufferSchedule`) stacked by the model scope that made
 it, with the peak, the budget, where the backward pass and the optimizer update begin, and a table of the
-buffers live at the peak. Its peak is the report's peak on GPU targets; on ``cpu`` the report's peak is an
-upper bound (arguments + outputs + all temporaries) and both are drawn.
+buffers live at the peak. Its peak is the report's peak on GPU targets (XLA's, to within the few hundred bytes
+of tuple index tables); on ``cpu`` the report's peak is an upper bound (arguments + outputs + all
+temporaries) and both are drawn.
 """
 
 from __future__ import annotations
