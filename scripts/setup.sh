@@ -6,4 +6,6 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".[dev]"
+# Compat mode puts the checkout on sys.path, so a folder named shardmem next to a script (a clone) cannot
+# shadow the package as an empty namespace package.
+.venv/bin/python -m pip install --quiet -e ".[dev]" --config-settings editable_mode=compat

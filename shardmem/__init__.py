@@ -30,6 +30,7 @@ from shardmem.parallel.rules import Rules, constrain  # noqa: E402
 from shardmem.planning.memory import MemoryReport, analyze, make_target, plan, plan_function, plan_program  # noqa: E402
 from shardmem.planning.report import render  # noqa: E402
 from shardmem.planning.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
+from shardmem.planning.timeline import Timeline, timeline  # noqa: E402
 from shardmem.remat import LayerPlan, RematPolicy, remat_scan  # noqa: E402
 from shardmem.run.training import TrainResult, train  # noqa: E402
 from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
@@ -50,6 +51,7 @@ __all__ = [
     "Rules",
     "ShardmemError",
     "Target",
+    "Timeline",
     "TrainResult",
     "analyze",
     "build_mesh",
@@ -66,6 +68,7 @@ __all__ = [
     "remat_scan",
     "render",
     "resolve_target",
+    "timeline",
     "train",
 ]
 __version__ = "0.1.0"

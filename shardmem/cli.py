@@ -8,10 +8,12 @@ or infinite loss, gradient or state), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 
 from rich.console import Console
@@ -32,6 +34,16 @@ def console(fit=None) -> Console:
         return out
     needed = out.measure(fit, options=out.options.update_width(10_000)).maximum if fit is not None else 0
     return Console(width=max(120, needed))
+
+
+def _target(name: str) -> str:
+    """An argparse type for --target: a known target, or an error that suggests the nearest ones."""
+    if name in TARGET_NAMES:
+        return name
+    near = [t for t in TARGET_NAMES if name and t.startswith(name)]  # h100 -> h100-sxm, h100-pcie
+    near += [t for t in difflib.get_close_matches(name, TARGET_NAMES, n=2, cutoff=0.5) if t not in near]
+    hint = f"did you mean {' or '.join(near[:2])}? " if near else ""
+    raise argparse.ArgumentTypeError(f"unknown target {name!r}: {hint}choose from {', '.join(TARGET_NAMES)}")
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -82,15 +94,25 @@ def cmd_plan(args) -> int:
 
     if args.top < 0:
         raise ConfigError(f"--top {args.top}: give the number of buffers to list, 0 or more")
+    for path, flag in ((args.html, "--html"), (args.png, "--png")):
+        if path:
+            _check_writable(path, flag)
     config = _load(args, planning_only=True)
     report = plan(config, args.target, top=args.top)
     if args.json:
         data = report.to_json()
         if args.sharding:
             data["sharding"] = sharding_json(report.sharding)
-        print(json.dumps(data, indent=2))
+        print(json.dumps(data, indent=2), flush=True)
     else:
         console().print(render(report, sharding=args.sharding))
+    if args.html or args.png:
+        from shardmem.planning.timeline import timeline
+
+        figure = timeline(report)
+        written = [str(figure.save_html(args.html)) if args.html else "",
+                   str(figure.save_png(args.png)) if args.png else ""]  # fmt: skip
+        print(f"wrote the memory timeline to {' and '.join(w for w in written if w)}", file=sys.stderr)
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
 
 
@@ -111,13 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument(
         "--target",
-        choices=TARGET_NAMES,
+        type=_target,
         metavar="TARGET",
         help=f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--top", type=int, default=10, help="buffers live at the peak to list")
     p.add_argument("--sharding", action="store_true", help="also print the parameter sharding table")
+    p.add_argument("--html", metavar="PATH", help="write the memory timeline as a self-contained HTML page")
+    p.add_argument("--png", metavar="PATH", help="write the memory timeline as a PNG image")
     p.set_defaults(run=cmd_plan)
 
     p = commands.add_parser("policies", help="list remat policies, model presets and targets")
@@ -197,30 +221,39 @@ def _add_train_commands(commands) -> None:
 def cmd_sweep(args) -> int:
     from rich.progress import Progress
 
-    from shardmem.explore.sweep import check_options, parse_grid, render_sweep, sweep, write_outputs
+    from shardmem.explore import sweep as sweeping
 
     config = _load(args, planning_only=not args.measure)
-    grid = parse_grid(args.grid)
-    check_options(config, args.target, jobs=args.jobs, measure=args.measure, measure_steps=args.steps)
+    grid = sweeping.parse_grid(args.grid)
+    sweeping.check_options(config, args.target, jobs=args.jobs, measure=args.measure,
+                           measure_steps=args.steps)  # fmt: skip
     out_dir = args.out or f"sweep-{config.name}"
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {e.strerror}") from None
     _check_writable(os.path.join(out_dir, "sweep.csv"), "--out")  # Now, not after the sweep.
-    with Progress(console=Console(stderr=True), transient=True) as bar:
+    errors = Console(stderr=True)
+    started = time.monotonic()
+    if not errors.is_terminal:  # No live bar in a log or a pipe: say what runs, then a line per candidate.
+        print(f"sweep: {len(sweeping.candidates(grid))} candidates; a line as each finishes", file=sys.stderr,
+              flush=True)  # fmt: skip
+    with Progress(console=errors, transient=True) as bar:
         task = bar.add_task("planning", total=None)
 
-        def advance(done: int, total: int, _row) -> None:
+        def advance(done: int, total: int, row) -> None:
             bar.update(task, completed=done, total=total)
+            if not errors.is_terminal:
+                line = sweeping.progress_line(done, total, row, time.monotonic() - started)
+                print(line, file=sys.stderr, flush=True)
 
-        rows = sweep(config, grid, args.target, jobs=args.jobs, measure=args.measure,
+        rows = sweeping.sweep(config, grid, args.target, jobs=args.jobs, measure=args.measure,
                      measure_steps=args.steps, progress=advance)  # fmt: skip
-    paths = write_outputs(rows, out_dir, title=f"{config.name}: sweep")
+    paths = sweeping.write_outputs(rows, out_dir, title=f"{config.name}: sweep")
     if args.json:
         print(json.dumps([{**row.flat(), "collectives": row.collectives} for row in rows], indent=2))
     else:
-        rendered = render_sweep(rows, title=f"shardmem sweep  {config.name}")
+        rendered = sweeping.render_sweep(rows, title=f"shardmem sweep  {config.name}")
         console(fit=rendered.renderables[0]).print(rendered)  # Wide enough for the table; errors wrap.
         console().print(f"wrote {paths['csv']}, {paths['json']}, {paths['png']}")
     if rows and all(row.error for row in rows):
@@ -267,7 +300,7 @@ def _add_explore_commands(commands) -> None:
     _config_args(p)
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", required=True,
                    help="values to try for a config key (YAML), e.g. remat.policy=none,full")  # fmt: skip
-    p.add_argument("--target", choices=TARGET_NAMES, metavar="TARGET", help=target_help)
+    p.add_argument("--target", type=_target, metavar="TARGET", help=target_help)
     p.add_argument("--jobs", type=int, help="worker processes (default: CPUs, at most one per candidate)")
     p.add_argument("--measure", action="store_true",
                    help="also run real steps (target local or cpu): step time, peak memory")  # fmt: skip
@@ -284,7 +317,7 @@ def _add_explore_commands(commands) -> None:
         "Exit 0: found (written to --out); 3: nothing fits; 2: config error.",
     )
     _config_args(p)
-    p.add_argument("--target", choices=TARGET_NAMES, metavar="TARGET", help=target_help)
+    p.add_argument("--target", type=_target, metavar="TARGET", help=target_help)
     p.add_argument("--search", choices=("remat", "batch", "micro_batches"), default="remat",
                    help="what to tune (default: remat)")  # fmt: skip
     p.add_argument("--out", help="write the tuned config as YAML that plan and train accept")

@@ -247,6 +247,12 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             value = text
+        glued = _glued_key(value)
+        if glued:  # YAML reads {data:3} as the key "data:3" with no value.
+            name, _, number = glued.partition(":")
+            fixed = text.replace(glued, f"{name}: {number}")
+            raise ConfigError(f"--set {item!r}: YAML reads {glued!r} as one key with no value; put a space "
+                              f"after the colon: --set '{key.strip()}={fixed}'")  # fmt: skip
         node = out
         parts = key.strip().split(".")
         for depth, part in enumerate(parts[:-1], 1):
@@ -261,6 +267,18 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             node = child
         node[parts[-1]] = value
     return out
+
+
+def _glued_key(value) -> str | None:
+    """Returns a mapping key like "data:3" that has no value (a missing space after a colon), if any."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if v is None and isinstance(k, str) and ":" in k:
+                return k
+            found = _glued_key(v)
+            if found:
+                return found
+    return None
 
 
 def _deep_copy(value):

@@ -305,12 +305,13 @@ def build_program(
                 (loss, metrics, grads, rest), _ = jax.lax.scan(accumulate, zeros, micro)
                 loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
                 metrics = jax.tree.map(lambda m: m / k, metrics)
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
-            new_state = {
-                "params": optax.apply_updates(params, updates),
-                "opt_state": opt_state,
-                "step": state["step"] + 1,
-            }
+            with jax.named_scope("optimizer_update"):  # Names its buffers in the plan's timeline.
+                updates, opt_state = tx.update(grads, state["opt_state"], params)
+                new_state = {
+                    "params": optax.apply_updates(params, updates),
+                    "opt_state": opt_state,
+                    "step": state["step"] + 1,
+                }
             if has_rest:
                 new_state["model_state"] = rest
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}

@@ -87,7 +87,10 @@ def test_config_errors_exit_2_without_a_traceback(args, message):
 
 def test_unknown_target_is_a_usage_error():
     result = shardmem("plan", "configs/tiny.yaml", "--target", "tpu-v5")
-    assert result.returncode == 2 and "invalid choice" in result.stderr
+    assert result.returncode == 2 and "unknown target 'tpu-v5'" in result.stderr
+    assert "choose from cpu, local, h100-sxm" in result.stderr
+    result = shardmem("plan", "configs/tiny.yaml", "--target", "h100")
+    assert result.returncode == 2 and "did you mean h100-sxm or h100-pcie?" in result.stderr
 
 
 def test_policies_lists_presets_policies_and_targets():

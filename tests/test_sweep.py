@@ -275,3 +275,53 @@ def test_cli_sweep_checks_out_before_planning(tmp_path, capsys, monkeypatch):
     args = ["sweep", TINY, "--grid", "remat.policy=none,full", "--target", "cpu", "--out", str(blocker / "x")]
     assert main(args) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def _issue_grid_rows() -> list[SweepRow]:
+    """llama-7b on 8 x H100, remat.policy x train.global_batch as issue 12 swept it: one 393 GiB outlier."""
+    budget = 64_981_312_716
+    peaks = {
+        ("none", 8): 200e9,
+        ("minimal", 8): 30e9,
+        ("offload", 8): 22e9,
+        ("full", 8): 17e9,
+        ("none", 16): 393 * 2**30,
+        ("minimal", 16): 47e9,
+        ("offload", 16): 33e9,
+        ("full", 16): 28e9,
+    }
+    flops = {"none": 1.0, "minimal": 1.04, "offload": 1.04, "full": 1.33}
+    return [SweepRow((f"remat.policy={p}", f"train.global_batch={b}"), peak_bytes=int(peak),
+                     budget_bytes=budget, fits=peak <= budget, flops_per_step=flops[p] * b * 1.9e14)
+            for (p, b), peak in peaks.items()]  # fmt: skip
+
+
+def test_sweep_plot_is_readable_at_a_glance():
+    rows = _issue_grid_rows()
+    figure = plot_sweep(rows)
+    ax = figure.axes[0]
+    assert ax.get_yscale() == "log" and "GiB" in ax.get_ylabel() and "PFLOP" in ax.get_xlabel()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"fits", "does not fit"} <= set(legend) and any(t.startswith("budget") for t in legend)
+    fronts = {line.get_label(): line for line in ax.get_lines() if line.get_label().startswith("Pareto")}
+    assert set(fronts) == {"Pareto front, global_batch=8", "Pareto front, global_batch=16"}
+    gib = 2**30
+    fitting = {(round(r.flops_per_step / 1e15, 6), round(r.peak_bytes / gib, 6)) for r in rows if r.fits}
+    for line in fronts.values():  # Only fitting points, and none of them at another batch size's FLOPs.
+        points = {(round(x, 6), round(y, 6)) for x, y in zip(*line.get_data(), strict=True)}
+        assert points <= fitting
+    renderer = figure.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert len(boxes) == len(rows)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+
+
+def test_measured_sweep_plot_picks_units_for_small_figures():
+    rows = [SweepRow((f"remat.policy={p}",), peak_bytes=peak, budget_bytes=2**31, fits=True,
+                     flops_per_step=1.5e9, step_seconds=seconds)
+            for p, peak, seconds in (("none", 6_900_000, 0.021), ("full", 3_200_000, 0.025))]  # fmt: skip
+    ax = plot_sweep(rows).axes[0]
+    assert "MiB" in ax.get_ylabel() and "(ms)" in ax.get_xlabel()
+    (front,) = [line for line in ax.get_lines() if line.get_label().startswith("Pareto")]
+    assert front.get_marker() == "o"  # Visible in the legend and on the chart even as a single point.
+    assert min(front.get_ydata()) > 2  # 3.05 MiB, not 0.003 GiB

@@ -344,6 +344,16 @@ def write_outputs(rows: Sequence[SweepRow], out_dir: str | Path, *, title: str =
     return paths
 
 
+def progress_line(done: int, total: int, row: SweepRow, elapsed_s: float) -> str:
+    """Returns the line a sweep prints as a candidate finishes when its output is not a terminal (a log, a
+    pipe), where no live bar is drawn: "[3/8 after 41 s] policy=full global_batch=8: 12.30 GiB, fits"."""
+    head = f"[{done}/{total} after {elapsed_s:.0f} s] {short_label(row.overrides) or row.candidate}: "
+    if row.error is not None:
+        return head + "error: " + row.error.splitlines()[0]
+    verdict = "fits" if row.fits else "does not fit"
+    return head + f"{format_bytes(row.peak_bytes)}, {verdict}"
+
+
 def short_label(overrides: Sequence[str]) -> str:
     """Returns "policy=full global_batch=8" for ("remat.policy=full", "train.global_batch=8")."""
     return " ".join(item.split("=", 1)[0].split(".")[-1] + "=" + item.split("=", 1)[1] for item in overrides)

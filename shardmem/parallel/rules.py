@@ -291,13 +291,19 @@ def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: in
             f"rules.batch={list(batch_axes)} leaves out mesh axis expert: its {mesh.shape['expert']} devices "
             "repeat the same tokens outside the experts; add it, e.g. rules.batch: [data, fsdp, expert]"
         )
-    if mesh.size > 1:
+    # Parameters can only be sharded over the mesh axes their rules name; with all of those of size 1 (pure
+    # data parallelism) every device holds every parameter by design.
+    param_axes = {a for n in used_names for a in spec_axes(known.get(n))}
+    param_axes |= {a for r in rows for entry in r.spec for a in spec_axes(entry)}
+    if any(mesh.shape.get(a, 1) > 1 for a in param_axes):
         replicated = [r for r in rows if r.bytes_per_device == r.bytes_total and r.bytes_total > 0]
         replicated.sort(key=lambda r: -r.bytes_total)
-        big = [r for r in replicated[:top] if r.bytes_total >= 1 << 20]
+        held = sum(r.bytes_per_device for r in rows)  # Tiny ones (norm scales) are not worth a warning.
+        big = [r for r in replicated[:top] if r.bytes_total >= max(1 << 20, held // 100)]
         if big:
             listed = ", ".join(f"{r.path} {list(r.shape)}" for r in big)
-            warnings.append(f"largest fully replicated parameters: {listed}")
+            warnings.append(f"largest fully replicated parameters (every device holds them whole): {listed}; "
+                            "shard them with rules or param_rules")  # fmt: skip
     return warnings
 
 

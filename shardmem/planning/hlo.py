@@ -1,5 +1,6 @@
-"""Reading what XLA says about a compiled program: FLOPs from the jaxpr, buffers live at the peak from
-the compiler's dumps, and collective traffic from the optimized HLO.
+"""Reading what XLA says about a compiled program: FLOPs from the jaxpr, every buffer over the step's schedule
+(and so what is live at the peak) from the compiler's buffer assignment, and collective traffic from the
+optimized HLO.
 
 These are the parts of the memory report that :meth:`jax.stages.Compiled.memory_analysis` does not give.
 """
@@ -79,7 +80,6 @@ class LiveBuffer:
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<rest>.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_LIVE = re.compile(r"^\s+(?P<name>[\w.\-]+)\{(?P<index>[\d,]*)\}: (?P<bytes>\d+) bytes")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _NOISE = {"while", "body", "closed_call", "checkpoint", "remat", "rematted_computation", "pjit",
           "cond", "branch_0", "branch_1", "core_call", "custom_jvp_call", "custom_vjp_call"}  # fmt: skip
@@ -124,6 +124,8 @@ def readable_scope(op_name: str) -> str:
     "state['params']['layers']['wq']" into "state/params/layers/wq (argument)"."""
     if op_name == "loop or call carried state":
         return op_name
+    if re.fullmatch(r"[\w\-]+\.\d+", op_name):  # "broadcast.101": an instruction XLA created.
+        return f"{op_name} (made by XLA)"
     if not op_name.startswith("jit("):
         return "/".join(re.findall(r"[A-Za-z_][\w.\-]*|\d+", op_name)) + " (argument)"
     backward = "transpose(" in op_name
@@ -136,7 +138,7 @@ def readable_scope(op_name: str) -> str:
             part = match.group(1)
         if part and part not in _NOISE:
             parts.append(part)
-    scope = "/".join(parts) or op_name
+    scope = "/".join(parts) or "loop body (no model scope)"
     return f"{scope} (backward)" if backward else scope
 
 
@@ -189,37 +191,197 @@ def _instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
     return table
 
 
-def live_at_peak(dump_dir: str | Path, top: int = 10) -> tuple[list[LiveBuffer], int | None]:
-    """Returns the largest buffers live at the peak, and the peak the live-range analysis found,
-    from an XLA dump made with ``xla_dump_to`` and ``xla_dump_hlo_as_text``."""
+# Scope -> the category a timeline stacks it under, first match wins.
+CATEGORIES = ("arguments", "attention", "mlp", "layers (other)", "optimizer update", "loop carried state",
+              "other")  # fmt: skip
+
+
+def category(scope: str) -> str:
+    """Returns the timeline category of a readable scope ("layers_0-7/attention/dot" -> "attention")."""
+    if scope.endswith("(argument)"):
+        return "arguments"
+    if "optimizer_update" in scope:
+        return "optimizer update"
+    for name in ("attention", "mlp"):
+        if name in scope:
+            return name
+    if scope.startswith(("layers_", "from layers_")):
+        return "layers (other)"
+    if scope == "loop or call carried state":
+        return "loop carried state"
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledBuffer:
+    """One buffer of the compiled step: ``bytes`` of one XLA allocation (at one offset), live from schedule
+    position ``start`` to ``end`` (inclusive), attributed to the scope that made it."""
+
+    bytes: int
+    scope: str
+    shape: str
+    start: int
+    end: int
+
+    @property
+    def category(self) -> str:
+        return category(self.scope)
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSchedule:
+    """Every buffer of a compiled step over its instruction schedule, from XLA's buffer assignment and live
+    ranges. Values that XLA aliases (a loop's carried state, an update done in place) share one allocation
+    slice and are one buffer here, so the live bytes at a position are the device memory in use then."""
+
+    length: int  # positions in the schedule
+    buffers: tuple[ScheduledBuffer, ...]
+    backward_start: int | None = None  # first position of the gradient pass
+    optimizer_start: int | None = None  # first position of the optimizer update
+
+    def live_bytes(self) -> list[int]:
+        """Returns the bytes live at each schedule position."""
+        delta = [0] * (self.length + 1)
+        for b in self.buffers:
+            delta[b.start] += b.bytes
+            delta[b.end + 1] -= b.bytes
+        live, total = [], 0
+        for d in delta[:-1]:
+            total += d
+            live.append(total)
+        return live
+
+    @property
+    def peak_position(self) -> int:
+        live = self.live_bytes()
+        return max(range(len(live)), key=live.__getitem__) if live else 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.live_bytes(), default=0)
+
+    def live_at(self, position: int) -> list[ScheduledBuffer]:
+        """Returns the buffers live at ``position``, largest first."""
+        live = [b for b in self.buffers if b.start <= position <= b.end]
+        return sorted(live, key=lambda b: (-b.bytes, b.scope))
+
+
+_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
+_VALUE = re.compile(r"^ value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})?(?: \(phi\))? @\d+> "
+                    r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\): (?P<shape>.*)$")  # fmt: skip
+_RANGE = re.compile(r"^    (?P<name>[\w.\-]+)\{(?P<index>[\d,]*)\}:(?P<start>\d+)-(?P<end>\d+)$", re.M)
+_SEQUENCE = re.compile(r"^    (\d+):([\w.\-]+)$", re.M)
+
+
+def _scope_of(table: dict[str, tuple[str, str]], instruction: str) -> str:
+    op_name = table.get(instruction, ("", ""))[1]
+    if op_name.startswith("near "):
+        return "from " + readable_scope(op_name.removeprefix("near "))
+    return readable_scope(op_name) if op_name else f"{instruction} (made by XLA)"
+
+
+def _rank(scope: str) -> int:
+    """Which of several aliased values names their buffer: an argument, then a model scope, then guesses."""
+    if scope.endswith("(argument)"):
+        return 0
+    if scope.startswith("from ") or scope.endswith("(made by XLA)"):
+        return 2
+    return 3 if scope == "loop or call carried state" else 1
+
+
+def buffer_schedule(dump_dir: str | Path) -> BufferSchedule | None:
+    """Returns the step's buffers over its schedule from an XLA dump made with ``xla_dump_to`` and
+    ``xla_dump_hlo_as_text`` (None when the dump has no buffer assignment)."""
     dump_dir = Path(dump_dir)
-    live_files = sorted(dump_dir.glob("*after_optimizations-live-range.txt"))
-    if not live_files:
-        return [], None
-    live_file = max(live_files, key=lambda p: p.stat().st_size)
-    hlo_file = Path(str(live_file).replace("-live-range.txt", ".txt"))
+    assignments = sorted(dump_dir.glob("*after_optimizations-buffer-assignment.txt"))
+    if not assignments:
+        return None
+    assignment = max(assignments, key=lambda p: p.stat().st_size)
+    live_file = Path(str(assignment).replace("-buffer-assignment.txt", "-live-range.txt"))
+    hlo_file = Path(str(assignment).replace("-buffer-assignment.txt", ".txt"))
+    if not live_file.exists():
+        return None
     table = _instructions(hlo_file.read_text()) if hlo_file.exists() else {}
-    buffers: list[LiveBuffer] = []
-    in_peak = False
-    peak = None
-    for line in live_file.read_text().splitlines():
-        if "(peak):" in line:
-            in_peak = True
+
+    slices: dict[str, tuple[int, int, int]] = {}  # value -> (allocation, offset, size)
+    shapes: dict[str, str] = {}
+    allocation, thread_local = -1, False
+    for line in assignment.read_text().splitlines():
+        header = _ALLOCATION.match(line)
+        if header:
+            allocation, thread_local = int(header.group(1)), "thread-local" in header.group(3)
             continue
-        if line.strip().startswith("Stack trace breakdown for peak usage"):
-            peak = int(re.sub(r"\D", "", line.split(":", 1)[1]) or 0)
-            break
-        match = _LIVE.match(line) if in_peak else None
-        if match:
-            shape, op_name = table.get(match.group("name"), ("", ""))
-            if op_name.startswith("near "):
-                scope = "from " + readable_scope(op_name.removeprefix("near "))
-            else:
-                scope = readable_scope(op_name) if op_name else f"{match.group('name')} (made by XLA)"
-            buffers.append(LiveBuffer(int(match.group("bytes")), scope,
-                                      _tuple_element(shape, match.group("index"))))  # fmt: skip
-    buffers.sort(key=lambda b: -b.bytes)
-    return buffers[:top], peak
+        value = _VALUE.match(line)
+        if value and not thread_local:  # Thread-local buffers live in registers, not device memory.
+            key = value.group("name") + (value.group("index") or "{}")
+            slices[key] = (allocation, int(value.group("offset")), int(value.group("size")))
+            shapes[key] = re.sub(r"\{[^}]*\}", "", re.sub(r"/\*.*?\*/", "", value.group("shape"))).strip()
+
+    text = live_file.read_text()
+    sequence = _SEQUENCE.findall(text)
+    by_slice: dict[tuple[int, int, int], list[tuple[int, int, str, str]]] = {}
+    for match in _RANGE.finditer(text):
+        key = f"{match.group('name')}{{{match.group('index')}}}"
+        if key not in slices:
+            continue
+        scope = _scope_of(table, match.group("name"))
+        by_slice.setdefault(slices[key], []).append(
+            (int(match.group("start")), int(match.group("end")), scope, shapes[key])
+        )
+    buffers = []
+    for (_, _, size), values in by_slice.items():
+        values.sort()
+        group: list = []
+        for value in [*values, None]:  # Values whose live ranges overlap share the slice: one buffer.
+            if value is not None and (not group or value[0] <= max(v[1] for v in group)):
+                group.append(value)
+                continue
+            if group:
+                name = min(group, key=lambda v: _rank(v[2]))
+                buffers.append(ScheduledBuffer(size, name[2], name[3], group[0][0], max(v[1] for v in group)))
+            group = [value]
+    length = max([len(sequence), *(b.end + 1 for b in buffers)])
+
+    phases = []  # (position, phase) of every instruction with a model scope
+    for position, instruction in sequence:
+        op_name = table.get(instruction, ("", ""))[1]
+        if op_name.startswith("jit("):
+            phase = 2 if "optimizer_update" in op_name else int("transpose(" in op_name)
+            phases.append((int(position), phase))
+    return BufferSchedule(
+        length=length,
+        buffers=tuple(buffers),
+        backward_start=_boundary([(p, phase == 1) for p, phase in phases if phase < 2]),
+        optimizer_start=_boundary([(p, phase == 2) for p, phase in phases]),
+    )
+
+
+def _boundary(marked: list[tuple[int, bool]]) -> int | None:
+    """Returns the position that best splits unmarked instructions (before) from marked ones (after): XLA
+    moves a few ops far from their phase (a step counter, a transposed constant), so the first marked one is
+    no boundary. None without marked instructions."""
+    if not any(m for _, m in marked):
+        return None
+    best, best_errors, errors = None, None, sum(not m for _, m in marked)  # Split before everything.
+    for position, m in marked:
+        if best_errors is None or errors < best_errors:
+            best, best_errors = position, errors
+        errors += 1 if m else -1  # This one now falls before the split.
+    return best
+
+
+def live_at_peak(dump_dir: str | Path, top: int = 10) -> tuple[list[LiveBuffer], int | None]:
+    """Returns the largest buffers live at the peak, each counted once however many values XLA aliases
+    into it, and the peak of the live bytes, from an XLA dump (see :func:`buffer_schedule`)."""
+    schedule = buffer_schedule(dump_dir)
+    if schedule is None:
+        return [], None
+    return peak_buffers(schedule, top), schedule.peak_bytes
+
+
+def peak_buffers(schedule: BufferSchedule, top: int = 10) -> list[LiveBuffer]:
+    """Returns the ``top`` largest buffers live at the schedule's peak."""
+    return [LiveBuffer(b.bytes, b.scope, b.shape) for b in schedule.live_at(schedule.peak_position)[:top]]
 
 
 # --- Collective traffic ----------------------------------------------------------------------------

@@ -77,6 +77,8 @@ class MemoryReport:
     warnings: list[str]
     compile_seconds: float
     sharding: list = dataclasses.field(default_factory=list, repr=False)
+    #: Every buffer over the compiled step's schedule (XLA's buffer assignment); what the timeline draws.
+    schedule: hlo.BufferSchedule | None = dataclasses.field(default=None, repr=False, compare=False)
     jax_version: str = jax.__version__  # Plans move with the XLA version (BENCHMARKS.md).
     # XLA options the compile used beyond the defaults (memory.compiler_options, and any retry's).
     compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -327,7 +329,9 @@ def _compile_and_analyze(
                 raise PlanError(_compile_failure(target, _first_line(e2), options)) from None
             retried = first
         seconds = time.perf_counter() - start
-        top_buffers, live_peak = hlo.live_at_peak(dump, top=top)
+        schedule = hlo.buffer_schedule(dump)
+        top_buffers = hlo.peak_buffers(schedule, top) if schedule else []
+        live_peak = schedule.peak_bytes if schedule else None
         collectives = hlo.collective_bytes(compiled.as_text() or "")
     stats = compiled.memory_analysis()
     if stats is None:
@@ -382,7 +386,7 @@ def _compile_and_analyze(
         deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
-        compiler_options=options,
+        compiler_options=options, schedule=schedule,
     ), compiled  # fmt: skip
 
 

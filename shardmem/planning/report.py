@@ -45,18 +45,26 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         if key == "model_state" and not value:
             continue
         sign = "-" if key == "alias" and value else ""
-        share = f"{value / report.device_memory_bytes:.1%} of device" if key == "peak" else ""
+        share = ""
+        if key == "peak":  # A cpu target's "device" is a share of this machine's RAM, not a GPU.
+            share = f"{value / report.device_memory_bytes:.1%} of " + ("its RAM share" if report.approximate
+                                                                      else "device")  # fmt: skip
         style = "bold" if key == "peak" else None
         table.add_row(Text(label, style=style), Text(sign + format_bytes(value), style=style), share)
     parts.append(table)
 
     if report.approximate:
-        parts.append(Text("approximate: compiled for CPU, not a GPU prediction", style="yellow"))
+        parts.append(Text("approximate: compiled for CPU, not a GPU prediction; the cpu target's budget is "
+                          "this machine's RAM shared by the simulated devices", style="yellow"))  # fmt: skip
     verdict = "FITS" if report.fits else "DOES NOT FIT"
     how = "to spare" if report.fits else "over budget"
+    device = f"device {format_bytes(report.device_memory_bytes)}"
+    if report.approximate:
+        device = (f"this machine's RAM / {report.devices} simulated devices = "
+                  f"{format_bytes(report.device_memory_bytes)}")  # fmt: skip
     parts.append(Text.assemble(
         "budget ", format_bytes(report.budget_bytes),
-        f" (device {format_bytes(report.device_memory_bytes)} x usable fraction - reserve"
+        f" ({device} x usable fraction - reserve"
         + (f", / {1 + report.deviceless_margin:g} deviceless margin" if report.deviceless_margin else "")
         + "): ",
         (verdict, "bold green" if report.fits else "bold red"),

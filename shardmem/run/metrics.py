@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+from rich.text import Text
 
 from shardmem.errors import ConfigError
 from shardmem.units import format_bytes
@@ -118,6 +120,44 @@ def format_record(record: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+class StepRate:
+    """Time left from the steps' own pace: wall time between logged steps after the first one (so the
+    compile and the first step, which are slow, do not count), times the steps still to run."""
+
+    def __init__(self, total: int, clock=time.monotonic) -> None:
+        self.total, self.clock = total, clock
+        self._first: tuple[float, int] | None = None
+        self._last: tuple[float, int] | None = None
+
+    def update(self, step: int) -> None:
+        now = (self.clock(), step)
+        if self._first is None:
+            self._first = now
+        self._last = now
+
+    def seconds_left(self) -> float | None:
+        """Returns the estimate, or None until two logged steps have been seen."""
+        if self._first is None or self._last is None or self._last[1] <= self._first[1]:
+            return None
+        per_step = (self._last[0] - self._first[0]) / (self._last[1] - self._first[1])
+        return max(self.total - self._last[1], 0) * per_step
+
+
+class _TimeLeftColumn(ProgressColumn):
+    def __init__(self, rate: StepRate) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def render(self, task) -> Text:
+        left = self.rate.seconds_left()
+        if left is None:
+            return Text("time left: measuring", style="progress.remaining")
+        minutes, seconds = divmod(int(round(left)), 60)
+        hours, minutes = divmod(minutes, 60)
+        shown = f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+        return Text(f"time left ~{shown}", style="progress.remaining")
+
+
 class TrainProgress:
     """A live progress bar (on a terminal) plus a printed line per logged step (always).
 
@@ -127,12 +167,13 @@ class TrainProgress:
     def __init__(self, console: Console, *, total: int, start: int, enabled: bool = True) -> None:
         self.console = console
         self.enabled = enabled
+        self.rate = StepRate(total)
         self._progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(),
+            _TimeLeftColumn(self.rate),
             console=console,
             disable=not (enabled and console.is_terminal),
         )
@@ -141,6 +182,7 @@ class TrainProgress:
     def update(self, record: dict[str, Any]) -> None:
         if self.enabled:
             status = format_record(record).split("  ", 1)[1]
+            self.rate.update(record["step"])
             self._progress.update(self._task, completed=record["step"], status=status)
 
     def log(self, record: dict[str, Any]) -> None:
