@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import yaml
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, ModelConfig
 from shardmem.planning.targets import TARGET_NAMES
 from shardmem.remat import LayerPlan
@@ -344,6 +345,21 @@ def _validate(config: Config) -> None:
         raise ConfigError(
             f"model.attention_chunk={m.attention_chunk} must be a positive divisor of model.seq_len="
             f"{m.seq_len}; use e.g. {divisors[:4] or [m.seq_len]}, or null to attend in one block"
+        )
+    if m.attention not in ATTENTION_CHOICES:
+        raise ConfigError(
+            f"model.attention={m.attention!r}{did_you_mean(m.attention, ATTENTION_CHOICES)}; "
+            f"use {one_of(ATTENTION_CHOICES)}"
+        )
+    if isinstance(m.loss_chunk, str) and m.loss_chunk != "auto":
+        raise ConfigError(
+            f"model.loss_chunk={m.loss_chunk!r}: use auto, a number of positions per chunk (e.g. 512), "
+            "or null to compute the loss in one piece"
+        )
+    if isinstance(m.loss_chunk, int) and m.loss_chunk < 0:
+        raise ConfigError(
+            f"model.loss_chunk={m.loss_chunk}: use auto, a positive number of positions (e.g. 512), "
+            "or null/0 for no chunking"
         )
     if m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")

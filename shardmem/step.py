@@ -25,6 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError
+from shardmem.models import losses
+from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
 from shardmem.models.llama import Llama
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
 
@@ -33,12 +35,9 @@ LossFn = Callable[[nnx.Module, jax.Array], jax.Array]
 
 
 def next_token_loss(model: nnx.Module, batch_BxL1: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``."""
-    logits_BxLxV = model(batch_BxL1[:, :-1])
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV.astype(jnp.float32), batch_BxL1[:, 1:]
-    )
-    return losses_BxL.mean()
+    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; over the vocabulary in
+    chunks of positions for the reference model's ``model.loss_chunk`` (see :mod:`shardmem.models.losses`)."""
+    return losses.next_token_loss(model, batch_BxL1)
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -59,13 +58,13 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     return tx
 
 
-def default_model_factory(config: Config) -> ModelFactory:
+def default_model_factory(config: Config, attention: AttentionKernel | None = None) -> ModelFactory:
     plan = config.remat_plan()
 
     def factory(rngs: nnx.Rngs) -> nnx.Module:
         return Llama(config.model, rngs=rngs, remat=plan,
                      param_dtype=jnp.dtype(config.precision.params),
-                     compute_dtype=jnp.dtype(config.precision.compute))  # fmt: skip
+                     compute_dtype=jnp.dtype(config.precision.compute), attention=attention)  # fmt: skip
 
     return factory
 
@@ -87,6 +86,7 @@ class Program:
     step: Callable  # jitted (state, batch) -> (state, metrics); state is donated
     init: Callable  # () -> state, initialised from train.seed with its shardings
     custom_model: bool = False  # Built from a user's model_factory rather than the reference model.
+    attention: AttentionKernel | None = None  # The reference model's kernel, resolved for the mesh's devices.
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
@@ -118,7 +118,11 @@ def build_program(
     scalar.
     ``batch_shape`` defaults to ``(train.global_batch, model.seq_len + 1)`` int32 tokens.
     """
-    factory = model_factory or default_model_factory(config)
+    attention = None
+    if model_factory is None:
+        attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
+                                      where=device_class(mesh.devices.flat))  # fmt: skip
+    factory = model_factory or default_model_factory(config, attention)
     rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     seed = config.train.seed
     with nnx.use_eager_sharding(False):
@@ -211,4 +215,4 @@ def build_program(
     init = jax.jit(init_state, out_shardings=state_shardings)
     return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
                    batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
-                   custom_model=model_factory is not None)  # fmt: skip
+                   custom_model=model_factory is not None, attention=attention)  # fmt: skip

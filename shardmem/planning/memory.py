@@ -66,6 +66,7 @@ class MemoryReport:
     warnings: list[str]
     compile_seconds: float
     sharding: list = dataclasses.field(default_factory=list, repr=False)
+    attention: str = ""  # The attention kernel planned, and what a stand-in stands for.
     jax_version: str = jax.__version__  # Plans move with the XLA version (BENCHMARKS.md).
 
     @property
@@ -90,6 +91,7 @@ class MemoryReport:
             "devices": self.devices,
             "mesh": self.mesh,
             "remat": self.remat,
+            "attention": self.attention,
             "per_device": self.per_device,
             "device_memory_bytes": self.device_memory_bytes,
             "budget_bytes": self.budget_bytes,
@@ -191,9 +193,9 @@ def plan_program(
                                             name=config.name)  # fmt: skip
     rows = program.sharding_table()
     warnings = rule_warnings(rows, program.rules, program.mesh) + report.warnings
-    report = dataclasses.replace(
-        report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings, sharding=rows
-    )
+    attention = program.attention.describe() if program.attention else ""
+    report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
+                                 sharding=rows, attention=attention)  # fmt: skip
     if program.custom_model:  # A user's module: its remat is its own business, no baseline to compare with.
         return report, compiled
     layer_plan = config.remat_plan()

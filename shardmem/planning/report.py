@@ -34,6 +34,8 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
                          report.target_label)  # fmt: skip
     parts.append(head)
     parts.append(Text(f"mesh {mesh}" + (f"   remat {report.remat}" if report.remat else "")))
+    if report.attention:
+        parts.append(Text(f"attention {report.attention}"))
 
     table = Table(title="Per device", title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("")
