@@ -86,6 +86,8 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     grad_clip: float | None = 1.0
+    mu_dtype: str | None = None  # Adam's first moment in this dtype (None: the params dtype).
+    shard_over_data: bool = False  # ZeRO-1: state split over the batch axes parameters are replicated on.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +123,7 @@ class MemoryConfig:
     # Deviceless compiles cannot autotune; on an H200 one measured step needed 15.5% more than its
     # deviceless plan (the real-GPU plan, --target local, was exact): see BENCHMARKS.md, issue 5.
     deviceless_margin: float = 0.16
+    offload_optimizer: bool = False  # Optimizer state in pinned host memory, on the device only to update.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +386,10 @@ def _validate(config: Config) -> None:
     if config.optimizer.name not in ("adamw", "adam", "sgd"):
         raise ConfigError(f"optimizer.name={config.optimizer.name!r}: use adamw, adam or sgd")
     opt = config.optimizer
+    if opt.mu_dtype is not None and opt.mu_dtype not in DTYPES:
+        raise ConfigError(
+            f"optimizer.mu_dtype={opt.mu_dtype!r}: use {one_of(DTYPES)}, or null for the params dtype"
+        )
     _positive("optimizer.learning_rate", opt.learning_rate)
     _positive("optimizer.eps", opt.eps)
     if opt.grad_clip is not None:

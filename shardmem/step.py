@@ -28,6 +28,7 @@ from shardmem.errors import ConfigError
 from shardmem.models import losses
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
 from shardmem.models.llama import Llama
+from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -38,24 +39,6 @@ def next_token_loss(model: nnx.Module, batch_BxL1: jax.Array) -> jax.Array:
     """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; over the vocabulary in
     chunks of positions for the reference model's ``model.loss_chunk`` (see :mod:`shardmem.models.losses`)."""
     return losses.next_token_loss(model, batch_BxL1)
-
-
-def make_optimizer(config: Config) -> optax.GradientTransformation:
-    """Returns the Optax optimizer the config describes (warmup then cosine decay)."""
-    opt = config.optimizer
-    warmup = min(opt.warmup_steps, max(config.train.steps - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, opt.learning_rate, warmup, max(config.train.steps, warmup + 1), opt.learning_rate * 0.1
-    )
-    if opt.name == "adamw":
-        tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
-    elif opt.name == "adam":
-        tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
-    else:
-        tx = optax.sgd(schedule)
-    if opt.grad_clip:
-        tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
-    return tx
 
 
 def default_model_factory(config: Config, attention: AttentionKernel | None = None) -> ModelFactory:
@@ -135,12 +118,8 @@ def build_program(
     tx = make_optimizer(config)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, P())
-    opt_shardings = optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        abstract_opt,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
+    opt_shardings = optimizer_shardings(
+        config, tx, abstract_opt, abstract_params, param_shardings, rules, mesh
     )
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     abstract_state = _abstract(
@@ -190,7 +169,9 @@ def build_program(
                 (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
                                                 micro)  # fmt: skip
                 loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            opt_state = to_device(state["opt_state"], opt_shardings)  # No-op unless offloaded.
+            updates, opt_state = tx.update(grads, opt_state, params)
+            opt_state = to_host(opt_state, opt_shardings)
             new_state = {
                 "params": optax.apply_updates(params, updates),
                 "opt_state": opt_state,

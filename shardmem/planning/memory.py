@@ -226,10 +226,14 @@ def plan_function(
     return dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr))
 
 
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded abstract (or concrete) arrays."""
+def per_device_bytes(tree, *, host: bool = False) -> int:
+    """Bytes one device holds of a tree of sharded abstract (or concrete) arrays in its own memory, or
+    with ``host=True`` in pinned host memory (``memory.offload_optimizer``)."""
     total = 0
     for leaf in jax.tree.leaves(tree):
+        on_host = getattr(leaf.sharding, "memory_kind", None) == "pinned_host"
+        if on_host != host:
+            continue
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
         total += math.prod(shape) * leaf.dtype.itemsize
     return total
@@ -270,16 +274,20 @@ def _compile_and_analyze(
         raise PlanError(f"XLA gave no memory analysis for {target.label}")
 
     per_device = {key: per_device_bytes(tree) for key, tree in groups.items()}
+    host_arguments = sum(per_device_bytes(tree, host=True) for tree in groups.values())
     arguments = stats.argument_size_in_bytes
     accounted = sum(per_device.values())
+    xla_host = (stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes
+                + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes)  # fmt: skip
     per_device.update(
         outputs=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes,
         alias=stats.alias_size_in_bytes,
-        host=stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes
-        + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes,
+        host=max(xla_host, host_arguments),
         code=stats.generated_code_size_in_bytes,
     )  # fmt: skip
+    if host_arguments and not stats.host_argument_size_in_bytes:
+        arguments -= host_arguments  # The CPU compiler counts pinned-host arrays among the arguments.
     resident = arguments + stats.output_size_in_bytes - stats.alias_size_in_bytes
     xla_peak = getattr(stats, "peak_memory_in_bytes", 0) or 0
     if target.platform == "cpu" or not xla_peak:
