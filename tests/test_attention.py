@@ -72,7 +72,7 @@ def test_cudnn_on_cpu_and_unknown_kernels_are_config_errors():
 
 def test_stand_in_says_what_it_stands_for():
     text = AttentionKernel("pallas", stands_for="cudnn").describe()
-    assert text.startswith("pallas, standing in for cudnn") and "no L x L scores" in text
+    assert text.startswith("pallas, standing in for cudnn") and "same memory: no L x L" in text
 
 
 @pytest.mark.slow

@@ -160,7 +160,8 @@ def test_autotune_off_plan_is_shown_but_not_judged():
 
 def test_attention_column_names_the_kernel_run_and_the_twin_planned():
     assert (
-        gv._kernel("pallas, standing in for cudnn: cuDNN cannot compile without a GPU") == "pallas for cudnn"
+        gv._kernel("pallas, standing in for cudnn (which needs a GPU to compile; same memory: no L x L)")
+        == "pallas for cudnn"
     )
     assert gv._kernel("chunked (blocks of 512 queries)") == "chunked"
     assert gv._kernel("") == "n/a"

@@ -91,6 +91,7 @@ def test_sweep_plans_every_candidate_and_reports_bad_ones(tiny_rows):
         assert row.fits and row.margin_bytes == row.budget_bytes - row.peak_bytes
         assert row.collectives["all-gather"] > 0  # FSDP gathers the parameters.
         assert row.host_bytes == 0 and row.approximate
+        assert row.optimizer_bytes > 0 and row.attention.startswith("chunked")
 
 
 def test_write_outputs(tiny_rows, tmp_path):

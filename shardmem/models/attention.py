@@ -58,8 +58,7 @@ class AttentionKernel:
             text += " (interpret mode)"
         if self.stands_for:
             text += (
-                f", standing in for {self.stands_for}: cuDNN cannot compile without a GPU; "
-                "same memory behaviour (no L x L scores)"
+                f", standing in for {self.stands_for} (which needs a GPU to compile; same memory: no L x L)"
             )
         return text
 
