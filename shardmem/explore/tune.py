@@ -25,6 +25,7 @@ from flax import nnx
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
+from shardmem.models.attention import AttentionKernel
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import Rules, spec_axes
 from shardmem.planning import hlo
@@ -218,10 +219,11 @@ def _state_savings(config: Config, target) -> list[tuple[str, tuple[str, ...]]]:
     return steps
 
 
-def residual_bytes(config: Config) -> int:
+def residual_bytes(config: Config, attention: AttentionKernel | None = None) -> int:
     """Returns the global bytes the backward pass keeps for one micro-batch (the residuals of
-    ``jax.vjp`` of the loss, traced on abstract shapes; host-offloaded ones included)."""
-    factory = default_model_factory(config)
+    ``jax.vjp`` of the loss, traced on abstract shapes; host-offloaded ones included), with the attention
+    kernel the plan compiles (default: the one for ``jax.devices()``)."""
+    factory = default_model_factory(config, attention)
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract_model)
@@ -275,11 +277,11 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         flops[policy] = hlo.matmul_flops(
             program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
         )
-        device_residual[policy] = residual_bytes(config.replace(*_uniform(policy)))
+        device_residual[policy] = residual_bytes(config.replace(*_uniform(policy)), program.attention)
     device_residual["offload"] = device_residual["full"]  # offloaded residuals live on the host
     if allow_offload:
         host_residual["offload"] = (
-            residual_bytes(config.replace(*_uniform("offload"))) - device_residual["full"]
+            residual_bytes(config.replace(*_uniform("offload")), program.attention) - device_residual["full"]
         )
     overhead = {p: flops[p] / flops["none"] - 1.0 for p in policies}
     planner.flops_no_remat = flops["none"]
