@@ -104,7 +104,8 @@ def build_program(
     attention = None
     if model_factory is None:
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
-                                      where=device_class(mesh.devices.flat))  # fmt: skip
+                                      where=device_class(mesh.devices.flat),
+                                      dtype=config.precision.compute)  # fmt: skip
     factory = model_factory or default_model_factory(config, attention)
     rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     seed = config.train.seed

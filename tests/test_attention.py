@@ -63,6 +63,14 @@ def test_resolution_table(requested, where, expected):
     assert resolve_attention(requested, chunk=None, where=where) == expected
 
 
+def test_auto_in_float32_is_chunked_and_cudnn_needs_16_bits():
+    assert resolve_attention("auto", chunk=64, where="gpu", dtype="float32") == AttentionKernel("chunked", 64)
+    with pytest.raises(
+        ConfigError, match="model.attention=cudnn needs 16-bit inputs but precision.compute=float32"
+    ):
+        resolve_attention("cudnn", chunk=None, where="deviceless-gpu", dtype="float32")
+
+
 def test_cudnn_on_cpu_and_unknown_kernels_are_config_errors():
     with pytest.raises(ConfigError, match="model.attention=cudnn needs an NVIDIA GPU"):
         resolve_attention("cudnn", chunk=None, where="cpu")

@@ -75,11 +75,20 @@ def device_class(devices) -> str:
     return "gpu" if attached else "deviceless-gpu"
 
 
-def resolve_attention(requested: str, *, chunk: int | None, where: str) -> AttentionKernel:
+def resolve_attention(requested: str, *, chunk: int | None, where: str, dtype="bfloat16") -> AttentionKernel:
     """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
-    (one of :data:`DEVICE_CLASSES`) into the kernel the step runs."""
+    (one of :data:`DEVICE_CLASSES`) computing in ``dtype`` into the kernel the step runs. cuDNN's flash
+    attention takes 16-bit inputs only, so ``auto`` in float32 is ``chunked`` everywhere."""
     if requested not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attention={requested!r}: use {one_of(ATTENTION_CHOICES)}")
+    wide = jnp.dtype(dtype).itemsize > 2
+    if requested == "cudnn" and wide:
+        raise ConfigError(
+            f"model.attention=cudnn needs 16-bit inputs but precision.compute={jnp.dtype(dtype).name}; "
+            "set precision.compute=bfloat16, or use model.attention=auto or chunked"
+        )
+    if requested == "auto" and wide:
+        return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
     if requested in ("auto", "cudnn"):
         if where == "gpu":
             return AttentionKernel("cudnn")

@@ -222,7 +222,7 @@ class Llama(nnx.Module):
     ):
         if attention is None:
             attention = resolve_attention(cfg.attention, chunk=cfg.attention_chunk,
-                                          where=device_class(jax.devices()))  # fmt: skip
+                                          where=device_class(jax.devices()), dtype=compute_dtype)  # fmt: skip
         self.cfg = cfg
         self.attention = attention
         self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)
