@@ -86,23 +86,35 @@ ONE_DEVICE = ("mesh.axes={data: 1, fsdp: 1, tensor: 1}", "mesh.hosts=1", "mesh.d
               "remat.layers={}")  # fmt: skip
 
 
-def _llama_1b(name, policy, layers, batch, seq, micro=1, role=""):
+# Issue 5's trials keep the kernels they were sized with: plain attention, the loss in one piece.
+XLA_KERNELS = ("model.attention=xla", "model.loss_chunk=null")
+
+
+def _llama_1b(name, policy, layers, batch, seq, micro=1, role="", kernels=XLA_KERNELS):
     return Trial(name, "configs/llama-1b.yaml",
                  (*ONE_DEVICE, f"remat.policy={policy}", f"model.n_layers={layers}",
-                  f"model.seq_len={seq}", f"train.global_batch={batch}", f"train.micro_batches={micro}"),
-                 role)  # fmt: skip
+                  f"model.seq_len={seq}", f"train.global_batch={batch}", f"train.micro_batches={micro}",
+                  *kernels), role)  # fmt: skip
 
 
-def _llama_7b_widths(name, policy, layers, batch, seq, micro=1, role=""):
+def _llama_7b_widths(name, policy, layers, batch, seq, micro=1, role="", kernels=XLA_KERNELS):
     return Trial(name, "configs/llama-7b.yaml",
                  (*ONE_DEVICE, f"remat.policy={policy}", f"model.n_layers={layers}",
-                  f"model.seq_len={seq}", f"train.global_batch={batch}", f"train.micro_batches={micro}"),
-                 role)  # fmt: skip
+                  f"model.seq_len={seq}", f"train.global_batch={batch}", f"train.micro_batches={micro}",
+                  *kernels), role)  # fmt: skip
+
+
+# Issue 10: `model.attention=auto` runs cuDNN flash attention on the GPU while the deviceless twin plans
+# the Pallas stand-in, so measured vs twin is cuDNN's memory against the stand-in's; the loss pair runs
+# Llama-3.2-1B's 128,256-token vocabulary whole and in chunks of 512 positions.
+FLASH = ("model.attention=auto",)
 
 
 # Sized with deviceless h200 plans (predicted peaks in GiB; the h200 budget is 125.9 GiB): 1b-none 9,
 # 1b-minimal 21, 1b-full-micro2 25, 1b-offload 18 (+2.6 on the host), 7bw-none-fits 91, 7bw-none-too-big
 # 163 (over the whole card), 7bw-full 98, 7bw-minimal 56, 7bw-offload 40 (+7 on the host).
+# After issue 10's lean layer (norms and SwiGLU recomputed from bf16) the pair plans 86 / 154 GiB
+# deviceless on h200 (budget 108.5 GiB with the deviceless margin): the roles still hold.
 GPU_TRIALS = (
     _llama_1b("1b-none", "none", 4, 1, 1024),
     _llama_1b("1b-minimal", "minimal", 4, 8, 2048),
@@ -113,6 +125,10 @@ GPU_TRIALS = (
     _llama_7b_widths("7bw-full", "full", 8, 16, 4096),
     _llama_7b_widths("7bw-minimal", "minimal", 8, 4, 4096),
     _llama_7b_widths("7bw-offload", "offload", 6, 4, 4096),
+    _llama_1b("1b-flash", "none", 4, 4, 4096, kernels=(*FLASH, "model.loss_chunk=null")),
+    _llama_7b_widths("7bw-flash", "none", 6, 4, 4096, kernels=(*FLASH, "model.loss_chunk=null")),
+    _llama_1b("1b-loss-whole", "none", 4, 8, 2048, kernels=(*FLASH, "model.loss_chunk=null")),
+    _llama_1b("1b-loss-chunked", "none", 4, 8, 2048, kernels=(*FLASH, "model.loss_chunk=512")),
 )
 
 # The same pipeline on CPU with the tiny preset: seconds per trial. Nothing runs out of memory on CPU, so
@@ -129,6 +145,12 @@ CPU_TRIALS = tuple(
         ("tiny-none-b16", "none", 16, 1),
         ("tiny-none-b32", "none", 32, 1),
     )
+) + (
+    # Pallas in interpret mode on CPU (the twin compiles it for the GPU), and the chunked loss.
+    Trial("tiny-pallas", "configs/tiny.yaml", (*ONE_DEVICE, "remat.policy=none", "train.global_batch=4",
+                                               "model.attention=pallas")),
+    Trial("tiny-loss-chunked", "configs/tiny.yaml", (*ONE_DEVICE, "remat.policy=none", "train.global_batch=4",
+                                                     "model.loss_chunk=16")),
 )  # fmt: skip
 
 
@@ -199,6 +221,7 @@ def plan_trial(trial: Trial, target: str, env: dict[str, str], timeout: float, n
         "flops_per_step": report["flops_per_step"],
         "flops_no_remat": report["flops_no_remat"],
         "remat": report["remat"],
+        "attention": report.get("attention", ""),
         "target_label": report["target_label"],
         "compile_seconds": report["compile_seconds"],
     }
@@ -331,6 +354,15 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{x:+.1%}"
 
 
+def _kernel(description: str | None) -> str:
+    """The kernel's name from a report's attention line ("pallas, standing in for cudnn: ..." -> "pallas
+    for cudnn")."""
+    if not description:
+        return "n/a"
+    name = description.split(" ")[0].rstrip(",")
+    return f"{name} for cudnn" if "standing in for cudnn" in description else name
+
+
 def markdown(meta: dict, rows: list[dict], bars: list[dict]) -> str:
     """The results as a markdown table, with the bars below it."""
     twin = meta["twin"]
@@ -338,9 +370,9 @@ def markdown(meta: dict, rows: list[dict], bars: list[dict]) -> str:
         f"{meta['label']}. Device: {meta['device_kind']} ({meta['platform']}), JAX {meta['jax']}, "
         f"allocator limit {_gib(meta.get('bytes_limit'))}; twin target `{twin}`; {meta['steps']} steps.",
         "",
-        f"| trial | remat | predicted peak: local / {twin} | fits: local / {twin} | measured peak "
-        f"| error vs local / {twin} | status | step ms | tokens/s | MFU | HFU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| trial | remat | attention: run / {twin} | predicted peak: local / {twin} | fits: local / {twin} "
+        f"| measured peak | error vs local / {twin} | status | step ms | tokens/s | MFU | HFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         local, tw = row["plans"].get("local", {}), row["plans"].get("twin", {})
@@ -357,8 +389,10 @@ def markdown(meta: dict, rows: list[dict], bars: list[dict]) -> str:
         mark = " (at compile)" if row.get("peak_set_at_compile") else ""
         remat = (local.get("remat") or tw.get("remat") or "").split(": ")[-1]
         name = row["trial"] + (f" ({row['role']})" if row["role"] else "")
+        kernels = f"{_kernel(m.get('attention') or local.get('attention'))} / {_kernel(tw.get('attention'))}"
         lines.append(
-            f"| {name} | {remat} | {_gib(local.get('peak_bytes'))} / {_gib(tw.get('peak_bytes'))} "
+            f"| {name} | {remat} | {kernels} "
+            f"| {_gib(local.get('peak_bytes'))} / {_gib(tw.get('peak_bytes'))} "
             f"| {verdict(local)} / {verdict(tw)} | {_gib(m.get('peak_bytes_in_use'))}{mark} "
             f"| {_pct(errors.get('local'))} / {_pct(errors.get('twin'))} | {m.get('status')} "
             f"| {step} | {tokens} | {mfu} | {hfu} |"
@@ -521,6 +555,7 @@ def child(config_path: str, overrides: list[str], steps: int) -> int:
         result["device_kind"] = devices[0].device_kind
         mesh = build_mesh(config.mesh.axes, devices[: config.mesh.device_count()])
         program = build_program(config, mesh)
+        result["attention"] = program.attention.describe() if program.attention else ""
 
         stage = "compile"
         start = time.perf_counter()

@@ -1,5 +1,6 @@
-"""The bar of issue 4: on llama-7b over 8 x H100 with a budget where `none` does not fit, `tune` returns a
-plan that fits with recomputation overhead at most one third of `full`'s, using at most 12 compiles.
+"""The bars of issues 4 and 10 on llama-7b over 8 x H100: `tune` returns a plan that fits with
+recomputation at most +5% of the no-remat FLOPs (issue 10) using at most 12 compiles; where `none` does not
+fit (a tighter budget), the overhead is also at most one third of `full`'s (issue 4).
 
     python bench/tune_bar.py                                   # the config's budget (0.9 x 80 GB - 1 GiB)
     python bench/tune_bar.py --set memory.usable_fraction=0.5  # a tighter one
@@ -46,12 +47,15 @@ def main() -> int:
     overhead, full_overhead = report.recompute_overhead or 0.0, full.recompute_overhead
     print(f"- chosen: `{result.chosen.candidate}`: peak {format_bytes(report.per_device['peak'])}, "
           f"host {format_bytes(report.per_device['host'])}, recomputation +{overhead:.1%} "
-          f"(`full`: +{full_overhead:.1%}; ratio {overhead / full_overhead:.2f})")  # fmt: skip
+          f"(`full`: +{full_overhead:.1%}; ratio {overhead / full_overhead:.2f}); "
+          f"attention {report.attention}")  # fmt: skip
     print(f"- compiles: {result.compiles}; tune wall time {seconds:.0f} s")
     for trial in result.trials:
         peak = "-" if trial.peak_bytes is None else format_bytes(trial.peak_bytes)
         print(f"  - {trial.candidate}: {peak}, {trial.how}, {'fits' if trial.fits else 'over'}")
-    ok = not none.fits and report.fits and overhead <= full_overhead / 3 and result.compiles <= 12
+    ok = report.fits and overhead <= 0.05 and result.compiles <= 12
+    if not none.fits:
+        ok = ok and overhead <= full_overhead / 3
     print(f"- bar: {'met' if ok else 'MISSED'}")
     return 0 if ok else 1
 

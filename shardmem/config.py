@@ -22,6 +22,7 @@ from typing import Annotated, Any
 import yaml
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, ModelConfig
 from shardmem.planning.targets import TARGET_NAMES
 from shardmem.remat import LayerPlan
@@ -102,6 +103,8 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     grad_clip: float | None = 1.0
+    mu_dtype: str | None = None  # Adam's first moment in this dtype (None: the params dtype).
+    shard_over_data: bool = False  # ZeRO-1: state split over the batch axes parameters are replicated on.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +149,7 @@ class MemoryConfig:
     # Deviceless compiles cannot autotune; on an H200 one measured step needed 15.5% more than its
     # deviceless plan (the real-GPU plan, --target local, was exact): see BENCHMARKS.md, issue 5.
     deviceless_margin: float = 0.16
+    offload_optimizer: bool = False  # Optimizer state in pinned host memory, on the device only to update.
     # XLA options for every compile of the plan (e.g. xla_gpu_enable_triton_gemm: false).
     compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -502,6 +506,21 @@ def _validate_model(m: ModelConfig) -> None:
             f"model.attention_chunk={m.attention_chunk} must be a positive divisor of model.seq_len="
             f"{m.seq_len}; use e.g. {divisors[:4] or [m.seq_len]}, or null to attend in one block"
         )
+    if m.attention not in ATTENTION_CHOICES:
+        raise ConfigError(
+            f"model.attention={m.attention!r}{did_you_mean(m.attention, ATTENTION_CHOICES)}; "
+            f"use {one_of(ATTENTION_CHOICES)}"
+        )
+    if isinstance(m.loss_chunk, str) and m.loss_chunk != "auto":
+        raise ConfigError(
+            f"model.loss_chunk={m.loss_chunk!r}: use auto, a number of positions per chunk (e.g. 512), "
+            "or null to compute the loss in one piece"
+        )
+    if isinstance(m.loss_chunk, int) and m.loss_chunk < 0:
+        raise ConfigError(
+            f"model.loss_chunk={m.loss_chunk}: use auto, a positive number of positions (e.g. 512), "
+            "or null/0 for no chunking"
+        )
     if m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")
     _validate_experts(m)
@@ -527,6 +546,10 @@ def _validate_rest(config: Config) -> None:
     if config.optimizer.name not in ("adamw", "adam", "sgd"):
         raise ConfigError(f"optimizer.name={config.optimizer.name!r}: use adamw, adam or sgd")
     opt = config.optimizer
+    if opt.mu_dtype is not None and opt.mu_dtype not in DTYPES:
+        raise ConfigError(
+            f"optimizer.mu_dtype={opt.mu_dtype!r}: use {one_of(DTYPES)}, or null for the params dtype"
+        )
     _positive("optimizer.learning_rate", opt.learning_rate)
     _positive("optimizer.eps", opt.eps)
     if opt.grad_clip is not None:

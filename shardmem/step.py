@@ -29,8 +29,11 @@ from shardmem.batch import BatchLeaf, parse_batch, token_batch
 from shardmem.batch import is_leaf as is_batch_leaf
 from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
+from shardmem.models import losses
+from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
 from shardmem.models.llama import PRESETS, Llama, ModelConfig
 from shardmem.models.user import import_object, search_from, takes
+from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
 from shardmem.remat import LayerPlan
 
@@ -39,33 +42,12 @@ LossFn = Callable[[nnx.Module, Any], Any]
 
 
 def next_token_loss(model: nnx.Module, batch_BxL1: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``."""
-    logits_BxLxV = model(batch_BxL1[:, :-1])
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV.astype(jnp.float32), batch_BxL1[:, 1:]
-    )
-    return losses_BxL.mean()
+    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; over the vocabulary in
+    chunks of positions for the reference model's ``model.loss_chunk`` (see :mod:`shardmem.models.losses`)."""
+    return losses.next_token_loss(model, batch_BxL1)
 
 
-def make_optimizer(config: Config) -> optax.GradientTransformation:
-    """Returns the Optax optimizer the config describes (warmup then cosine decay)."""
-    opt = config.optimizer
-    warmup = min(opt.warmup_steps, max(config.train.steps - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, opt.learning_rate, warmup, max(config.train.steps, warmup + 1), opt.learning_rate * 0.1
-    )
-    if opt.name == "adamw":
-        tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
-    elif opt.name == "adam":
-        tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
-    else:
-        tx = optax.sgd(schedule)
-    if opt.grad_clip:
-        tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
-    return tx
-
-
-def default_model_factory(config: Config) -> ModelFactory:
+def default_model_factory(config: Config, attention: AttentionKernel | None = None) -> ModelFactory:
     """Returns ``rngs -> model`` for the config: the reference Llama, or ``model.factory`` called with
     ``model.options`` (and ``remat=`` the per-layer plan, where it takes one)."""
     if config.model is None:
@@ -82,7 +64,7 @@ def default_model_factory(config: Config) -> ModelFactory:
     def factory(rngs: nnx.Rngs) -> nnx.Module:
         return Llama(config.model, rngs=rngs, remat=plan,
                      param_dtype=jnp.dtype(config.precision.params),
-                     compute_dtype=jnp.dtype(config.precision.compute))  # fmt: skip
+                     compute_dtype=jnp.dtype(config.precision.compute), attention=attention)  # fmt: skip
 
     return factory
 
@@ -133,6 +115,7 @@ class Program:
     build_args: dict = dataclasses.field(default_factory=dict)  # build_program's keywords, to rebuild it.
     # (params, model_state, batch) -> (loss, (metrics, new model_state)): what the step differentiates.
     loss: Callable | None = None
+    attention: AttentionKernel | None = None  # The reference model's kernel, resolved for the mesh's devices.
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
@@ -197,6 +180,7 @@ def build_program(
     loss_fn: LossFn | None = None,
     batch: Any = None,
     batch_shape: tuple[int, ...] | None = None,
+    attention: AttentionKernel | None = None,
 ) -> Program:
     """Returns the sharded step for ``config`` on ``mesh``. Nothing the size of the model is allocated
     until ``program.init`` is called.
@@ -207,15 +191,20 @@ def build_program(
     :class:`~shardmem.remat.LayerPlan`. ``loss_fn(model, batch)`` (or ``train.loss``) returns a scalar
     loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
     :mod:`shardmem.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
-    (``batch_shape`` changes its shape).
+    (``batch_shape`` changes its shape). ``attention`` overrides the reference model's kernel, resolved
+    by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`).
     """
     train = config.train
+    custom = model_factory is not None or config.user_model
+    if attention is None and not custom:
+        attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
+                                      where=device_class(mesh.devices.flat),
+                                      dtype=config.precision.compute)  # fmt: skip
     if model_factory is not None:
         plan = config.remat_plan()
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
     else:
-        factory = default_model_factory(config)
-    custom = model_factory is not None or config.user_model
+        factory = default_model_factory(config, None if custom else attention)
     takes_remat = getattr(factory, "takes_remat", not custom)
     batch_tree, token = _batch_leaves(config, batch, batch_shape)
     loss_fn = resolve_loss(config, loss_fn, token)
@@ -245,12 +234,8 @@ def build_program(
 
     tx = make_optimizer(config)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_shardings = optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        abstract_opt,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
+    opt_shardings = optimizer_shardings(
+        config, tx, abstract_opt, abstract_params, param_shardings, rules, mesh
     )
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     abstract_tree = {"params": abstract_params, "opt_state": abstract_opt,
@@ -306,7 +291,9 @@ def build_program(
                 loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
                 metrics = jax.tree.map(lambda m: m / k, metrics)
             with jax.named_scope("optimizer_update"):  # Names its buffers in the plan's timeline.
-                updates, opt_state = tx.update(grads, state["opt_state"], params)
+                opt_state = to_device(state["opt_state"], opt_shardings)  # No-op unless offloaded.
+                updates, opt_state = tx.update(grads, opt_state, params)
+                opt_state = to_host(opt_state, opt_shardings)
                 new_state = {
                     "params": optax.apply_updates(params, updates),
                     "opt_state": opt_state,
@@ -338,7 +325,7 @@ def build_program(
     return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
                    batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
                    custom_model=custom, remat_plan=config.remat_plan() if takes_remat else None,
-                   token_batch=token, loss=loss_of_params,
+                   token_batch=token, loss=loss_of_params, attention=None if custom else attention,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
 

@@ -156,3 +156,45 @@ def test_autotune_off_plan_is_shown_but_not_judged():
             "bytes_limit": 140 * GIB, "twin": "h200", "steps": 5}  # fmt: skip
     table = gv.markdown(meta, [row], bars)
     assert "| a | 10.00 GiB / 5.00 GiB / 10.00 GiB | 10.10 GiB |" in table
+
+
+def test_attention_column_names_the_kernel_run_and_the_twin_planned():
+    assert (
+        gv._kernel("pallas, standing in for cudnn (which needs a GPU to compile; same memory: no L x L)")
+        == "pallas for cudnn"
+    )
+    assert gv._kernel("chunked (blocks of 512 queries)") == "chunked"
+    assert gv._kernel("") == "n/a"
+    twin = {**_plan(10.2, True), "attention": "pallas, standing in for cudnn: ..."}
+    row = _row("a", _plan(10, True), twin, {**_ran(10.3), "attention": "cudnn"})
+    meta = {"label": "GPU validation", "device_kind": "NVIDIA H200", "platform": "gpu", "jax": "0",
+            "bytes_limit": 140 * GIB, "twin": "h200", "steps": 5}  # fmt: skip
+    table = gv.markdown(meta, [row], gv.check_bars([row], measurable=True))
+    assert "| a | none | cudnn / pallas for cudnn | 10.00 GiB / 10.20 GiB |" in table
+
+
+def test_issue10_trials_cover_flash_attention_and_the_chunked_loss():
+    names = {t.name: t for t in gv.GPU_TRIALS}
+    assert "model.attention=auto" in names["1b-flash"].overrides
+    assert "model.loss_chunk=512" in names["1b-loss-chunked"].overrides
+    assert "model.loss_chunk=null" in names["1b-loss-whole"].overrides
+    assert all("model.attention=xla" in t.overrides for t in gv.GPU_TRIALS if t.role)  # Issue 5's sizing.
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_of_the_pallas_and_chunked_loss_trials(tmp_path):
+    trials = ("tiny-pallas", "tiny-loss-chunked")
+    argv = [sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--cpu", "--out", str(tmp_path),
+            "--steps", "2", "--jobs", "2", *(a for t in trials for a in ("--only", t))]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["trial"]: row for row in json.loads((tmp_path / "gpu_validate.json").read_text())["rows"]}
+    pallas = rows["tiny-pallas"]
+    assert pallas["measured"]["status"] == "ok" and pallas["measured"]["finite_loss"]
+    assert pallas["measured"]["attention"].startswith("pallas (interpret mode)")
+    assert (
+        pallas["plans"]["twin"]["attention"].startswith("pallas")
+        and pallas["plans"]["twin"]["status"] == "ok"
+    )
+    assert rows["tiny-loss-chunked"]["measured"]["status"] == "ok"
+    assert "| tiny-pallas | none | pallas / pallas |" in (tmp_path / "gpu_validate.md").read_text()

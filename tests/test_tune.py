@@ -97,10 +97,26 @@ def test_tune_out_that_cannot_be_written_fails_before_the_search(monkeypatch, tm
 
 
 def test_tune_remat_when_nothing_fits(peaks):
+    config = with_budget(load_config(TINY, BASE), peaks["full"] // 2)
+    result = tune(config, "cpu")
+    assert not result.found and result.compiles == 3  # full, then with ZeRO-1, then with a bf16 first moment
+    assert "no remat plan fits" in result.explanation[0]
+
+
+def test_tune_shrinks_the_optimizer_state_when_full_remat_does_not_fit(peaks):
     config = with_budget(load_config(TINY, BASE), peaks["full"] - 1)
     result = tune(config, "cpu")
-    assert not result.found and result.compiles == 1
-    assert "no remat plan fits" in result.explanation[0]
+    assert result.found and result.report.fits and result.config.optimizer.shard_over_data
+    assert result.config.optimizer.mu_dtype is None  # ZeRO-1 (tiny has data=2) was enough.
+    assert "optimizer state: optimizer.shard_over_data=True" in result.explanation
+
+
+def test_zero1_applies_where_parameters_are_replicated_over_a_batch_axis():
+    from shardmem.explore.tune import _zero1_applies
+
+    assert _zero1_applies(load_config(TINY), None)  # data: 2
+    assert not _zero1_applies(load_config(TINY, ["mesh.axes={data: 1, fsdp: 8, tensor: 1}"]), None)
+    assert not _zero1_applies(load_config(TINY, ["optimizer.name=sgd"]), None)
 
 
 def test_tune_prefers_no_remat_when_it_fits(peaks):

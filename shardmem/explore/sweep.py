@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 #: Columns of the CSV, in order.
 COLUMNS = (
     "candidate", "error", "peak_bytes", "budget_bytes", "fits", "margin_bytes", "flops_per_step",
-    "recompute_overhead", "host_bytes", "all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
-    "other_collective_bytes", "compile_seconds", "step_seconds", "measured_peak_bytes",
+    "recompute_overhead", "host_bytes", "optimizer_bytes", "attention", "all_gather_bytes",
+    "reduce_scatter_bytes", "all_reduce_bytes", "other_collective_bytes", "compile_seconds", "step_seconds",
+    "measured_peak_bytes",
 )  # fmt: skip
 
 
@@ -57,6 +58,8 @@ class SweepRow:
     flops_per_step: float | None = None
     recompute_overhead: float | None = None
     host_bytes: int | None = None
+    optimizer_bytes: int | None = None  # Optimizer state on each device (mu_dtype, ZeRO-1, offload).
+    attention: str = ""  # The attention kernel planned.
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     compile_seconds: float | None = None
     approximate: bool = False
@@ -75,7 +78,8 @@ class SweepRow:
             "candidate": self.candidate, "error": self.error, "peak_bytes": self.peak_bytes,
             "budget_bytes": self.budget_bytes, "fits": self.fits, "margin_bytes": self.margin_bytes,
             "flops_per_step": self.flops_per_step, "recompute_overhead": self.recompute_overhead,
-            "host_bytes": self.host_bytes, "all_gather_bytes": moved.get("all-gather"),
+            "host_bytes": self.host_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "attention": self.attention, "all_gather_bytes": moved.get("all-gather"),
             "reduce_scatter_bytes": moved.get("reduce-scatter"), "all_reduce_bytes": moved.get("all-reduce"),
             "other_collective_bytes": sum(v for k, v in moved.items() if k not in known) if moved else None,
             "compile_seconds": self.compile_seconds, "step_seconds": self.step_seconds,
@@ -152,7 +156,8 @@ def plan_candidate(
         overrides, peak_bytes=report.per_device["peak"], budget_bytes=report.budget_bytes, fits=report.fits,
         margin_bytes=report.margin_bytes, flops_per_step=report.flops_per_step,
         recompute_overhead=report.recompute_overhead if report.recompute_overhead is not None else 0.0,
-        host_bytes=report.per_device["host"], collectives=dict(report.collectives),
+        host_bytes=report.per_device["host"], optimizer_bytes=report.per_device["optimizer"],
+        attention=report.attention, collectives=dict(report.collectives),
         compile_seconds=round(report.compile_seconds, 3), approximate=report.approximate,
     )  # fmt: skip
     if measure_steps:

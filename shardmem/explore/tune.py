@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
+from shardmem.models.attention import AttentionKernel
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import Rules, spec_axes
 from shardmem.planning import hlo
@@ -138,6 +139,19 @@ class _Planner:
     def note(self, *args, **kwargs) -> None:
         self.trials.append(Trial(*args, **kwargs))
 
+    def rebase(self, overrides: tuple[str, ...]) -> None:
+        """Makes ``overrides`` part of every later candidate (earlier compiles no longer apply)."""
+        self.base = self.base.replace(*overrides)
+        self.reports.clear()
+
+
+_STATE_KEYS = ("optimizer.shard_over_data", "optimizer.mu_dtype", "memory.offload_optimizer")
+
+
+def getattr_path(config: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
 
 def _margin(margin: int) -> str:
     return f"{format_bytes(abs(margin))} {'to spare' if margin >= 0 else 'over budget'}"
@@ -182,12 +196,37 @@ def tune(
 # --- remat ---------------------------------------------------------------------------------------
 
 
-def residual_bytes(config: Config) -> int:
+def _zero1_applies(config: Config, target) -> bool:
+    """Whether the batch runs over a mesh axis of size > 1 that the parameters are replicated over."""
+    if config.optimizer.shard_over_data or config.optimizer.name == "sgd" or config.param_rules:
+        return False
+    rules = Rules.from_config(config.rules, tuple(config.mesh.axes), config.param_rules)
+    used = {a for name, axes in rules.logical if name not in ("batch", "seq") for a in spec_axes(axes)}
+    return any(config.mesh.axes[a] > 1 for a in spec_axes(rules.mesh_axes("batch")) if a not in used)
+
+
+def _state_savings(config: Config, target) -> list[tuple[str, tuple[str, ...]]]:
+    """Optimizer-state savings that recompute nothing, in the order tune adds them when even full remat
+    does not fit: ZeRO-1 (costs communication only), a bf16 first moment, then the state in host memory
+    (where the target has it)."""
+    steps = []
+    if _zero1_applies(config, target):
+        steps.append(("ZeRO-1", ("optimizer.shard_over_data=true",)))
+    if config.optimizer.name != "sgd" and not config.optimizer.mu_dtype:
+        steps.append(("bf16 first moment", ("optimizer.mu_dtype=bfloat16",)))
+    kinds = {m.kind for m in target.devices[0].addressable_memories()}
+    if not config.memory.offload_optimizer and "pinned_host" in kinds and target.platform != "cpu":
+        steps.append(("optimizer state on the host", ("memory.offload_optimizer=true",)))
+    return steps
+
+
+def residual_bytes(config: Config, attention: AttentionKernel | None = None) -> int:
     """Returns the global bytes the backward pass keeps for one micro-batch (the residuals of
-    ``jax.vjp`` of the loss, traced on abstract shapes; host-offloaded ones included)."""
+    ``jax.vjp`` of the loss, traced on abstract shapes; host-offloaded ones included), with the attention
+    kernel the plan compiles (default: the one for ``jax.devices()``)."""
     one_device = Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(config.mesh.axes)),
                       tuple(config.mesh.axes))  # fmt: skip
-    program = build_program(config.replace("train.micro_batches=1"), one_device)
+    program = build_program(config.replace("train.micro_batches=1"), one_device, attention=attention)
     unsharded = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
     state = program.abstract_state
     params, rest = unsharded(state["params"]), unsharded(state.get("model_state", {}))
@@ -244,11 +283,11 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         flops[policy] = hlo.matmul_flops(
             program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
         )
-        device_residual[policy] = residual_bytes(config.replace(*_uniform(policy)))
+        device_residual[policy] = residual_bytes(config.replace(*_uniform(policy)), program.attention)
     device_residual["offload"] = device_residual["full"]  # offloaded residuals live on the host
     if allow_offload:
         host_residual["offload"] = (
-            residual_bytes(config.replace(*_uniform("offload"))) - device_residual["full"]
+            residual_bytes(config.replace(*_uniform("offload")), program.attention) - device_residual["full"]
         )
     overhead = {p: flops[p] / flops["none"] - 1.0 for p in policies}
     planner.flops_no_remat = flops["none"]
@@ -256,6 +295,14 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
 
     full = planner.compile("full", _uniform("full"))
     budget = full.budget_bytes
+    for what, overrides in _state_savings(planner.base, target) if not full.fits else ():
+        if planner.compiles >= planner.max_compiles - 1:
+            break
+        planner.rebase(overrides)
+        planner.progress(f"full remat does not fit: adding {what}")
+        full = planner.compile("full + " + " ".join(overrides), _uniform("full"))
+        if full.fits:
+            break
     if not full.fits:
         return _no_fit(planner, target, budget, "remat", [
             f"even 'full' remat (keep only each layer's input) needs {format_bytes(full.per_device['peak'])} "
@@ -351,8 +398,10 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
             chosen_name, chosen_overrides = _mix_name(best, top, lo, n), _mix(best, top, lo, n)
 
     report = planner.compile(chosen_name, chosen_overrides)  # Already compiled: no extra compile.
-    tuned = config.replace(*chosen_overrides)
-    chosen = next(t for t in planner.trials if t.overrides == chosen_overrides and t.how == "compiled")
+    tuned = planner.base.replace(*chosen_overrides)
+    chosen = next(
+        t for t in reversed(planner.trials) if t.overrides == chosen_overrides and t.how == "compiled"
+    )
     explanation = [
         f"budget {format_bytes(budget)} per device on {target.label}",
         f"chose {chosen_name}: peak {format_bytes(report.per_device['peak'])}, "
@@ -360,6 +409,9 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         f"remat (uniform full: +{overhead['full']:.1%}); "
         f"host offload {format_bytes(report.per_device['host'])}",
     ]
+    state = [(key, getattr_path(tuned, key)) for key in _STATE_KEYS if getattr_path(tuned, key)]
+    if state:
+        explanation.append("optimizer state: " + ", ".join(f"{k}={v}" for k, v in state))
     cheaper = [t for t in planner.trials if not t.fits and t.recompute_overhead is not None
                and t.recompute_overhead < (report.recompute_overhead or 0) - 1e-9]  # fmt: skip
     if cheaper:

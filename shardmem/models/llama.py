@@ -2,11 +2,13 @@
 
     model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
     logits_BxLxV = model(tokens_BxL)
+    h_BxLxD, head_DxV = model.hidden_states(tokens_BxL), model.unembedding()   # for a chunked loss
 
 Every parameter carries logical axis names (``embed``, ``heads``, ``mlp``, ...) that the config's rules map
 to mesh axes. Every intermediate that a remat policy may want to keep is tagged with
 :func:`jax.ad_checkpoint.checkpoint_name` (see :data:`CHECKPOINT_TAGS`). The layers are stored stacked on a
 leading ``layers`` axis and run by :func:`shardmem.remat.remat_scan`, one scanned segment per remat policy.
+Attention runs the kernel :mod:`shardmem.models.attention` resolves for the devices the model is built for.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.models.attention import AttentionKernel, attend, device_class, resolve_attention
+from shardmem.models.losses import resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
 from shardmem.parallel.rules import constrain
 from shardmem.remat import LayerPlan, remat_scan
@@ -55,7 +59,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    attention_chunk: int | None = None  # Query block size for memory-efficient attention (None: off).
+    attention: str = "auto"  # A kernel of shardmem.models.attention.ATTENTION_CHOICES.
+    attention_chunk: int | None = None  # Query block of the `chunked` kernel (None: 512).
+    loss_chunk: int | str | None = "auto"  # Loss in chunks of this many positions; see models/losses.py.
     # Mixture of experts (shardmem.models.moe): n_experts > 0 replaces each layer's MLP by that many
     # SwiGLU experts of width d_ff, experts_per_token of them per token, each taking at most
     # capacity_factor x its balanced share of a sequence's tokens.
@@ -134,9 +140,22 @@ class RMSNorm(nnx.Module):
         self.compute_dtype = compute_dtype
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(self.compute_dtype)
+        return _rms_norm(x, self.scale[...], self.eps, self.compute_dtype)
+
+
+# Recomputed in the backward pass from its compute-dtype input: otherwise the backward keeps fp32 copies
+# of the model-width residual (4 GiB per norm on llama-7b at 2 x 4096 tokens per device).
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def _rms_norm(x, scale, eps, compute_dtype):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(compute_dtype)
+
+
+# The backward pass needs only the gate and up projections; the SwiGLU product is recomputed, not kept.
+@jax.checkpoint
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
 
 
 def rope(x_BxLxHxK, positions_L, theta: float):
@@ -150,14 +169,19 @@ def rope(x_BxLxHxK, positions_L, theta: float):
     return rotated.astype(x_BxLxHxK.dtype)
 
 
+_XLA = AttentionKernel("xla")
+
+
 class Block(nnx.Module):
     """One decoder layer: pre-norm grouped-query attention, then a pre-norm SwiGLU MLP (or, with
     ``n_experts``, a mixture of SwiGLU experts)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype, compute_dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype, compute_dtype,
+                 attention: AttentionKernel = _XLA):  # fmt: skip
         d, h, kv, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff
         self.cfg = cfg
         self.compute_dtype = compute_dtype
+        self.attention = attention
         norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.attn_norm = RMSNorm(d, cfg.norm_eps, **norm)
         self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), param_dtype, d)
@@ -190,10 +214,9 @@ class Block(nnx.Module):
             v_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), "value_proj")
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
-            attend = _causal_attention
-            if cfg.attention_chunk and cfg.attention_chunk < x_BxLxD.shape[1]:
-                attend = functools.partial(_chunked_causal_attention, chunk=cfg.attention_chunk)
-            ctx_BxLxHxK = checkpoint_name(attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context")
+            ctx_BxLxHxK = checkpoint_name(
+                attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context"
+            )
             out_BxLxD = checkpoint_name(
                 jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)), "out_proj"
             )
@@ -205,46 +228,13 @@ class Block(nnx.Module):
                 return x_BxLxD + self.moe(h_BxLxD)
             gate_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_gate), "mlp_gate")
             up_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_up), "mlp_up")
-            out_BxLxD = checkpoint_name(
-                (jax.nn.silu(gate_BxLxF) * up_BxLxF) @ self._w(self.w_down), "mlp_out"
-            )
+            out_BxLxD = checkpoint_name(_swiglu(gate_BxLxF, up_BxLxF) @ self._w(self.w_down), "mlp_out")
             return x_BxLxD + out_BxLxD
 
 
-def _causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0):
-    """Causal softmax attention; each of the G key/value heads serves H // G query heads. Query i sits
-    at position ``q_offset + i`` of the keys."""
-    b, length, h, k = q_BxLxHxK.shape
-    g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
-    q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
-    scores_BxGxRxLxM = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK)
-    rows_L = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
-    causal_LxM = rows_L >= jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
-    scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM.astype(jnp.float32), -1e30)
-    probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(v_BxLxGxK.dtype)
-    ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxLxGxK)
-    return ctx_BxLxGxRxK.reshape(b, length, h, k)
-
-
-def _chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int):
-    """The same attention, one block of ``chunk`` queries at a time, each block rematerialized in the
-    backward pass: score memory falls from L x L to chunk x L per head, for one extra QK/PV product
-    (memory-efficient attention, Rabe & Staats 2021)."""
-    b, length, h, k = q_BxLxHxK.shape
-    blocks = length // chunk
-    q_NxBxCxHxK = q_BxLxHxK.reshape(b, blocks, chunk, h, k).swapaxes(0, 1)
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def block(args):
-        q_BxCxHxK, index = args
-        return _causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=index * chunk)
-
-    ctx_NxBxCxHxK = jax.lax.map(block, (q_NxBxCxHxK, jnp.arange(blocks)))
-    return ctx_NxBxCxHxK.swapaxes(0, 1).reshape(b, length, h, k)
-
-
 class Llama(nnx.Module):
-    """The reference decoder. ``remat`` gives each layer its checkpoint policy (default: none)."""
+    """The reference decoder. ``remat`` gives each layer its checkpoint policy (default: none);
+    ``attention`` is the resolved kernel (default: ``cfg.attention`` resolved for ``jax.devices()``)."""
 
     def __init__(
         self,
@@ -254,8 +244,14 @@ class Llama(nnx.Module):
         remat: LayerPlan | None = None,
         param_dtype=jnp.float32,
         compute_dtype=jnp.bfloat16,
+        attention: AttentionKernel | None = None,
     ):
+        if attention is None:
+            attention = resolve_attention(cfg.attention, chunk=cfg.attention_chunk,
+                                          where=device_class(jax.devices()), dtype=compute_dtype)  # fmt: skip
         self.cfg = cfg
+        self.attention = attention
+        self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)
         self.remat = remat or LayerPlan.uniform(cfg.n_layers)
         self.compute_dtype = compute_dtype
         init_embed = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
@@ -263,7 +259,8 @@ class Llama(nnx.Module):
 
         @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(key):
-            return Block(cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype, compute_dtype=compute_dtype)
+            return Block(cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype, compute_dtype=compute_dtype,
+                         attention=attention)  # fmt: skip
 
         self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
         self.final_norm = RMSNorm(
@@ -275,15 +272,21 @@ class Llama(nnx.Module):
             )
 
     def __call__(self, tokens_BxL):
+        """Returns the logits: :meth:`hidden_states` times :meth:`unembedding`."""
+        logits_BxLxV = self.hidden_states(tokens_BxL) @ self.unembedding()
+        return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
+
+    def hidden_states(self, tokens_BxL):
+        """Returns the final normed hidden states, which :meth:`unembedding` turns into logits."""
         # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the
         # partitioner's slow fallback to reach the batch-sharded activations.
         table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
         x_BxLxD = constrain(table_VxD[tokens_BxL], ("batch", "seq", None))
         x_BxLxD = remat_scan(self.layers, x_BxLxD, self.remat)
-        h_BxLxD = self.final_norm(x_BxLxD)
+        return self.final_norm(x_BxLxD)
+
+    def unembedding(self):
+        """Returns the output projection ``head_DxV`` in the compute dtype (the embedding when tied)."""
         if self.cfg.tie_embeddings:
-            head_DxV = self.embedding[...].astype(self.compute_dtype).T
-        else:
-            head_DxV = self.lm_head[...].astype(self.compute_dtype)
-        logits_BxLxV = h_BxLxD @ head_DxV
-        return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
+            return self.embedding[...].astype(self.compute_dtype).T
+        return self.lm_head[...].astype(self.compute_dtype)

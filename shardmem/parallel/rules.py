@@ -209,6 +209,12 @@ def check_divisible(
             )
 
 
+def active() -> tuple[Mesh, Rules] | None:
+    """Returns the mesh and rules of the open :meth:`Rules.activate` context (None outside one), for model
+    code that must split work per device itself (``jax.shard_map`` around a fused kernel)."""
+    return _active.get()
+
+
 def constrain(x, logical_axes: Sequence[str | None]):
     """Constrains an activation's sharding by logical axis names; a no-op outside
     :meth:`Rules.activate`."""

@@ -79,6 +79,7 @@ class MemoryReport:
     sharding: list = dataclasses.field(default_factory=list, repr=False)
     #: Every buffer over the compiled step's schedule (XLA's buffer assignment); what the timeline draws.
     schedule: hlo.BufferSchedule | None = dataclasses.field(default=None, repr=False, compare=False)
+    attention: str = ""  # The attention kernel planned, and what a stand-in stands for.
     jax_version: str = jax.__version__  # Plans move with the XLA version (BENCHMARKS.md).
     # XLA options the compile used beyond the defaults (memory.compiler_options, and any retry's).
     compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -105,6 +106,7 @@ class MemoryReport:
             "devices": self.devices,
             "mesh": self.mesh,
             "remat": self.remat,
+            "attention": self.attention,
             "per_device": self.per_device,
             "device_memory_bytes": self.device_memory_bytes,
             "budget_bytes": self.budget_bytes,
@@ -219,9 +221,9 @@ def plan_program(
     warnings = rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
     layer_plan = program.remat_plan
     warnings += _remat_warnings(config, layer_plan, hlo.checkpoint_tags(traced.jaxpr)) + report.warnings
-    report = dataclasses.replace(
-        report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings, sharding=rows
-    )
+    attention = program.attention.describe() if program.attention else ""
+    report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
+                                 sharding=rows, attention=attention)  # fmt: skip
     if layer_plan is None:  # A model that remats itself: no plan of ours to compare with.
         return dataclasses.replace(report, remat="the model's own"), compiled
     baseline = report.flops_per_step  # Without remat the step is its own baseline.
@@ -284,10 +286,14 @@ def plan_function(
     return dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), sharding=rows)
 
 
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded abstract (or concrete) arrays."""
+def per_device_bytes(tree, *, host: bool = False) -> int:
+    """Bytes one device holds of a tree of sharded abstract (or concrete) arrays in its own memory, or
+    with ``host=True`` in pinned host memory (``memory.offload_optimizer``)."""
     total = 0
     for leaf in jax.tree.leaves(tree):
+        on_host = getattr(leaf.sharding, "memory_kind", None) == "pinned_host"
+        if on_host != host:
+            continue
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
         total += math.prod(shape) * leaf.dtype.itemsize
     return total
@@ -338,16 +344,20 @@ def _compile_and_analyze(
         raise PlanError(f"XLA gave no memory analysis for {target.label}")
 
     per_device = {key: per_device_bytes(tree) for key, tree in groups.items()}
+    host_arguments = sum(per_device_bytes(tree, host=True) for tree in groups.values())
     arguments = stats.argument_size_in_bytes
     accounted = sum(per_device.values())
+    xla_host = (stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes
+                + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes)  # fmt: skip
     per_device.update(
         outputs=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes,
         alias=stats.alias_size_in_bytes,
-        host=stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes
-        + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes,
+        host=max(xla_host, host_arguments),
         code=stats.generated_code_size_in_bytes,
     )  # fmt: skip
+    if host_arguments and not stats.host_argument_size_in_bytes:
+        arguments -= host_arguments  # The CPU compiler counts pinned-host arrays among the arguments.
     resident = arguments + stats.output_size_in_bytes - stats.alias_size_in_bytes
     xla_peak = getattr(stats, "peak_memory_in_bytes", 0) or 0
     if target.platform == "cpu" or not xla_peak:

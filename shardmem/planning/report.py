@@ -35,6 +35,8 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
                          report.target_label)  # fmt: skip
     parts.append(head)
     parts.append(Text(f"mesh {mesh}" + (f"   remat {report.remat}" if report.remat else "")))
+    if report.attention:
+        parts.append(Text(f"attention {report.attention}"))
 
     table = Table(title="Per device", title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("")
@@ -72,6 +74,8 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     ))  # fmt: skip
 
     flops = f"FLOPs per step {format_flops(report.flops_per_step)} (matmuls, all devices"
+    if report.attention.startswith(("pallas", "cudnn")):  # Their matmuls are inside one fused kernel.
+        flops += ", fused attention kernel not counted"
     if report.recompute_overhead is not None:
         flops += f"; recomputation +{report.recompute_overhead:.1%} over no remat"
     parts.append(Text(flops + ")"))

@@ -1,0 +1,182 @@
+"""Attention kernels as values: one parse (:func:`resolve_attention`), one lowering (:func:`attend`), one
+table of what each does (:data:`KERNELS`).
+
+    kernel = resolve_attention("auto", chunk=None, where=device_class(mesh.devices.flat))
+    ctx_BxLxHxK = attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)   # causal, G key/value heads
+
+``model.attention: auto`` runs cuDNN flash attention on an attached NVIDIA GPU and query-chunked
+attention on CPU. cuDNN kernels cannot be compiled without a GPU ("cuDNN not found"), so a deviceless GPU
+plan compiles JAX's Pallas Triton flash kernel in its place: the same O(L) memory (no L x L scores, the
+output and its log-sum-exp kept for the backward), and the report says what it stands for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from shardmem.errors import ConfigError, one_of
+from shardmem.parallel import rules as _rules
+
+#: What each kernel does, and where it runs.
+KERNELS = {
+    "cudnn": "cuDNN flash attention (jax.nn.dot_product_attention, implementation='cudnn'): no L x L "
+    "scores; attached NVIDIA GPUs only",
+    "pallas": "JAX's Pallas Triton flash attention (jax.experimental.pallas.ops.gpu.attention.mha): no "
+    "L x L scores; NVIDIA GPUs, deviceless too (interpret mode on CPU, for tests)",
+    "chunked": "blocks of model.attention_chunk queries, each recomputed in the backward pass: "
+    "L x chunk scores for one extra QK/PV product",
+    "xla": "plain softmax attention: fp32 L x L scores per head",
+}
+#: Values ``model.attention`` accepts.
+ATTENTION_CHOICES = ("auto", *KERNELS)
+#: Query block of ``chunked`` when ``model.attention_chunk`` is unset.
+DEFAULT_CHUNK = 512
+#: Where a model is built for: an attached NVIDIA GPU, one compiled deviceless, or CPU devices.
+DEVICE_CLASSES = ("gpu", "deviceless-gpu", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """A resolved attention kernel: ``name`` is one of :data:`KERNELS`; ``chunk`` the query block of
+    ``chunked``; ``stands_for`` the kernel a deviceless plan models with this one; ``interpret`` runs
+    Pallas in interpret mode (CPU)."""
+
+    name: str = "xla"
+    chunk: int | None = None
+    stands_for: str | None = None
+    interpret: bool = False
+
+    def describe(self) -> str:
+        """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``."""
+        text = self.name + (f" (blocks of {self.chunk} queries)" if self.name == "chunked" else "")
+        if self.interpret:
+            text += " (interpret mode)"
+        if self.stands_for:
+            text += (
+                f", standing in for {self.stands_for} (which needs a GPU to compile; same memory: no L x L)"
+            )
+        return text
+
+
+def device_class(devices) -> str:
+    """Returns ``"gpu"`` (attached NVIDIA GPUs), ``"deviceless-gpu"`` (compile-only) or ``"cpu"``."""
+    device = next(iter(devices))
+    if device.platform == "cpu":
+        return "cpu"
+    try:
+        attached = device in jax.devices(device.platform)
+    except RuntimeError:  # The platform's backend is not running: compile-only devices.
+        attached = False
+    return "gpu" if attached else "deviceless-gpu"
+
+
+def resolve_attention(requested: str, *, chunk: int | None, where: str, dtype="bfloat16") -> AttentionKernel:
+    """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
+    (one of :data:`DEVICE_CLASSES`) computing in ``dtype`` into the kernel the step runs. cuDNN's flash
+    attention takes 16-bit inputs only, so ``auto`` in float32 is ``chunked`` everywhere."""
+    if requested not in ATTENTION_CHOICES:
+        raise ConfigError(f"model.attention={requested!r}: use {one_of(ATTENTION_CHOICES)}")
+    wide = jnp.dtype(dtype).itemsize > 2
+    if requested == "cudnn" and wide:
+        raise ConfigError(
+            f"model.attention=cudnn needs 16-bit inputs but precision.compute={jnp.dtype(dtype).name}; "
+            "set precision.compute=bfloat16, or use model.attention=auto or chunked"
+        )
+    if requested == "auto" and wide:
+        return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
+    if requested in ("auto", "cudnn"):
+        if where == "gpu":
+            return AttentionKernel("cudnn")
+        if where == "deviceless-gpu":
+            return AttentionKernel("pallas", stands_for="cudnn")
+        if requested == "cudnn":
+            raise ConfigError(
+                "model.attention=cudnn needs an NVIDIA GPU (attached, or a deviceless GPU target); on CPU "
+                "use model.attention=auto or chunked"
+            )
+        return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
+    if requested == "pallas":
+        return AttentionKernel("pallas", interpret=where == "cpu")
+    if requested == "chunked":
+        return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
+    return AttentionKernel("xla")
+
+
+def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
+    """Causal attention of ``kernel``; each of the G key/value heads serves H // G query heads."""
+    length = q_BxLxHxK.shape[1]
+    if kernel.name == "chunked" and kernel.chunk and kernel.chunk < length and length % kernel.chunk == 0:
+        return chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, chunk=kernel.chunk)
+    if kernel.name == "cudnn":
+        fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+        return _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+    if kernel.name == "pallas":
+        return _pallas_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, interpret=kernel.interpret)
+    return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+
+
+def _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
+    """Runs a fused kernel on each device's batch and heads: XLA cannot partition a custom call, and
+    without this it would gather the whole batch onto every device."""
+    active = _rules.active()
+    if active is None:
+        return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+    mesh, rules = active
+    q_spec = rules.spec(("batch", None, "heads", None))
+    kv_spec = rules.spec(("batch", None, "kv_heads", None))
+    if q_spec[2:3] != kv_spec[2:3]:  # Heads and KV heads split differently: split the batch only.
+        q_spec = kv_spec = P(*rules.spec(("batch",)), None, None, None)
+    sharded = jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                            check_vma=False)  # fmt: skip
+    return sharded(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+
+
+def _pallas_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # Loads Triton support.
+
+    h, g, k = q_BxLxHxK.shape[2], k_BxLxGxK.shape[2], q_BxLxHxK.shape[3]
+
+    def kernel(q, key, value):
+        if g != h:  # The kernel has no grouped-query mode: each query head gets its KV head's copy.
+            key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))
+        return pallas_attention.mha(q, key, value, None, sm_scale=k**-0.5, causal=True,
+                                    interpret=interpret)  # fmt: skip
+
+    return _per_shard(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+
+
+def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0):
+    """Causal softmax attention with fp32 scores (kernel ``xla``). Query i sits at position
+    ``q_offset + i`` of the keys."""
+    b, length, h, k = q_BxLxHxK.shape
+    g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
+    q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
+    scores_BxGxRxLxM = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK)
+    rows_L = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
+    causal_LxM = rows_L >= jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
+    scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM.astype(jnp.float32), -1e30)
+    probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(v_BxLxGxK.dtype)
+    ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxLxGxK)
+    return ctx_BxLxGxRxK.reshape(b, length, h, k)
+
+
+def chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int):
+    """The same attention, one block of ``chunk`` queries at a time, each block rematerialized in the
+    backward pass: score memory falls from L x L to chunk x L per head, for one extra QK/PV product
+    (memory-efficient attention, Rabe & Staats 2021)."""
+    b, length, h, k = q_BxLxHxK.shape
+    blocks = length // chunk
+    q_NxBxCxHxK = q_BxLxHxK.reshape(b, blocks, chunk, h, k).swapaxes(0, 1)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def block(args):
+        q_BxCxHxK, index = args
+        return causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=index * chunk)
+
+    ctx_NxBxCxHxK = jax.lax.map(block, (q_NxBxCxHxK, jnp.arange(blocks)))
+    return ctx_NxBxCxHxK.swapaxes(0, 1).reshape(b, length, h, k)

@@ -1,0 +1,73 @@
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from shardmem.config import config_from_dict
+from shardmem.errors import ConfigError
+from shardmem.models.llama import Llama, ModelConfig
+from shardmem.models.losses import chunked_cross_entropy, next_token_loss, resolve_loss_chunk
+
+
+def test_chunked_cross_entropy_matches_the_whole_loss_and_its_gradients():
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], (2, 64, 16))
+    head = jax.random.normal(keys[1], (16, 300))
+    targets = jax.random.randint(keys[2], (2, 64), 0, 300)
+
+    def whole(hidden, head):
+        return optax.softmax_cross_entropy_with_integer_labels(hidden @ head, targets).mean()
+
+    def chunked(hidden, head):
+        return chunked_cross_entropy(hidden, head, targets, chunk=16)
+
+    assert chunked(hidden, head) == pytest.approx(float(whole(hidden, head)), rel=1e-6)
+    for a, b in zip(
+        jax.grad(chunked, (0, 1))(hidden, head), jax.grad(whole, (0, 1))(hidden, head), strict=True
+    ):
+        assert jnp.allclose(a, b, atol=1e-6)
+
+
+def test_reference_model_loss_is_the_same_chunked_or_not():
+    cfg = ModelConfig.preset("tiny")
+    batch = jax.random.randint(jax.random.key(1), (2, 65), 0, cfg.vocab_size)
+    values = {}
+    for loss_chunk in (None, 16):
+        with nnx.use_eager_sharding(False):
+            model = Llama(ModelConfig(**{**cfg.__dict__, "loss_chunk": loss_chunk}), rngs=nnx.Rngs(0),
+                          compute_dtype=jnp.float32)  # fmt: skip
+        assert model.loss_chunk == loss_chunk
+        values[loss_chunk] = float(next_token_loss(model, batch))
+    assert values[16] == pytest.approx(values[None], rel=1e-6)
+
+
+def test_auto_chunks_large_vocabularies_only():
+    assert resolve_loss_chunk("auto", vocab_size=128256, d_model=2048) == 512
+    assert resolve_loss_chunk("auto", vocab_size=256, d_model=64) is None
+    assert resolve_loss_chunk(0, vocab_size=128256, d_model=2048) is None
+    assert resolve_loss_chunk(None, vocab_size=128256, d_model=2048) is None
+    assert resolve_loss_chunk(256, vocab_size=256, d_model=64) == 256
+
+
+@pytest.mark.parametrize("value, message", [("big", "model.loss_chunk='big': use auto"),
+                                            (-4, "model.loss_chunk=-4: use auto")])  # fmt: skip
+def test_bad_loss_chunks_are_config_errors(value, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"model": {"preset": "tiny", "loss_chunk": value}})
+
+
+def test_chunked_loss_lowers_the_planned_temporaries():
+    """On a CPU plan of a small model with a large vocabulary, the whole fp32 logits disappear from the
+    temporaries (B x L x V x 4 bytes per device = 2 x 256 x 8192 x 4 = 16 MiB) ."""
+    from shardmem.planning.memory import plan
+
+    temps = {}
+    for loss_chunk in (None, 64):
+        config = config_from_dict({
+            "model": {"preset": "tiny", "n_layers": 1, "seq_len": 256, "vocab_size": 8192,
+                      "loss_chunk": loss_chunk},
+            "mesh": {"axes": {"data": 8}}, "train": {"global_batch": 16}, "memory": {"target": "cpu"},
+        })  # fmt: skip
+        temps[loss_chunk] = plan(config, count_remat_overhead=False).per_device["temp"]
+    assert temps[None] - temps[64] >= 2 * 256 * 8192 * 4
