@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -144,6 +145,10 @@ def cmd_train(args) -> int:
     except DivergedError as e:
         print(f"shardmem: error: {e}", file=sys.stderr)
         return EXIT_DIVERGED
+    if result.status != "finished":
+        # Stopped by a signal and saved: another Ctrl-C while Python and JAX tear down just ends the
+        # process, instead of a KeyboardInterrupt traceback from some atexit hook.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_OK
 
 

@@ -23,6 +23,7 @@ import math
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -152,11 +153,13 @@ def train(
     checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
                                 keep=train_config.keep_checkpoints)  # fmt: skip
     try:
-        start = checkpointer.latest_step()
+        start, state, moved = checkpointer.restore_newest(program.abstract_state)
+        for corrupt in moved:
+            resumed = f"resuming from step {start}" if start is not None else "starting again from step 0"
+            _say(console, f"[yellow]warning:[/yellow] checkpoint {corrupt.step} does not restore "
+                          f"({corrupt.reason}); moved it to {corrupt.path}; {resumed}")  # fmt: skip
         if start is None:
             start, state = 0, program.init()
-        else:
-            state = checkpointer.restore(program.abstract_state, start)
         if lead:  # Only now: a resume that cannot restore leaves the run's files as they were.
             _write_config(run_dir / "config.yaml", config, console)
             (run_dir / "plan.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -183,7 +186,7 @@ def train(
             _StopSignals() as signals,
         ):  # fmt: skip
             status, state = loop.run(state, log, progress, signals)
-        checkpointer.wait()
+            checkpointer.wait()  # Still under the signal handlers: a second Ctrl-C here exits cleanly.
         final = loop.step
         how = {"finished": "finished", "preempted": "stopped by SIGTERM", "interrupted": "interrupted"}
         _say(
@@ -221,6 +224,7 @@ class _Loop:
         status = "finished"
         self._last_done = time.perf_counter()
         while self.step < train.steps:
+            self.checkpointer.check_for_errors()  # A failed background save stops the run at once.
             if _any_process(signals.received is not None):
                 status = "interrupted" if signals.received == signal.SIGINT else "preempted"
                 break
@@ -393,8 +397,11 @@ def _any_process(flag: bool) -> bool:
 
 
 class _StopSignals:
-    """While active, the first SIGTERM or SIGINT asks the loop to stop at the next step; a second one
-    acts as it would have without us (SIGINT raises KeyboardInterrupt, SIGTERM ends the process)."""
+    """While active, the first SIGTERM or SIGINT asks the loop to stop at the next step and save; a
+    second one ends the process at once (exit 128 + signal number) with a one-line note. Raising
+    KeyboardInterrupt instead would land in whatever runs, often Orbax's wait for the save in progress,
+    which then logs an ERROR and a traceback; the last committed checkpoint is intact either way, since
+    Orbax commits a step by renaming its finished temporary directory."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -410,8 +417,12 @@ class _StopSignals:
         if self.received is None:
             self.received = signum
             return
-        self._restore()
-        signal.raise_signal(signum)
+        name = signal.Signals(signum).name
+        sys.stdout.flush()
+        sys.stderr.write(f"shardmem: second {name}: stopping now, without the checkpoint in progress; "
+                         "the last committed one is kept; rerun to resume\n")  # fmt: skip
+        sys.stderr.flush()
+        os._exit(128 + signum)
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():
