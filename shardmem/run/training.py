@@ -10,7 +10,8 @@ one that trains, so the step is compiled once. A run directory that holds checkp
 the newest one, onto whatever mesh the current devices give, and the batch of step ``k`` depends only
 on ``(train.seed, k)``, so a resumed run computes what an uninterrupted one would have.
 
-The run directory holds ``config.yaml`` (the resolved config), ``plan.json`` (the memory report),
+The run directory holds ``run.lock`` (held by the run that owns the directory, see
+:mod:`shardmem.run.lock`), ``config.yaml`` (the resolved config), ``plan.json`` (the memory report),
 ``metrics.jsonl`` (one record per logged step), ``checkpoints/<step>/`` (Orbax, sharded) and
 ``tensorboard/`` when ``train.tensorboard`` is set.
 """
@@ -43,6 +44,7 @@ from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.run.data import global_batch, make_source
+from shardmem.run.lock import RunDirLock
 from shardmem.run.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
 from shardmem.step import LossFn, ModelFactory, Program, build_program, next_token_loss
 from shardmem.units import format_bytes
@@ -150,8 +152,13 @@ def train(
     except OSError as e:
         raise ConfigError(f"cannot create run directory {str(run_dir)!r}: {e.strerror}; choose another "
                           "--run-dir") from None  # fmt: skip
-    checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
-                                keep=train_config.keep_checkpoints)  # fmt: skip
+    lock = _lock_run_dir(run_dir, console)
+    try:
+        checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
+                                    keep=train_config.keep_checkpoints)  # fmt: skip
+    except BaseException:
+        lock.release()
+        raise
     try:
         start, state, moved = checkpointer.restore_newest(program.abstract_state)
         for corrupt in moved:
@@ -196,7 +203,10 @@ def train(
         )
         return TrainResult(run_dir, status, start, final, loop.history, report, state)
     finally:
-        checkpointer.close()
+        try:
+            checkpointer.close()
+        finally:
+            lock.release()
 
 
 class _Loop:
@@ -367,6 +377,37 @@ def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
         kind, message = outcome
         raise kind(message)
     return outcome, program.step
+
+
+def _lock_run_dir(run_dir: Path, console: Console) -> RunDirLock:
+    """Process 0 takes the run directory's lock (:mod:`shardmem.run.lock` says what a stale one is); when
+    another run holds it, every process raises the same ConfigError, so that all exit alike."""
+    lock = RunDirLock(run_dir)
+    message = ""
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except ConfigError as error:
+            message = str(error)
+    message = _from_process_0(message)
+    if message:
+        raise ConfigError(message)
+    if lock.stale:
+        _say(console, f"note: took over the lock of {lock.stale}, which no longer runs")
+    return lock
+
+
+def _from_process_0(text: str) -> str:
+    """Returns process 0's ``text`` on every process (all of them must call this together)."""
+    if jax.process_count() == 1:
+        return text
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(text.encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
+    buffer = np.zeros(max(size, 1), np.uint8)  # Never empty: an empty message is the common case.
+    buffer[: len(data)] = data
+    return np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes()[:size].decode()
 
 
 def _check_run_dir(run_dir: Path) -> None:
