@@ -257,3 +257,107 @@ def test_launch_rejects_bad_arguments():
         launch(1, [], devices_per_process=0)
     with pytest.raises(ConfigError, match="`port=70000` is not a TCP port"):
         launch(1, [], port=70000)
+
+
+def _children_of(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start_launcher(nproc: int, command: list[str]) -> subprocess.Popen:
+    runner = (
+        "import sys\nfrom shardmem.run.distributed import launch\n"
+        f"sys.exit(launch({nproc}, [], command={command!r}, grace_seconds=2))\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def _wait_ready(launcher: subprocess.Popen, count: int) -> None:
+    ready = 0
+    while ready < count:
+        line = launcher.stdout.readline()
+        assert line, "launcher ended before its children were ready"
+        ready += line.strip().endswith("ready")
+
+
+def test_children_do_not_outlive_a_launcher_killed_with_sigkill(clean_env, tmp_path):
+    launcher = _start_launcher(2, [sys.executable, _script(tmp_path, WAIT_FOR_SIGNAL)])
+    _wait_ready(launcher, 2)
+    children = _children_of(launcher.pid)
+    assert len(children) == 2
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, children)), "a child outlived its launcher"
+
+
+def test_the_launcher_names_the_process_that_died_and_how(clean_env, tmp_path):
+    launcher = _start_launcher(3, [sys.executable, _script(tmp_path, WAIT_FOR_SIGNAL)])
+    _wait_ready(launcher, 3)
+    victim = sorted(_children_of(launcher.pid))[1]
+    environ = Path(f"/proc/{victim}/environ").read_bytes()
+    index = int(environ.split(b"SHARDMEM_PROCESS_ID=")[1].split(b"\0")[0])
+    os.kill(victim, signal.SIGKILL)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    others = ", ".join(str(i) for i in range(3) if i != index)
+    assert f"shardmem launch: process {index} (pid {victim}) was killed by SIGKILL (signal 9); " \
+           f"stopping process {others}" in err, err  # fmt: skip
+    assert out.count("got 15") == 2, out  # The others were told to stop (and save).
+
+
+def test_how_a_process_ended_reads_like_a_sentence():
+    assert distributed._how_it_ended(3) == "exited with code 3"
+    assert distributed._how_it_ended(-15) == "was killed by SIGTERM (signal 15)"
+
+
+@pytest.mark.slow
+def test_training_workers_save_and_end_when_the_launcher_is_killed(clean_env, tmp_path):
+    from shardmem.run.checkpoint import Checkpointer
+    from shardmem.run.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardmem", "launch", "--nproc", "2", "--local-devices", "2", "--", "train",
+         str(ROOT / "configs" / "tiny.yaml"), "--set", "model.n_layers=1", "--set", "remat.layers={}",
+         "--set", "train.steps=100000", "--set", "train.checkpoint_every=100000",
+         "--set", "train.log_every=1", "--set", "mesh.axes={data: 1, fsdp: -1, tensor: 1}",
+         "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-1:] < [3]:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
+        time.sleep(0.05)
+    workers = _children_of(launcher.pid)
+    assert len(workers) == 2
+    launcher.kill()
+    start_up = launcher.stdout.read()  # What the launcher had echoed until it died.
+    assert "[Gloo]" not in start_up and "[0] shardmem train tiny: new run" in start_up, start_up
+    killed = time.monotonic()
+    while any(map(_alive, workers)) and time.monotonic() - killed < 60:
+        time.sleep(0.1)
+    assert not any(map(_alive, workers)), "a worker outlived the launcher by 60 s"
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
+        saved = checkpointer.latest_step()
+    assert saved is not None and saved >= 3, f"stopped without saving: {sorted(os.listdir(run_dir))}"
