@@ -444,9 +444,17 @@ class _StopSignals:
     which then logs an ERROR and a traceback; the last committed checkpoint is intact either way, since
     Orbax commits a step by renaming its finished temporary directory."""
 
+    # A SIGTERM that came before the loop (while compiling, say), kept by the handler start_runtime sets.
+    early: int | None = None
+
     def __init__(self) -> None:
-        self.received: int | None = None
+        self.received: int | None = _StopSignals.early
+        _StopSignals.early = None
         self._previous: dict[int, Any] = {}
+
+    @staticmethod
+    def remember_early(signum: int, frame) -> None:
+        _StopSignals.early = signum
 
     def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -515,7 +523,8 @@ def start_runtime(
     ``memory.usable_fraction``, unless already set), simulates ``local_devices`` CPU devices (by
     default as many as the mesh needs, split over the processes) and joins a multi-process run
     through :func:`shardmem.run.distributed.initialize` (flags, ``SHARDMEM_*`` variables or a detected
-    SLURM, Open MPI or Kubernetes job).
+    SLURM, Open MPI or Kubernetes job). From here on a SIGTERM no longer ends the process: the run
+    stops at its first step, saved, as it would later in training.
     """
     from shardmem._quiet import native_stderr_silenced
     from shardmem.planning.targets import configure_local_memory, ensure_cpu_devices
@@ -530,6 +539,11 @@ def start_runtime(
     distributed.initialize(coordinator, num_processes, process_id, local_devices)
     with native_stderr_silenced():
         jax.devices()  # Start the backends now, without the CUDA stub's expected complaint.
+    if threading.current_thread() is threading.main_thread():
+        # A scheduler may stop the job while it still compiles (SLURM's time-limit signal, a
+        # preemption): then the run stops before its first step, saved, and exits 0 like later on.
+        # Set after jax.distributed, whose preemption notifier would otherwise take SIGTERM over.
+        signal.signal(signal.SIGTERM, _StopSignals.remember_early)
 
 
 def _say(console: Console, text: str) -> None:
