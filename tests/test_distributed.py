@@ -361,3 +361,34 @@ def test_training_workers_save_and_end_when_the_launcher_is_killed(clean_env, tm
     with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
         saved = checkpointer.latest_step()
     assert saved is not None and saved >= 3, f"stopped without saving: {sorted(os.listdir(run_dir))}"
+
+
+@pytest.mark.slow
+def test_two_processes_move_a_corrupt_checkpoint_aside_together_and_respect_the_lock(clean_env, tmp_path):
+    from shardmem.run.lock import RunDirLock
+
+    run_dir = tmp_path / "run"
+    train = ["launch", "--nproc", "2", "--local-devices", "2", "--",
+             "train", str(ROOT / "configs" / "tiny.yaml"), "--set", "model.n_layers=1",
+             "--set", "remat.layers={}", "--set", "train.checkpoint_every=3",
+             "--set", "mesh.axes={data: 1, fsdp: -1, tensor: 1}", "--run-dir", str(run_dir)]  # fmt: skip
+
+    def run(steps: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardmem", *train, "--set", f"train.steps={steps}"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    first = run(6)
+    assert first.returncode == 0, first.stdout + first.stderr
+    (run_dir / "checkpoints" / "6" / "default" / "manifest.ocdbt").write_bytes(b"garbage")
+    with RunDirLock(run_dir):
+        locked = run(9)
+    assert locked.returncode == 2, locked.stdout + locked.stderr
+    for index in (0, 1):
+        assert f"[{index}] shardmem: error: run directory {str(run_dir)!r} is in use by pid {os.getpid()}" \
+            in locked.stdout, locked.stdout  # fmt: skip
+    resumed = run(9)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "[0] warning: checkpoint 6 does not restore" in resumed.stdout, resumed.stdout
+    assert "resuming from step 3" in resumed.stdout and "Traceback" not in resumed.stdout
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names[:3] == ["3", "6", "6.corrupt-" + names[2].partition("-")[2]] and names[3:] == ["9"], names
