@@ -392,3 +392,46 @@ def test_two_processes_move_a_corrupt_checkpoint_aside_together_and_respect_the_
     assert "resuming from step 3" in resumed.stdout and "Traceback" not in resumed.stdout
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names[:3] == ["3", "6", "6.corrupt-" + names[2].partition("-")[2]] and names[3:] == ["9"], names
+
+
+COLLECTIVES_FOREVER = """
+    import time
+
+    from shardmem.run.distributed import initialize
+
+    initialize(local_device_count=1)
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",))
+    x = jax.make_array_from_callback((2,), NamedSharding(mesh, P("data")), lambda i: jnp.ones(1))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+    while True:
+        print("summed", float(total(x).addressable_data(0)), flush=True)
+        time.sleep(0.2)
+"""
+
+
+@pytest.mark.slow
+def test_without_a_launcher_a_dead_peer_ends_the_others_within_a_minute(clean_env, tmp_path):
+    script = _script(tmp_path, COLLECTIVES_FOREVER)
+    port = distributed._free_port()
+    processes = []
+    for index in range(2):
+        env = dict(os.environ, SHARDMEM_COORDINATOR=f"127.0.0.1:{port}", SHARDMEM_NUM_PROCESSES="2",
+                   SHARDMEM_PROCESS_ID=str(index))  # fmt: skip
+        processes.append(subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    for process in processes:
+        while not (line := process.stdout.readline()).startswith("summed 2.0"):
+            assert line, "the process ended before its first collective"
+    processes[1].kill()  # Not the coordinator: the slow case, found by missing heartbeats.
+    killed = time.monotonic()
+    try:
+        processes[0].wait(timeout=90)
+    finally:
+        processes[0].kill()
+    assert time.monotonic() - killed < 60, "the surviving peer ran on"
+    assert distributed.HEARTBEAT_TIMEOUT_S < 60
