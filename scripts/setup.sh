@@ -28,7 +28,9 @@ if [ "${1:-}" = "--newest" ]; then
   venv=.venv-newest
   [ -x "$venv/bin/python" ] || "$(newest_python)" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
-  "$venv/bin/python" -m pip install --quiet --upgrade -e ".[dev]" jax jaxlib flax optax orbax-checkpoint
+  # Compat mode puts the checkout on sys.path: a folder named shardmem next to a script cannot shadow it.
+  "$venv/bin/python" -m pip install --quiet --upgrade -e ".[dev]" jax jaxlib flax optax orbax-checkpoint \
+    --config-settings editable_mode=compat
   exit 0
 fi
 if [ ! -x .venv/bin/python ]; then
