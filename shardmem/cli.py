@@ -11,6 +11,7 @@ import argparse
 import difflib
 import json
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -168,6 +169,10 @@ def cmd_train(args) -> int:
     except DivergedError as e:
         print(f"shardmem: error: {e}", file=sys.stderr)
         return EXIT_DIVERGED
+    if result.status != "finished":
+        # Stopped by a signal and saved: another Ctrl-C while Python and JAX tear down just ends the
+        # process, instead of a KeyboardInterrupt traceback from some atexit hook.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_OK
 
 

@@ -209,17 +209,29 @@ class Config:
         return dataclasses.replace(changed, folder=self.folder)
 
 
+# A config is a screenful of YAML; these bounds only stop hostile or broken files early, before they
+# cost memory or time (a 50 MB file, an alias "billion laughs" that expands to gigabytes, deep nesting).
+CONFIG_MAX_BYTES = 1 << 20
+CONFIG_MAX_VALUES = 100_000  # Scalars and collections, counting each alias as often as it is used.
+CONFIG_MAX_DEPTH = 64
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Reads a YAML config, applies ``key.path=value`` overrides and validates the result."""
+    """Reads a YAML config, applies ``key.path=value`` overrides and validates the result.
+
+    Files over ``CONFIG_MAX_BYTES``, not in UTF-8, nested deeper than ``CONFIG_MAX_DEPTH`` or whose
+    aliases expand to more than ``CONFIG_MAX_VALUES`` values are ConfigErrors, found before anything
+    is expanded."""
     path = Path(path)
+    text = _read_config_text(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror}") from None
-    try:
+        _check_yaml_size(yaml.compose(text, Loader=yaml.SafeLoader), path)
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively.
+        raise ConfigError(f"{path}: nested deeper than {CONFIG_MAX_DEPTH} levels; a config needs a few "
+                          "(section, key, value)") from None  # fmt: skip
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, mesh, ...)")
     if raw.get("model") is None and not any(
@@ -231,6 +243,69 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         )
     config = config_from_dict(apply_overrides(raw, overrides), raw.get("name", path.stem))
     return dataclasses.replace(config, folder=str(path.resolve().parent))
+
+
+def _read_config_text(path: Path) -> str:
+    """The file's text, or a ConfigError when it cannot be read, is too large or is not UTF-8."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(CONFIG_MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror}") from None
+    if len(data) > CONFIG_MAX_BYTES:
+        raise ConfigError(f"config {str(path)!r} is over {CONFIG_MAX_BYTES >> 20} MiB; a config is a short "
+                          "YAML file (see configs/), is this the right file?")  # fmt: skip
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config {str(path)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}); save it as UTF-8") from None  # fmt: skip
+
+
+def _check_yaml_size(root: yaml.Node | None, path: Path) -> None:
+    """Raises ConfigError when the composed document, with its aliases expanded, would hold more than
+    ``CONFIG_MAX_VALUES`` values, nest deeper than ``CONFIG_MAX_DEPTH`` or refer to itself.
+
+    Works on the node graph, where an alias is one shared node: sizes are added up once per distinct
+    node (iteratively, without recursion), so a billion laughs is measured in microseconds."""
+    if root is None:
+        return
+    expanded: dict[int, int] = {}  # id(node) -> values under it, aliases counted at every use
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, children_done = stack.pop()
+        if depth > CONFIG_MAX_DEPTH:
+            line = node.start_mark.line + 1
+            raise ConfigError(f"{path}: nested deeper than {CONFIG_MAX_DEPTH} levels (line {line}); a config "
+                              "needs a few (section, key, value)")  # fmt: skip
+        children = _yaml_children(node)
+        if children_done:
+            open_nodes.discard(id(node))
+            expanded[id(node)] = 1 + sum(expanded[id(child)] for child in children)
+            if expanded[id(node)] > CONFIG_MAX_VALUES:
+                raise ConfigError(
+                    f"{path}: its aliases (*name) expand to more than {CONFIG_MAX_VALUES:,} values (from "
+                    f"line {node.start_mark.line + 1}); a config has a few dozen, write them out instead"
+                )
+            continue
+        if id(node) in expanded:
+            continue
+        if id(node) in open_nodes:
+            line = node.start_mark.line + 1
+            raise ConfigError(f"{path}: an alias at line {line} refers to a collection that contains it; "
+                              "a YAML config cannot be recursive")  # fmt: skip
+        open_nodes.add(id(node))
+        stack.append((node, depth, True))
+        stack.extend((child, depth + 1, False) for child in children if id(child) not in expanded)
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [item for pair in node.value for item in pair]
+    return []
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

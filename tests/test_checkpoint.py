@@ -1,6 +1,11 @@
-"""Tests for shardmem.run.checkpoint: round trips, retention, cross-mesh restore and errors."""
+"""Tests for shardmem.run.checkpoint: round trips, retention, cross-mesh restore, corrupt checkpoints,
+a full disk and errors."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
-from shardmem.run.checkpoint import Checkpointer
+from shardmem.run.checkpoint import Checkpointer, CheckpointError
 
 
 def _train_state(mesh: jax.sharding.Mesh) -> dict:
@@ -152,3 +157,82 @@ def test_bad_arguments_raise_config_errors(tmp_path):
     file_path.write_text("x")
     with pytest.raises(ConfigError, match="is a file.*--run-dir"):
         Checkpointer(file_path, every=1, keep=1)
+
+
+def _truncate_data_files(step_dir):
+    # All of them: OCDBT may leave files that no longer hold live data, so cutting one may harm nothing.
+    for path in step_dir.glob("default/**/d/*"):
+        os.truncate(path, min(100, path.stat().st_size // 2))
+
+
+CORRUPTIONS = {
+    "truncated data files": _truncate_data_files,
+    "garbage manifest": lambda step_dir: (step_dir / "default" / "manifest.ocdbt").write_bytes(b"\x07" * 300),
+    "deleted _METADATA": lambda step_dir: (step_dir / "default" / "_METADATA").unlink(),
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_next_one_restores(tmp_path, mesh8, corrupt):
+    state = _train_state(mesh8)
+    older = dict(state, step=jnp.int32(1))
+    with Checkpointer(tmp_path, every=1, keep=3) as checkpointer:
+        checkpointer.save(1, older)
+        checkpointer.save(2, state)
+    corrupt(tmp_path / "2")
+    with Checkpointer(tmp_path, every=1, keep=3) as checkpointer:
+        step, restored, moved = checkpointer.restore_newest(_abstract(state, lambda x: x.sharding))
+        assert step == 1 and checkpointer.all_steps() == [1]
+    _assert_trees_equal(restored, older)
+    [aside] = moved
+    assert aside.step == 2 and aside.reason and "\n" not in aside.reason
+    assert re.fullmatch(r"2\.corrupt-\d{8}-\d{6}", os.path.basename(aside.path)), aside.path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", os.path.basename(aside.path)]
+    assert any((tmp_path / aside.path).rglob("*")), "moved aside with its files, not deleted"
+
+
+def test_when_no_checkpoint_restores_every_one_is_moved_aside(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path, every=1, keep=3) as checkpointer:
+        checkpointer.save(1, state)
+        checkpointer.save(2, state)
+    for step in ("1", "2"):
+        (tmp_path / step / "default" / "manifest.ocdbt").write_bytes(b"garbage")
+    with Checkpointer(tmp_path, every=1, keep=3) as checkpointer:
+        step, restored, moved = checkpointer.restore_newest(_abstract(state, lambda x: x.sharding))
+    assert (step, restored, [m.step for m in moved]) == (None, None, [2, 1])
+    assert all(".corrupt-" in p.name for p in tmp_path.iterdir())
+
+
+def test_a_checkpoint_of_another_model_is_a_config_error_and_stays_in_place(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        checkpointer.save(0, state)
+    abstract = _abstract(state, lambda x: x.sharding)
+    del abstract["params"]["b"]
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        with pytest.raises(ConfigError, match="does not match"):
+            checkpointer.restore_newest(abstract)
+    assert [p.name for p in tmp_path.iterdir()] == ["0"]
+
+
+def test_a_save_that_fills_the_disk_raises_and_keeps_the_last_good_checkpoint(small_disk, mesh8):
+    tiny_disk = small_disk("1m")
+    sharded = NamedSharding(mesh8, P("data"))
+    small = {"w": jax.device_put(jnp.ones((64, 64), jnp.float32), sharded)}
+    # 2 MiB of noise, which compression cannot squeeze into the 1 MiB disk.
+    big = {"w": jax.device_put(jax.random.normal(jax.random.key(0), (1024, 512)), sharded)}
+    checkpointer = Checkpointer(tiny_disk, every=1, keep=3)
+    checkpointer.save(1, small)
+    checkpointer.wait()
+    with pytest.raises(CheckpointError) as error:
+        checkpointer.save(2, big)
+        checkpointer.wait()
+    message = str(error.value)
+    assert "No space left on device" in message and "the last good checkpoint is step 1" in message, message
+    assert "\n" not in message and "rerun to resume" in message
+    with contextlib.suppress(CheckpointError):
+        checkpointer.close()
+    with Checkpointer(tiny_disk, every=1, keep=3) as reopened:
+        assert reopened.all_steps() == [1]
+        _assert_trees_equal(reopened.restore(_abstract(small, lambda x: x.sharding)), small)

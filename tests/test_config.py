@@ -1,4 +1,5 @@
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,43 @@ def test_a_file_needs_a_model_section_and_python_may_bring_the_model(tmp_path):
     with pytest.raises(ConfigError, match="no model section; add e.g. model: {preset: tiny}"):
         load_config(path)
     assert config_from_dict({"mesh": {"axes": {"data": 2}}}).model is None  # model_factory= comes later
+
+
+def _bomb(levels: int) -> str:
+    """A "billion laughs": each level an alias list of nine of the previous one (9**levels values)."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(["model: {preset: tiny}", *lines]) + "\n"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (_bomb(9).encode(), r"aliases \(\*name\) expand to more than 100,000 values \(from line \d+\)"),
+        (
+            b"model: {preset: tiny}\nx: &a [1, *a]\n",
+            "alias at line 2 refers to a collection that contains it",
+        ),
+        (b"model: {preset: tiny}\nx: " + b"[" * 5000 + b"]" * 5000, "nested deeper than 64 levels"),
+        (b"model: {preset: tiny}\nx: " + b"[" * 100 + b"]" * 100, r"nested deeper than 64 levels \(line 2\)"),
+        (
+            "name: caf\u00e9\nmodel: {preset: tiny}\n".encode("latin-1"),
+            r"not UTF-8 text \(byte 0xe9 at offset 9\)",
+        ),
+        (b"model: {preset: tiny}\n" + b"# padding\n" * 120_000, "is over 1 MiB"),
+    ],
+    ids=["alias bomb", "recursive alias", "5000 deep", "100 deep", "latin-1", "1.2 MB"],
+)
+def test_hostile_config_files_are_config_errors_found_fast(tmp_path, content, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    assert time.perf_counter() - started < 2, "rejected, but too slowly"
+
+
+def test_aliases_within_the_limits_still_load(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("model: {preset: tiny}\nrules: {heads: &t tensor, mlp: *t}\n")
+    assert load_config(path).to_dict()["rules"]["mlp"] == "tensor"

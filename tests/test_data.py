@@ -177,3 +177,13 @@ def test_global_batch_that_does_not_divide_is_a_config_error():
     source = SyntheticSource(vocab_size=50, seq_len=7, seed=0)
     with pytest.raises(ConfigError, match=r"train\.global_batch=12"):
         global_batch(source, 0, 12, NamedSharding(mesh, P("data")))
+
+
+def test_a_npy_file_that_is_not_one_is_named_so_without_mentioning_pickles(tmp_path):
+    garbage = tmp_path / "tokens.npy"
+    garbage.write_bytes(b"this is text, not an array\n" * 10)
+    with pytest.raises(
+        ConfigError, match=r"is not a \.npy file \(it does not start with NumPy's header\)"
+    ) as e:
+        make_source(str(garbage), vocab_size=300, seq_len=10, seed=0)
+    assert "pickle" not in str(e.value)

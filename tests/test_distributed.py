@@ -257,3 +257,181 @@ def test_launch_rejects_bad_arguments():
         launch(1, [], devices_per_process=0)
     with pytest.raises(ConfigError, match="`port=70000` is not a TCP port"):
         launch(1, [], port=70000)
+
+
+def _children_of(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start_launcher(nproc: int, command: list[str]) -> subprocess.Popen:
+    runner = (
+        "import sys\nfrom shardmem.run.distributed import launch\n"
+        f"sys.exit(launch({nproc}, [], command={command!r}, grace_seconds=2))\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def _wait_ready(launcher: subprocess.Popen, count: int) -> None:
+    ready = 0
+    while ready < count:
+        line = launcher.stdout.readline()
+        assert line, "launcher ended before its children were ready"
+        ready += line.strip().endswith("ready")
+
+
+def test_children_do_not_outlive_a_launcher_killed_with_sigkill(clean_env, tmp_path):
+    launcher = _start_launcher(2, [sys.executable, _script(tmp_path, WAIT_FOR_SIGNAL)])
+    _wait_ready(launcher, 2)
+    children = _children_of(launcher.pid)
+    assert len(children) == 2
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, children)), "a child outlived its launcher"
+
+
+def test_the_launcher_names_the_process_that_died_and_how(clean_env, tmp_path):
+    launcher = _start_launcher(3, [sys.executable, _script(tmp_path, WAIT_FOR_SIGNAL)])
+    _wait_ready(launcher, 3)
+    victim = sorted(_children_of(launcher.pid))[1]
+    environ = Path(f"/proc/{victim}/environ").read_bytes()
+    index = int(environ.split(b"SHARDMEM_PROCESS_ID=")[1].split(b"\0")[0])
+    os.kill(victim, signal.SIGKILL)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    others = ", ".join(str(i) for i in range(3) if i != index)
+    assert f"shardmem launch: process {index} (pid {victim}) was killed by SIGKILL (signal 9); " \
+           f"stopping process {others}" in err, err  # fmt: skip
+    assert out.count("got 15") == 2, out  # The others were told to stop (and save).
+
+
+def test_how_a_process_ended_reads_like_a_sentence():
+    assert distributed._how_it_ended(3) == "exited with code 3"
+    assert distributed._how_it_ended(-15) == "was killed by SIGTERM (signal 15)"
+
+
+@pytest.mark.slow
+def test_training_workers_save_and_end_when_the_launcher_is_killed(clean_env, tmp_path):
+    from shardmem.run.checkpoint import Checkpointer
+    from shardmem.run.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardmem", "launch", "--nproc", "2", "--local-devices", "2", "--", "train",
+         str(ROOT / "configs" / "tiny.yaml"), "--set", "model.n_layers=1", "--set", "remat.layers={}",
+         "--set", "train.steps=100000", "--set", "train.checkpoint_every=100000",
+         "--set", "train.log_every=1", "--set", "mesh.axes={data: 1, fsdp: -1, tensor: 1}",
+         "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-1:] < [3]:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
+        time.sleep(0.05)
+    workers = _children_of(launcher.pid)
+    assert len(workers) == 2
+    launcher.kill()
+    start_up = launcher.stdout.read()  # What the launcher had echoed until it died.
+    assert "[Gloo]" not in start_up and "[0] shardmem train tiny: new run" in start_up, start_up
+    killed = time.monotonic()
+    while any(map(_alive, workers)) and time.monotonic() - killed < 60:
+        time.sleep(0.1)
+    assert not any(map(_alive, workers)), "a worker outlived the launcher by 60 s"
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
+        saved = checkpointer.latest_step()
+    assert saved is not None and saved >= 3, f"stopped without saving: {sorted(os.listdir(run_dir))}"
+
+
+@pytest.mark.slow
+def test_two_processes_move_a_corrupt_checkpoint_aside_together_and_respect_the_lock(clean_env, tmp_path):
+    from shardmem.run.lock import RunDirLock
+
+    run_dir = tmp_path / "run"
+    train = ["launch", "--nproc", "2", "--local-devices", "2", "--",
+             "train", str(ROOT / "configs" / "tiny.yaml"), "--set", "model.n_layers=1",
+             "--set", "remat.layers={}", "--set", "train.checkpoint_every=3",
+             "--set", "mesh.axes={data: 1, fsdp: -1, tensor: 1}", "--run-dir", str(run_dir)]  # fmt: skip
+
+    def run(steps: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardmem", *train, "--set", f"train.steps={steps}"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    first = run(6)
+    assert first.returncode == 0, first.stdout + first.stderr
+    (run_dir / "checkpoints" / "6" / "default" / "manifest.ocdbt").write_bytes(b"garbage")
+    with RunDirLock(run_dir):
+        locked = run(9)
+    assert locked.returncode == 2, locked.stdout + locked.stderr
+    for index in (0, 1):
+        assert f"[{index}] shardmem: error: run directory {str(run_dir)!r} is in use by pid {os.getpid()}" \
+            in locked.stdout, locked.stdout  # fmt: skip
+    resumed = run(9)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "[0] warning: checkpoint 6 does not restore" in resumed.stdout, resumed.stdout
+    assert "resuming from step 3" in resumed.stdout and "Traceback" not in resumed.stdout
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names[:3] == ["3", "6", "6.corrupt-" + names[2].partition("-")[2]] and names[3:] == ["9"], names
+
+
+COLLECTIVES_FOREVER = """
+    import time
+
+    from shardmem.run.distributed import initialize
+
+    initialize(local_device_count=1)
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",))
+    x = jax.make_array_from_callback((2,), NamedSharding(mesh, P("data")), lambda i: jnp.ones(1))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+    while True:
+        print("summed", float(total(x).addressable_data(0)), flush=True)
+        time.sleep(0.2)
+"""
+
+
+@pytest.mark.slow
+def test_without_a_launcher_a_dead_peer_ends_the_others_within_a_minute(clean_env, tmp_path):
+    script = _script(tmp_path, COLLECTIVES_FOREVER)
+    port = distributed._free_port()
+    processes = []
+    for index in range(2):
+        env = dict(os.environ, SHARDMEM_COORDINATOR=f"127.0.0.1:{port}", SHARDMEM_NUM_PROCESSES="2",
+                   SHARDMEM_PROCESS_ID=str(index))  # fmt: skip
+        processes.append(subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    for process in processes:
+        while not (line := process.stdout.readline()).startswith("summed 2.0"):
+            assert line, "the process ended before its first collective"
+    processes[1].kill()  # Not the coordinator: the slow case, found by missing heartbeats.
+    killed = time.monotonic()
+    try:
+        processes[0].wait(timeout=90)
+    finally:
+        processes[0].kill()
+    assert time.monotonic() - killed < 60, "the surviving peer ran on"
+    assert distributed.HEARTBEAT_TIMEOUT_S < 60

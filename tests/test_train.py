@@ -28,7 +28,7 @@ from shardmem.cli import main
 from shardmem.config import load_config
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
-from shardmem.run.checkpoint import Checkpointer
+from shardmem.run.checkpoint import Checkpointer, CheckpointError
 from shardmem.run.metrics import format_record, read_metrics
 from shardmem.run.training import DivergedError, DoesNotFitError, _utilization, train
 from shardmem.step import build_program
@@ -359,3 +359,50 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(child
     config = load_config(TINY, overrides)
     from_two = _restore(two, config, jax.devices(), 6)  # 4 devices in 2 processes -> 8 in one
     _assert_trees_equal(from_two, _restore(one, config, jax.devices(), 6), rtol=1e-5, atol=1e-6)
+
+
+def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(reference, tmp_path):
+    config, result = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(result.run_dir, run_dir)
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [16, 20, 24]
+    (checkpoints / "24" / "default" / "manifest.ocdbt").write_bytes(b"garbage")
+    (checkpoints / "20" / "default" / "_METADATA").unlink()
+    console = Console(record=True, width=400)
+    again = train(load_config(TINY, FAST), run_dir, console=console)
+    assert (again.start_step, again.final_step) == (16, STEPS)
+    _assert_trees_equal(again.state, result.state)
+    warnings = [line for line in console.export_text().splitlines() if "does not restore" in line]
+    assert [w.split(" does not")[0] for w in warnings] == ["warning: checkpoint 24", "warning: checkpoint 20"]
+    assert all("moved it to" in w and w.endswith("resuming from step 16") for w in warnings), warnings
+    aside = sorted(p.name for p in checkpoints.iterdir() if ".corrupt-" in p.name)
+    assert [name.split(".")[0] for name in aside] == ["20", "24"]
+
+
+def test_a_checkpoint_that_fills_the_disk_stops_the_run_at_once(small_disk):
+    run_dir = small_disk("2m") / "run"  # One checkpoint of the 2-layer tiny model (1.4 MiB) fits.
+    with pytest.raises(CheckpointError) as error:
+        train(load_config(TINY, FAST), run_dir, console=Console(quiet=True))
+    message = str(error.value)
+    assert "No space left on device" in message and "the last good checkpoint is step 4" in message, message
+    assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] <= 8 + 4, "went on training after the failure"
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=3) as checkpointer:
+        assert checkpointer.all_steps() == [4]
+
+
+@pytest.mark.slow
+def test_a_double_ctrl_c_ends_the_run_without_a_traceback_and_it_resumes(child_env, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", TINY, *_sets([*FAST, "train.steps=400"]), "--run-dir", str(run_dir)]
+    process = _start(child_env, *args)
+    _wait_for_step(process, run_dir, 6)
+    process.send_signal(signal.SIGINT)
+    time.sleep(random.uniform(0.0, 0.3))  # Lands in the last steps, the final save or the teardown.
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode in (130, -signal.SIGINT), output
+    assert "Traceback" not in output and "ERROR" not in output, output
+    resumed = _run(child_env, *args[:-2], "--set", "train.steps=30", "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from step" in resumed.stdout

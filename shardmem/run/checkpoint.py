@@ -5,19 +5,27 @@ saves run in the background, and a restore reads straight onto the shardings you
 may belong to a different mesh than the one that saved::
 
     with Checkpointer("runs/a/ckpt", every=100, keep=3) as checkpointer:
-        if (step := checkpointer.latest_step()) is not None:
-            state = checkpointer.restore(abstract_state)  # ShapeDtypeStructs with .sharding
+        step, state, moved = checkpointer.restore_newest(abstract_state)  # ShapeDtypeStructs with .sharding
         ...
         checkpointer.save(step, state)  # returns at once; writes in the background
+        checkpointer.check_for_errors()  # raises CheckpointError once a background save failed
         checkpointer.save(step, state, force=True)  # at the end or on SIGTERM
 
 Orbax writes each step to a temporary directory and renames it only once every process has
-finished, so an interrupted save leaves the last good checkpoint untouched and invisible.
+finished, so an interrupted save leaves the last good checkpoint untouched and invisible. A
+checkpoint that was committed but no longer restores (a truncated or garbled file, a deleted
+``_METADATA``) is renamed to ``<step>.corrupt-<time>`` by :meth:`Checkpointer.restore_newest`,
+never deleted, and the next older one is tried.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import re
+import sys
+import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Self
@@ -25,12 +33,27 @@ from typing import Any, Self
 import jax
 import orbax.checkpoint as ocp
 
-from shardmem.errors import ConfigError
+from shardmem.errors import ConfigError, ShardmemError
 from shardmem.parallel.rules import path_str
 
-__all__ = ["Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "MovedAside"]
 
 PyTree = Any
+
+
+class CheckpointError(ShardmemError):
+    """A checkpoint could not be written (disk full, permissions, a vanished file system); the
+    checkpoints committed before it are intact."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MovedAside:
+    """A committed checkpoint that did not restore, and where it was moved: ``step`` was renamed to
+    ``path`` because of ``reason`` (the first line of the error)."""
+
+    step: int
+    path: str
+    reason: str
 
 
 class Checkpointer:
@@ -58,6 +81,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=every, enable_async_checkpointing=True
         )
+        _QuietFailures.install()
         # Naming the handler lets `item_metadata` read shapes back without restoring.
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
@@ -79,7 +103,76 @@ class Checkpointer:
         """
         if step in self._manager.all_steps():
             return False
-        return bool(self._manager.save(step, args=ocp.args.StandardSave(state), force=force))
+        try:
+            return bool(self._manager.save(step, args=ocp.args.StandardSave(state), force=force))
+        except Exception as error:  # Orbax first raises the failure of the previous background save.
+            raise self._write_error(error) from None
+
+    def check_for_errors(self) -> None:
+        """Raises :class:`CheckpointError` when a background save has failed; cheap, call it often."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as error:
+            raise self._write_error(error) from None
+
+    def _write_error(self, error: BaseException) -> CheckpointError:
+        latest = self._committed_steps()
+        kept = f"the last good checkpoint is step {latest[-1]}" if latest else "no checkpoint was committed"
+        text = _first_line(error, limit=10_000)
+        # TensorStore puts the OS error last, after a long temporary path: say it first.
+        code = re.search(r"os_error_code='?(\d+)", text)
+        reason = os.strerror(int(code.group(1))) if code else _first_line(error)
+        return CheckpointError(
+            f"writing a checkpoint to {self.directory!r} failed: {reason}; stopped at once, "
+            f"{kept}. Free space or fix the file system (or pick a --run-dir elsewhere), then rerun to resume"
+        )
+
+    def _committed_steps(self) -> list[int]:
+        """The steps whose directories Orbax finished, read from the disk (no Orbax state involved)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        return sorted(int(name) for name in names if name.isdigit())
+
+    def restore_newest(self, abstract_state: PyTree) -> tuple[int | None, PyTree, list[MovedAside]]:
+        """Returns ``(step, state, moved)`` for the newest checkpoint that restores, or ``(None, None,
+        moved)`` when none does.
+
+        A checkpoint that fails to read is renamed to ``<step>.corrupt-<YYYYmmdd-HHMMSS>`` next to the
+        others (kept for inspection, never deleted) and listed in ``moved``; then the next older one is
+        tried. A checkpoint that reads but does not match ``abstract_state`` (another model or
+        optimizer) is the config's problem, not the checkpoint's: that raises ConfigError and moves
+        nothing. With several processes, all of them take each decision together: a checkpoint that
+        fails on any process is moved aside (by process 0) for all.
+        """
+        self.wait()
+        moved: list[MovedAside] = []
+        for step in reversed(self.all_steps()):
+            reason = ""
+            try:
+                state = self.restore(abstract_state, step)
+            except ConfigError:
+                raise
+            except Exception as error:
+                reason, state = _first_line(error), None
+            failed = _any_process(bool(reason))
+            if not failed:
+                return step, state, moved
+            moved.append(MovedAside(step, self._move_aside(step), reason or "failed on another process"))
+        return None, None, moved
+
+    def _move_aside(self, step: int) -> str:
+        source = os.path.join(self.directory, str(step))
+        target = f"{source}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+        if jax.process_index() == 0:
+            suffix = 1
+            while os.path.exists(target):  # Two corrupt copies of one step within a second.
+                target, suffix = f"{source}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{suffix}", suffix + 1
+            os.rename(source, target)
+        _barrier(f"shardmem-moved-aside-{step}")
+        self._manager.reload()
+        return target
 
     def restore(self, abstract_state: PyTree, step: int | None = None) -> PyTree:
         """Returns the state saved at ``step`` (default: the newest), laid out as asked.
@@ -107,12 +200,19 @@ class Checkpointer:
         return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
 
     def wait(self) -> None:
-        """Blocks until every background save has been committed."""
-        self._manager.wait_until_finished()
+        """Blocks until every background save has been committed; raises CheckpointError if one failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise self._write_error(error) from None
 
     def close(self) -> None:
-        """Waits for background saves and releases Orbax's threads."""
-        self._manager.close()
+        """Waits for background saves and releases Orbax's threads; raises CheckpointError if a save
+        failed."""
+        try:
+            self._manager.close()
+        except Exception as error:
+            raise self._write_error(error) from None
 
     def __enter__(self) -> Self:
         return self
@@ -148,6 +248,70 @@ class Checkpointer:
                 f"state being restored:\n  {listed}{more}\nRestore with the model and optimizer "
                 "config the run was saved with, or train in a new --run-dir."
             )
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    """The gist of an Orbax/TensorStore error, whose messages run to pages: the first line of its
+    root cause (the TensorStore status, say ``OUT_OF_RANGE: ...``), cut to ``limit`` characters."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip()
+    text = text.splitlines()[0] if text else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _QuietFailures(logging.Filter):
+    """Drops the echoes of a failed restore or save that the error raised already says: asyncio's "Task
+    exception was never retrieved" for the sibling reads, Orbax's warning about unreadable metadata and
+    its ERROR log (with traceback) of a failed background save, and the "Event loop is closed" that
+    TensorStore's late callbacks raise once Orbax's loop is gone (printed as unraisable exceptions)."""
+
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+        cls.installed = True
+        for name in ("asyncio", "absl"):
+            logging.getLogger(name).addFilter(cls())
+        previous = sys.unraisablehook
+
+        def hook(unraisable) -> None:
+            error = unraisable.exc_value
+            if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+                return
+            if "Encountered error while reading" in str(error):
+                return
+            previous(unraisable)
+
+        sys.unraisablehook = hook
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if text.startswith("Task exception was never retrieved") or "but could not be restored" in text:
+            return False  # The second: item_metadata of a checkpoint whose _METADATA is gone.
+        # A failed background save, logged with its traceback: the Checkpointer raises it as a
+        # CheckpointError with the gist, so the log would only bury that message.
+        from_orbax = "orbax" in record.pathname.replace(os.sep, "/")
+        return not (from_orbax and record.levelno >= logging.ERROR and "fail" in text.lower())
+
+
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` is set on any process (all of them must call this together)."""
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _shapes_by_path(tree: PyTree) -> Iterator[tuple[str, tuple[int, ...]]]:

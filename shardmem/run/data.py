@@ -123,6 +123,9 @@ class ByteTextSource(_WindowSource):
         super().__init__(tokens, path, vocab_size=256, seq_len=seq_len, seed=seed)
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+
+
 class TokenFileSource(_WindowSource):
     """Pre-tokenized ids from a 1-D integer ``.npy`` file, loaded with ``mmap_mode="r"``.
 
@@ -132,9 +135,16 @@ class TokenFileSource(_WindowSource):
 
     def __init__(self, path: str, seq_len: int, seed: int, vocab_size: int) -> None:
         _file_size(path)
+        with open(path, "rb") as file:
+            magic = file.read(len(_NPY_MAGIC))
+        if magic != _NPY_MAGIC:  # np.load would take it for a pickle and say so, which misleads.
+            raise ConfigError(
+                f"`data.path={path!r}` is not a .npy file (it does not start with NumPy's header); "
+                "save token ids with np.save(path, ids)."
+            )
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as error:
+        except ValueError as error:  # A damaged header, or an object array (which only pickles hold).
             raise ConfigError(
                 f"`data.path={path!r}` is not a readable .npy array ({error}); "
                 "save token ids with np.save(path, ids)."

@@ -17,11 +17,14 @@ that JAX can read by itself (SLURM, Open MPI, Kubernetes indexed jobs).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -37,6 +40,23 @@ ENV_COORDINATOR = "SHARDMEM_COORDINATOR"
 ENV_NUM_PROCESSES = "SHARDMEM_NUM_PROCESSES"
 ENV_PROCESS_ID = "SHARDMEM_PROCESS_ID"
 ENV_LOCAL_DEVICES = "SHARDMEM_LOCAL_DEVICES"
+ENV_LAUNCHER_PID = "SHARDMEM_LAUNCHER_PID"  # Set by launch(): the worker ends when that process is gone.
+
+# A peer that stops sending heartbeats (killed, its host lost) ends the others after this long, through
+# JAX's coordination service; JAX's default, 100 s, is more than a scheduler's patience.
+HEARTBEAT_TIMEOUT_S = 30
+# After the launcher is gone, a worker gets SIGTERM (it saves and exits) and is ended this long after.
+ORPHAN_GRACE_S = 40
+_PR_SET_PDEATHSIG = 1
+# Runs first in each launched child: arms the parent-death signal, then becomes the real command (a
+# preexec_fn would do it too, but forks this process, which JAX warns can deadlock when threaded).
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'): ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+# Start-up chatter of the gloo CPU collectives, one line per process and peer.
+_GLOO_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 def detected_cluster() -> str | None:
@@ -65,6 +85,7 @@ def initialize(
         local_device_count = _env_int(ENV_LOCAL_DEVICES)
     if local_device_count is not None:
         _set_cpu_device_count(local_device_count)
+    _watch_launcher()
     if jax.distributed.is_initialized():
         return
     coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR)
@@ -91,7 +112,10 @@ def initialize(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
-            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
         )
     except RuntimeError as error:  # raised when JAX already created its devices
         raise ConfigError(
@@ -120,9 +144,13 @@ def launch(
 
     ``command`` defaults to ``python -m shardmem``. Each process gets ``SHARDMEM_*`` variables
     for a coordinator on ``127.0.0.1:port`` (a free port if None), and every line it prints is
-    echoed to this process's stdout prefixed by ``[i] ``. SIGINT and SIGTERM are forwarded to
-    all processes. When one process fails, the others get SIGTERM, then SIGKILL after
-    ``grace_seconds``. A process killed by signal ``s`` counts as exit code ``128 + s``.
+    echoed to this process's stdout prefixed by ``[i] `` (but gloo's "Rank N is connected to M
+    peer ranks" start-up lines). SIGINT and SIGTERM are forwarded to all processes. When one process
+    fails, a line on stderr names it and how it ended (exit code or signal), and the others get
+    SIGTERM, then SIGKILL after ``grace_seconds``. A process killed by signal ``s`` counts as exit
+    code ``128 + s``. No process outlives the launcher: if it dies, even by kill -9, each gets SIGTERM
+    (a training run saves and exits), and one that calls :func:`initialize` ends for good at most
+    ``ORPHAN_GRACE_S`` later.
     """
     _check_positive("--nproc", nproc)
     if devices_per_process is not None:
@@ -133,27 +161,33 @@ def launch(
         raise ConfigError(f"`port={port}` is not a TCP port; use 1024-65535, or None for a free one.")
     prefix = list(command) if command is not None else [sys.executable, "-m", "shardmem"]
     children: list[subprocess.Popen[bytes]] = []
+    outputs = []
     for index in range(nproc):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
         env[ENV_NUM_PROCESSES] = str(nproc)
         env[ENV_PROCESS_ID] = str(index)
+        env[ENV_LAUNCHER_PID] = str(os.getpid())
         if devices_per_process is not None:
             env[ENV_LOCAL_DEVICES] = str(devices_per_process)
+        # Output goes to an unlinked file that this process tails, not to a pipe: if the launcher dies,
+        # a pipe would break under the child, whose next print would then fail before it could save.
+        output = tempfile.TemporaryFile()
+        outputs.append(output)
         # A session of its own: only our forwarding signals it, and killpg reaches its children.
         children.append(
             subprocess.Popen(
-                [*prefix, *argv],
+                [sys.executable, "-c", _DIE_WITH_PARENT, *prefix, *argv],
                 env=env,
-                stdout=subprocess.PIPE,
+                stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         )
     lock = threading.Lock()
     echoes = [
-        threading.Thread(target=_echo, args=(f"[{i}] ", child.stdout, lock), daemon=True)
-        for i, child in enumerate(children)
+        threading.Thread(target=_echo, args=(f"[{i}] ", output, child, lock), daemon=True)
+        for i, (child, output) in enumerate(zip(children, outputs, strict=True))
     ]
     for echo in echoes:
         echo.start()
@@ -161,18 +195,24 @@ def launch(
         exit_code = _wait_all(children, grace_seconds)
     for echo in echoes:
         echo.join(timeout=5)
+    for output in outputs:
+        output.close()
     return exit_code
 
 
 def _wait_all(children: list[subprocess.Popen[bytes]], grace_seconds: float) -> int:
-    """Waits for every child; after the first failure terminates the rest, then kills them."""
+    """Waits for every child; after the first failure names it, terminates the rest, then kills them."""
     first_failure = 0
     kill_at: float | None = None
     while any(child.poll() is None for child in children):
-        for child in children:
+        for index, child in enumerate(children):
             code = child.poll()
             if code and not first_failure:
                 first_failure = 128 - code if code < 0 else code
+                others = [i for i, other in enumerate(children) if other.poll() is None]
+                stopping = f"; stopping process {', '.join(map(str, others))}" if others else ""
+                print(f"shardmem launch: process {index} (pid {child.pid}) {_how_it_ended(code)}{stopping}",
+                      file=sys.stderr, flush=True)  # fmt: skip
                 _signal_all(children, signal.SIGTERM)
                 kill_at = time.monotonic() + grace_seconds
         if kill_at is not None and time.monotonic() > kill_at:
@@ -214,14 +254,70 @@ def _signal_all(children: list[subprocess.Popen[bytes]], signum: int) -> None:
                 pass  # exited between poll and kill
 
 
-def _echo(prefix: str, stream: IO[bytes] | None, lock: threading.Lock) -> None:
-    assert stream is not None
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace").rstrip("\n")
-        with lock:
-            sys.stdout.write(f"{prefix}{line}\n")
-            sys.stdout.flush()
-    stream.close()
+def _how_it_ended(code: int) -> str:
+    """Returns "exited with code 3" or "was killed by SIGKILL (signal 9)" for a Popen return code."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"was killed by {name} (signal {-code})"
+
+
+def _watch_launcher() -> None:
+    """In a process started by :func:`launch`: make sure it ends when the launcher is gone.
+
+    The kernel's parent-death signal (set by the ``_DIE_WITH_PARENT`` shim, renewed here) sends SIGTERM
+    the moment the launcher dies, even by kill -9, so a training run stops like a preempted one: it
+    saves and exits. Should it not get that far (say, stuck in a collective with a dead peer), a watch
+    thread ends the process ``ORPHAN_GRACE_S`` later."""
+    text = os.environ.pop(ENV_LAUNCHER_PID, "")  # Not for this process's own children.
+    if not text.isdigit():
+        return
+    launcher = int(text)
+    _set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != launcher:  # Died before the signal was armed.
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        time.sleep(ORPHAN_GRACE_S)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="shardmem-launcher-watch", daemon=True).start()
+
+
+def _set_parent_death_signal(signum: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+def _echo(prefix: str, output: IO[bytes], child: subprocess.Popen[bytes], lock: threading.Lock) -> None:
+    """Prints each line ``child`` writes to ``output`` (a file, read at our own offset), prefixed."""
+    offset, pending = 0, b""
+    while True:
+        exited = child.poll() is not None  # Before reading: what it wrote before exiting is read below.
+        chunk = os.pread(output.fileno(), 1 << 16, offset)
+        if chunk:
+            offset += len(chunk)
+            *lines, pending = (pending + chunk).split(b"\n")
+            _print_lines(prefix, lines, lock)
+        elif exited:
+            _print_lines(prefix, [pending] if pending else [], lock)
+            return
+        else:
+            time.sleep(0.05)
+
+
+def _print_lines(prefix: str, lines: list[bytes], lock: threading.Lock) -> None:
+    with lock:
+        for raw in lines:
+            line = raw.decode("utf-8", errors="replace")
+            if not _GLOO_CHATTER.match(line):
+                sys.stdout.write(f"{prefix}{line}\n")
+        sys.stdout.flush()
 
 
 def _free_port() -> int:

@@ -10,7 +10,8 @@ one that trains, so the step is compiled once. A run directory that holds checkp
 the newest one, onto whatever mesh the current devices give, and the batch of step ``k`` depends only
 on ``(train.seed, k)``, so a resumed run computes what an uninterrupted one would have.
 
-The run directory holds ``config.yaml`` (the resolved config), ``plan.json`` (the memory report),
+The run directory holds ``run.lock`` (held by the run that owns the directory, see
+:mod:`shardmem.run.lock`), ``config.yaml`` (the resolved config), ``plan.json`` (the memory report),
 ``metrics.jsonl`` (one record per logged step), ``checkpoints/<step>/`` (Orbax, sharded) and
 ``tensorboard/`` when ``train.tensorboard`` is set.
 """
@@ -23,6 +24,7 @@ import math
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +44,7 @@ from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.run.data import batch_stream
+from shardmem.run.lock import RunDirLock
 from shardmem.run.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
 from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
@@ -151,14 +154,21 @@ def train(
     except OSError as e:
         raise ConfigError(f"cannot create run directory {str(run_dir)!r}: {e.strerror}; choose another "
                           "--run-dir") from None  # fmt: skip
-    checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
-                                keep=train_config.keep_checkpoints)  # fmt: skip
+    lock = _lock_run_dir(run_dir, console)
     try:
-        start = checkpointer.latest_step()
+        checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
+                                    keep=train_config.keep_checkpoints)  # fmt: skip
+    except BaseException:
+        lock.release()
+        raise
+    try:
+        start, state, moved = checkpointer.restore_newest(program.abstract_state)
+        for corrupt in moved:
+            resumed = f"resuming from step {start}" if start is not None else "starting again from step 0"
+            _say(console, f"[yellow]warning:[/yellow] checkpoint {corrupt.step} does not restore "
+                          f"({corrupt.reason}); moved it to {corrupt.path}; {resumed}")  # fmt: skip
         if start is None:
             start, state = 0, program.init()
-        else:
-            state = checkpointer.restore(program.abstract_state, start)
         if lead:  # Only now: a resume that cannot restore leaves the run's files as they were.
             _write_config(run_dir / "config.yaml", config, console)
             (run_dir / "plan.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -185,7 +195,7 @@ def train(
             _StopSignals() as signals,
         ):  # fmt: skip
             status, state = loop.run(state, log, progress, signals)
-        checkpointer.wait()
+            checkpointer.wait()  # Still under the signal handlers: a second Ctrl-C here exits cleanly.
         final = loop.step
         how = {"finished": "finished", "preempted": "stopped by SIGTERM", "interrupted": "interrupted"}
         _say(
@@ -195,7 +205,10 @@ def train(
         )
         return TrainResult(run_dir, status, start, final, loop.history, report, state)
     finally:
-        checkpointer.close()
+        try:
+            checkpointer.close()
+        finally:
+            lock.release()
 
 
 class _Loop:
@@ -226,6 +239,7 @@ class _Loop:
         status = "finished"
         self._last_done = time.perf_counter()
         while self.step < train.steps:
+            self.checkpointer.check_for_errors()  # A failed background save stops the run at once.
             if _any_process(signals.received is not None):
                 status = "interrupted" if signals.received == signal.SIGINT else "preempted"
                 break
@@ -370,6 +384,37 @@ def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
     return outcome, program.step
 
 
+def _lock_run_dir(run_dir: Path, console: Console) -> RunDirLock:
+    """Process 0 takes the run directory's lock (:mod:`shardmem.run.lock` says what a stale one is); when
+    another run holds it, every process raises the same ConfigError, so that all exit alike."""
+    lock = RunDirLock(run_dir)
+    message = ""
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except ConfigError as error:
+            message = str(error)
+    message = _from_process_0(message)
+    if message:
+        raise ConfigError(message)
+    if lock.stale:
+        _say(console, f"note: took over the lock of {lock.stale}, which no longer runs")
+    return lock
+
+
+def _from_process_0(text: str) -> str:
+    """Returns process 0's ``text`` on every process (all of them must call this together)."""
+    if jax.process_count() == 1:
+        return text
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(text.encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
+    buffer = np.zeros(max(size, 1), np.uint8)  # Never empty: an empty message is the common case.
+    buffer[: len(data)] = data
+    return np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes()[:size].decode()
+
+
 def _check_run_dir(run_dir: Path) -> None:
     """Fails before any work when the run directory cannot be one: a file is in its way, or it (or
     else its nearest existing folder) is not writable."""
@@ -398,12 +443,23 @@ def _any_process(flag: bool) -> bool:
 
 
 class _StopSignals:
-    """While active, the first SIGTERM or SIGINT asks the loop to stop at the next step; a second one
-    acts as it would have without us (SIGINT raises KeyboardInterrupt, SIGTERM ends the process)."""
+    """While active, the first SIGTERM or SIGINT asks the loop to stop at the next step and save; a
+    second one ends the process at once (exit 128 + signal number) with a one-line note. Raising
+    KeyboardInterrupt instead would land in whatever runs, often Orbax's wait for the save in progress,
+    which then logs an ERROR and a traceback; the last committed checkpoint is intact either way, since
+    Orbax commits a step by renaming its finished temporary directory."""
+
+    # A SIGTERM that came before the loop (while compiling, say), kept by the handler start_runtime sets.
+    early: int | None = None
 
     def __init__(self) -> None:
-        self.received: int | None = None
+        self.received: int | None = _StopSignals.early
+        _StopSignals.early = None
         self._previous: dict[int, Any] = {}
+
+    @staticmethod
+    def remember_early(signum: int, frame) -> None:
+        _StopSignals.early = signum
 
     def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -415,8 +471,12 @@ class _StopSignals:
         if self.received is None:
             self.received = signum
             return
-        self._restore()
-        signal.raise_signal(signum)
+        name = signal.Signals(signum).name
+        sys.stdout.flush()
+        sys.stderr.write(f"shardmem: second {name}: stopping now, without the checkpoint in progress; "
+                         "the last committed one is kept; rerun to resume\n")  # fmt: skip
+        sys.stderr.flush()
+        os._exit(128 + signum)
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():
@@ -468,7 +528,8 @@ def start_runtime(
     ``memory.usable_fraction``, unless already set), simulates ``local_devices`` CPU devices (by
     default as many as the mesh needs, split over the processes) and joins a multi-process run
     through :func:`shardmem.run.distributed.initialize` (flags, ``SHARDMEM_*`` variables or a detected
-    SLURM, Open MPI or Kubernetes job).
+    SLURM, Open MPI or Kubernetes job). From here on a SIGTERM no longer ends the process: the run
+    stops at its first step, saved, as it would later in training.
     """
     from shardmem._quiet import native_stderr_silenced
     from shardmem.planning.targets import configure_local_memory, ensure_cpu_devices
@@ -483,6 +544,11 @@ def start_runtime(
     distributed.initialize(coordinator, num_processes, process_id, local_devices)
     with native_stderr_silenced():
         jax.devices()  # Start the backends now, without the CUDA stub's expected complaint.
+    if threading.current_thread() is threading.main_thread():
+        # A scheduler may stop the job while it still compiles (SLURM's time-limit signal, a
+        # preemption): then the run stops before its first step, saved, and exits 0 like later on.
+        # Set after jax.distributed, whose preemption notifier would otherwise take SIGTERM over.
+        signal.signal(signal.SIGTERM, _StopSignals.remember_early)
 
 
 def _say(console: Console, text: str) -> None:
