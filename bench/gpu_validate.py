@@ -10,7 +10,11 @@ For each trial (a shipped config plus ``--set`` overrides, on a one-device mesh)
    deviceless twin of the attached GPU (``h200`` for an H200, read from ``device_kind``), each in its own
    process, so that the driver itself never starts a GPU client and holds no device memory (with
    ``--autotune-off``, a third plan compiles for the GPU without autotuning, to tell whether autotuning
-   is what separates the twin's plan from the GPU's). The twin's plans run in the background throughout;
+   is what separates the twin's plan from the GPU's; with ``--autotune-results``, the local plan dumps
+   XLA's autotuning decisions, ``xla_gpu_dump_autotune_results_to``, and a fourth plan compiles the twin
+   deviceless with them loaded, ``xla_gpu_load_autotune_results_from`` through
+   ``memory.compiler_options``: whether a deviceless plan that knows the GPU's choices matches the GPU's
+   program, issue 14). The twin's plans run in the background throughout;
    local plans run ``--local-jobs`` at a time and all finish before the first child starts;
 2. a fresh child process (``--child``) builds the program, compiles the step ahead of time, initialises
    the state, runs ``--steps`` steps on synthetic tokens and prints one JSON line with the allocator's
@@ -197,10 +201,13 @@ def twin_target(device_kind: str) -> str | None:
     return target_for_device_kind(device_kind)
 
 
-def plan_trial(trial: Trial, target: str, env: dict[str, str], timeout: float, niceness: int = 0) -> dict:
+def plan_trial(trial: Trial, target: str, env: dict[str, str], timeout: float, niceness: int = 0,
+               extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
     """Plans ``trial`` for ``target`` with the real CLI (at ``niceness``, so that background plans yield
-    the CPUs to the trials); returns the figures the comparison needs."""
-    argv = [sys.executable, "-m", "shardmem", "plan", trial.config, "--target", target, "--json", *trial.sets]
+    the CPUs to the trials; ``extra`` overrides after the trial's own); returns the figures the comparison
+    needs."""
+    sets = [*trial.sets, *(arg for item in extra for arg in ("--set", item))]
+    argv = [sys.executable, "-m", "shardmem", "plan", trial.config, "--target", target, "--json", *sets]
     code, out, err, seconds = _run(["nice", "-n", str(niceness), *argv] if niceness else argv, env, timeout)
     result = {"target": target, "exit_code": code, "wall_s": round(seconds, 2)}
     if code not in (0, 3):  # 0: fits, 3: does not fit; both print the report.
@@ -405,6 +412,18 @@ def markdown(meta: dict, rows: list[dict], bars: list[dict]) -> str:
             peaks = " / ".join(_gib(row["plans"].get(kind, {}).get("peak_bytes"))
                                for kind in ("local", "local-autotune-off", "twin"))  # fmt: skip
             lines.append(f"| {row['trial']} | {peaks} | {_gib(row['measured'].get('peak_bytes_in_use'))} |")
+    tuned = [row for row in rows if "twin-autotuned" in row["plans"]]
+    if tuned:
+        lines += ["", f"| trial | predicted peak: local / {twin} / {twin} with the GPU's autotune results "
+                  "| measured peak |", "|---|---|---|"]  # fmt: skip
+        for row in tuned:
+            plan = row["plans"]["twin-autotuned"]
+            loaded = _gib(plan.get("peak_bytes")) if plan.get("status") == "ok" else plan.get("message", "")
+            peaks = " / ".join(
+                _gib(row["plans"].get(kind, {}).get("peak_bytes")) for kind in ("local", "twin")
+            )
+            lines.append(f"| {row['trial']} | {peaks} / {loaded} | "
+                         f"{_gib(row['measured'].get('peak_bytes_in_use'))} |")  # fmt: skip
     lines += ["", "| bar | result | detail |", "|---|---|---|"]
     lines += [f"| {b['bar']} | {b['result']} | {b['detail']} |" for b in bars]
     return "\n".join(lines) + "\n"
@@ -481,6 +500,21 @@ def driver(args) -> int:
         # The GPU's compile without autotuning: whether autotuning is what separates the twin's plan.
         flags = " ".join(f for f in (env.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0") if f)
         local_envs["local-autotune-off"] = {**local_env, "XLA_FLAGS": flags}
+    autotune_dir = out_dir / "autotune"
+
+    def autotune_file(trial: Trial) -> Path:
+        return autotune_dir / f"{trial.name}.textproto"
+
+    def env_for(trial: Trial, kind: str) -> dict[str, str]:
+        kind_env = local_envs[kind]
+        if kind != "local" or not args.autotune_results:
+            return kind_env
+        # The GPU's own autotuning decisions for this step, for a deviceless compile to load afterwards.
+        dump = f"--xla_gpu_dump_autotune_results_to={autotune_file(trial)}"
+        return {**kind_env, "XLA_FLAGS": " ".join(f for f in (kind_env.get("XLA_FLAGS", ""), dump) if f)}
+
+    if args.autotune_results:
+        autotune_dir.mkdir(parents=True, exist_ok=True)
     with (
         concurrent.futures.ThreadPoolExecutor(args.jobs) as twin_pool,
         concurrent.futures.ThreadPoolExecutor(args.local_jobs) as local_pool,
@@ -488,12 +522,24 @@ def driver(args) -> int:
         twins = {t.name: twin_pool.submit(plan_trial, t, twin, twin_env, args.plan_timeout, niceness=19)
                  for t in trials}  # fmt: skip
         local = {
-            local_pool.submit(plan_trial, t, "local", kind_env, args.plan_timeout): (t.name, kind)
+            local_pool.submit(plan_trial, t, "local", env_for(t, kind), args.plan_timeout): (t.name, kind)
             for t in trials
-            for kind, kind_env in local_envs.items()
+            for kind in local_envs
         }
         for future in concurrent.futures.as_completed(local):
             record_plan(*local[future], future.result())
+        loaded = {}
+        if args.autotune_results:
+            for t in trials:
+                if autotune_file(t).is_file() and autotune_file(t).stat().st_size:
+                    results = f"xla_gpu_load_autotune_results_from: '{autotune_file(t)}'"
+                    load = f"memory.compiler_options={{{results}}}"
+                    loaded[t.name] = twin_pool.submit(plan_trial, t, twin, twin_env, args.plan_timeout,
+                                                      niceness=19, extra=(load,))  # fmt: skip
+                else:
+                    why = "no GPU compile to dump them" if not on_gpu else "XLA wrote none"
+                    plans[t.name]["twin-autotuned"] = {"target": twin, "status": "skipped",
+                                                       "message": f"no autotune results ({why})"}  # fmt: skip
 
         rows: list[dict] = []
         for t in trials:
@@ -503,6 +549,8 @@ def driver(args) -> int:
             else:
                 measured = run_child(t, args.steps, env, min(args.child_timeout, remaining))
             record_plan(t.name, "twin", twins[t.name].result())
+            if t.name in loaded:
+                record_plan(t.name, "twin-autotuned", loaded[t.name].result())
             skipped = {"status": "skipped", "message": "--twin-only"}
             trial_plans = {"local": skipped, **plans[t.name]}
             row = summarize(t, trial_plans, measured, peak_flops)
@@ -631,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--autotune-off", action="store_true",
                         help="also plan --target local with autotuning off (--xla_gpu_autotune_level=0): "
                              "does autotuning separate the twin's plan from the GPU's?")  # fmt: skip
+    parser.add_argument("--autotune-results", action="store_true",
+                        help="the local plan dumps XLA's autotune results and a deviceless twin plan loads "
+                             "them: does the twin then match the GPU's program?")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                         help="deviceless plans run in parallel")  # fmt: skip
     parser.add_argument("--local-jobs", type=int, default=2,

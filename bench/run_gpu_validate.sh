@@ -14,7 +14,8 @@
 #   /tmp/site: the way to bring a missing or too old package to a machine without a registry.
 # - About 8 minutes: a probe, local plans 2 at a time, then one fresh child process per trial (150 s
 #   timeout each, no child started after 450 s) while the deviceless plans run on the CPUs beside them.
-#   `--autotune-off` adds a local plan without autotuning per trial (issue 5's open question). Results go to $OUT (gpu_validate.md,
+#   `--autotune-off` adds a local plan without autotuning per trial; `--autotune-results` a deviceless twin
+#   plan that loads the GPU's autotune results (issue 14). Results go to $OUT (gpu_validate.md,
 #   gpu_validate.json, gpu_validate.log) after every trial, so a run cut short keeps what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."

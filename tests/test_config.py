@@ -161,7 +161,8 @@ def test_hostile_config_files_are_config_errors_found_fast(tmp_path, content, me
     started = time.perf_counter()
     with pytest.raises(ConfigError, match=message):
         load_config(path)
-    assert time.perf_counter() - started < 2, "rejected, but too slowly"
+    # Before the limits these took minutes and gigabytes; the bound leaves room for a loaded machine.
+    assert time.perf_counter() - started < 30, "rejected, but too slowly"
 
 
 def test_aliases_within_the_limits_still_load(tmp_path):

@@ -21,8 +21,12 @@ GIB = 2**30
 @pytest.mark.slow
 def test_cpu_dry_run_writes_well_formed_results(tmp_path):
     trials = ("tiny-offload",)  # One trial keeps this under a minute on two shared cores.
+    # A CPU compile dumps no autotune results; an empty results file (what XLA writes when it tuned
+    # nothing) stands in, so that the deviceless plan that loads them runs for real.
+    (tmp_path / "autotune").mkdir()
+    (tmp_path / "autotune" / "tiny-offload.textproto").write_text("version: 3\n")
     argv = [sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--cpu", "--out", str(tmp_path),
-            "--steps", "2", "--jobs", "2", "--autotune-off",
+            "--steps", "2", "--jobs", "2", "--autotune-off", "--autotune-results",
             *(a for t in trials for a in ("--only", t))]  # fmt: skip
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,6 +51,9 @@ def test_cpu_dry_run_writes_well_formed_results(tmp_path):
         assert row["measured_over_predicted"] == {}
         assert row["tokens_per_s"] == pytest.approx(measured["tokens_per_step"] / measured["step_s_median"])
         assert row["mfu"] is None  # No peak FLOP/s for a CPU.
+        tuned = row["plans"]["twin-autotuned"]
+        assert tuned["status"] == "ok" and tuned["target"] == "h200", tuned
+        assert tuned["peak_bytes"] == twin["peak_bytes"]  # No results to apply: the same program.
     offload = payload["rows"][0]["plans"]["twin"]
     assert offload["remat"].endswith("offload") and offload["per_device"]["host"] > 0
     assert [bar["result"] for bar in payload["bars"]] == ["N/A"] * 3
@@ -56,6 +63,7 @@ def test_cpu_dry_run_writes_well_formed_results(tmp_path):
     assert "| tiny-offload | offload |" in table and "MiB" in table
     assert "| bar | result | detail |" in table
     assert "| tiny-offload | " in table.split("local, autotune off")[1]
+    assert "| tiny-offload | " in table.split("with the GPU's autotune results")[1]
 
 
 def test_is_oom_recognises_xla_and_cuda_messages():
