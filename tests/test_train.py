@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import random
 import shutil
@@ -380,10 +381,12 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(
     assert [name.split(".")[0] for name in aside] == ["20", "24"]
 
 
-def test_a_checkpoint_that_fills_the_disk_stops_the_run_at_once(small_disk):
+def test_a_checkpoint_that_fills_the_disk_stops_the_run_at_once(small_disk, caplog):
     run_dir = small_disk("2m") / "run"  # One checkpoint of the 2-layer tiny model (1.4 MiB) fits.
+    caplog.set_level(logging.ERROR)
     with pytest.raises(CheckpointError) as error:
         train(load_config(TINY, FAST), run_dir, console=Console(quiet=True))
+    assert not caplog.records, "Orbax's ERROR logs and tracebacks would bury the message"
     message = str(error.value)
     assert "No space left on device" in message and "the last good checkpoint is step 4" in message, message
     assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] <= 8 + 4, "went on training after the failure"
