@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import random
 import shutil
@@ -380,10 +381,12 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(
     assert [name.split(".")[0] for name in aside] == ["20", "24"]
 
 
-def test_a_checkpoint_that_fills_the_disk_stops_the_run_at_once(small_disk):
+def test_a_checkpoint_that_fills_the_disk_stops_the_run_at_once(small_disk, caplog):
     run_dir = small_disk("2m") / "run"  # One checkpoint of the 2-layer tiny model (1.4 MiB) fits.
+    caplog.set_level(logging.ERROR)
     with pytest.raises(CheckpointError) as error:
         train(load_config(TINY, FAST), run_dir, console=Console(quiet=True))
+    assert not caplog.records, "Orbax's ERROR logs and tracebacks would bury the message"
     message = str(error.value)
     assert "No space left on device" in message and "the last good checkpoint is step 4" in message, message
     assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] <= 8 + 4, "went on training after the failure"
@@ -406,3 +409,27 @@ def test_a_double_ctrl_c_ends_the_run_without_a_traceback_and_it_resumes(child_e
     resumed = _run(child_env, *args[:-2], "--set", "train.steps=30", "--run-dir", str(run_dir))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from step" in resumed.stdout
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_starting_stops_the_run_saved_before_its_first_step(child_env, tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start(child_env, "train", TINY, *_sets(FAST), "--run-dir", str(run_dir))
+    deadline = time.monotonic() + 120
+    while not _catches(process.pid, signal.SIGTERM):  # Set by start_runtime, before planning.
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=180)[0]
+    assert process.returncode == 0, output
+    assert "stopped by SIGTERM at step 0" in output and "Traceback" not in output, output
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
+        assert checkpointer.latest_step() == 0

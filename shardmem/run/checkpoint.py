@@ -288,13 +288,14 @@ class _QuietFailures(logging.Filter):
         sys.unraisablehook = hook
 
     def filter(self, record: logging.LogRecord) -> bool:
-        text = str(record.msg)
+        text = record.getMessage()
         if text.startswith("Task exception was never retrieved") or "but could not be restored" in text:
             return False  # The second: item_metadata of a checkpoint whose _METADATA is gone.
-        # A failed background save, logged with its traceback: the Checkpointer raises it as a
-        # CheckpointError with the gist, so the log would only bury that message.
+        # A failed background save, logged (by several of Orbax's threads) with its traceback: the
+        # Checkpointer raises it as a CheckpointError with the gist, so the log would only bury that.
         from_orbax = "orbax" in record.pathname.replace(os.sep, "/")
-        return not (from_orbax and record.levelno >= logging.ERROR and "fail" in text.lower())
+        failure = record.exc_info is not None or any(word in text.lower() for word in ("fail", "exception"))
+        return not (from_orbax and record.levelno >= logging.ERROR and failure)
 
 
 def _any_process(flag: bool) -> bool:
