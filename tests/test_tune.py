@@ -167,7 +167,9 @@ def test_cli_tune_writes_a_config_plan_accepts(peaks, tmp_path, capsys):
     assert out.read_text().startswith("# shardmem tune --search remat")
     assert main(["plan", str(out), "--target", "cpu"]) == 0
 
-    low = [*BASE, "memory.reserve=0", f"memory.usable_fraction={(peaks['full'] - 1) / memory!r}"]
+    # Below a third of full remat's peak nothing fits, not even with the optimizer state shrunk (ZeRO-1,
+    # a bf16 first moment), which tune tries before it gives up.
+    low = [*BASE, "memory.reserve=0", f"memory.usable_fraction={(peaks['full'] // 3) / memory!r}"]
     assert main(["tune", TINY, "--target", "cpu", *(x for s in low for x in ("--set", s))]) == 3
 
 
