@@ -213,16 +213,12 @@ def global_batch(
             f"`train.global_batch={global_batch}` cannot be split by the batch sharding "
             f"{sharding}: {error}. Use a multiple of the number of data-parallel devices."
         ) from error
-    blocks: dict[tuple[int, int], np.ndarray] = {}
 
-    def rows_for(index: Sequence[slice]) -> np.ndarray:
-        row_start, row_stop, _ = index[0].indices(global_batch)
-        key = (row_start, row_stop)
-        if key not in blocks:
-            blocks[key] = source.rows(step, row_start, row_stop, global_batch)
-        return blocks[key][:, index[1]]
+    def rows(step: int, rows: range, seed: int) -> np.ndarray:
+        return source.rows(step, rows.start, rows.stop, global_batch)
 
-    return jax.make_array_from_callback(shape, sharding, rows_for)
+    abstract = jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
+    return source_batch(rows, step, source.seed, abstract)
 
 
 def batch_stream(config, program, *, synthetic: bool = False) -> Callable[[int], Any]:
