@@ -132,7 +132,7 @@ GPU_TRIALS = (
     _llama_1b("1b-flash", "none", 4, 4, 4096, kernels=(*FLASH, "model.loss_chunk=null")),
     _llama_7b_widths("7bw-flash", "none", 6, 4, 4096, kernels=(*FLASH, "model.loss_chunk=null")),
     _llama_1b("1b-loss-whole", "none", 4, 8, 2048, kernels=(*FLASH, "model.loss_chunk=null")),
-    _llama_1b("1b-loss-chunked", "none", 4, 8, 2048, kernels=(*FLASH, "model.loss_chunk=512")),
+    _llama_1b("1b-loss-chunked", "none", 4, 8, 2048, kernels=(*FLASH, "model.loss_chunk=8192")),
 )
 
 # The same pipeline on CPU with the tiny preset: seconds per trial. Nothing runs out of memory on CPU, so

@@ -57,12 +57,12 @@ def main() -> None:
     )
     graphdef = program.graphdef
 
-    from shardmem.models.losses import _fit, chunked_cross_entropy
+    from shardmem.models.losses import chunked_cross_entropy
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, params)
-        chunk = _fit(model.loss_chunk, batch.shape[1] - 1)
-        if chunk:
+        chunk = model.loss_chunk
+        if chunk and chunk < model.cfg.vocab_size:
             hidden = model.hidden_states(batch[:, :-1])
             return chunked_cross_entropy(hidden, model.unembedding(), batch[:, 1:], chunk=chunk)
         logits = model(batch[:, :-1])

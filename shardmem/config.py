@@ -588,13 +588,13 @@ def _validate_model(m: ModelConfig) -> None:
         )
     if isinstance(m.loss_chunk, str) and m.loss_chunk != "auto":
         raise ConfigError(
-            f"model.loss_chunk={m.loss_chunk!r}: use auto, a number of positions per chunk (e.g. 512), "
-            "or null to compute the loss in one piece"
+            f"model.loss_chunk={m.loss_chunk!r}: use auto, a number of vocabulary entries per chunk "
+            "(e.g. 8192), or null to compute the loss in one piece"
         )
     if isinstance(m.loss_chunk, int) and m.loss_chunk < 0:
         raise ConfigError(
-            f"model.loss_chunk={m.loss_chunk}: use auto, a positive number of positions (e.g. 512), "
-            "or null/0 for no chunking"
+            f"model.loss_chunk={m.loss_chunk}: use auto, a positive number of vocabulary entries "
+            "(e.g. 8192), or null/0 for no chunking"
         )
     if m.head_size % 2:
         raise ConfigError(f"model head size {m.head_size} must be even for rotary embeddings")

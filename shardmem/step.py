@@ -42,8 +42,8 @@ LossFn = Callable[[nnx.Module, Any], Any]
 
 
 def next_token_loss(model: nnx.Module, batch_BxL1: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; over the vocabulary in
-    chunks of positions for the reference model's ``model.loss_chunk`` (see :mod:`shardmem.models.losses`)."""
+    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; over chunks of the
+    vocabulary for the reference model's ``model.loss_chunk`` (see :mod:`shardmem.models.losses`)."""
     return losses.next_token_loss(model, batch_BxL1)
 
 

@@ -184,7 +184,7 @@ def test_attention_column_names_the_kernel_run_and_the_twin_planned():
 def test_issue10_trials_cover_flash_attention_and_the_chunked_loss():
     names = {t.name: t for t in gv.GPU_TRIALS}
     assert "model.attention=auto" in names["1b-flash"].overrides
-    assert "model.loss_chunk=512" in names["1b-loss-chunked"].overrides
+    assert "model.loss_chunk=8192" in names["1b-loss-chunked"].overrides
     assert "model.loss_chunk=null" in names["1b-loss-whole"].overrides
     assert all("model.attention=xla" in t.overrides for t in gv.GPU_TRIALS if t.role)  # Issue 5's sizing.
 

@@ -42,8 +42,41 @@ def test_reference_model_loss_is_the_same_chunked_or_not():
     assert values[16] == pytest.approx(values[None], rel=1e-6)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_sharded_chunked_training_matches_one_device_unchunked(tied):
+    """Over data x fsdp x tensor (the head's vocabulary sharded over tensor, its width over fsdp), the
+    chunked loss's own backward pass trains exactly as the whole loss does on one device, with a
+    vocabulary of 258 = 6 x 43 entries: 6 chunks of 43 (lm_head), or 7 chunks of 37 with one padded
+    entry (tied)."""
+    import numpy as np
+
+    from shardmem.parallel.mesh import build_mesh
+    from shardmem.step import build_program
+
+    def run(axes, loss_chunk, devices):
+        config = config_from_dict({
+            "model": {"preset": "tiny", "n_layers": 1, "vocab_size": 258,
+                      "tie_embeddings": tied, "loss_chunk": loss_chunk},
+            "mesh": {"axes": axes}, "precision": {"params": "float32", "compute": "float32"},
+            "optimizer": {"name": "sgd", "warmup_steps": 0, "learning_rate": 0.5},
+            "train": {"global_batch": 8},
+        })  # fmt: skip
+        program = build_program(config, build_mesh(config.mesh.axes, devices))
+        state, losses = program.init(), []
+        for step in range(2):
+            tokens = jax.random.randint(jax.random.key(step), program.abstract_batch.shape, 0, 258)
+            state, metrics = program.step(state, jax.device_put(tokens, program.batch_sharding))
+            losses.append(float(metrics["loss"]))
+        return losses, jax.device_get(state["params"])
+
+    losses, params = run({"data": 2, "fsdp": 2, "tensor": 2}, 40 if tied else 64, jax.devices())
+    want_losses, want_params = run({"data": 1}, None, jax.devices()[:1])
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, want_params)
+
+
 def test_auto_chunks_large_vocabularies_only():
-    assert resolve_loss_chunk("auto", vocab_size=128256, d_model=2048) == 512
+    assert resolve_loss_chunk("auto", vocab_size=128256, d_model=2048) == 8192
     assert resolve_loss_chunk("auto", vocab_size=256, d_model=64) is None
     assert resolve_loss_chunk(0, vocab_size=128256, d_model=2048) is None
     assert resolve_loss_chunk(None, vocab_size=128256, d_model=2048) is None
@@ -63,11 +96,11 @@ def test_chunked_loss_lowers_the_planned_temporaries():
     from shardmem.planning.memory import plan
 
     temps = {}
-    for loss_chunk in (None, 64):
+    for loss_chunk in (None, 1024):
         config = config_from_dict({
             "model": {"preset": "tiny", "n_layers": 1, "seq_len": 256, "vocab_size": 8192,
                       "loss_chunk": loss_chunk},
             "mesh": {"axes": {"data": 8}}, "train": {"global_batch": 16}, "memory": {"target": "cpu"},
         })  # fmt: skip
         temps[loss_chunk] = plan(config, count_remat_overhead=False).per_device["temp"]
-    assert temps[None] - temps[64] >= 2 * 256 * 8192 * 4
+    assert temps[None] - temps[1024] >= 2 * 256 * 8192 * 4

@@ -61,7 +61,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     attention: str = "auto"  # A kernel of shardmem.models.attention.ATTENTION_CHOICES.
     attention_chunk: int | None = None  # Query block of the `chunked` kernel (None: 512).
-    loss_chunk: int | str | None = "auto"  # Loss in chunks of this many positions; see models/losses.py.
+    loss_chunk: int | str | None = "auto"  # Vocabulary entries per loss chunk: models/losses.py.
     # Mixture of experts (shardmem.models.moe): n_experts > 0 replaces each layer's MLP by that many
     # SwiGLU experts of width d_ff, experts_per_token of them per token, each taking at most
     # capacity_factor x its balanced share of a sequence's tokens.

@@ -1,22 +1,34 @@
-"""Next-token cross-entropy, whole or in chunks of positions so that the fp32 logits are never all live.
+"""Next-token cross-entropy, whole or in chunks of the vocabulary so that the fp32 logits are never all live.
 
     loss = next_token_loss(model, batch_BxL1)       # chunked when the model says so (model.loss_chunk)
-    loss = chunked_cross_entropy(h_BxLxD, head_DxV, targets_BxL, chunk=512)
+    loss = chunked_cross_entropy(h_BxLxD, head_DxV, targets_BxL, chunk=8192)
 
 With a vocabulary of 128,256 tokens the logits of one sequence of 2,048 positions take 1 GiB in fp32,
-more than anything else a layer keeps. :func:`chunked_cross_entropy` computes the loss ``chunk`` positions
-at a time in a ``lax.scan`` whose body is rematerialized: each chunk's logits are recomputed in the
-backward pass, so only ``B x chunk x V`` of them are live at once, for one extra unembedding matmul.
+more than anything else a layer keeps, and the unchunked backward keeps their fp32 gradient too.
+:func:`chunked_cross_entropy` computes the loss over ``chunk`` vocabulary entries at a time, with a
+backward pass of its own (the approach of Liger Kernel and of Cut Cross-Entropy, Wijmans et al. 2024):
 
-``model.loss_chunk`` says how: an int is the chunk (in positions; the largest divisor of the length not
-above it is used); ``null`` or ``0`` turns chunking off; ``auto`` (the default) uses chunks of
-:data:`AUTO_CHUNK` positions when the vocabulary has more than 4 x ``d_model`` entries -- the fp32 logits
-are then more than 8 x the bf16 hidden states they come from -- and no chunking otherwise.
+- forward: a ``lax.scan`` over the chunks keeps a running log-sum-exp per position and picks out the
+  target's logit, so only ``B x L x chunk`` logits exist at once;
+- backward: a second scan recomputes each chunk's logits, turns them into ``softmax - onehot``, adds their
+  product with the head's rows into ``dhidden`` and emits the head's gradient rows for that chunk, already
+  sharded as the head is -- one reduce-scatter per chunk, so no full-vocabulary gradient is ever gathered.
+
+The cost is one extra unembedding matmul (the logits are computed twice). Chunk ``j`` holds the vocabulary
+entries ``j, j + N, j + 2N, ...`` (``N`` chunks): interleaved, so each chunk keeps the head's sharding over
+the vocabulary and no chunk needs rows from another device.
+
+``model.loss_chunk`` says how: an int is the chunk (in vocabulary entries; the largest divisor of the
+vocabulary not above it, or, when that is under half of it, the vocabulary padded with masked entries);
+``null`` or ``0`` turns chunking off; ``auto`` (the default) uses chunks of :data:`AUTO_CHUNK` entries when
+the vocabulary has more than 4 x ``d_model`` entries -- the fp32 logits are then more than 8 x the bf16
+hidden states they come from -- and no chunking otherwise.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,25 +36,27 @@ import optax
 
 from shardmem.parallel.rules import constrain
 
-#: Positions per chunk of ``model.loss_chunk: auto``.
-AUTO_CHUNK = 512
+#: Vocabulary entries per chunk of ``model.loss_chunk: auto``.
+AUTO_CHUNK = 8192
 
 
 def resolve_loss_chunk(loss_chunk: int | str | None, vocab_size: int, d_model: int) -> int | None:
-    """Returns the chunk (positions) that ``model.loss_chunk`` means for this vocabulary, or None (off)."""
+    """Returns the chunk (vocabulary entries) that ``model.loss_chunk`` means, or None (off)."""
     if loss_chunk == "auto":
         return AUTO_CHUNK if vocab_size > 4 * d_model else None
     return int(loss_chunk) if loss_chunk else None
 
 
 def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; in chunks of positions
-    when the model has a ``loss_chunk`` (and ``hidden_states``/``unembedding``, as the reference model)."""
+    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; over chunks of the
+    vocabulary when the model has a ``loss_chunk`` (and ``hidden_states``/``unembedding``, as the
+    reference model)."""
     inputs_BxL, targets_BxL = batch_BxL1[:, :-1], batch_BxL1[:, 1:]
-    chunk = _fit(getattr(model, "loss_chunk", None), inputs_BxL.shape[1])
+    chunk = getattr(model, "loss_chunk", None)
     if chunk and hasattr(model, "hidden_states"):
-        return chunked_cross_entropy(model.hidden_states(inputs_BxL), model.unembedding(), targets_BxL,
-                                     chunk=chunk)  # fmt: skip
+        head_DxV = model.unembedding()
+        if chunk < head_DxV.shape[1]:
+            return chunked_cross_entropy(model.hidden_states(inputs_BxL), head_DxV, targets_BxL, chunk=chunk)
     logits_BxLxV = model(inputs_BxL)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
         logits_BxLxV.astype(jnp.float32), targets_BxL
@@ -51,29 +65,86 @@ def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
 
 
 def chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int) -> jax.Array:
-    """Mean cross-entropy of ``softmax(hidden @ head)`` against ``targets``, ``chunk`` positions at a
-    time, each chunk's logits recomputed in the backward pass. ``chunk`` must divide L."""
-    b, length, d = hidden_BxLxD.shape
-    blocks = length // chunk
-    h_NxBxCxD = hidden_BxLxD.reshape(b, blocks, chunk, d).swapaxes(0, 1)
-    t_NxBxC = targets_BxL.reshape(b, blocks, chunk).swapaxes(0, 1)
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def chunk_loss(h_BxCxD, t_BxC):
-        logits_BxCxV = constrain((h_BxCxD @ head_DxV).astype(jnp.float32), ("batch", None, "vocab"))
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BxCxV, t_BxC).sum()
-
-    def body(total, chunk_inputs):
-        return total + chunk_loss(*chunk_inputs), None
-
+    """Mean cross-entropy of ``softmax(hidden @ head)`` against ``targets``, over ``chunk`` vocabulary
+    entries at a time, forward and backward (see the module docstring)."""
+    b, length, _ = hidden_BxLxD.shape
+    vocab = head_DxV.shape[1]
+    n_chunks = _chunks(vocab, chunk)
+    head_VxD = head_DxV.T
+    padded = n_chunks * math.ceil(vocab / n_chunks)
+    if padded > vocab:  # Masked in the loss: their logits are set to -inf.
+        head_VxD = jnp.pad(head_VxD, ((0, padded - vocab), (0, 0)))
+    # Row v of the head goes to chunk v % N, at index v // N: the chunks are interleaved.
+    head_CxNxD = head_VxD.reshape(padded // n_chunks, n_chunks, -1)
     with jax.named_scope("loss"):
-        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NxBxCxD, t_NxBxC))
+        total = _chunked_loss_sum(hidden_BxLxD, head_CxNxD, targets_BxL, vocab)
     return total / (b * length)
 
 
-def _fit(chunk: int | None, length: int) -> int | None:
-    """The largest divisor of ``length`` not above ``chunk``; None when that is the whole length."""
-    if not chunk or chunk >= length:
-        return None
-    best = max(c for c in range(1, chunk + 1) if length % c == 0)
-    return best if best < length else None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_loss_sum(hidden_BxLxD, head_CxNxD, targets_BxL, vocab):
+    return _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab)[0]
+
+
+def _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab):
+    """Logits (fp32) of chunk ``j`` of the vocabulary; padding entries are -inf."""
+    rows_CxD = constrain(head_CxNxD[:, j], ("vocab", "embed"))
+    logits_BxLxC = constrain(jnp.einsum("bld,cd->blc", hidden_BxLxD, rows_CxD), ("batch", "seq", "vocab"))
+    ids_C = jnp.arange(head_CxNxD.shape[0]) * head_CxNxD.shape[1] + j
+    return jnp.where(ids_C < vocab, logits_BxLxC.astype(jnp.float32), -jnp.inf)
+
+
+def _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab):
+    n_chunks = head_CxNxD.shape[1]
+    row_BxL, chunk_BxL = targets_BxL // n_chunks, targets_BxL % n_chunks
+
+    def body(carry, j):
+        max_BxL, sum_BxL, target_BxL = carry
+        logits_BxLxC = _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab)
+        new_max_BxL = jnp.maximum(max_BxL, logits_BxLxC.max(axis=-1))
+        sum_BxL = sum_BxL * jnp.exp(max_BxL - new_max_BxL) + jnp.exp(
+            logits_BxLxC - new_max_BxL[..., None]
+        ).sum(axis=-1)
+        picked_BxL = jnp.take_along_axis(logits_BxLxC, row_BxL[..., None], axis=-1)[..., 0]
+        target_BxL = jnp.where(chunk_BxL == j, picked_BxL, target_BxL)
+        return (new_max_BxL, sum_BxL, target_BxL), None
+
+    shape = targets_BxL.shape
+    start = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape))
+    (max_BxL, sum_BxL, target_BxL), _ = jax.lax.scan(body, start, jnp.arange(n_chunks))
+    lse_BxL = max_BxL + jnp.log(sum_BxL)
+    return (lse_BxL - target_BxL).sum(), (hidden_BxLxD, head_CxNxD, targets_BxL, lse_BxL)
+
+
+def _backward(vocab, residuals, grad):
+    hidden_BxLxD, head_CxNxD, targets_BxL, lse_BxL = residuals
+    n_chunks = head_CxNxD.shape[1]
+    row_BxL, chunk_BxL = targets_BxL // n_chunks, targets_BxL % n_chunks
+    dtype = hidden_BxLxD.dtype
+
+    def body(dhidden_BxLxD, j):
+        logits_BxLxC = _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab)
+        probs_BxLxC = jnp.exp(logits_BxLxC - lse_BxL[..., None])
+        target_BxLxC = (row_BxL[..., None] == jnp.arange(probs_BxLxC.shape[-1])) & (chunk_BxL == j)[..., None]
+        dlogits_BxLxC = ((probs_BxLxC - target_BxLxC) * grad).astype(dtype)
+        rows_CxD = constrain(head_CxNxD[:, j], ("vocab", "embed"))
+        dhidden_BxLxD = dhidden_BxLxD + jnp.einsum(
+            "blc,cd->bld", dlogits_BxLxC, rows_CxD, preferred_element_type=jnp.float32
+        )
+        drows_CxD = jnp.einsum("blc,bld->cd", dlogits_BxLxC, hidden_BxLxD, preferred_element_type=jnp.float32)
+        return dhidden_BxLxD, constrain(drows_CxD.astype(head_CxNxD.dtype), ("vocab", "embed"))
+
+    start = constrain(jnp.zeros(hidden_BxLxD.shape, jnp.float32), ("batch", "seq", None))
+    dhidden_BxLxD, drows_NxCxD = jax.lax.scan(body, start, jnp.arange(n_chunks))
+    dhead_CxNxD = drows_NxCxD.swapaxes(0, 1)
+    return dhidden_BxLxD.astype(dtype), dhead_CxNxD, None
+
+
+_chunked_loss_sum.defvjp(lambda h, w, t, vocab: _forward(h, w, t, vocab), _backward)
+
+
+def _chunks(vocab: int, chunk: int) -> int:
+    """How many chunks of at most ``chunk`` entries: a divisor of ``vocab`` when one gives chunks of at
+    least half of ``chunk``; otherwise the vocabulary is padded to whole chunks."""
+    fit = max(c for c in range(1, min(chunk, vocab) + 1) if vocab % c == 0)
+    return vocab // fit if 2 * fit >= min(chunk, vocab) else math.ceil(vocab / chunk)
