@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,6 +46,48 @@ def test_matmul_flops_count_scan_trips():
 
     jaxpr = jax.make_jaxpr(f)(jnp.ones((3, 16, 16)), jnp.ones((4, 16)))
     assert hlo.matmul_flops(jaxpr) == 3 * 2 * 4 * 16 * 16
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_matmul_flops_count_the_pallas_flash_kernel_from_its_shapes(causal):
+    """JAX's Pallas flash kernel is one opaque op in the jaxpr: its matmuls (2 forward, 7 backward, over
+    every query-key pair, half of them when causal) are counted from its shapes (interpret mode on CPU)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    b, length, heads, head_dim = 2, 256, 4, 64
+    q = jnp.zeros((b, length, heads, head_dim), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return pallas_attention.mha(q, k, v, None, causal=causal, interpret=True).astype(jnp.float32).sum()
+
+    pairs = b * heads * length * length * head_dim * (0.5 if causal else 1.0)
+    assert hlo.matmul_flops(jax.make_jaxpr(loss)(q, q, q)) == 2 * 2 * pairs
+    assert hlo.matmul_flops(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, q, q)) == (2 + 7) * 2 * pairs
+
+
+def test_matmul_flops_count_cudnn_attention_by_its_mask():
+    """cuDNN's primitives cannot be traced without a GPU; the rule reads only name, mask and shapes."""
+    from types import SimpleNamespace as NS
+
+    def eqn(name, mask):
+        shapes = ((2, 128, 8, 64), (2, 128, 2, 64))  # BTNH: 8 query heads over 2 key/value heads
+        return NS(primitive=NS(name=name), params={"mask_type": mask},
+                  invars=[NS(aval=NS(shape=shape)) for shape in shapes])  # fmt: skip
+
+    pairs = 2 * 8 * 128 * 128 * 64
+    assert hlo.fused_attention_flops(eqn("dot_product_attention_fwd_wrapper", "MaskType.CAUSAL")) == 2 * pairs
+    assert hlo.fused_attention_flops(eqn("dot_product_attention_bwd_wrapper", "MaskType.NO_MASK")) == 10 * pairs
+    assert hlo.fused_attention_flops(eqn("dot_general", None)) is None
+
+
+def test_matmul_flops_count_shard_map_bodies_once_per_shard():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+
+    def f(x, w):  # split over a (2 shards); b repeats the same work and counts once
+        return jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P("a", None), P()),
+                             out_specs=P("a", None))(x, w)  # fmt: skip
+
+    assert hlo.matmul_flops(jax.make_jaxpr(f)(jnp.ones((8, 16)), jnp.ones((16, 32)))) == 2 * 8 * 16 * 32
 
 
 def test_live_buffers_of_a_real_compile(tmp_path):

@@ -19,11 +19,17 @@ from jax.extend import core as jex_core
 
 def matmul_flops(jaxpr) -> float:
     """Returns the FLOPs of every ``dot_general`` and convolution in a (closed) jaxpr, counting scan trip
-    counts and the recomputation that remat adds to the backward pass (it appears as extra ops there)."""
+    counts and the recomputation that remat adds to the backward pass (it appears as extra ops there),
+    the matmuls inside fused attention kernels (:func:`fused_attention_flops`), and ``shard_map`` bodies
+    once per shard."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        fused = fused_attention_flops(eqn)
+        if fused is not None:
+            total += fused
+            continue
         if name == "dot_general":
             (contracting, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
@@ -42,8 +48,56 @@ def matmul_flops(jaxpr) -> float:
             inner *= eqn.params["length"]
         elif name == "cond":
             inner = max((matmul_flops(b) for b in eqn.params["branches"]), default=0.0)
+        elif name == "shard_map":  # The body sees one shard; count every distinct shard once.
+            inner *= _shards(eqn.params["mesh"], eqn.params["in_specs"])
         total += inner
     return total
+
+
+#: JAX's Pallas flash-attention kernels (jax.experimental.pallas.ops.gpu.attention), by pallas_call name.
+_PALLAS_ATTENTION = ("mha_forward", "mha_backward")
+#: cuDNN's fused attention primitives, and the matmuls each runs per (query, key) pair: QK and PV forward;
+#: the backward recomputes QK and makes dP, dV, dQ and dK.
+_CUDNN_ATTENTION = {"dot_product_attention_fwd_wrapper": 2, "dot_product_attention_bwd_wrapper": 5}
+
+
+def fused_attention_flops(eqn) -> float | None:
+    """Returns the FLOPs of a fused attention kernel's matmuls, or None when ``eqn`` is not one.
+
+    The jaxpr shows such a kernel as one opaque op, so they are counted from its shapes: each matmul of
+    queries against keys costs ``2 x B x heads x Lq x Lk x head_dim``, half of it for a causal kernel
+    (the blocks above the diagonal are skipped). A Pallas kernel's matmuls are the ``dot_general``s of its
+    body (2 forward, 7 backward: the backward recomputes the scores once for dK/dV and once for dQ), and
+    it is causal when its body compares query and key positions."""
+    name = eqn.primitive.name
+    if name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
+        body = eqn.params["jaxpr"]
+        matmuls, causal = _count_primitive(body, "dot_general"), _count_primitive(body, "ge") > 0
+        q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, L, heads, head_dim]
+    elif name in _CUDNN_ATTENTION:
+        matmuls = _CUDNN_ATTENTION[name]
+        causal = "CAUSAL" in str(eqn.params.get("mask_type", ""))
+        q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, T, heads, head_dim] (BTNH)
+    else:
+        return None
+    pairs = q[0] * q[2] * q[1] * k[1] * q[3]
+    return matmuls * 2.0 * pairs * (0.5 if causal else 1.0)
+
+
+def _count_primitive(jaxpr, primitive: str) -> int:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return sum((eqn.primitive.name == primitive) + sum(_count_primitive(sub, primitive)
+               for sub in _sub_jaxprs(eqn.params)) for eqn in jaxpr.eqns)  # fmt: skip
+
+
+def _shards(mesh, in_specs) -> int:
+    """The number of distinct shards a ``shard_map`` computes: the sizes of the mesh axes its inputs
+    are split over (the other axes repeat the same work)."""
+    axes = set()
+    for spec in in_specs:
+        for entry in spec or ():
+            axes.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def checkpoint_tags(jaxpr) -> set[str]:

@@ -75,7 +75,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
 
     flops = f"FLOPs per step {format_flops(report.flops_per_step)} (matmuls, all devices"
     if report.attention.startswith(("pallas", "cudnn")):  # Their matmuls are inside one fused kernel.
-        flops += ", fused attention kernel not counted"
+        flops += ", fused attention from its shapes"
     if report.recompute_overhead is not None:
         flops += f"; recomputation +{report.recompute_overhead:.1%} over no remat"
     parts.append(Text(flops + ")"))
