@@ -76,7 +76,9 @@ def test_matmul_flops_count_cudnn_attention_by_its_mask():
 
     pairs = 2 * 8 * 128 * 128 * 64
     assert hlo.fused_attention_flops(eqn("dot_product_attention_fwd_wrapper", "MaskType.CAUSAL")) == 2 * pairs
-    assert hlo.fused_attention_flops(eqn("dot_product_attention_bwd_wrapper", "MaskType.NO_MASK")) == 10 * pairs
+    assert (
+        hlo.fused_attention_flops(eqn("dot_product_attention_bwd_wrapper", "MaskType.NO_MASK")) == 10 * pairs
+    )
     assert hlo.fused_attention_flops(eqn("dot_general", None)) is None
 
 
