@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shardmem.parallel import context
 from shardmem.parallel.rules import constrain
 
 #: Positions per chunk of ``model.loss_chunk: auto``.
@@ -39,7 +40,7 @@ def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
     """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; in chunks of positions
     when the model has a ``loss_chunk`` (and ``hidden_states``/``unembedding``, as the reference model)."""
     inputs_BxL, targets_BxL = batch_BxL1[:, :-1], batch_BxL1[:, 1:]
-    chunk = _fit(getattr(model, "loss_chunk", None), inputs_BxL.shape[1])
+    chunk = _fit(getattr(model, "loss_chunk", None), inputs_BxL.shape[1] // context.shards())
     if chunk and hasattr(model, "hidden_states"):
         return chunked_cross_entropy(model.hidden_states(inputs_BxL), model.unembedding(), targets_BxL,
                                      chunk=chunk)  # fmt: skip
@@ -52,8 +53,13 @@ def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
 
 def chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int) -> jax.Array:
     """Mean cross-entropy of ``softmax(hidden @ head)`` against ``targets``, ``chunk`` positions at a
-    time, each chunk's logits recomputed in the backward pass. ``chunk`` must divide L."""
+    time, each chunk's logits recomputed in the backward pass. ``chunk`` must divide L (with the sequence
+    split over ``context`` devices, L / context: each step takes ``chunk`` positions of every device's
+    part of the sequence, so no device waits for another's)."""
     b, length, d = hidden_BxLxD.shape
+    shards = context.shards()
+    if shards > 1:
+        return _split_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk=chunk, shards=shards)
     blocks = length // chunk
     h_NxBxCxD = hidden_BxLxD.reshape(b, blocks, chunk, d).swapaxes(0, 1)
     t_NxBxC = targets_BxL.reshape(b, blocks, chunk).swapaxes(0, 1)
@@ -68,6 +74,27 @@ def chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int) ->
 
     with jax.named_scope("loss"):
         total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NxBxCxD, t_NxBxC))
+    return total / (b * length)
+
+
+def _split_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int, shards: int) -> jax.Array:
+    """:func:`chunked_cross_entropy` on a sequence split in ``shards``: step ``j`` takes positions
+    ``[j * chunk, (j + 1) * chunk)`` of each device's part, ``B x shards x chunk`` logits in all."""
+    b, length, d = hidden_BxLxD.shape
+    blocks = length // (shards * chunk)
+    h_NxBxSxCxD = hidden_BxLxD.reshape(b, shards, blocks, chunk, d).transpose(2, 0, 1, 3, 4)
+    t_NxBxSxC = targets_BxL.reshape(b, shards, blocks, chunk).transpose(2, 0, 1, 3)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk_loss(h_BxSxCxD, t_BxSxC):
+        logits = constrain((h_BxSxCxD @ head_DxV).astype(jnp.float32), ("batch", "seq", None, "vocab"))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t_BxSxC).sum()
+
+    def body(total, chunk_inputs):
+        return total + chunk_loss(*chunk_inputs), None
+
+    with jax.named_scope("loss"):
+        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NxBxSxCxD, t_NxBxSxC))
     return total / (b * length)
 
 
