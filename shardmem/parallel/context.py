@@ -74,8 +74,11 @@ def from_zigzag(x, shards: int, axis: int = 1):
     return lib.concatenate([first, second], axis=axis).reshape(shape)
 
 
-def positions(length: int, shards: int) -> np.ndarray:
-    """Returns the real position of each of ``length`` zigzag-ordered places (``arange`` when 1 shard)."""
+def positions(length: int, shards: int):
+    """Returns the real position of each of ``length`` zigzag-ordered places (``jnp.arange`` when 1 shard,
+    as the model had it before the sequence could be split: the same program)."""
+    if shards == 1:
+        return jnp.arange(length)
     return to_zigzag(np.arange(length, dtype=np.int32), shards, axis=0)
 
 
