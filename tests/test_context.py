@@ -19,7 +19,7 @@ from shardmem.models.attention import AttentionKernel, causal_attention, resolve
 from shardmem.parallel import context
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import Rules, constrain
-from shardmem.planning.memory import make_target, plan_program
+from shardmem.planning.memory import make_target, plan, plan_program
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.step import build_program
 
@@ -226,3 +226,17 @@ def test_the_shipped_long_context_config_splits_each_sequence_over_8_gpus():
     config = load_config(ROOT / "configs" / "llama-7b-long.yaml")
     assert config.model.seq_len == 32768 and config.memory.target == "h100-sxm"
     assert config.mesh.axes["context"] == -1 and config.mesh.device_count() == 8
+
+
+@pytest.mark.slow
+def test_the_shipped_long_context_config_plans_deviceless_with_the_pallas_blocks():
+    """Two of its layers, compiled for 8 H100s: the Pallas (Triton) kernels of the block formulation
+    compile deviceless, and the keys and values of each layer are gathered in bf16."""
+    config = load_config(ROOT / "configs" / "llama-7b-long.yaml", ["model.n_layers=2"])
+    report = plan(config, count_remat_overhead=False)
+    assert report.mesh == {"data": 1, "fsdp": 1, "context": 8} and report.fits
+    assert report.attention.startswith("pallas; context parallel over 8 devices")
+    cfg = config.model
+    gathered = 2 * cfg.seq_len * cfg.n_kv_heads * cfg.head_size * 2  # Keys and values of one sequence.
+    micro = config.train.micro_batches
+    assert report.collectives["all-gather"] >= micro * cfg.n_layers * 2 * gathered  # Forward and backward.
