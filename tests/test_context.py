@@ -240,3 +240,16 @@ def test_the_shipped_long_context_config_plans_deviceless_with_the_pallas_blocks
     gathered = 2 * cfg.seq_len * cfg.n_kv_heads * cfg.head_size * 2  # Keys and values of one sequence.
     micro = config.train.micro_batches
     assert report.collectives["all-gather"] >= micro * cfg.n_layers * 2 * gathered  # Forward and backward.
+
+
+@pytest.mark.slow
+def test_sweep_varies_the_context_axis():
+    from shardmem.explore.sweep import sweep
+
+    config = _config({"data": 2, "fsdp": -1, "context": 1}).replace(
+        "rules={embed: fsdp}", "train.global_batch=8"
+    )
+    two, three = sweep(config, {"mesh.axes.context": [2, 3]}, target="cpu", jobs=1)
+    assert two.error is None and two.fits and "context parallel over 2 devices" in two.attention
+    assert two.collectives["all-gather"] > 0  # The keys and values (and FSDP's weights).
+    assert three.candidate == "mesh.axes.context=3" and "does not divide" in three.error, three.error
