@@ -9,6 +9,8 @@ to mesh axes. Every intermediate that a remat policy may want to keep is tagged 
 :func:`jax.ad_checkpoint.checkpoint_name` (see :data:`CHECKPOINT_TAGS`). The layers are stored stacked on a
 leading ``layers`` axis and run by :func:`shardmem.remat.remat_scan`, one scanned segment per remat policy.
 Attention runs the kernel :mod:`shardmem.models.attention` resolves for the devices the model is built for.
+With a ``context`` mesh axis the layers see each sequence split over its devices, in the zigzag order of
+:mod:`shardmem.parallel.context`, and the hidden states come back in sequence order.
 """
 
 from __future__ import annotations
