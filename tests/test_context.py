@@ -87,6 +87,30 @@ def test_each_kernel_on_a_split_sequence_matches_one_device_with_its_gradients(k
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_the_pallas_blocks_in_bf16_match_one_device_within_bf16_tolerance():
+    q, k, v = _qkv(jnp.bfloat16)
+    mesh = build_mesh({"data": 2, "context": 4}, jax.devices())
+    rules = Rules.from_config({}, mesh.axis_names)
+    kernel = AttentionKernel("pallas", interpret=True)
+
+    def split(q, k, v):
+        with rules.activate(mesh):
+            q, k, v = (constrain(context.to_zigzag(x, 4), ("batch", "seq")) for x in (q, k, v))
+            return context.from_zigzag(context.attend(kernel, q, k, v), 4)
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda *a: (fn(*a).astype(jnp.float32) ** 2).sum(), argnums=(0, 1, 2)))(
+            q, k, v
+        )
+
+    out = jax.jit(split)(q, k, v).astype(jnp.float32)
+    assert jnp.abs(out - causal_attention(q, k, v).astype(jnp.float32)).max() < 0.05  # 8 mantissa bits
+    for a, b in zip(grads(split), grads(causal_attention), strict=True):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        assert jnp.abs(a - b).max() <= 0.05 * jnp.abs(b).max()
+
+
 # --- The tiny model on 8 simulated devices -------------------------------------------------------
 
 

@@ -144,12 +144,10 @@ def flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, interpret: bool = False)
     kv_spec = rules.spec(("batch", "seq", "kv_heads", None))
     if q_spec[2:3] != kv_spec[2:3]:  # Heads and KV heads split differently: split batch and sequence only.
         q_spec = kv_spec = P(*rules.spec(("batch", "seq")), None, None)
-    h, g, k = q_BxLxHxK.shape[2], k_BxLxGxK.shape[2], q_BxLxHxK.shape[3]
+    k = q_BxLxHxK.shape[3]
     n = math.prod(mesh.shape[a] for a in seq_axes)
 
     def local(q, key, value):
-        if g != h:  # The kernel has no grouped-query mode: each query head gets its KV head's copy.
-            key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))
         return _flash(q, key, value, seq_axes, n, k**-0.5, interpret)
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
@@ -164,8 +162,11 @@ def _mha():
 
 
 def _kernel(q, k, v, *, causal, scale, interpret):
-    """One block: the kernel's output and its base-2 log-sum-exp ``[B, H, T]``."""
+    """One block: the kernel's output and its base-2 log-sum-exp ``[B, H, T]``. The kernel has no
+    grouped-query mode: each query head gets a copy of its key/value head, made per block (keys and values
+    travel with their own G heads)."""
     mha = _mha()
+    k, v = _repeat_heads(k, q.shape[2]), _repeat_heads(v, q.shape[2])
     return mha.mha(q, k, v, None, sm_scale=scale, causal=causal, interpret=interpret, return_residuals=True)
 
 
@@ -173,9 +174,17 @@ def _kernel_backward(q, k, v, out, lse, d_out, *, causal, scale, interpret):
     """One block's gradients given the *merged* output and log-sum-exp of all blocks (FlashAttention-2's
     backward needs only those, so block gradients add up to the whole attention's)."""
     mha = _mha()
+    heads, kv_heads = q.shape[2], k.shape[2]
+    k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
     dq, dk, dv, _ = mha._mha_backward(scale, causal, mha.BlockSizes.get_default(), "triton", None, 2, None,
                                       interpret, False, False, (q, k, v, None, out, lse), d_out)  # fmt: skip
-    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+    group = lambda d: d.astype(jnp.float32).reshape(*d.shape[:2], kv_heads, heads // kv_heads, -1).sum(3)  # noqa: E731
+    return dq.astype(jnp.float32), group(dk), group(dv)
+
+
+def _repeat_heads(x_BxTxGxK, heads: int):
+    groups = x_BxTxGxK.shape[2]
+    return x_BxTxGxK if groups == heads else jnp.repeat(x_BxTxGxK, heads // groups, axis=2)
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
