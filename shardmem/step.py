@@ -366,11 +366,13 @@ def _context_shards(config: Config, mesh: Mesh, rules: Rules, custom: bool, batc
         )
     length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
     if length % (2 * shards):
-        fits = [c for c in range(1, 65) if length % (2 * c) == 0]
+        step = 2 * shards
+        below, above = length // step * step, (length // step + 1) * step
+        fits = [c for c in range(1, mesh.size + 1) if mesh.size % c == 0 and length % (2 * c) == 0]
         raise ConfigError(
-            f"model.seq_len={length} is not a multiple of 2 x {shards} = {2 * shards}: {where}, in "
-            f"2 x {shards} chunks for causal load balance; use a seq_len that is a multiple of {2 * shards}, "
-            f"or mesh.axes.context among {fits}"
+            f"model.seq_len={length} is not a multiple of 2 x {shards} = {step}: {where}, in "
+            f"2 x {shards} chunks for causal load balance; use a seq_len that is a multiple of {step} "
+            f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or mesh.axes.context among {fits}"
         )
     return shards
 
