@@ -89,7 +89,7 @@ def test_each_kernel_on_a_split_sequence_matches_one_device_with_its_gradients(k
 
 @pytest.mark.slow
 def test_the_pallas_blocks_in_bf16_match_one_device_within_bf16_tolerance():
-    q, k, v = _qkv(jnp.bfloat16)
+    q, k, v = (x[:2, :32] for x in _qkv(jnp.bfloat16))
     mesh = build_mesh({"data": 2, "context": 4}, jax.devices())
     rules = Rules.from_config({}, mesh.axis_names)
     kernel = AttentionKernel("pallas", interpret=True)
