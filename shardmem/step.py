@@ -196,10 +196,12 @@ def build_program(
     """
     train = config.train
     custom = model_factory is not None or config.user_model
+    rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
+    context = _context_shards(config, mesh, rules, custom, batch_shape)
     if attention is None and not custom:
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
                                       where=device_class(mesh.devices.flat),
-                                      dtype=config.precision.compute)  # fmt: skip
+                                      dtype=config.precision.compute, context=context)  # fmt: skip
     if model_factory is not None:
         plan = config.remat_plan()
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
@@ -209,7 +211,6 @@ def build_program(
     batch_tree, token = _batch_leaves(config, batch, batch_shape)
     loss_fn = resolve_loss(config, loss_fn, token)
 
-    rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     seed = config.train.seed
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(lambda: factory(nnx.Rngs(seed)))
@@ -328,6 +329,52 @@ def build_program(
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
+
+
+def _context_shards(config: Config, mesh: Mesh, rules: Rules, custom: bool, batch_shape) -> int:
+    """Returns how many devices each sequence is split over (``rules.seq``), checking that context
+    parallelism applies: the reference dense model, a sequence of 2 x context chunks, the batch elsewhere."""
+    seq_axes = rules.mesh_axes("seq") or ()
+    shards = math.prod(mesh.shape[a] for a in seq_axes)
+    idle = mesh.shape.get("context", 1) > 1 and "context" not in seq_axes
+    if idle and "context" not in (rules.mesh_axes("batch") or ()):
+        raise ConfigError(
+            f"mesh.axes.context={mesh.shape['context']} but rules.seq={list(seq_axes) or None} does not use "
+            "it, so its devices would repeat the same work; set rules.seq: context (the default) or "
+            "mesh.axes.context=1"
+        )
+    if shards == 1:
+        return 1
+    where = f"rules.seq={list(seq_axes)} splits each sequence over {shards} devices"
+    if custom:
+        raise ConfigError(
+            f"{where}, but context parallelism is the reference model's (its attention gathers keys and "
+            "values over the sequence's devices); a model of your own cannot use it: set "
+            "mesh.axes.context=1 (and rules.seq: null)"
+        )
+    if config.model.n_experts:
+        raise ConfigError(
+            f"{where}, but model.n_experts={config.model.n_experts}: the experts' capacity fills in "
+            "sequence order, which a split sequence does not keep; set mesh.axes.context=1, or use an "
+            "expert axis instead"
+        )
+    shared = set(seq_axes) & set(rules.mesh_axes("batch") or ())
+    if shared:
+        raise ConfigError(
+            f"{where}, and rules.batch={list(rules.mesh_axes('batch'))} uses {', '.join(sorted(shared))} "
+            "too; a mesh axis splits either the batch or the sequence: remove it from rules.batch"
+        )
+    length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
+    if length % (2 * shards):
+        step = 2 * shards
+        below, above = length // step * step, (length // step + 1) * step
+        fits = [c for c in range(1, mesh.size + 1) if mesh.size % c == 0 and length % (2 * c) == 0]
+        raise ConfigError(
+            f"model.seq_len={length} is not a multiple of 2 x {shards} = {step}: {where}, in "
+            f"2 x {shards} chunks for causal load balance; use a seq_len that is a multiple of {step} "
+            f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or mesh.axes.context among {fits}"
+        )
+    return shards
 
 
 def _batch_leaves(config: Config, batch: Any, batch_shape: tuple[int, ...] | None):

@@ -16,7 +16,9 @@ from shardmem.planning import hlo
 from shardmem.planning.timeline import timeline
 
 ROOT = Path(__file__).parent.parent
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+# llama-7b-long (32k tokens) is planned at two layers by test_context, deviceless; at full depth its chunked
+# cpu plan adds about 30 s here and its buffers are the same layers' as llama-7b's.
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem != "llama-7b-long")
 
 # A while loop whose output (w{1}) is its body's carried state (p{1}) and the value the body writes (dus):
 # three values in one allocation slice, one buffer. t1 and t2 reuse one offset at different times.

@@ -50,6 +50,7 @@ class AttentionKernel:
     chunk: int | None = None
     stands_for: str | None = None
     interpret: bool = False
+    context: int = 1  # Devices each sequence is split over (shardmem.parallel.context).
 
     def describe(self) -> str:
         """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``."""
@@ -60,6 +61,9 @@ class AttentionKernel:
             text += (
                 f", standing in for {self.stands_for} (which needs a GPU to compile; same memory: no L x L)"
             )
+        if self.context > 1:
+            text += (f"; context parallel over {self.context} devices (keys and values all-gathered, zigzag "
+                     "causal load balance)")  # fmt: skip
         return text
 
 
@@ -75,12 +79,26 @@ def device_class(devices) -> str:
     return "gpu" if attached else "deviceless-gpu"
 
 
-def resolve_attention(requested: str, *, chunk: int | None, where: str, dtype="bfloat16") -> AttentionKernel:
+def resolve_attention(
+    requested: str, *, chunk: int | None, where: str, dtype="bfloat16", context: int = 1
+) -> AttentionKernel:
     """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
-    (one of :data:`DEVICE_CLASSES`) computing in ``dtype`` into the kernel the step runs. cuDNN's flash
-    attention takes 16-bit inputs only, so ``auto`` in float32 is ``chunked`` everywhere."""
+    (one of :data:`DEVICE_CLASSES`) computing in ``dtype``, its sequences split over ``context`` devices,
+    into the kernel the step runs. cuDNN's flash attention takes 16-bit inputs only, so ``auto`` in float32
+    is ``chunked`` everywhere; with ``context > 1`` the flash kernel is Pallas's, whose blocks
+    :mod:`shardmem.parallel.context` merges by log-sum-exp (cuDNN's has no such form here)."""
     if requested not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attention={requested!r}: use {one_of(ATTENTION_CHOICES)}")
+    if context > 1:
+        if requested == "cudnn":
+            raise ConfigError(
+                f"model.attention=cudnn has no context-parallel form (mesh.axes.context={context}); use "
+                "model.attention=auto or pallas (flash attention in blocks merged by log-sum-exp), or chunked"
+            )
+        if requested == "auto" and where != "cpu" and jnp.dtype(dtype).itemsize <= 2:
+            requested = "pallas"
+        kernel = resolve_attention(requested, chunk=chunk, where=where, dtype=dtype)
+        return dataclasses.replace(kernel, context=context)
     wide = jnp.dtype(dtype).itemsize > 2
     if requested == "cudnn" and wide:
         raise ConfigError(
@@ -150,15 +168,19 @@ def _pallas_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, interpret: bool):
     return _per_shard(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 
-def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0):
+def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions=None, k_positions=None):
     """Causal softmax attention with fp32 scores (kernel ``xla``). Query i sits at position
-    ``q_offset + i`` of the keys."""
+    ``q_offset + i`` of the keys, or at ``q_positions[i]`` against keys at ``k_positions`` when given
+    (a permuted sequence: :mod:`shardmem.parallel.context`)."""
     b, length, h, k = q_BxLxHxK.shape
     g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
     scores_BxGxRxLxM = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK)
-    rows_L = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
-    causal_LxM = rows_L >= jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
+    if q_positions is None:
+        rows_L = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
+        causal_LxM = rows_L >= jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
+    else:
+        causal_LxM = jnp.asarray(q_positions)[:, None] >= jnp.asarray(k_positions)[None, :]
     scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM.astype(jnp.float32), -1e30)
     probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(v_BxLxGxK.dtype)
     ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxLxGxK)

@@ -9,6 +9,8 @@ to mesh axes. Every intermediate that a remat policy may want to keep is tagged 
 :func:`jax.ad_checkpoint.checkpoint_name` (see :data:`CHECKPOINT_TAGS`). The layers are stored stacked on a
 leading ``layers`` axis and run by :func:`shardmem.remat.remat_scan`, one scanned segment per remat policy.
 Attention runs the kernel :mod:`shardmem.models.attention` resolves for the devices the model is built for.
+With a ``context`` mesh axis the layers see each sequence split over its devices, in the zigzag order of
+:mod:`shardmem.parallel.context`, and the hidden states come back in sequence order.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
-from shardmem.models.attention import AttentionKernel, attend, device_class, resolve_attention
+from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
 from shardmem.models.losses import resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
+from shardmem.parallel import context
 from shardmem.parallel.rules import constrain
 from shardmem.remat import LayerPlan, remat_scan
 
@@ -205,7 +208,7 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD):
         cfg = self.cfg
         x_BxLxD = checkpoint_name(constrain(x_BxLxD, ("batch", "seq", None)), "layer_input")
-        positions_L = jnp.arange(x_BxLxD.shape[1])
+        positions_L = context.positions(x_BxLxD.shape[1], context.shards())  # Zigzag order when split.
 
         with jax.named_scope("attention"):
             h_BxLxD = self.attn_norm(x_BxLxD)
@@ -215,7 +218,7 @@ class Block(nnx.Module):
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
             ctx_BxLxHxK = checkpoint_name(
-                attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context"
+                context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context"
             )
             out_BxLxD = checkpoint_name(
                 jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)), "out_proj"
@@ -281,9 +284,15 @@ class Llama(nnx.Module):
         # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the
         # partitioner's slow fallback to reach the batch-sharded activations.
         table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
-        x_BxLxD = constrain(table_VxD[tokens_BxL], ("batch", "seq", None))
+        shards = context.shards()  # Context parallelism: the layers see the sequence in zigzag order.
+        x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], ("batch", "seq", None))
         x_BxLxD = remat_scan(self.layers, x_BxLxD, self.remat)
-        return self.final_norm(x_BxLxD)
+        h_BxLxD = self.final_norm(x_BxLxD)
+        return (
+            h_BxLxD
+            if shards == 1
+            else constrain(context.from_zigzag(h_BxLxD, shards), ("batch", "seq", None))
+        )
 
     def unembedding(self):
         """Returns the output projection ``head_DxV`` in the compute dtype (the embedding when tied)."""

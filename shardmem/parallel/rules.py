@@ -31,8 +31,8 @@ MeshAxes = tuple[str, ...] | None
 #: Defaults for the reference model; a config's ``rules`` entries replace these key by key.
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
-    "seq": None,
-    "embed": ("fsdp",),
+    "seq": ("context",),  # Context parallelism: each sequence split over the context axis.
+    "embed": ("fsdp", "context"),  # Weights are also split over the devices that share a sequence.
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),

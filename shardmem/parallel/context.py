@@ -1,0 +1,285 @@
+"""Context (sequence) parallelism: each sequence split over a ``context`` mesh axis, balanced for causal
+attention.
+
+    mesh: {axes: {data: 1, fsdp: -1, context: 8}}      # rules.seq defaults to [context]
+    tokens_BxL = to_zigzag(tokens_BxL, shards())       # once, at the input
+    ctx_BxLxHxK = attend(kernel, q, k, v)              # keys and values all-gathered over context
+    h_BxLxD = from_zigzag(h_BxLxD, shards())           # back in sequence order for the loss
+
+Every activation of a layer is sharded over the sequence (logical axis ``seq``), so each device holds
+``L / C`` positions of every sequence of its batch. Only attention needs other devices' positions: it
+all-gathers the keys and values over ``context`` (the gathered ``[B, L, G, K]`` is live only while a layer
+attends; the backward reduce-scatters their gradients).
+
+**Load balancing (zigzag).** Causal attention gives late positions more keys than early ones, so a plain
+split would leave the device with the first positions idle. The sequence is cut into ``2C`` chunks and
+device ``i`` holds chunks ``i`` and ``2C-1-i``: every device then attends to ``2C+1`` chunks' worth of keys.
+The tokens are permuted once at the input (:func:`to_zigzag`), RoPE and the causal mask use the real
+positions (:func:`positions`), and the final hidden states are put back in order (:func:`from_zigzag`), so
+the model's outputs, its loss and its checkpoints do not depend on ``C``.
+
+**Kernels.** ``xla`` and ``chunked`` mask by position against the gathered keys (XLA's SPMD partitioner
+inserts the all-gather). Flash kernels mask by index, top-left, with no query offset, so
+:func:`flash_attention` splits the work into ``S x S`` blocks (``S = L / 2C``): the two local diagonal blocks
+are causal, the ``2C - 1`` blocks below them non-causal, and their outputs merge by log-sum-exp; the
+backward runs the kernel's own backward pass on each block with the merged output and log-sum-exp, as
+ring/flash attention implementations do. Every device runs the same ``2C + 1`` blocks' worth of work.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from shardmem.parallel import rules as _rules
+
+
+def shards() -> int:
+    """Returns how many devices each sequence is split over (the ``seq`` rule's mesh axes) in the open
+    :meth:`~shardmem.parallel.rules.Rules.activate` context; 1 outside one."""
+    active = _rules.active()
+    if active is None:
+        return 1
+    mesh, rules = active
+    return math.prod(mesh.shape[a] for a in rules.mesh_axes("seq") or ())
+
+
+def to_zigzag(x, shards: int, axis: int = 1):
+    """Reorders ``axis`` (length ``L``, a multiple of ``2 * shards``) so that a contiguous split in
+    ``shards`` gives device ``i`` chunks ``i`` and ``2 * shards - 1 - i`` of ``2 * shards``."""
+    if shards == 1:
+        return x
+    lib = jnp if isinstance(x, jax.Array) else np
+    shape = x.shape
+    chunk = shape[axis] // (2 * shards)
+    halves = x.reshape(*shape[:axis], 2, shards, chunk, *shape[axis + 1 :])
+    first, second = lib.take(halves, 0, axis=axis), lib.flip(lib.take(halves, 1, axis=axis), axis=axis)
+    return lib.stack([first, second], axis=axis + 1).reshape(shape)
+
+
+def from_zigzag(x, shards: int, axis: int = 1):
+    """The inverse of :func:`to_zigzag`."""
+    if shards == 1:
+        return x
+    lib = jnp if isinstance(x, jax.Array) else np
+    shape = x.shape
+    chunk = shape[axis] // (2 * shards)
+    pairs = x.reshape(*shape[:axis], shards, 2, chunk, *shape[axis + 1 :])
+    first, second = lib.take(pairs, 0, axis=axis + 1), lib.flip(lib.take(pairs, 1, axis=axis + 1), axis=axis)
+    return lib.concatenate([first, second], axis=axis).reshape(shape)
+
+
+def positions(length: int, shards: int):
+    """Returns the real position of each of ``length`` zigzag-ordered places (``jnp.arange`` when 1 shard,
+    as the model had it before the sequence could be split: the same program)."""
+    if shards == 1:
+        return jnp.arange(length)
+    return to_zigzag(np.arange(length, dtype=np.int32), shards, axis=0)
+
+
+def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
+    """Causal attention of ``kernel`` (a :class:`~shardmem.models.attention.AttentionKernel`) on
+    zigzag-ordered, sequence-sharded ``q``, ``k``, ``v``; plain :func:`~shardmem.models.attention.attend`
+    when the sequence is not split."""
+    from shardmem.models import attention  # The kernels' module imports the rules, as this one does.
+
+    n = shards()
+    if n == 1:
+        return attention.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+    length = q_BxLxHxK.shape[1]
+    if kernel.name == "pallas":
+        return flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, interpret=kernel.interpret)
+    if kernel.name not in ("xla", "chunked"):
+        raise ValueError(f"attention kernel {kernel.name!r} has no context-parallel form; use pallas")
+    # The all-gather over context: keys and values whole along the sequence, still split by heads.
+    k_BxLxGxK = _rules.constrain(k_BxLxGxK, ("batch", None, "kv_heads", None))
+    v_BxLxGxK = _rules.constrain(v_BxLxGxK, ("batch", None, "kv_heads", None))
+    positions_L = positions(length, n)
+    local = length // n
+    chunk = kernel.chunk if kernel.name == "chunked" else None
+    if not chunk or chunk >= local:
+        return attention.causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=positions_L,
+                                          k_positions=positions_L)  # fmt: skip
+    chunk = max(c for c in range(1, chunk + 1) if local % c == 0)
+    return _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n, chunk)
+
+
+def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int):
+    """``chunked`` on a split sequence: step ``j`` takes block ``j`` of every device's own queries, so each
+    device scores ``chunk`` queries against the gathered keys at a time."""
+    from shardmem.models.attention import causal_attention
+
+    b, length, h, k = q_BxLxHxK.shape
+    blocks = length // (n * chunk)
+    q_NxBxCxTxHxK = q_BxLxHxK.reshape(b, n, blocks, chunk, h, k).transpose(2, 0, 1, 3, 4, 5)
+    pos_NxCT = jnp.asarray(positions_L.reshape(n, blocks, chunk).transpose(1, 0, 2).reshape(blocks, -1))
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def block(args):
+        q_BxCxTxHxK, q_positions = args
+        q_BxTxHxK = _rules.constrain(q_BxCxTxHxK.reshape(b, n * chunk, h, k), ("batch", "seq", "heads", None))
+        ctx = causal_attention(q_BxTxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=q_positions,
+                               k_positions=positions_L)  # fmt: skip
+        return ctx.reshape(b, n, chunk, h, k)
+
+    ctx_NxBxCxTxHxK = jax.lax.map(block, (q_NxBxCxTxHxK, pos_NxCT))
+    return ctx_NxBxCxTxHxK.transpose(1, 2, 0, 3, 4, 5).reshape(b, length, h, k)
+
+
+# --- Flash attention (Pallas) on a split sequence ------------------------------------------------
+
+
+def flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, interpret: bool = False):
+    """Causal flash attention (JAX's Pallas Triton ``mha``) on zigzag-ordered, sequence-sharded inputs:
+    one ``shard_map`` over the mesh, keys and values all-gathered over the ``seq`` axes inside it, blocks
+    merged by log-sum-exp (see the module docstring)."""
+    mesh, rules = _rules.active()
+    seq_axes = rules.mesh_axes("seq")
+    q_spec = rules.spec(("batch", "seq", "heads", None))
+    kv_spec = rules.spec(("batch", "seq", "kv_heads", None))
+    if q_spec[2:3] != kv_spec[2:3]:  # Heads and KV heads split differently: split batch and sequence only.
+        q_spec = kv_spec = P(*rules.spec(("batch", "seq")), None, None)
+    k = q_BxLxHxK.shape[3]
+    n = math.prod(mesh.shape[a] for a in seq_axes)
+
+    def local(q, key, value):
+        return _flash(q, key, value, seq_axes, n, k**-0.5, interpret)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                            check_vma=False)  # fmt: skip
+    return sharded(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+
+
+def _mha():
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # Loads Triton support.
+
+    return pallas_attention
+
+
+def _kernel(q, k, v, *, causal, scale, interpret):
+    """One block: the kernel's output and its base-2 log-sum-exp ``[B, H, T]``. The kernel has no
+    grouped-query mode: each query head gets a copy of its key/value head, made per block (keys and values
+    travel with their own G heads)."""
+    mha = _mha()
+    k, v = _repeat_heads(k, q.shape[2]), _repeat_heads(v, q.shape[2])
+    return mha.mha(q, k, v, None, sm_scale=scale, causal=causal, interpret=interpret, return_residuals=True)
+
+
+def _kernel_backward(q, k, v, out, lse, d_out, *, causal, scale, interpret):
+    """One block's gradients given the *merged* output and log-sum-exp of all blocks (FlashAttention-2's
+    backward needs only those, so block gradients add up to the whole attention's)."""
+    mha = _mha()
+    heads, kv_heads = q.shape[2], k.shape[2]
+    k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
+    dq, dk, dv, _ = mha._mha_backward(scale, causal, mha.BlockSizes.get_default(), "triton", None, 2, None,
+                                      interpret, False, False, (q, k, v, None, out, lse), d_out)  # fmt: skip
+    group = lambda d: d.astype(jnp.float32).reshape(*d.shape[:2], kv_heads, heads // kv_heads, -1).sum(3)  # noqa: E731
+    return dq.astype(jnp.float32), group(dk), group(dv)
+
+
+def _repeat_heads(x_BxTxGxK, heads: int):
+    groups = x_BxTxGxK.shape[2]
+    return x_BxTxGxK if groups == heads else jnp.repeat(x_BxTxGxK, heads // groups, axis=2)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions over disjoint keys -> the attention over both (base-2 log-sum-exp)."""
+    lse = jnp.logaddexp2(lse_a, lse_b)
+    weight_a = jnp.exp2(lse_a - lse).transpose(0, 2, 1)[..., None]  # [B, H, T] -> [B, T, H, 1]
+    weight_b = jnp.exp2(lse_b - lse).transpose(0, 2, 1)[..., None]
+    return out_a * weight_a + out_b.astype(jnp.float32) * weight_b, lse
+
+
+def _gather(x, axes, n):
+    """This device's zigzag chunks -> every chunk in sequence order, ``[B, 2C, S, H, K]``."""
+    whole = jax.lax.all_gather(x, axes, axis=1, tiled=True)
+    b, length = whole.shape[:2]
+    return from_zigzag(whole, n).reshape(b, 2 * n, length // (2 * n), *whole.shape[2:])
+
+
+def _off_diagonal(t, device):
+    """Block ``t`` of the ``2C - 1`` below the diagonals: (which local chunk, which key chunk). Local chunk
+    0 is chunk ``device`` and attends chunks ``0 .. device-1``; local chunk 1 is chunk ``2C-1-device`` and
+    attends chunks ``0 .. 2C-2-device``."""
+    second = t >= device
+    return second, jnp.where(second, t - device, t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _flash(q, k, v, axes, n, scale, interpret):
+    return _flash_forward(q, k, v, axes, n, scale, interpret)[0]
+
+
+def _flash_forward(q, k, v, axes, n, scale, interpret):
+    chunk = q.shape[1] // 2
+    device = jax.lax.axis_index(axes)
+    kernel = functools.partial(_kernel, scale=scale, interpret=interpret)
+    k_all, v_all = _gather(k, axes, n), _gather(v, axes, n)
+    q_2xBxSxHxK = jnp.stack([q[:, :chunk], q[:, chunk:]])
+    # The diagonal blocks: each local chunk against itself, causal (the kernel's top-left mask is right).
+    diagonal = [kernel(q_2xBxSxHxK[i], k[:, i * chunk : (i + 1) * chunk], v[:, i * chunk : (i + 1) * chunk],
+                       causal=True) for i in (0, 1)]  # fmt: skip
+    out_2xBxSxHxK = jnp.stack([o.astype(jnp.float32) for o, _ in diagonal])
+    lse_2xBxHxS = jnp.stack([lse for _, lse in diagonal])
+
+    def below(carry, t):
+        out_2xBxSxHxK, lse_2xBxHxS = carry
+        second, key_chunk = _off_diagonal(t, device)
+        index = second.astype(jnp.int32)
+        out, lse = kernel(q_2xBxSxHxK[index], k_all[:, key_chunk], v_all[:, key_chunk], causal=False)
+        merged_out, merged_lse = _merge(out_2xBxSxHxK[index], lse_2xBxHxS[index], out, lse)
+        return (out_2xBxSxHxK.at[index].set(merged_out), lse_2xBxHxS.at[index].set(merged_lse)), None
+
+    (out_2xBxSxHxK, lse_2xBxHxS), _ = jax.lax.scan(below, (out_2xBxSxHxK, lse_2xBxHxS), jnp.arange(2 * n - 1))
+    out = jnp.concatenate([out_2xBxSxHxK[0], out_2xBxSxHxK[1]], axis=1).astype(q.dtype)
+    return out, (q, k, v, out, lse_2xBxHxS)
+
+
+def _flash_backward(axes, n, scale, interpret, residuals, d_out):
+    q, k, v, out, lse_2xBxHxS = residuals
+    chunk = q.shape[1] // 2
+    device = jax.lax.axis_index(axes)
+    backward = functools.partial(_kernel_backward, scale=scale, interpret=interpret)
+    k_all, v_all = _gather(k, axes, n), _gather(v, axes, n)
+    split = lambda x: jnp.stack([x[:, :chunk], x[:, chunk:]])  # noqa: E731
+    q_2, out_2, d_out_2 = split(q), split(out), split(d_out.astype(q.dtype))
+    dq_2, dk_2, dv_2 = [], [], []
+    for i in (0, 1):
+        local = slice(i * chunk, (i + 1) * chunk)
+        dq, dk, dv = backward(
+            q_2[i], k[:, local], v[:, local], out_2[i], lse_2xBxHxS[i], d_out_2[i], causal=True
+        )
+        dq_2.append(dq), dk_2.append(dk), dv_2.append(dv)
+    dq_2 = jnp.stack(dq_2)
+
+    def below(carry, t):
+        dq_2, dk_all, dv_all = carry
+        second, key_chunk = _off_diagonal(t, device)
+        index = second.astype(jnp.int32)
+        dq, dk, dv = backward(q_2[index], k_all[:, key_chunk], v_all[:, key_chunk], out_2[index],
+                              lse_2xBxHxS[index], d_out_2[index], causal=False)  # fmt: skip
+        return (
+            dq_2.at[index].add(dq),
+            dk_all.at[:, key_chunk].add(dk),
+            dv_all.at[:, key_chunk].add(dv),
+        ), None
+
+    zeros = jnp.zeros(k_all.shape, jnp.float32)
+    (dq_2, dk_all, dv_all), _ = jax.lax.scan(below, (dq_2, zeros, zeros), jnp.arange(2 * n - 1))
+
+    def scatter(d_all, d_diagonal, like):  # The all-gather's transpose: each device's chunks, summed.
+        b = d_all.shape[0]
+        d_zigzag = to_zigzag(d_all.reshape(b, -1, *d_all.shape[3:]), n)
+        mine = jax.lax.psum_scatter(d_zigzag, axes, scatter_dimension=1, tiled=True)
+        return (mine + jnp.concatenate(d_diagonal, axis=1)).astype(like.dtype)
+
+    dq = jnp.concatenate([dq_2[0], dq_2[1]], axis=1).astype(q.dtype)
+    return dq, scatter(dk_all, dk_2, k), scatter(dv_all, dv_2, v)
+
+
+_flash.defvjp(_flash_forward, _flash_backward)
