@@ -61,6 +61,11 @@ class Pipeline:
         return (f"{self.stages} stages x {self.micro_batches} micro-batches ({schedule}), "
                 f"bubble {self.bubble_fraction:.1%}")  # fmt: skip
 
+    def to_json(self) -> dict:
+        """Returns the schedule as JSON-ready data (the plan's ``pipeline`` entry)."""
+        return {"stages": self.stages, "micro_batches": self.micro_batches, "repeats": self.repeats,
+                "ticks": self.ticks, "bubble_fraction": self.bubble_fraction}  # fmt: skip
+
     def check(self, n_layers: int, plan: LayerPlan | None = None) -> None:
         """Raises ConfigError unless ``n_layers`` split into stages and chunks and ``plan`` is the same in
         every chunk (one program runs every stage)."""
@@ -74,11 +79,11 @@ class Pipeline:
                 f"count that does ({', '.join(map(str, fits)) or 'none with these repeats'})"
             )
         if m < s:
+            at_s, at_4s = Pipeline(s, s, r).bubble_fraction, Pipeline(s, 4 * s, r).bubble_fraction
             raise ConfigError(
                 f"train.micro_batches={m} is fewer than mesh.axes.stage={s}: every stage needs a "
-                f"micro-batch of its own; use at least {s} (bubble (S-1)/(M*R+S-1): "
-                f"{Pipeline(s, s, r).bubble_fraction:.0%} at {s}, {Pipeline(s, 4 * s, r).bubble_fraction:.0%} "
-                f"at {4 * s})"
+                f"micro-batch of its own; use at least {s} (bubble (S-1)/(M*R+S-1): {at_s:.0%} at {s}, "
+                f"{at_4s:.0%} at {4 * s})"
             )
         if plan is None:
             return
