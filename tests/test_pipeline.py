@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardmem.config import config_from_dict, load_config
+from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import Pipeline
@@ -120,7 +120,7 @@ def test_a_checkpoint_saved_with_stage_2_resumes_with_stage_1(tmp_path, gpipe, o
 
 def test_config_errors_name_the_key_the_value_and_the_fix():
     devices = jax.devices()
-    with pytest.raises(ConfigError, match=r"train.micro_batches=1 is fewer than mesh.axes.stage=2.*at least 2"):
+    with pytest.raises(ConfigError, match=r"micro_batches=1 is fewer than mesh.axes.stage=2.*at least 2"):
         _program({"stage": 2, "data": 4}, devices)
     with pytest.raises(ConfigError, match=r"mesh.axes.stage=8 = 8 layer chunks do not divide "
                        r"model.n_layers=4; use a stage count that does \(2, 4\)"):  # fmt: skip
