@@ -133,9 +133,26 @@ class Pipeline:
 
         run_stages = jax.vmap(stage, spmd_axis_name=STAGE_AXIS)
 
-        def select_repeat(chunk, repeat_S):
-            return jax.vmap(lambda c, i: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False),
-                            in_axes=(1, 0), spmd_axis_name=STAGE_AXIS)(chunk, repeat_S)  # fmt: skip
+        def select_repeat(repeat):
+            # Inside each layer's checkpointed body, so a tick's weights are never saved for the backward
+            # pass (a copy of the stage's layers per tick); a masked sum, not a gather per stage, whose
+            # transposed scatter fails XLA's GPU verifier (repeated scatter dimensions).
+            def pick(w_RxA):
+                at_repeat = (jnp.arange(r) == repeat).reshape(r, *(1,) * (w_RxA.ndim - 1))
+                return jnp.sum(jnp.where(at_repeat, w_RxA, 0), axis=0)
+
+            def select(layer_params):
+                return jax.tree.map(pick, layer_params)
+
+            return select
+
+        def circular_stage(weights, x_mbxLxD, repeat):  # weights [K, R, ...]: every repeat of the chunk.
+            module = nnx.merge(graphdef, weights, rest)
+            return remat_scan(module, x_mbxLxD, chunk_plan, prepare=select_repeat(repeat))
+
+        run_circular = jax.vmap(circular_stage, spmd_axis_name=STAGE_AXIS)
+        if r > 1:  # [R, S, K, ...] -> [S, K, R, ...]: each stage's layers with all their repeats.
+            chunks = jax.tree.map(lambda c: jnp.moveaxis(c, 0, 2), chunks)
 
         batch = x_BxLxD.shape[0]
         # Micro-batch i takes every M-th row, so each device keeps its own rows (as gradient accumulation).
@@ -152,11 +169,10 @@ class Pipeline:
             fresh_SxBxLxD = jax.lax.dynamic_index_in_dim(buffer_SxMxBxLxD, t % m, 1, keepdims=False)
             inputs_SxBxLxD = jnp.where(at_stage0, fresh_SxBxLxD, state_SxBxLxD)
             if r == 1:
-                weights = jax.tree.map(lambda c: c[0], chunks)
+                out_SxBxLxD = run_stages(jax.tree.map(lambda c: c[0], chunks), inputs_SxBxLxD)
             else:  # Stage s is at repeat (t - s) // M (clipped in the fill and the drain).
                 repeat_S = jnp.clip((t - stage_ids_S) // m, 0, r - 1)
-                weights = jax.tree.map(lambda c: select_repeat(c, repeat_S), chunks)
-            out_SxBxLxD = run_stages(weights, inputs_SxBxLxD)
+                out_SxBxLxD = run_circular(chunks, inputs_SxBxLxD, repeat_S)
             # Stage s's output moves to stage s + 1, the last stage's to stage 0: a collective-permute.
             shifted_SxBxLxD = constrain(jnp.roll(out_SxBxLxD, 1, axis=0), ("layers", "batch", "seq", None))
             slot = (t - (s - 1)) % m  # The micro-batch the last stage just finished (from tick S - 1 on).
