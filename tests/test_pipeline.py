@@ -143,3 +143,23 @@ def test_config_errors_name_the_key_the_value_and_the_fix():
         _config({"data": 8}, repeats=0)
     # stage: 1 is no pipeline: micro-batches accumulate gradients as without the axis.
     assert _program({"stage": 1, "data": 8}, devices, micro_batches=2).pipeline is None
+
+
+def test_tune_mixes_remat_at_the_same_positions_of_every_stage_chunk():
+    from shardmem.explore.tune import _mix, _mix_name
+
+    config = _config({"stage": 2, "data": 4}, 4).replace(*_mix("save_qkv", "minimal", 1, 2, chunks=2))
+    assert config.remat.layers == {"1": "minimal", "3": "minimal"}
+    plan = config.remat_plan()
+    Pipeline(2, 4).check(4, plan)  # One program runs both stages.
+    assert Pipeline(2, 4).chunk_plan(plan, 4).describe() == "0: save_qkv, 1: minimal"
+    assert _mix_name("full", "none", 3, 10, chunks=8) == "full, the last 3 of each stage chunk's 10 layers: none"
+
+
+def test_sweep_rows_carry_the_bubble_and_the_collective_permute_bytes():
+    from shardmem.explore.sweep import COLUMNS, SweepRow
+
+    row = SweepRow(("mesh.axes.stage=2",), bubble_fraction=0.2, collectives={"collective-permute": 311296})
+    flat = row.flat()
+    assert list(flat) == list(COLUMNS)
+    assert flat["bubble_fraction"] == 0.2 and flat["collective_permute_bytes"] == 311296
