@@ -153,7 +153,8 @@ def test_tune_mixes_remat_at_the_same_positions_of_every_stage_chunk():
     plan = config.remat_plan()
     Pipeline(2, 4).check(4, plan)  # One program runs both stages.
     assert Pipeline(2, 4).chunk_plan(plan, 4).describe() == "0: save_qkv, 1: minimal"
-    assert _mix_name("full", "none", 3, 10, chunks=8) == "full, the last 3 of each stage chunk's 10 layers: none"
+    name = _mix_name("full", "none", 3, 10, chunks=8)
+    assert name == "full, the last 3 of each stage chunk's 10 layers: none"
 
 
 def test_sweep_rows_carry_the_bubble_and_the_collective_permute_bytes():
