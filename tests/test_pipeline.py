@@ -13,6 +13,7 @@ from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import Pipeline
+from shardmem.planning import hlo
 from shardmem.planning.memory import make_target, plan_program
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.step import build_program
@@ -91,6 +92,9 @@ def test_gpipe_training_matches_one_device_and_the_plan_reports_the_schedule(gpi
     # seq 64, d_model 64] in f32 to the next stage, and the backward pass shifts its gradient back.
     state_bytes = 1 * 1 * 64 * 64 * 4
     assert report.collectives["collective-permute"] >= 2 * 5 * state_bytes
+    # The saved layer inputs of every tick are layer buffers in the timeline, the largest live at the peak.
+    assert report.top_buffers[0].scope.startswith("pipeline")
+    assert hlo.category(report.top_buffers[0].scope) == "layers (other)"
 
 
 @pytest.mark.slow
