@@ -9,6 +9,9 @@ optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Paramet
 ``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used. Only
 ``nnx.Param`` variables are differentiated; a model's other variables (batch statistics, RNG streams)
 ride along in ``state["model_state"]``. The batch is any pytree of arrays (:mod:`shardmem.batch`).
+With a ``stage`` mesh axis the reference model runs its layers as pipeline stages, and
+``train.micro_batches`` go through them in one pass instead of accumulating
+(:mod:`shardmem.parallel.pipeline`).
 """
 
 from __future__ import annotations
