@@ -78,10 +78,10 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     flops = f"FLOPs per step {format_flops(report.flops_per_step)} (matmuls, all devices"
     if report.attention.startswith(("pallas", "cudnn")):  # Their matmuls are inside one fused kernel.
         flops += ", fused attention kernel not counted"
-    if report.pipeline:  # Idle stages still run their layers, on the fill and drain's placeholders.
-        flops += ", the bubble's idle-stage work included"
     if report.recompute_overhead is not None:
         flops += f"; recomputation +{report.recompute_overhead:.1%} over no remat"
+    if report.pipeline:  # Idle stages still run their layers, on the fill and drain's placeholders.
+        flops += "; the bubble's idle-stage work included"
     parts.append(Text(flops + ")"))
     moved = {k: v for k, v in report.collectives.items() if v}
     if moved:
