@@ -99,9 +99,12 @@ def test_gpipe_training_matches_one_device_and_the_plan_reports_the_schedule(gpi
 
 @pytest.mark.slow
 def test_circular_training_matches_one_device(one_device):
-    # 4 layers, 2 stages, 2 chunks per stage: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3.
-    program = _program({"stage": 2, "data": 4}, jax.devices(), micro_batches=2, repeats=2)
+    # 4 layers, 2 stages, 2 chunks per stage: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; tensor
+    # parallel inside the stages, as the shipped 70B config.
+    program = _program({"stage": 2, "data": 2, "tensor": 2}, jax.devices(), micro_batches=2, repeats=2)
     assert program.pipeline.bubble_fraction == pytest.approx(1 / 5)
+    wq = program.abstract_state["params"]["layers"]["wq"]
+    assert tuple(wq.sharding.spec) == ("stage", None, "tensor")  # [layers, embed, heads, head_dim]
     losses, state = _steps(program.step, program, program.init(), 3)
     _assert_matches(losses, state["params"], one_device)
 
