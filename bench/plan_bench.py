@@ -18,6 +18,8 @@ every child so far, not this one's). The median of the repeats is compared with 
   attention, the lean layer) and compiles in under 15 s; Llama-3.2-1B (vocabulary 128,256), sequences of
   2,048, global batch 16, FSDP over 8 H100s, no remat: the chunked loss lowers the peak by at least the
   fp32 logits (2 sequences x 2,048 x 128,256 x 4 bytes per device).
+- issue 13: llama-70b over 64 H100s with ``stage: 8`` (``configs/llama-70b-pipeline.yaml``) plans in under
+  30 s and 3 GB resident, and its bubble is (stages - 1) / (micro-batches + stages - 1).
 
 The 1-minute load average is recorded before and after each run: the machine may be shared, and a
 contended run should be repeated, not reported. CPU time is shown beside wall time because it moves
@@ -75,6 +77,7 @@ CASES = (
          (*LLAMA_1B, "model.loss_chunk=null")),
     Case("llama-1b / 8 x H100, seq 2048, loss chunked", "configs/llama-1b.yaml", "h100-sxm",
          (*LLAMA_1B, "model.loss_chunk=auto")),
+    Case("llama-70b / 64 x H100, stage 8", "configs/llama-70b-pipeline.yaml", "h100-sxm"),
 )  # fmt: skip
 LOGITS_1B = 2 * 2048 * 128256 * 4  # fp32 logits per device: 16 sequences over fsdp 8.
 
@@ -155,6 +158,7 @@ class CaseResult:
             "per_device": report.get("per_device"),
             "fits": report.get("fits"),
             "remat": report.get("remat"),
+            "pipeline": report.get("pipeline"),
             "errors": [r.stderr_tail for r in self.runs if r.report is None],
         }
 
@@ -217,6 +221,22 @@ def check_bars(results: dict[str, CaseResult]) -> list[Bar]:
                         f">= {LOGITS_1B / 2**30:.2f} GiB (fp32 logits)", drop >= LOGITS_1B))  # fmt: skip
     else:
         bars.append(Bar("llama-1b peak, loss whole -> chunked (issue 10)", "not run or failed", "", None))
+    staged = results.get(CASES[8].name)
+    if usable(staged):
+        pipeline = staged.report["pipeline"]
+        stages, micro = pipeline["stages"], pipeline["micro_batches"]
+        gpipe = (stages - 1) / (micro + stages - 1)
+        bars.append(Bar("llama-70b / 64 x H100, stage 8: wall time (issue 13)", f"{staged.wall_s:.1f} s",
+                        "< 30 s", staged.wall_s < 30))  # fmt: skip
+        bars.append(Bar("llama-70b / 64 x H100, stage 8: peak resident memory (issue 13)",
+                        f"{staged.rss_bytes / GB:.2f} GB", "< 3 GB", staged.rss_bytes < 3 * GB))  # fmt: skip
+        formula = f"({stages}-1)/({micro}+{stages}-1) = {gpipe:.4f}"
+        bars.append(Bar("llama-70b, stage 8: bubble in the report (issue 13)",
+                        f"{pipeline['bubble_fraction']:.4f}", formula,
+                        abs(pipeline["bubble_fraction"] - gpipe) < 1e-12))  # fmt: skip
+    else:
+        bars.append(Bar("llama-70b / 64 x H100, stage 8 (issue 13)", "not run or failed", "< 30 s, < 3 GB",
+                        None))  # fmt: skip
     return bars
 
 

@@ -110,7 +110,8 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The training run: batch (in sequences) and its split into ``micro_batches`` for gradient
-    accumulation, length, seed, logging and checkpoint cadence."""
+    accumulation (with a ``stage`` mesh axis: the micro-batches of the pipeline schedule), length, seed,
+    logging and checkpoint cadence."""
 
     global_batch: int = 16
     micro_batches: int = 1
@@ -121,6 +122,15 @@ class TrainConfig:
     keep_checkpoints: int = 3
     tensorboard: bool = False
     loss: str | None = None  # Import path of loss_fn(model, batch) -> loss or (loss, metrics).
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over the ``stage`` mesh axis (:mod:`shardmem.parallel.pipeline`), with
+    ``train.micro_batches`` micro-batches: ``repeats`` layer chunks per stage (1: GPipe; more: the
+    circular schedule, a smaller bubble for moving the strided chunks' weights each step)."""
+
+    repeats: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +176,7 @@ class Config:
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     name: str = "run"
@@ -601,6 +612,30 @@ def _validate_model(m: ModelConfig) -> None:
     _validate_experts(m)
 
 
+def _validate_pipeline(config: Config) -> None:
+    """Checks what the config alone decides; the layer split and micro-batch count are checked against
+    the mesh when the program is built (:meth:`shardmem.parallel.pipeline.Pipeline.check`)."""
+    _positive("pipeline.repeats", config.pipeline.repeats)
+    stages = config.mesh.axes.get("stage", 1)
+    if config.pipeline.repeats > 1 and stages == 1:
+        raise ConfigError(
+            f"pipeline.repeats={config.pipeline.repeats} needs pipeline stages: add a stage mesh axis, "
+            "e.g. mesh.axes.stage=4, or set pipeline.repeats=1"
+        )
+    if stages != 1 and config.user_model:
+        raise ConfigError(
+            f"mesh.axes.stage={stages}: pipeline parallelism splits the reference decoder's layer stack "
+            "(model.preset or model fields); a model of your own (model.factory) cannot be split into "
+            "stages; shard it with data, fsdp or tensor axes, or set mesh.axes.stage=1"
+        )
+    if stages != 1 and config.model.n_experts:
+        raise ConfigError(
+            f"mesh.axes.stage={stages}: pipeline stages are not supported with a mixture of experts "
+            f"(model.n_experts={config.model.n_experts}) yet; use an expert axis with fsdp/tensor, or "
+            "set mesh.axes.stage=1"
+        )
+
+
 def _validate_rest(config: Config) -> None:
     axes = config.mesh.axes
     if not axes:
@@ -647,6 +682,7 @@ def _validate_rest(config: Config) -> None:
             f"train.micro_batches={t.micro_batches} does not divide train.global_batch="
             f"{t.global_batch}; use a divisor of {t.global_batch}"
         )
+    _validate_pipeline(config)
     mem = config.memory
     if mem.target not in TARGET_NAMES:
         raise ConfigError(

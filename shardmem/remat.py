@@ -235,13 +235,15 @@ def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
     return first, last + 1
 
 
-def remat_scan(layers: nnx.Module, x, plan: LayerPlan):
+def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None):
     """Runs stacked layers (an ``nnx.vmap``-created module with a leading ``layers`` axis) over ``x``.
 
     Each run of layers that shares a policy is one ``jax.lax.scan`` of a ``jax.checkpoint``-ed body, so
     compile time depends on the number of distinct segments, not on depth. With several segments each
     scans a slice of the stacked parameters, which XLA may materialize (in the compute dtype's weight
-    size at most); one segment scans the stack in place.
+    size at most); one segment scans the stack in place. ``prepare`` maps one layer's stored parameters
+    to those it runs with, inside its checkpointed body, so what it makes is recomputed rather than saved
+    (the circular pipeline picks a repeat's weights with it).
     """
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
     n_layers = jax.tree.leaves(params)[0].shape[0]
@@ -251,6 +253,8 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan):
     mutable = bool(jax.tree.leaves(rest))
 
     def body(carry, layer):
+        if prepare is not None:
+            layer = (prepare(layer[0]), layer[1])
         module = nnx.merge(graphdef, *layer)
         y = module(carry)
         return y, (nnx.split(module, nnx.Param, ...)[2] if mutable else None)

@@ -9,6 +9,9 @@ optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Paramet
 ``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used. Only
 ``nnx.Param`` variables are differentiated; a model's other variables (batch statistics, RNG streams)
 ride along in ``state["model_state"]``. The batch is any pytree of arrays (:mod:`shardmem.batch`).
+With a ``stage`` mesh axis the reference model runs its layers as pipeline stages, and
+``train.micro_batches`` go through them in one pass instead of accumulating
+(:mod:`shardmem.parallel.pipeline`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from shardmem.models.attention import AttentionKernel, device_class, resolve_att
 from shardmem.models.llama import PRESETS, Llama, ModelConfig
 from shardmem.models.user import import_object, search_from, takes
 from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
+from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
 from shardmem.remat import LayerPlan
 
@@ -47,9 +51,11 @@ def next_token_loss(model: nnx.Module, batch_BxL1: jax.Array) -> jax.Array:
     return losses.next_token_loss(model, batch_BxL1)
 
 
-def default_model_factory(config: Config, attention: AttentionKernel | None = None) -> ModelFactory:
-    """Returns ``rngs -> model`` for the config: the reference Llama, or ``model.factory`` called with
-    ``model.options`` (and ``remat=`` the per-layer plan, where it takes one)."""
+def default_model_factory(config: Config, attention: AttentionKernel | None = None,
+                          pipeline: Pipeline | None = None) -> ModelFactory:  # fmt: skip
+    """Returns ``rngs -> model`` for the config: the reference Llama (its layers in ``pipeline`` stages,
+    where given), or ``model.factory`` called with ``model.options`` (and ``remat=`` the per-layer plan,
+    where it takes one)."""
     if config.model is None:
         raise ConfigError(
             "the config has no model section; add e.g. model: {preset: tiny} (presets: "
@@ -64,7 +70,8 @@ def default_model_factory(config: Config, attention: AttentionKernel | None = No
     def factory(rngs: nnx.Rngs) -> nnx.Module:
         return Llama(config.model, rngs=rngs, remat=plan,
                      param_dtype=jnp.dtype(config.precision.params),
-                     compute_dtype=jnp.dtype(config.precision.compute), attention=attention)  # fmt: skip
+                     compute_dtype=jnp.dtype(config.precision.compute), attention=attention,
+                     pipeline=pipeline)  # fmt: skip
 
     return factory
 
@@ -116,6 +123,7 @@ class Program:
     # (params, model_state, batch) -> (loss, (metrics, new model_state)): what the step differentiates.
     loss: Callable | None = None
     attention: AttentionKernel | None = None  # The reference model's kernel, resolved for the mesh's devices.
+    pipeline: Pipeline | None = None  # The layers' pipeline stages (None: no stage axis, or stage=1).
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
@@ -198,6 +206,7 @@ def build_program(
     custom = model_factory is not None or config.user_model
     rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     context = _context_shards(config, mesh, rules, custom, batch_shape)
+    pipeline = pipeline_for(config, mesh, custom)
     if attention is None and not custom:
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
                                       where=device_class(mesh.devices.flat),
@@ -206,7 +215,7 @@ def build_program(
         plan = config.remat_plan()
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
     else:
-        factory = default_model_factory(config, None if custom else attention)
+        factory = default_model_factory(config, None if custom else attention, pipeline)
     takes_remat = getattr(factory, "takes_remat", not custom)
     batch_tree, token = _batch_leaves(config, batch, batch_shape)
     loss_fn = resolve_loss(config, loss_fn, token)
@@ -268,7 +277,7 @@ def build_program(
     def train_step(state, batch):
         with rules.activate(mesh):
             params, rest = state["params"], state.get("model_state", {})
-            if train.micro_batches == 1:
+            if train.micro_batches == 1 or pipeline:  # A pipeline runs its micro-batches itself.
                 (loss, (metrics, rest)), grads = grad_fn(params, rest, batch)
             else:
                 # Micro-batch i takes every k-th row, so each device keeps its own rows.
@@ -327,6 +336,7 @@ def build_program(
                    batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
                    custom_model=custom, remat_plan=config.remat_plan() if takes_remat else None,
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
+                   pipeline=pipeline,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
 
@@ -375,6 +385,23 @@ def _context_shards(config: Config, mesh: Mesh, rules: Rules, custom: bool, batc
             f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or mesh.axes.context among {fits}"
         )
     return shards
+
+
+def pipeline_for(config: Config, mesh: Mesh, custom: bool = False) -> Pipeline | None:
+    """Returns the pipeline schedule for a mesh with a ``stage`` axis of size > 1 (None otherwise),
+    checked against the model's depth and remat plan."""
+    stages = dict(mesh.shape).get(STAGE_AXIS, 1)
+    if stages == 1:
+        return None
+    if custom:
+        raise ConfigError(
+            f"mesh.axes.stage={stages}: pipeline parallelism splits the reference decoder's layer stack; a "
+            "model of your own cannot be split into stages; shard it with data, fsdp or tensor axes, or "
+            "set mesh.axes.stage=1"
+        )
+    pipeline = Pipeline(stages, config.train.micro_batches, config.pipeline.repeats)
+    pipeline.check(config.model.n_layers, config.remat_plan())
+    return pipeline
 
 
 def _batch_leaves(config: Config, batch: Any, batch_shape: tuple[int, ...] | None):

@@ -21,7 +21,7 @@ def test_every_shipped_config_loads_and_round_trips(path):
 
 def test_shipped_configs_cover_the_issue():
     names = {p.stem for p in CONFIGS}
-    assert {"tiny", "gpt2-124m", "llama-1b", "llama-7b", "llama-70b"} <= names
+    assert {"tiny", "gpt2-124m", "llama-1b", "llama-7b", "llama-70b", "llama-70b-pipeline"} <= names
 
 
 def test_overrides_are_parsed_as_yaml():

@@ -41,7 +41,7 @@ COLUMNS = (
     "candidate", "error", "peak_bytes", "budget_bytes", "fits", "margin_bytes", "flops_per_step",
     "recompute_overhead", "host_bytes", "optimizer_bytes", "attention", "all_gather_bytes",
     "reduce_scatter_bytes", "all_reduce_bytes", "other_collective_bytes", "compile_seconds", "step_seconds",
-    "measured_peak_bytes",
+    "measured_peak_bytes", "bubble_fraction", "collective_permute_bytes",
 )  # fmt: skip
 
 
@@ -65,6 +65,7 @@ class SweepRow:
     approximate: bool = False
     step_seconds: float | None = None
     measured_peak_bytes: int | None = None
+    bubble_fraction: float | None = None  # The pipeline's idle share of each stage (None: no stage axis).
 
     @property
     def candidate(self) -> str:
@@ -83,7 +84,8 @@ class SweepRow:
             "reduce_scatter_bytes": moved.get("reduce-scatter"), "all_reduce_bytes": moved.get("all-reduce"),
             "other_collective_bytes": sum(v for k, v in moved.items() if k not in known) if moved else None,
             "compile_seconds": self.compile_seconds, "step_seconds": self.step_seconds,
-            "measured_peak_bytes": self.measured_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes, "bubble_fraction": self.bubble_fraction,
+            "collective_permute_bytes": moved.get("collective-permute"),
         }  # fmt: skip
 
 
@@ -159,6 +161,7 @@ def plan_candidate(
         host_bytes=report.per_device["host"], optimizer_bytes=report.per_device["optimizer"],
         attention=report.attention, collectives=dict(report.collectives),
         compile_seconds=round(report.compile_seconds, 3), approximate=report.approximate,
+        bubble_fraction=report.pipeline.get("bubble_fraction"),
     )  # fmt: skip
     if measure_steps:
         try:
@@ -379,6 +382,11 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
     if any(r.collectives.get("all-to-all") for r in rows):  # Expert parallelism's token dispatch.
         headers.append("all-to-all")
         moves.append("all-to-all")
+    pipelined = any(r.bubble_fraction is not None for r in rows)
+    if pipelined:  # Pipeline stages hand activations on by collective-permute.
+        headers.append("coll.-permute")
+        moves.append("collective-permute")
+        headers.append("bubble")
     if measured:
         headers += ["step time", "meas. peak"]
     cells, errors = [], []
@@ -396,6 +404,8 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
             format_bytes(r.host_bytes),
             *(format_bytes(moved.get(k, 0)) for k in moves),
         ]  # fmt: skip
+        if pipelined:
+            row.append("-" if r.bubble_fraction is None else f"{r.bubble_fraction:.1%}")
         if measured:
             row.append("-" if r.step_seconds is None else f"{r.step_seconds * 1e3:.1f} ms")
             row.append("-" if r.measured_peak_bytes is None else format_bytes(r.measured_peak_bytes))

@@ -28,11 +28,12 @@ from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
 from shardmem.models.attention import AttentionKernel
 from shardmem.parallel.mesh import build_mesh
+from shardmem.parallel.pipeline import STAGE_AXIS
 from shardmem.parallel.rules import Rules, spec_axes
 from shardmem.planning import hlo
 from shardmem.planning.memory import MemoryReport, make_target, plan
 from shardmem.remat import PRESETS
-from shardmem.step import build_program
+from shardmem.step import build_program, pipeline_for
 from shardmem.units import format_bytes
 
 SEARCHES = ("remat", "batch", "micro_batches")
@@ -245,21 +246,25 @@ def _uniform(policy: str) -> tuple[str, ...]:
     return (f"remat.policy={policy}", "remat.layers={}")
 
 
-def _mix(base: str, top: str, m: int, n: int) -> tuple[str, ...]:
-    """``base`` for the first ``n - m`` layers, ``top`` for the last ``m``."""
+def _mix(base: str, top: str, m: int, n: int, chunks: int = 1) -> tuple[str, ...]:
+    """``base`` for the first ``n - m`` layers, ``top`` for the last ``m``, in each of ``chunks`` runs of
+    ``n`` layers (a pipeline's stage chunks, which all run one program)."""
     if m <= 0:
         return _uniform(base)
     if m >= n:
         return _uniform(top)
-    span = f"{n - m}-{n - 1}" if m > 1 else f"{n - 1}"
-    return (f"remat.policy={base}", f'remat.layers={{"{span}": {top}}}')
+    spans = [f"{c * n + n - m}-{c * n + n - 1}" if m > 1 else f"{c * n + n - 1}" for c in range(chunks)]
+    layers = ", ".join(f'"{span}": {top}' for span in spans)
+    return (f"remat.policy={base}", f"remat.layers={{{layers}}}")
 
 
-def _mix_name(base: str, top: str, m: int, n: int) -> str:
+def _mix_name(base: str, top: str, m: int, n: int, chunks: int = 1) -> str:
     if m <= 0:
         return base
     if m >= n:
         return top
+    if chunks > 1:
+        return f"{base}, the last {m} of each stage chunk's {n} layers: {top}"
     last = f"{n - m}-{n - 1}" if m > 1 else f"{n - 1}"
     first = f"0-{n - m - 1}" if n - m > 1 else "0"
     return f"{first}: {base}, {last}: {top}"
@@ -275,6 +280,10 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         )
     mesh = build_mesh(config.mesh.axes, target.devices)
     policies = [p for p in PRESETS if allow_offload or p != "offload"]
+    # Pipeline stages run one program: a mix applies to the same positions of every chunk of layers.
+    pipeline = pipeline_for(config.replace(*_uniform("full")), mesh)
+    chunks = pipeline.stages * pipeline.repeats if pipeline else 1
+    n //= chunks
 
     # Exact recomputed FLOPs per uniform policy (traced, not compiled) and estimated residual bytes.
     flops, device_residual, host_residual = {}, {}, {}
@@ -381,7 +390,7 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         peaks = {0: base_peak, n: peak_of(top)[0]}  # The top end may be an estimate; only a guide.
         m = guess
         while hi - lo > 1 and not planner.exhausted:
-            report = planner.compile(_mix_name(best, top, m, n), _mix(best, top, m, n))
+            report = planner.compile(_mix_name(best, top, m, n, chunks), _mix(best, top, m, n, chunks))
             peaks[m] = report.per_device["peak"]
             if report.fits:
                 lo = m
@@ -395,7 +404,8 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
                 m = (lo + hi) // 2
             m = min(max(m, lo + 1), hi - 1)
         if lo > 0:
-            chosen_name, chosen_overrides = _mix_name(best, top, lo, n), _mix(best, top, lo, n)
+            chosen_name = _mix_name(best, top, lo, n, chunks)
+            chosen_overrides = _mix(best, top, lo, n, chunks)
 
     report = planner.compile(chosen_name, chosen_overrides)  # Already compiled: no extra compile.
     tuned = planner.base.replace(*chosen_overrides)
@@ -498,10 +508,12 @@ def _tune_batch(planner: _Planner, target) -> TuneResult:
 
 
 def _tune_micro_batches(planner: _Planner, target) -> TuneResult:
-    """Fewest micro-batches (gradient accumulation steps) that fit the configured global batch."""
+    """Fewest micro-batches (gradient accumulation steps) that fit the configured global batch; with
+    pipeline stages, at least one per stage (more shrink the bubble, in smaller matmuls)."""
     config = planner.base
     batch, shards = config.train.global_batch, _batch_shards(config, target)
-    counts = [k for k in range(1, batch + 1) if batch % k == 0 and (batch // k) % shards == 0]
+    stages = dict(build_mesh(config.mesh.axes, target.devices).shape).get(STAGE_AXIS, 1)
+    counts = [k for k in range(stages, batch + 1) if batch % k == 0 and (batch // k) % shards == 0]
     if not counts:
         raise ConfigError(
             f"train.global_batch={batch} cannot be split into micro-batches that divide over the {shards} "

@@ -30,6 +30,7 @@ from shardmem.models.attention import AttentionKernel, device_class, resolve_att
 from shardmem.models.losses import resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
 from shardmem.parallel import context
+from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import constrain
 from shardmem.remat import LayerPlan, remat_scan
 
@@ -237,7 +238,8 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
     """The reference decoder. ``remat`` gives each layer its checkpoint policy (default: none);
-    ``attention`` is the resolved kernel (default: ``cfg.attention`` resolved for ``jax.devices()``)."""
+    ``attention`` is the resolved kernel (default: ``cfg.attention`` resolved for ``jax.devices()``);
+    ``pipeline`` runs the layer stack in stages (default: all layers in one scan)."""
 
     def __init__(
         self,
@@ -248,6 +250,7 @@ class Llama(nnx.Module):
         param_dtype=jnp.float32,
         compute_dtype=jnp.bfloat16,
         attention: AttentionKernel | None = None,
+        pipeline: Pipeline | None = None,
     ):
         if attention is None:
             attention = resolve_attention(cfg.attention, chunk=cfg.attention_chunk,
@@ -256,6 +259,7 @@ class Llama(nnx.Module):
         self.attention = attention
         self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)
         self.remat = remat or LayerPlan.uniform(cfg.n_layers)
+        self.pipeline = pipeline  # Runs the layer stack in pipeline stages (shardmem.parallel.pipeline).
         self.compute_dtype = compute_dtype
         init_embed = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
         self.embedding = nnx.Param(init_embed(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype))
@@ -286,7 +290,8 @@ class Llama(nnx.Module):
         table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
         shards = context.shards()  # Context parallelism: the layers see the sequence in zigzag order.
         x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], ("batch", "seq", None))
-        x_BxLxD = remat_scan(self.layers, x_BxLxD, self.remat)
+        run_layers = self.pipeline.run if self.pipeline else remat_scan
+        x_BxLxD = run_layers(self.layers, x_BxLxD, self.remat)
         h_BxLxD = self.final_norm(x_BxLxD)
         return (
             h_BxLxD

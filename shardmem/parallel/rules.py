@@ -38,7 +38,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "kv_heads": ("tensor",),
     "head_dim": None,
     "mlp": ("tensor",),
-    "layers": None,
+    "layers": ("stage",),  # Pipeline stages hold their own layers (shardmem.parallel.pipeline).
     "norm": None,
     "expert": ("expert",),  # Mixture-of-experts weights; tokens reach them by all-to-all.
 }

@@ -259,7 +259,7 @@ def category(scope: str) -> str:
     for name in ("attention", "mlp"):
         if name in scope:
             return name
-    if scope.startswith(("layers_", "from layers_")):
+    if scope.startswith(("layers_", "from layers_", "pipeline", "from pipeline")):  # Pipelined layers too.
         return "layers (other)"
     if scope == "loop or call carried state":
         return "loop carried state"

@@ -83,6 +83,8 @@ class MemoryReport:
     jax_version: str = jax.__version__  # Plans move with the XLA version (BENCHMARKS.md).
     # XLA options the compile used beyond the defaults (memory.compiler_options, and any retry's).
     compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The pipeline schedule (stages, micro_batches, repeats, ticks, bubble_fraction); empty without one.
+    pipeline: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def margin_bytes(self) -> int:
@@ -123,6 +125,7 @@ class MemoryReport:
             "compile_seconds": round(self.compile_seconds, 3),
             "jax_version": self.jax_version,
             "compiler_options": self.compiler_options,
+            "pipeline": self.pipeline,
         }
 
 
@@ -222,8 +225,10 @@ def plan_program(
     layer_plan = program.remat_plan
     warnings += _remat_warnings(config, layer_plan, hlo.checkpoint_tags(traced.jaxpr)) + report.warnings
     attention = program.attention.describe() if program.attention else ""
+    # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
+    pipeline = program.pipeline.to_json() if program.pipeline else {}
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
-                                 sharding=rows, attention=attention)  # fmt: skip
+                                 sharding=rows, attention=attention, pipeline=pipeline)  # fmt: skip
     if layer_plan is None:  # A model that remats itself: no plan of ours to compare with.
         return dataclasses.replace(report, remat="the model's own"), compiled
     baseline = report.flops_per_step  # Without remat the step is its own baseline.

@@ -37,6 +37,8 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     parts.append(Text(f"mesh {mesh}" + (f"   remat {report.remat}" if report.remat else "")))
     if report.attention:
         parts.append(Text(f"attention {report.attention}"))
+    if report.pipeline:
+        parts.append(Text(_pipeline_line(report.pipeline)))
 
     table = Table(title="Per device", title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("")
@@ -78,6 +80,8 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         flops += ", fused attention from its shapes"
     if report.recompute_overhead is not None:
         flops += f"; recomputation +{report.recompute_overhead:.1%} over no remat"
+    if report.pipeline:  # Idle stages still run their layers, on the fill and drain's placeholders.
+        flops += "; the bubble's idle-stage work included"
     parts.append(Text(flops + ")"))
     moved = {k: v for k, v in report.collectives.items() if v}
     if moved:
@@ -109,6 +113,15 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     parts.append(Text(f"compiled in {report.compile_seconds:.1f} s by JAX {report.jax_version}"
                       + (f" with {options}" if options else ""), style="dim"))  # fmt: skip
     return Group(*parts)
+
+
+def _pipeline_line(pipeline: dict[str, Any]) -> str:
+    stages, micro, repeats = pipeline["stages"], pipeline["micro_batches"], pipeline["repeats"]
+    schedule = "GPipe" if repeats == 1 else f"circular, {repeats} layer chunks per stage"
+    formula = f"({stages}-1)/({micro}" + (f"x{repeats}" if repeats > 1 else "") + f"+{stages}-1)"
+    return (f"pipeline {stages} stages x {micro} micro-batches ({schedule}): bubble {formula} = "
+            f"{pipeline['bubble_fraction']:.1%}; every stage runs the same program on same-shaped "
+            "buffers, so the peak per device is the worst stage's")  # fmt: skip
 
 
 def render_sharding(rows: Sequence[ShardingRow]) -> Table:

@@ -1,0 +1,191 @@
+"""Pipeline parallelism: the layer stack split into stages over a ``stage`` mesh axis.
+
+    pipeline = Pipeline(stages=4, micro_batches=8)          # GPipe; repeats=2 for the circular schedule
+    x_BxLxD = pipeline.run(model.layers, x_BxLxD, plan)      # in place of remat_scan(model.layers, ...)
+    pipeline.bubble_fraction                                 # (S - 1) / (M * R + S - 1)
+
+The scan-over-ticks formulation (as in MaxText): every tick, each of the S stages runs its chunk of K
+layers on one micro-batch -- one ``jax.vmap`` over the stage dimension of the state ``[S, mb, L, D]``,
+sharded over ``stage`` (``spmd_axis_name``) -- and the outputs shift one stage on (``jnp.roll``, which XLA
+turns into a collective-permute). Stage 0 reads micro-batch ``t % M`` from a buffer holding the inputs;
+the last stage writes its output back into that buffer, where, in the circular schedule (``repeats`` R > 1,
+chunk ``(r, s)`` = layers ``(r * S + s) * K ...``), stage 0 picks it up again for the next repeat. A whole
+step is ``M * R + S - 1`` ticks, of which each stage idles ``S - 1``: the bubble. Every device runs the
+same program on same-shaped buffers, so one device's compiled peak is every stage's.
+
+Parameters stay stored as the model stacks them (``[n_layers, ...]``, the ``layers`` axis sharded over
+``stage``), so a checkpoint does not depend on the stage count. With R = 1 stage ``s`` holds its own
+contiguous layers and nothing moves; with R > 1 its chunks are strided, and XLA moves them into place each
+step (the plan's collectives show the bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from shardmem.errors import ConfigError
+from shardmem.parallel.rules import constrain
+from shardmem.remat import LayerPlan, remat_scan
+
+#: The mesh axis whose size is the number of pipeline stages.
+STAGE_AXIS = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """``stages`` pipeline stages, ``micro_batches`` micro-batches per step, ``repeats`` layer chunks per
+    stage (1: GPipe; more: the circular schedule)."""
+
+    stages: int
+    micro_batches: int
+    repeats: int = 1
+
+    @property
+    def ticks(self) -> int:
+        """Steps of the schedule: every micro-batch through every chunk, plus the fill and drain."""
+        return self.micro_batches * self.repeats + self.stages - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of each stage's ticks spent idle: ``(S - 1) / (M * R + S - 1)`` (GPipe for R = 1)."""
+        return (self.stages - 1) / self.ticks
+
+    def describe(self) -> str:
+        """Returns e.g. "4 stages x 8 micro-batches (GPipe), bubble 27.3%"."""
+        schedule = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} chunks per stage"
+        return (f"{self.stages} stages x {self.micro_batches} micro-batches ({schedule}), "
+                f"bubble {self.bubble_fraction:.1%}")  # fmt: skip
+
+    def to_json(self) -> dict:
+        """Returns the schedule as JSON-ready data (the plan's ``pipeline`` entry)."""
+        return {"stages": self.stages, "micro_batches": self.micro_batches, "repeats": self.repeats,
+                "ticks": self.ticks, "bubble_fraction": self.bubble_fraction}  # fmt: skip
+
+    def check(self, n_layers: int, plan: LayerPlan | None = None) -> None:
+        """Raises ConfigError unless ``n_layers`` split into stages and chunks and ``plan`` is the same in
+        every chunk (one program runs every stage)."""
+        s, m, r = self.stages, self.micro_batches, self.repeats
+        chunks = s * r
+        if n_layers % chunks:
+            fits = [k for k in range(2, n_layers + 1) if n_layers % (k * r) == 0][:6]
+            what = f"mesh.axes.stage={s}" + (f" x pipeline.repeats={r}" if r > 1 else "")
+            raise ConfigError(
+                f"{what} = {chunks} layer chunks do not divide model.n_layers={n_layers}; use a stage "
+                f"count that does ({', '.join(map(str, fits)) or 'none with these repeats'})"
+            )
+        if m < s:
+            at_s, at_4s = Pipeline(s, s, r).bubble_fraction, Pipeline(s, 4 * s, r).bubble_fraction
+            raise ConfigError(
+                f"train.micro_batches={m} is fewer than mesh.axes.stage={s}: every stage needs a "
+                f"micro-batch of its own; use at least {s} (bubble (S-1)/(M*R+S-1): {at_s:.0%} at {s}, "
+                f"{at_4s:.0%} at {4 * s})"
+            )
+        if plan is None:
+            return
+        k = n_layers // chunks
+        policies = plan.for_layers(n_layers).policies
+        for layer, policy in enumerate(policies):
+            if policy != policies[layer % k]:
+                raise ConfigError(
+                    f"remat.layers: every pipeline stage runs the same program on its {k} layers, so the "
+                    f"policies must repeat every {k} layers; layer {layer} has {policy.name!r} but layer "
+                    f"{layer % k} has {policies[layer % k].name!r}; give each position of a chunk the "
+                    f"same policy in every chunk (e.g. remat.policy alone)"
+                )
+
+    def chunk_plan(self, plan: LayerPlan, n_layers: int) -> LayerPlan:
+        """Returns the remat plan of one chunk of layers (the same in every chunk, see :meth:`check`)."""
+        k = n_layers // (self.stages * self.repeats)
+        return LayerPlan(plan.for_layers(n_layers).policies[:k])
+
+    def run(self, layers: nnx.Module, x_BxLxD: jax.Array, plan: LayerPlan) -> jax.Array:
+        """Runs stacked layers (as :func:`~shardmem.remat.remat_scan` does) through the pipeline schedule;
+        returns the last layer's output for the whole batch, in its rows' order."""
+        graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise ConfigError(
+                "mesh.axes.stage: the layers hold variables other than parameters (batch statistics, RNG "
+                "streams), which a pipeline cannot carry between stages; use stage: 1"
+            )
+        n_layers = jax.tree.leaves(params)[0].shape[0]
+        self.check(n_layers, plan)
+        s, m, r = self.stages, self.micro_batches, self.repeats
+        k = n_layers // (s * r)
+        chunk_plan = self.chunk_plan(plan, n_layers)
+        logical = nnx.to_pure_dict(nnx.get_partition_spec(params))
+
+        def to_chunks(leaf, names):
+            # [n_layers, ...] -> [R, S, K, ...]: chunk (r, s) holds layers (r * S + s) * K ... + K - 1.
+            rest_names = tuple(names)[1:] if names is not None else (None,) * (leaf.ndim - 1)
+            return constrain(leaf.reshape(r, s, k, *leaf.shape[1:]), (None, "layers", None, *rest_names))
+
+        chunks = jax.tree.map(to_chunks, nnx.to_pure_dict(params), logical,
+                              is_leaf=lambda x: x is None or isinstance(x, P))  # fmt: skip
+        stage_ids_S = jnp.arange(s)
+
+        def stage(weights, x_mbxLxD):
+            return remat_scan(nnx.merge(graphdef, weights, rest), x_mbxLxD, chunk_plan)
+
+        run_stages = jax.vmap(stage, spmd_axis_name=STAGE_AXIS)
+
+        def select_repeat(repeat):
+            # Inside each layer's checkpointed body, so a tick's weights are never saved for the backward
+            # pass (a copy of the stage's layers per tick); a masked sum, not a gather per stage, whose
+            # transposed scatter fails XLA's GPU verifier (repeated scatter dimensions).
+            def pick(w_RxA):
+                at_repeat = (jnp.arange(r) == repeat).reshape(r, *(1,) * (w_RxA.ndim - 1))
+                return jnp.sum(jnp.where(at_repeat, w_RxA, 0), axis=0)
+
+            def select(layer_params):
+                return jax.tree.map(pick, layer_params)
+
+            return select
+
+        def circular_stage(weights, x_mbxLxD, repeat):  # weights [K, R, ...]: every repeat of the chunk.
+            module = nnx.merge(graphdef, weights, rest)
+            return remat_scan(module, x_mbxLxD, chunk_plan, prepare=select_repeat(repeat))
+
+        run_circular = jax.vmap(circular_stage, spmd_axis_name=STAGE_AXIS)
+        if r > 1:  # [R, S, K, ...] -> [S, K, R, ...]: each stage's layers with all their repeats.
+            chunks = jax.tree.map(lambda c: jnp.moveaxis(c, 0, 2), chunks)
+
+        batch = x_BxLxD.shape[0]
+        # Micro-batch i takes every M-th row, so each device keeps its own rows (as gradient accumulation).
+        micro_MxBxLxD = x_BxLxD.reshape(batch // m, m, *x_BxLxD.shape[1:]).swapaxes(0, 1)
+        # One copy per stage of the micro-batch buffer, sharded over stage: only stage 0's is read, but a
+        # replicated buffer would need a broadcast from the last stage every tick.
+        buffer_SxMxBxLxD = constrain(jnp.broadcast_to(micro_MxBxLxD, (s, *micro_MxBxLxD.shape)),
+                                     ("layers", None, "batch", "seq", None))  # fmt: skip
+        state_SxBxLxD = constrain(jnp.zeros_like(buffer_SxMxBxLxD[:, 0]), ("layers", "batch", "seq", None))
+        at_stage0 = (stage_ids_S == 0).reshape(s, *(1,) * (state_SxBxLxD.ndim - 1))
+
+        def tick(carry, t):
+            state_SxBxLxD, buffer_SxMxBxLxD = carry
+            fresh_SxBxLxD = jax.lax.dynamic_index_in_dim(buffer_SxMxBxLxD, t % m, 1, keepdims=False)
+            inputs_SxBxLxD = jnp.where(at_stage0, fresh_SxBxLxD, state_SxBxLxD)
+            if r == 1:
+                out_SxBxLxD = run_stages(jax.tree.map(lambda c: c[0], chunks), inputs_SxBxLxD)
+            else:  # Stage s is at repeat (t - s) // M (clipped in the fill and the drain).
+                repeat_S = jnp.clip((t - stage_ids_S) // m, 0, r - 1)
+                out_SxBxLxD = run_circular(chunks, inputs_SxBxLxD, repeat_S)
+            # Stage s's output moves to stage s + 1, the last stage's to stage 0: a collective-permute.
+            shifted_SxBxLxD = constrain(jnp.roll(out_SxBxLxD, 1, axis=0), ("layers", "batch", "seq", None))
+            slot = (t - (s - 1)) % m  # The micro-batch the last stage just finished (from tick S - 1 on).
+            old_SxBxLxD = jax.lax.dynamic_index_in_dim(buffer_SxMxBxLxD, slot, 1, keepdims=False)
+            written = jnp.where(t >= s - 1, shifted_SxBxLxD, old_SxBxLxD)
+            buffer_SxMxBxLxD = jax.lax.dynamic_update_index_in_dim(buffer_SxMxBxLxD, written, slot, 1)
+            return (shifted_SxBxLxD, buffer_SxMxBxLxD), None
+
+        with jax.named_scope("pipeline"):
+            (_, buffer_SxMxBxLxD), _ = jax.lax.scan(tick, (state_SxBxLxD, buffer_SxMxBxLxD),
+                                                    jnp.arange(self.ticks))  # fmt: skip
+            # Stage 0's buffer holds the results; a masked sum over stages is one all-reduce of the
+            # batch's activations (taking index 0 of a stage-sharded axis would gather all S copies).
+            out_MxBxLxD = jnp.sum(jnp.where(at_stage0[:, None], buffer_SxMxBxLxD, 0), axis=0)
+        out_BxLxD = out_MxBxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape)
+        return constrain(out_BxLxD, ("batch", "seq", None))

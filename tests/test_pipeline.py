@@ -1,0 +1,173 @@
+"""Tests for shardmem.parallel.pipeline: GPipe and circular stages train on 8 simulated devices as one
+device does, the bubble, the collective-permute in the plan, checkpoints across stage counts, and the
+config errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardmem.config import config_from_dict
+from shardmem.errors import ConfigError
+from shardmem.parallel.mesh import build_mesh
+from shardmem.parallel.pipeline import Pipeline
+from shardmem.planning import hlo
+from shardmem.planning.memory import make_target, plan_program
+from shardmem.run.checkpoint import Checkpointer
+from shardmem.step import build_program
+
+
+def _config(axes, micro_batches=1, repeats=1, **sections):
+    return config_from_dict({
+        "model": {"preset": "tiny", "n_layers": 4},
+        "mesh": {"axes": axes},
+        "remat": {"policy": "minimal"},
+        "precision": {"params": "float32", "compute": "float32"},
+        "optimizer": {"name": "sgd", "warmup_steps": 0, "learning_rate": 0.1},
+        "train": {"global_batch": 16, "micro_batches": micro_batches, "steps": 10},
+        "pipeline": {"repeats": repeats},
+        **sections,
+    })  # fmt: skip
+
+
+def _program(axes, devices, micro_batches=1, repeats=1):
+    config = _config(axes, micro_batches, repeats)
+    return build_program(config, build_mesh(config.mesh.axes, devices))
+
+
+def _steps(step, program, state, steps, first=0):
+    losses = []
+    for i in range(first, first + steps):
+        tokens = jax.random.randint(jax.random.key(i), program.abstract_batch.shape, 0, 256, jnp.int32)
+        state, metrics = step(state, jax.device_put(tokens, program.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """No pipeline, on one device: three steps from init."""
+    program = _program({"data": 1}, jax.devices()[:1])
+    losses, state = _steps(program.step, program, program.init(), 3)
+    return program, losses, jax.device_get(state["params"])
+
+
+@pytest.fixture(scope="module")
+def gpipe():
+    """{stage: 2, data: 2, fsdp: 2}, 4 micro-batches, planned once; the plan's compiled step trains, as
+    in ``shardmem train``. Returns the program, its report and step, and three steps from init."""
+    program = _program({"stage": 2, "data": 2, "fsdp": 2}, jax.devices(), micro_batches=4)
+    report, compiled = plan_program(program, make_target(program.config, "cpu"), count_remat_overhead=False)
+    losses, state = _steps(compiled, program, program.init(), 3)
+    return program, report, compiled, losses, state
+
+
+def _assert_matches(losses, params, one_device):
+    _, want_losses, want_params = one_device
+    # The same global computation on micro-batches, reduced in another order: float32 rounding.
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 jax.device_get(params), want_params)  # fmt: skip
+
+
+def test_bubble_fraction_is_gpipes_and_shrinks_with_chunks_per_stage():
+    assert Pipeline(4, 8).bubble_fraction == pytest.approx(3 / 11)  # (S - 1) / (M + S - 1)
+    assert Pipeline(8, 16).ticks == 23 and Pipeline(8, 16).bubble_fraction == pytest.approx(7 / 23)
+    assert Pipeline(4, 8, repeats=2).bubble_fraction == pytest.approx(3 / 19)  # (S - 1) / (M R + S - 1)
+    assert Pipeline(2, 4).describe() == "2 stages x 4 micro-batches (GPipe), bubble 20.0%"
+
+
+@pytest.mark.slow
+def test_gpipe_training_matches_one_device_and_the_plan_reports_the_schedule(gpipe, one_device):
+    program, report, _, losses, state = gpipe
+    wq = program.abstract_state["params"]["layers"]["wq"]
+    assert wq.sharding.spec[0] == "stage" and wq.sharding.shard_shape(wq.shape)[0] == 2  # Own layers only.
+    _assert_matches(losses, state["params"], one_device)
+    assert report.pipeline == {"stages": 2, "micro_batches": 4, "repeats": 1, "ticks": 5,
+                               "bubble_fraction": 0.2}  # fmt: skip
+    assert report.to_json()["pipeline"]["bubble_fraction"] == pytest.approx((2 - 1) / (4 + 2 - 1))
+    # Every tick shifts each device's stage state [1 stage, 16 / 4 micro-batches / 4 batch shards rows,
+    # seq 64, d_model 64] in f32 to the next stage, and the backward pass shifts its gradient back.
+    state_bytes = 1 * 1 * 64 * 64 * 4
+    assert report.collectives["collective-permute"] >= 2 * 5 * state_bytes
+    # The saved layer inputs of every tick are layer buffers in the timeline, the largest live at the peak.
+    assert report.top_buffers[0].scope.startswith("pipeline")
+    assert hlo.category(report.top_buffers[0].scope) == "layers (other)"
+
+
+@pytest.mark.slow
+def test_circular_training_matches_one_device(one_device):
+    # 4 layers, 2 stages, 2 chunks per stage: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; tensor
+    # parallel inside the stages, as the shipped 70B config.
+    program = _program({"stage": 2, "data": 2, "tensor": 2}, jax.devices(), micro_batches=2, repeats=2)
+    assert program.pipeline.bubble_fraction == pytest.approx(1 / 5)
+    wq = program.abstract_state["params"]["layers"]["wq"]
+    assert tuple(wq.sharding.spec) == ("stage", None, "tensor")  # [layers, embed, heads, head_dim]
+    losses, state = _steps(program.step, program, program.init(), 3)
+    _assert_matches(losses, state["params"], one_device)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_with_stage_2_resumes_with_stage_1(tmp_path, gpipe, one_device):
+    two, _, compiled, _, state = gpipe
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        checkpointer.save(3, state)
+    one = one_device[0]
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        restored = checkpointer.restore(one.abstract_state)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+    assert len(restored["params"]["layers"]["wq"].sharding.device_set) == 1
+    copy = jax.tree.map(lambda x: x.copy(), state)  # The compiled step donates its input.
+    continued, _ = _steps(compiled, two, copy, 2, first=3)
+    resumed, _ = _steps(one.step, one, restored, 2, first=3)
+    np.testing.assert_allclose(resumed, continued, rtol=2e-5)
+
+
+def test_config_errors_name_the_key_the_value_and_the_fix():
+    devices = jax.devices()
+    with pytest.raises(ConfigError, match=r"micro_batches=1 is fewer than mesh.axes.stage=2.*at least 2"):
+        _program({"stage": 2, "data": 4}, devices)
+    with pytest.raises(ConfigError, match=r"mesh.axes.stage=8 = 8 layer chunks do not divide "
+                       r"model.n_layers=4; use a stage count that does \(2, 4\)"):  # fmt: skip
+        _program({"stage": 8}, devices, micro_batches=8)
+    with pytest.raises(ConfigError, match=r"mesh.axes.stage=4 x pipeline.repeats=2 = 8 layer chunks"):
+        _program({"stage": 4, "data": 2}, devices, micro_batches=4, repeats=2)
+    config = _config({"stage": 2, "data": 4}, 4, remat={"policy": "minimal", "layers": {"3": "none"}})
+    with pytest.raises(ConfigError, match=r"remat.layers: .* repeat every 2 layers; layer 3 has 'none' but "
+                       r"layer 1 has 'minimal'"):  # fmt: skip
+        build_program(config, build_mesh(config.mesh.axes, devices))
+    with pytest.raises(ConfigError, match=r"pipeline.repeats=2 needs pipeline stages: add a stage mesh axis"):
+        _config({"data": 8}, 2, repeats=2)
+    with pytest.raises(ConfigError, match=r"mesh.axes.stage=2: .* a model of your own \(model.factory\) "
+                       r"cannot be split into stages"):  # fmt: skip
+        config_from_dict({"model": {"factory": "vit:build"}, "mesh": {"axes": {"stage": 2, "data": 4}}})
+    with pytest.raises(ConfigError, match=r"mesh.axes.stage=2: pipeline stages are not supported with a "
+                       r"mixture of experts"):  # fmt: skip
+        config_from_dict({"model": {"preset": "tiny-moe"}, "mesh": {"axes": {"stage": 2, "data": 4}}})
+    with pytest.raises(ConfigError, match=r"pipeline.repeats=0: must be positive"):
+        _config({"data": 8}, repeats=0)
+    # stage: 1 is no pipeline: micro-batches accumulate gradients as without the axis.
+    assert _program({"stage": 1, "data": 8}, devices, micro_batches=2).pipeline is None
+
+
+def test_tune_mixes_remat_at_the_same_positions_of_every_stage_chunk():
+    from shardmem.explore.tune import _mix, _mix_name
+
+    config = _config({"stage": 2, "data": 4}, 4).replace(*_mix("save_qkv", "minimal", 1, 2, chunks=2))
+    assert config.remat.layers == {"1": "minimal", "3": "minimal"}
+    plan = config.remat_plan()
+    Pipeline(2, 4).check(4, plan)  # One program runs both stages.
+    assert Pipeline(2, 4).chunk_plan(plan, 4).describe() == "0: save_qkv, 1: minimal"
+    name = _mix_name("full", "none", 3, 10, chunks=8)
+    assert name == "full, the last 3 of each stage chunk's 10 layers: none"
+
+
+def test_sweep_rows_carry_the_bubble_and_the_collective_permute_bytes():
+    from shardmem.explore.sweep import COLUMNS, SweepRow
+
+    row = SweepRow(("mesh.axes.stage=2",), bubble_fraction=0.2, collectives={"collective-permute": 311296})
+    flat = row.flat()
+    assert list(flat) == list(COLUMNS)
+    assert flat["bubble_fraction"] == 0.2 and flat["collective_permute_bytes"] == 311296
