@@ -180,6 +180,11 @@ def test_tune_mixes_remat_at_the_same_positions_of_every_stage_chunk():
     plan = config.remat_plan()
     Pipeline(2, 4).check(4, plan)  # One program runs both stages.
     assert Pipeline(2, 4).chunk_plan(plan, 4).describe() == "0: save_qkv, 1: minimal"
+    # Uneven stages (2 and 1 of 3 layers): the last slot is stage 0's layer 1 only.
+    assert _mix("save_qkv", "minimal", 1, 2, 2, counts=(2, 1))[1] == 'remat.layers={"1": minimal}'
+    even = _mix("save_qkv", "minimal", 1, 3, 2, counts=(3, 3))
+    assert even == _mix("save_qkv", "minimal", 1, 3, 2)
+    assert even[1] == 'remat.layers={"2": minimal, "5": minimal}'
     name = _mix_name("full", "none", 3, 10, chunks=8)
     assert name == "full, the last 3 of each stage chunk's 10 layers: none"
 
