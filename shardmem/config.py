@@ -128,9 +128,12 @@ class TrainConfig:
 class PipelineConfig:
     """Pipeline parallelism over the ``stage`` mesh axis (:mod:`shardmem.parallel.pipeline`), with
     ``train.micro_batches`` micro-batches: ``repeats`` layer chunks per stage (1: GPipe; more: the
-    circular schedule, a smaller bubble for moving the strided chunks' weights each step)."""
+    circular schedule, a smaller bubble for moving the strided chunks' weights each step); ``stages``:
+    each stage's range of layers, e.g. ``["0-7", "8-15", "16-22", "23-29"]`` (GPipe only; default: the
+    most even split, the first stages one layer more)."""
 
     repeats: int = 1
+    stages: list[str | int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,6 +620,22 @@ def _validate_pipeline(config: Config) -> None:
     the mesh when the program is built (:meth:`shardmem.parallel.pipeline.Pipeline.check`)."""
     _positive("pipeline.repeats", config.pipeline.repeats)
     stages = config.mesh.axes.get("stage", 1)
+    ranges = config.pipeline.stages
+    if ranges is not None:
+        from shardmem.parallel.pipeline import parse_stages
+
+        if config.pipeline.repeats > 1:
+            raise ConfigError(
+                f"pipeline.stages with pipeline.repeats={config.pipeline.repeats}: the circular schedule "
+                "splits the layers into equal chunks itself; remove pipeline.stages or set pipeline.repeats=1"
+            )
+        if not config.user_model:
+            parse_stages(ranges, config.model.n_layers)
+        if stages != -1 and len(ranges) != stages:
+            raise ConfigError(
+                f"pipeline.stages has {len(ranges)} ranges but mesh.axes.stage={stages}; give one range of "
+                "layers per stage"
+            )
     if config.pipeline.repeats > 1 and stages == 1:
         raise ConfigError(
             f"pipeline.repeats={config.pipeline.repeats} needs pipeline stages: add a stage mesh axis, "

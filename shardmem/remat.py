@@ -235,7 +235,7 @@ def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
     return first, last + 1
 
 
-def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None):
+def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None):
     """Runs stacked layers (an ``nnx.vmap``-created module with a leading ``layers`` axis) over ``x``.
 
     Each run of layers that shares a policy is one ``jax.lax.scan`` of a ``jax.checkpoint``-ed body, so
@@ -243,7 +243,9 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None):
     scans a slice of the stacked parameters, which XLA may materialize (in the compute dtype's weight
     size at most); one segment scans the stack in place. ``prepare`` maps one layer's stored parameters
     to those it runs with, inside its checkpointed body, so what it makes is recomputed rather than saved
-    (the circular pipeline picks a repeat's weights with it).
+    (the circular pipeline picks a repeat's weights with it). ``mask``, one bool per layer, skips the
+    layers where it is False: they run, but pass their input through, so their parameters get zero
+    gradients (a pipeline stage's padded layer slots).
     """
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
     n_layers = jax.tree.leaves(params)[0].shape[0]
@@ -253,15 +255,18 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None):
     mutable = bool(jax.tree.leaves(rest))
 
     def body(carry, layer):
+        layer, keep = layer if mask is not None else (layer, None)
         if prepare is not None:
             layer = (prepare(layer[0]), layer[1])
         module = nnx.merge(graphdef, *layer)
         y = module(carry)
+        if keep is not None:
+            y = jax.numpy.where(keep, y, carry)
         return y, (nnx.split(module, nnx.Param, ...)[2] if mutable else None)
 
     updates = []
     for start, stop, policy in plan.segments():
-        segment = (params, rest)
+        segment = (params, rest) if mask is None else ((params, rest), mask)
         if (start, stop) != (0, n_layers):
             segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], segment)
         step = jax.checkpoint(body, policy=policy.lower(), prevent_cse=False) if policy.remats else body

@@ -37,7 +37,7 @@ from shardmem.models.attention import AttentionKernel, device_class, resolve_att
 from shardmem.models.llama import PRESETS, Llama, ModelConfig
 from shardmem.models.user import import_object, search_from, takes
 from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
-from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline
+from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
 from shardmem.remat import LayerPlan
 
@@ -233,10 +233,12 @@ def build_program(
     abstract_params = nnx.to_pure_dict(abstract_params_state)
     if not jax.tree.leaves(abstract_params):
         raise ConfigError("the model has no nnx.Param variables: there is nothing to train")
-    param_shardings = rules.shardings(mesh, abstract_params_state)
+    # A stage count that does not divide the layers cannot shard their stored axis (Pipeline.storage_rules).
+    storage = pipeline.storage_rules(rules, config.model.n_layers) if pipeline else rules
+    param_shardings = storage.shardings(mesh, abstract_params_state)
     keys = _Keys(nnx.to_pure_dict(abstract_rest_state))
     replicated = NamedSharding(mesh, P())
-    rest_shardings = rules.shardings(mesh, abstract_rest_state)
+    rest_shardings = storage.shardings(mesh, abstract_rest_state)
     rest_shardings = jax.tree.map(lambda s, impl: s if impl is None else replicated, rest_shardings,
                                   keys.impls, is_leaf=lambda x: x is None)  # fmt: skip
     abstract_rest = jax.eval_shape(keys.unwrap, nnx.to_pure_dict(abstract_rest_state))
@@ -245,7 +247,7 @@ def build_program(
     tx = make_optimizer(config)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_shardings = optimizer_shardings(
-        config, tx, abstract_opt, abstract_params, param_shardings, rules, mesh
+        config, tx, abstract_opt, abstract_params, param_shardings, storage, mesh
     )
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     abstract_tree = {"params": abstract_params, "opt_state": abstract_opt,
@@ -399,8 +401,10 @@ def pipeline_for(config: Config, mesh: Mesh, custom: bool = False) -> Pipeline |
             "model of your own cannot be split into stages; shard it with data, fsdp or tensor axes, or "
             "set mesh.axes.stage=1"
         )
-    pipeline = Pipeline(stages, config.train.micro_batches, config.pipeline.repeats)
-    pipeline.check(config.model.n_layers, config.remat_plan())
+    n_layers, ranges = config.model.n_layers, config.pipeline.stages
+    counts = parse_stages(ranges, n_layers) if ranges is not None else ()
+    pipeline = Pipeline(stages, config.train.micro_batches, config.pipeline.repeats, counts)
+    pipeline.check(n_layers, config.remat_plan())
     return pipeline
 
 

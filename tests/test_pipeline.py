@@ -1,6 +1,6 @@
-"""Tests for shardmem.parallel.pipeline: GPipe and circular stages train on 8 simulated devices as one
-device does, the bubble, the collective-permute in the plan, checkpoints across stage counts, and the
-config errors."""
+"""Tests for shardmem.parallel.pipeline: GPipe and circular stages, even and uneven, train on 8 simulated
+devices as one device does, the bubble, the collective-permute in the plan, checkpoints across stage
+counts and splits, and the config errors."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from shardmem.run.checkpoint import Checkpointer
 from shardmem.step import build_program
 
 
-def _config(axes, micro_batches=1, repeats=1, **sections):
+def _config(axes, micro_batches=1, repeats=1, n_layers=4, **sections):
     return config_from_dict({
-        "model": {"preset": "tiny", "n_layers": 4},
+        "model": {"preset": "tiny", "n_layers": n_layers},
         "mesh": {"axes": axes},
         "remat": {"policy": "minimal"},
         "precision": {"params": "float32", "compute": "float32"},
@@ -32,8 +32,8 @@ def _config(axes, micro_batches=1, repeats=1, **sections):
     })  # fmt: skip
 
 
-def _program(axes, devices, micro_batches=1, repeats=1):
-    config = _config(axes, micro_batches, repeats)
+def _program(axes, devices, micro_batches=1, repeats=1, n_layers=4, **sections):
+    config = _config(axes, micro_batches, repeats, n_layers, **sections)
     return build_program(config, build_mesh(config.mesh.axes, devices))
 
 
@@ -64,6 +64,24 @@ def gpipe():
     return program, report, compiled, losses, state
 
 
+@pytest.fixture(scope="module")
+def one_device_3():
+    """Three layers, no pipeline, on one device: three steps from init."""
+    program = _program({"data": 1}, jax.devices()[:1], n_layers=3)
+    losses, state = _steps(program.step, program, program.init(), 3)
+    return program, losses, jax.device_get(state["params"])
+
+
+@pytest.fixture(scope="module")
+def uneven():
+    """Three layers on {stage: 2, data: 2, fsdp: 2} (the default split: 2 and 1), 4 micro-batches, planned
+    once; the plan's compiled step trains three steps from init."""
+    program = _program({"stage": 2, "data": 2, "fsdp": 2}, jax.devices(), micro_batches=4, n_layers=3)
+    report, compiled = plan_program(program, make_target(program.config, "cpu"), count_remat_overhead=False)
+    losses, state = _steps(compiled, program, program.init(), 3)
+    return program, report, compiled, losses, state
+
+
 def _assert_matches(losses, params, one_device):
     _, want_losses, want_params = one_device
     # The same global computation on micro-batches, reduced in another order: float32 rounding.
@@ -86,7 +104,8 @@ def test_gpipe_training_matches_one_device_and_the_plan_reports_the_schedule(gpi
     assert wq.sharding.spec[0] == "stage" and wq.sharding.shard_shape(wq.shape)[0] == 2  # Own layers only.
     _assert_matches(losses, state["params"], one_device)
     assert report.pipeline == {"stages": 2, "micro_batches": 4, "repeats": 1, "ticks": 5,
-                               "bubble_fraction": 0.2}  # fmt: skip
+                               "bubble_fraction": 0.2, "layers_per_stage": [2, 2], "padded_slots": 0,
+                               "layers_sharded_over_stage": True}  # fmt: skip
     assert report.to_json()["pipeline"]["bubble_fraction"] == pytest.approx((2 - 1) / (4 + 2 - 1))
     # Every tick shifts each device's stage state [1 stage, 16 / 4 micro-batches / 4 batch shards rows,
     # seq 64, d_model 64] in f32 to the next stage, and the backward pass shifts its gradient back.
@@ -129,14 +148,15 @@ def test_config_errors_name_the_key_the_value_and_the_fix():
     devices = jax.devices()
     with pytest.raises(ConfigError, match=r"micro_batches=1 is fewer than mesh.axes.stage=2.*at least 2"):
         _program({"stage": 2, "data": 4}, devices)
-    with pytest.raises(ConfigError, match=r"mesh.axes.stage=8 = 8 layer chunks do not divide "
-                       r"model.n_layers=4; use a stage count that does \(2, 4\)"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"mesh.axes.stage=8 is more than model.n_layers=4: every stage "
+                       r"needs a layer of its own; use at most 4 stages"):  # fmt: skip
         _program({"stage": 8}, devices, micro_batches=8)
-    with pytest.raises(ConfigError, match=r"mesh.axes.stage=4 x pipeline.repeats=2 = 8 layer chunks"):
+    with pytest.raises(ConfigError, match=r"mesh.axes.stage=4 x pipeline.repeats=2 = 8 layer chunks .*"
+                       r"pipeline.repeats=1 for uneven stages"):  # fmt: skip
         _program({"stage": 4, "data": 2}, devices, micro_batches=4, repeats=2)
     config = _config({"stage": 2, "data": 4}, 4, remat={"policy": "minimal", "layers": {"3": "none"}})
-    with pytest.raises(ConfigError, match=r"remat.layers: .* repeat every 2 layers; layer 3 has 'none' but "
-                       r"layer 1 has 'minimal'"):  # fmt: skip
+    slots = r"layer 3 \(slot 1\) has 'none' but layer 1 \(slot 1 of an earlier chunk\) has 'minimal'"
+    with pytest.raises(ConfigError, match=r"remat.layers: .* same policy in every stage chunk; " + slots):
         build_program(config, build_mesh(config.mesh.axes, devices))
     with pytest.raises(ConfigError, match=r"pipeline.repeats=2 needs pipeline stages: add a stage mesh axis"):
         _config({"data": 8}, 2, repeats=2)
@@ -160,6 +180,11 @@ def test_tune_mixes_remat_at_the_same_positions_of_every_stage_chunk():
     plan = config.remat_plan()
     Pipeline(2, 4).check(4, plan)  # One program runs both stages.
     assert Pipeline(2, 4).chunk_plan(plan, 4).describe() == "0: save_qkv, 1: minimal"
+    # Uneven stages (2 and 1 of 3 layers): the last slot is stage 0's layer 1 only.
+    assert _mix("save_qkv", "minimal", 1, 2, 2, counts=(2, 1))[1] == 'remat.layers={"1": minimal}'
+    even = _mix("save_qkv", "minimal", 1, 3, 2, counts=(3, 3))
+    assert even == _mix("save_qkv", "minimal", 1, 3, 2)
+    assert even[1] == 'remat.layers={"2": minimal, "5": minimal}'
     name = _mix_name("full", "none", 3, 10, chunks=8)
     assert name == "full, the last 3 of each stage chunk's 10 layers: none"
 
@@ -171,3 +196,92 @@ def test_sweep_rows_carry_the_bubble_and_the_collective_permute_bytes():
     flat = row.flat()
     assert list(flat) == list(COLUMNS)
     assert flat["bubble_fraction"] == 0.2 and flat["collective_permute_bytes"] == 311296
+
+
+def test_the_default_split_is_the_most_even_one_first_stages_one_layer_more():
+    assert Pipeline(4, 4).split(30) == (8, 8, 7, 7) and Pipeline(4, 4).padded_slots(30) == 2
+    assert Pipeline(2, 4).split(4) == (2, 2) and Pipeline(2, 4).padded_slots(4) == 0
+    assert Pipeline(2, 4, layer_counts=(3, 1)).split(4) == (3, 1)
+
+
+@pytest.mark.slow
+def test_uneven_stages_train_as_one_device_and_the_plan_says_the_split(uneven, one_device_3):
+    program, report, _, losses, state = uneven
+    wq = program.abstract_state["params"]["layers"]["wq"]
+    assert "stage" not in tuple(wq.sharding.spec)  # 3 layers cannot be split over 2 stages: stored whole.
+    _assert_matches(losses, state["params"], one_device_3)
+    assert report.pipeline["layers_per_stage"] == [2, 1] and report.pipeline["padded_slots"] == 1
+    from shardmem.planning.report import _pipeline_line
+
+    line = _pipeline_line(report.pipeline)
+    assert "stages of 2, 1 layers, 2 slots each: 1 padded slot of 4 run masked (25.0% of the layer" in line
+    assert "replicated over stage" in line
+
+
+@pytest.mark.slow
+def test_explicit_stage_ranges_train_as_one_device(one_device):
+    # 4 layers stored 2 per stage (sharded over stage), run as 3 + 1: the step gathers them into place.
+    program = _program({"stage": 2, "data": 2, "fsdp": 2}, jax.devices(), micro_batches=4,
+                       pipeline={"stages": ["0-2", "3"]})  # fmt: skip
+    assert program.pipeline.layer_counts == (3, 1)
+    assert program.abstract_state["params"]["layers"]["wq"].sharding.spec[0] == "stage"
+    losses, state = _steps(program.step, program, program.init(), 3)
+    _assert_matches(losses, state["params"], one_device)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_with_uneven_stages_resumes_with_stage_1(tmp_path, uneven, one_device_3):
+    two, _, compiled, _, state = uneven
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        checkpointer.save(3, state)
+    one = one_device_3[0]
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        restored = checkpointer.restore(one.abstract_state)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+    copy = jax.tree.map(lambda x: x.copy(), state)  # The compiled step donates its input.
+    continued, _ = _steps(compiled, two, copy, 2, first=3)
+    resumed, _ = _steps(one.step, one, restored, 2, first=3)
+    np.testing.assert_allclose(resumed, continued, rtol=2e-5)
+
+
+def test_stage_range_errors_name_the_key_the_value_and_the_fix():
+    axes = {"stage": 2, "data": 4}
+
+    def ranges(stages, **kw):
+        return _config(axes, 2, pipeline={"stages": stages, **kw})
+
+    with pytest.raises(ConfigError, match=r"pipeline.stages\[1\]='2-x' is not a layer or a range of layers; "
+                       r'write e.g. "0-7" or "8"'):  # fmt: skip
+        ranges(["0-1", "2-x"])
+    with pytest.raises(ConfigError, match=r"pipeline.stages\[1\]='3-2': the range runs backwards; write it "
+                       r'as "2-3"'):  # fmt: skip
+        ranges(["0-1", "3-2"])
+    with pytest.raises(ConfigError, match=r"pipeline.stages\[0\]='1-2' starts at layer 1; the first stage "
+                       r"must start at layer 0"):  # fmt: skip
+        ranges(["1-2", "3"])
+    with pytest.raises(ConfigError, match=r"pipeline.stages\[1\]='1-3' starts at layer 1; the stages must be "
+                       r"contiguous, in order: after layer 1 start at 2"):  # fmt: skip
+        ranges(["0-1", "1-3"])
+    with pytest.raises(ConfigError, match=r"pipeline.stages\[1\]='2' ends at layer 2 but model.n_layers=4; "
+                       r"the stages must cover every layer: end the last one at 3"):  # fmt: skip
+        ranges(["0-1", "2"])
+    with pytest.raises(ConfigError, match=r"pipeline.stages\[1\]='2-4': layers run from 0 to 3 "
+                       r"\(model.n_layers=4\); end the last stage at layer 3"):  # fmt: skip
+        ranges(["0-1", "2-4"])
+    with pytest.raises(ConfigError, match=r"pipeline.stages has 3 ranges but mesh.axes.stage=2; give one "
+                       r"range of layers per stage"):  # fmt: skip
+        ranges(["0", "1-2", "3"])
+    with pytest.raises(ConfigError, match=r"pipeline.stages with pipeline.repeats=2: the circular schedule "
+                       r"splits the layers into equal chunks itself"):  # fmt: skip
+        ranges(["0-1", "2-3"], repeats=2)
+    with pytest.raises(ConfigError, match=r"pipeline.stages=\[\]: give one range of layers per stage"):
+        ranges([])
+    # A per-layer remat plan works per slot: layer 1 is stage 0's second slot, which stage 1 (layer 2) lacks.
+    config = _config(axes, 2, n_layers=3, remat={"policy": "minimal", "layers": {"1": "none"}})
+    pipeline = Pipeline(2, 2)
+    pipeline.check(3, config.remat_plan())
+    assert pipeline.chunk_plan(config.remat_plan(), 3).describe() == "0: minimal, 1: none"
+    config = _config(axes, 2, n_layers=3, remat={"policy": "minimal", "layers": {"2": "none"}})
+    with pytest.raises(ConfigError, match=r"layer 2 \(slot 0\) has 'none' but layer 0 \(slot 0 of an earlier "
+                       r"chunk\) has 'minimal'"):  # fmt: skip
+        pipeline.check(3, config.remat_plan())

@@ -246,14 +246,18 @@ def _uniform(policy: str) -> tuple[str, ...]:
     return (f"remat.policy={policy}", "remat.layers={}")
 
 
-def _mix(base: str, top: str, m: int, n: int, chunks: int = 1) -> tuple[str, ...]:
+def _mix(base: str, top: str, m: int, n: int, chunks: int = 1, counts: tuple[int, ...] = ()) -> tuple:
     """``base`` for the first ``n - m`` layers, ``top`` for the last ``m``, in each of ``chunks`` runs of
-    ``n`` layers (a pipeline's stage chunks, which all run one program)."""
+    ``n`` layers (a pipeline's stage chunks, which all run one program); with uneven stages of ``counts``
+    layers, ``n`` is the largest and ``top`` goes to the last ``m`` of the ``n`` layer slots each has."""
     if m <= 0:
         return _uniform(base)
     if m >= n:
         return _uniform(top)
-    spans = [f"{c * n + n - m}-{c * n + n - 1}" if m > 1 else f"{c * n + n - 1}" for c in range(chunks)]
+    counts = counts or (n,) * chunks
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    runs = [(a + n - m, a + k - 1) for a, k in zip(starts, counts, strict=True) if k > n - m]
+    spans = [f"{first}-{last}" if last > first else f"{first}" for first, last in runs]
     layers = ", ".join(f'"{span}": {top}' for span in spans)
     return (f"remat.policy={base}", f"remat.layers={{{layers}}}")
 
@@ -283,7 +287,8 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
     # Pipeline stages run one program: a mix applies to the same positions of every chunk of layers.
     pipeline = pipeline_for(config.replace(*_uniform("full")), mesh)
     chunks = pipeline.stages * pipeline.repeats if pipeline else 1
-    n //= chunks
+    counts = pipeline.split(n) if pipeline and pipeline.repeats == 1 else ()
+    n = max(counts) if counts else n // chunks
 
     # Exact recomputed FLOPs per uniform policy (traced, not compiled) and estimated residual bytes.
     flops, device_residual, host_residual = {}, {}, {}
@@ -390,7 +395,8 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         peaks = {0: base_peak, n: peak_of(top)[0]}  # The top end may be an estimate; only a guide.
         m = guess
         while hi - lo > 1 and not planner.exhausted:
-            report = planner.compile(_mix_name(best, top, m, n, chunks), _mix(best, top, m, n, chunks))
+            mix = _mix(best, top, m, n, chunks, counts)
+            report = planner.compile(_mix_name(best, top, m, n, chunks), mix)
             peaks[m] = report.per_device["peak"]
             if report.fits:
                 lo = m
@@ -405,7 +411,7 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
             m = min(max(m, lo + 1), hi - 1)
         if lo > 0:
             chosen_name = _mix_name(best, top, lo, n, chunks)
-            chosen_overrides = _mix(best, top, lo, n, chunks)
+            chosen_overrides = _mix(best, top, lo, n, chunks, counts)
 
     report = planner.compile(chosen_name, chosen_overrides)  # Already compiled: no extra compile.
     tuned = planner.base.replace(*chosen_overrides)

@@ -13,15 +13,26 @@ chunk ``(r, s)`` = layers ``(r * S + s) * K ...``), stage 0 picks it up again fo
 step is ``M * R + S - 1`` ticks, of which each stage idles ``S - 1``: the bubble. Every device runs the
 same program on same-shaped buffers, so one device's compiled peak is every stage's.
 
+Stages need not be even (GPipe only): ``layer_counts`` gives each stage's number of contiguous layers
+(``pipeline.stages: ["0-7", "8-15", "16-22", "23-29"]`` in the config, see :func:`parse_stages`); without
+it the split is the most even one, the first stages one layer more (30 layers on 4 stages: 8, 8, 7, 7).
+One program runs every stage, so each runs ``max(layer_counts)`` layer slots per tick; a stage's slots
+past its own layers repeat its last layer with the output masked to the input (``jnp.where``), so they
+cost their FLOPs (counted in the plan) but change nothing and get zero gradients.
+
 Parameters stay stored as the model stacks them (``[n_layers, ...]``, the ``layers`` axis sharded over
-``stage``), so a checkpoint does not depend on the stage count. With R = 1 stage ``s`` holds its own
-contiguous layers and nothing moves; with R > 1 its chunks are strided, and XLA moves them into place each
-step (the plan's collectives show the bytes).
+``stage`` when the stage count divides ``n_layers``, else replicated over it: :meth:`Pipeline.storage_rules`),
+so a checkpoint does not depend on the stage count or the split. With R = 1 and an even split stage ``s``
+holds its own contiguous layers and nothing moves; with R > 1 its chunks are strided, and with uneven
+stages each stage's layers are gathered into ``[S, K_max, ...]`` in the step: XLA moves them into place
+each step (the plan's collectives show the bytes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +40,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
-from shardmem.parallel.rules import constrain
+from shardmem.parallel.rules import Rules, constrain
 from shardmem.remat import LayerPlan, remat_scan
 
 #: The mesh axis whose size is the number of pipeline stages.
@@ -44,6 +55,32 @@ class Pipeline:
     stages: int
     micro_batches: int
     repeats: int = 1
+    layer_counts: tuple[int, ...] = ()  # Layers per stage, in order (empty: the most even split).
+
+    def split(self, n_layers: int) -> tuple[int, ...]:
+        """Returns each stage's number of layers: ``layer_counts``, else the most even split of
+        ``n_layers``, the first stages one layer more (30 on 4 stages: 8, 8, 7, 7)."""
+        if self.layer_counts:
+            return self.layer_counts
+        base, extra = divmod(n_layers, self.stages)
+        return (base + 1,) * extra + (base,) * (self.stages - extra)
+
+    def padded_slots(self, n_layers: int) -> int:
+        """Layer slots that run masked (stages with fewer layers than the largest): ``S * K_max - n``."""
+        counts = self.split(n_layers)
+        return self.stages * max(counts) - n_layers
+
+    def storage_rules(self, rules: Rules, n_layers: int) -> Rules:
+        """Returns the rules the stored parameters use: ``rules``, with the ``stage`` axis dropped from the
+        ``layers`` rule when the stage count does not divide ``n_layers`` (a stored ``[n_layers, ...]``
+        axis cannot be split unevenly; the step gathers each stage's layers instead)."""
+        if n_layers % self.stages == 0:
+            return rules
+
+        def kept(name, axes):
+            return tuple(a for a in axes if a != STAGE_AXIS) or None if name == "layers" and axes else axes
+
+        return dataclasses.replace(rules, logical=tuple((n, kept(n, a)) for n, a in rules.logical))
 
     @property
     def ticks(self) -> int:
@@ -61,22 +98,44 @@ class Pipeline:
         return (f"{self.stages} stages x {self.micro_batches} micro-batches ({schedule}), "
                 f"bubble {self.bubble_fraction:.1%}")  # fmt: skip
 
-    def to_json(self) -> dict:
-        """Returns the schedule as JSON-ready data (the plan's ``pipeline`` entry)."""
-        return {"stages": self.stages, "micro_batches": self.micro_batches, "repeats": self.repeats,
-                "ticks": self.ticks, "bubble_fraction": self.bubble_fraction}  # fmt: skip
+    def to_json(self, n_layers: int | None = None) -> dict:
+        """Returns the schedule as JSON-ready data (the plan's ``pipeline`` entry); with ``n_layers``, also
+        the layers per stage and the padded (masked) layer slots."""
+        out = {"stages": self.stages, "micro_batches": self.micro_batches, "repeats": self.repeats,
+               "ticks": self.ticks, "bubble_fraction": self.bubble_fraction}  # fmt: skip
+        if n_layers is not None:
+            out["layers_per_stage"] = list(self.split(n_layers))
+            out["padded_slots"] = self.padded_slots(n_layers)
+            out["layers_sharded_over_stage"] = n_layers % self.stages == 0
+        return out
 
     def check(self, n_layers: int, plan: LayerPlan | None = None) -> None:
-        """Raises ConfigError unless ``n_layers`` split into stages and chunks and ``plan`` is the same in
-        every chunk (one program runs every stage)."""
+        """Raises ConfigError unless ``n_layers`` split into stages and chunks and ``plan`` gives each layer
+        slot the same policy in every stage chunk (one program runs every stage)."""
         s, m, r = self.stages, self.micro_batches, self.repeats
         chunks = s * r
-        if n_layers % chunks:
+        if r > 1 and n_layers % chunks:
             fits = [k for k in range(2, n_layers + 1) if n_layers % (k * r) == 0][:6]
-            what = f"mesh.axes.stage={s}" + (f" x pipeline.repeats={r}" if r > 1 else "")
             raise ConfigError(
-                f"{what} = {chunks} layer chunks do not divide model.n_layers={n_layers}; use a stage "
-                f"count that does ({', '.join(map(str, fits)) or 'none with these repeats'})"
+                f"mesh.axes.stage={s} x pipeline.repeats={r} = {chunks} layer chunks do not divide "
+                f"model.n_layers={n_layers}; the circular schedule needs equal chunks: use a stage count "
+                f"that does ({', '.join(map(str, fits)) or 'none with these repeats'}), or "
+                f"pipeline.repeats=1 for uneven stages"
+            )
+        if self.layer_counts and len(self.layer_counts) != s:
+            raise ConfigError(
+                f"pipeline.stages has {len(self.layer_counts)} ranges but mesh.axes.stage={s}; give one "
+                f"range of layers per stage"
+            )
+        if sum(self.split(n_layers)) != n_layers:
+            raise ConfigError(
+                f"pipeline.stages covers {sum(self.split(n_layers))} layers but model.n_layers={n_layers}; "
+                f"the ranges must cover every layer once"
+            )
+        if n_layers < s:
+            raise ConfigError(
+                f"mesh.axes.stage={s} is more than model.n_layers={n_layers}: every stage needs a layer of "
+                f"its own; use at most {n_layers} stages"
             )
         if m < s:
             at_s, at_4s = Pipeline(s, s, r).bubble_fraction, Pipeline(s, 4 * s, r).bubble_fraction
@@ -87,21 +146,37 @@ class Pipeline:
             )
         if plan is None:
             return
-        k = n_layers // chunks
         policies = plan.for_layers(n_layers).policies
-        for layer, policy in enumerate(policies):
-            if policy != policies[layer % k]:
+        first: dict[int, int] = {}  # Slot -> the first layer that runs in it.
+        for layer, slot in self._slots(n_layers):
+            ref = first.setdefault(slot, layer)
+            if policies[layer] != policies[ref]:
                 raise ConfigError(
-                    f"remat.layers: every pipeline stage runs the same program on its {k} layers, so the "
-                    f"policies must repeat every {k} layers; layer {layer} has {policy.name!r} but layer "
-                    f"{layer % k} has {policies[layer % k].name!r}; give each position of a chunk the "
-                    f"same policy in every chunk (e.g. remat.policy alone)"
+                    f"remat.layers: every pipeline stage runs the same program on its layer slots, so a "
+                    f"slot must have the same policy in every stage chunk; layer {layer} (slot {slot}) has "
+                    f"{policies[layer].name!r} but layer {ref} (slot {slot} of an earlier chunk) has "
+                    f"{policies[ref].name!r}; give each position of a chunk the same policy in every chunk "
+                    f"(e.g. remat.policy alone)"
                 )
 
+    def _slots(self, n_layers: int) -> list[tuple[int, int]]:
+        """Returns ``(layer, slot)``: the position each layer takes in its stage chunk."""
+        if self.repeats > 1:
+            k = n_layers // (self.stages * self.repeats)
+            return [(layer, layer % k) for layer in range(n_layers)]
+        out, start = [], 0
+        for count in self.split(n_layers):
+            out += [(start + slot, slot) for slot in range(count)]
+            start += count
+        return out
+
     def chunk_plan(self, plan: LayerPlan, n_layers: int) -> LayerPlan:
-        """Returns the remat plan of one chunk of layers (the same in every chunk, see :meth:`check`)."""
-        k = n_layers // (self.stages * self.repeats)
-        return LayerPlan(plan.for_layers(n_layers).policies[:k])
+        """Returns the remat plan of one chunk's layer slots (the same in every chunk, see :meth:`check`)."""
+        policies = plan.for_layers(n_layers).policies
+        by_slot: dict[int, object] = {}
+        for layer, slot in self._slots(n_layers):
+            by_slot.setdefault(slot, policies[layer])
+        return LayerPlan(tuple(by_slot[slot] for slot in sorted(by_slot)))
 
     def run(self, layers: nnx.Module, x_BxLxD: jax.Array, plan: LayerPlan) -> jax.Array:
         """Runs stacked layers (as :func:`~shardmem.remat.remat_scan` does) through the pipeline schedule;
@@ -115,21 +190,33 @@ class Pipeline:
         n_layers = jax.tree.leaves(params)[0].shape[0]
         self.check(n_layers, plan)
         s, m, r = self.stages, self.micro_batches, self.repeats
-        k = n_layers // (s * r)
+        counts = self.split(n_layers)
+        even = len(set(counts)) == 1  # Always with R > 1 (check), whose chunks split a stage's layers.
+        k = n_layers // (s * r) if even else max(counts)
         chunk_plan = self.chunk_plan(plan, n_layers)
         logical = nnx.to_pure_dict(nnx.get_partition_spec(params))
+        starts = [sum(counts[:i]) for i in range(s)]
 
         def to_chunks(leaf, names):
             # [n_layers, ...] -> [R, S, K, ...]: chunk (r, s) holds layers (r * S + s) * K ... + K - 1.
             rest_names = tuple(names)[1:] if names is not None else (None,) * (leaf.ndim - 1)
-            return constrain(leaf.reshape(r, s, k, *leaf.shape[1:]), (None, "layers", None, *rest_names))
+            if even:
+                chunked = leaf.reshape(r, s, k, *leaf.shape[1:])
+            else:  # Static slices, each stage's padded with copies of its last layer (masked in the run).
+                chunked = jnp.stack([
+                    jnp.concatenate([leaf[a:a + n], *[leaf[a + n - 1:a + n]] * (k - n)]) if n < k
+                    else leaf[a:a + n] for a, n in zip(starts, counts, strict=True)
+                ])[None]  # fmt: skip
+            return constrain(chunked, (None, "layers", None, *rest_names))
 
         chunks = jax.tree.map(to_chunks, nnx.to_pure_dict(params), logical,
                               is_leaf=lambda x: x is None or isinstance(x, P))  # fmt: skip
         stage_ids_S = jnp.arange(s)
+        # Which of each stage's K slots hold one of its layers (None: all do).
+        valid_SxK = None if even else jnp.arange(k)[None, :] < jnp.asarray(counts)[:, None]
 
-        def stage(weights, x_mbxLxD):
-            return remat_scan(nnx.merge(graphdef, weights, rest), x_mbxLxD, chunk_plan)
+        def stage(weights, x_mbxLxD, valid_K=None):
+            return remat_scan(nnx.merge(graphdef, weights, rest), x_mbxLxD, chunk_plan, mask=valid_K)
 
         run_stages = jax.vmap(stage, spmd_axis_name=STAGE_AXIS)
 
@@ -169,7 +256,9 @@ class Pipeline:
             fresh_SxBxLxD = jax.lax.dynamic_index_in_dim(buffer_SxMxBxLxD, t % m, 1, keepdims=False)
             inputs_SxBxLxD = jnp.where(at_stage0, fresh_SxBxLxD, state_SxBxLxD)
             if r == 1:
-                out_SxBxLxD = run_stages(jax.tree.map(lambda c: c[0], chunks), inputs_SxBxLxD)
+                weights = jax.tree.map(lambda c: c[0], chunks)
+                out_SxBxLxD = (run_stages(weights, inputs_SxBxLxD) if valid_SxK is None
+                               else run_stages(weights, inputs_SxBxLxD, valid_SxK))  # fmt: skip
             else:  # Stage s is at repeat (t - s) // M (clipped in the fill and the drain).
                 repeat_S = jnp.clip((t - stage_ids_S) // m, 0, r - 1)
                 out_SxBxLxD = run_circular(chunks, inputs_SxBxLxD, repeat_S)
@@ -189,3 +278,39 @@ class Pipeline:
             out_MxBxLxD = jnp.sum(jnp.where(at_stage0[:, None], buffer_SxMxBxLxD, 0), axis=0)
         out_BxLxD = out_MxBxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape)
         return constrain(out_BxLxD, ("batch", "seq", None))
+
+
+def parse_stages(ranges: Sequence[object], n_layers: int) -> tuple[int, ...]:
+    """Returns the layers per stage of ``pipeline.stages`` (e.g. ``["0-7", "8-15", "16-22", "23-29"]``:
+    8, 8, 7, 7), raising ConfigError unless the ranges are contiguous, in order and cover every layer of
+    ``n_layers`` once."""
+    counts, expected = [], 0
+    for i, entry in enumerate(ranges):
+        key = f"pipeline.stages[{i}]={str(entry)!r}"
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(entry))
+        if isinstance(entry, bool) or not match:
+            raise ConfigError(f'{key} is not a layer or a range of layers; write e.g. "0-7" or "8"')
+        first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+        if first > last:
+            raise ConfigError(f'{key}: the range runs backwards; write it as "{last}-{first}"')
+        if first != expected:
+            where = f"the stages must be contiguous, in order: after layer {expected - 1} start at {expected}"
+            if i == 0:
+                where = "the first stage must start at layer 0"
+            raise ConfigError(f"{key} starts at layer {first}; {where}")
+        if last >= n_layers:
+            raise ConfigError(
+                f"{key}: layers run from 0 to {n_layers - 1} (model.n_layers={n_layers}); end the last "
+                f"stage at layer {n_layers - 1}"
+            )
+        counts.append(last - first + 1)
+        expected = last + 1
+    if not counts:
+        raise ConfigError('pipeline.stages=[]: give one range of layers per stage, e.g. ["0-3", "4-7"]')
+    if expected != n_layers:
+        raise ConfigError(
+            f"pipeline.stages[{len(counts) - 1}]={str(ranges[-1])!r} ends at layer {expected - 1} but "
+            f"model.n_layers={n_layers}; the stages must cover every layer: end the last one at "
+            f"{n_layers - 1}"
+        )
+    return tuple(counts)

@@ -226,7 +226,7 @@ def plan_program(
     warnings += _remat_warnings(config, layer_plan, hlo.checkpoint_tags(traced.jaxpr)) + report.warnings
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
-    pipeline = program.pipeline.to_json() if program.pipeline else {}
+    pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
                                  sharding=rows, attention=attention, pipeline=pipeline)  # fmt: skip
     if layer_plan is None:  # A model that remats itself: no plan of ours to compare with.

@@ -119,9 +119,22 @@ def _pipeline_line(pipeline: dict[str, Any]) -> str:
     stages, micro, repeats = pipeline["stages"], pipeline["micro_batches"], pipeline["repeats"]
     schedule = "GPipe" if repeats == 1 else f"circular, {repeats} layer chunks per stage"
     formula = f"({stages}-1)/({micro}" + (f"x{repeats}" if repeats > 1 else "") + f"+{stages}-1)"
-    return (f"pipeline {stages} stages x {micro} micro-batches ({schedule}): bubble {formula} = "
+    line = (f"pipeline {stages} stages x {micro} micro-batches ({schedule}): bubble {formula} = "
             f"{pipeline['bubble_fraction']:.1%}; every stage runs the same program on same-shaped "
             "buffers, so the peak per device is the worst stage's")  # fmt: skip
+    counts = pipeline.get("layers_per_stage")
+    if not counts:
+        return line
+    line += f"; stages of {', '.join(map(str, counts))} layers"
+    padded = pipeline["padded_slots"]
+    if padded:  # Every stage runs max(counts) slots; the others' extra slots run masked.
+        slots = stages * max(counts)
+        line += (f", {max(counts)} slots each: {padded} padded slot{'s' * (padded > 1)} of {slots} run "
+                 f"masked ({padded / slots:.1%} of the layer work, in the FLOPs)")  # fmt: skip
+    if not pipeline.get("layers_sharded_over_stage", True):
+        line += (f"; {sum(counts)} layers do not divide into {stages} stages, so every stage stores all "
+                 "of them (replicated over stage) and picks its own")  # fmt: skip
+    return line
 
 
 def render_sharding(rows: Sequence[ShardingRow]) -> Table:
