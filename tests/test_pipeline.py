@@ -171,3 +171,20 @@ def test_sweep_rows_carry_the_bubble_and_the_collective_permute_bytes():
     flat = row.flat()
     assert list(flat) == list(COLUMNS)
     assert flat["bubble_fraction"] == 0.2 and flat["collective_permute_bytes"] == 311296
+
+
+def test_a_stage_axis_the_layers_rule_does_not_use_is_a_config_error():
+    # Without the check, layers: null planned and trained with every stage storing all layers' weights and
+    # optimizer state, and a batch rule over stage was a traceback from inside the vmap over stages.
+    devices = jax.devices()
+    for rules, message in [
+        ({"layers": None}, r"rules.layers=None with mesh.axes.stage=2: .* set rules.layers: stage"),
+        ({"layers": ["stage", "data"]}, r"rules.layers=\['stage', 'data'\] with mesh.axes.stage=2"),
+        (
+            {"batch": ["data", "stage"]},
+            r"rules.batch=\['data', 'stage'\] uses the stage mesh axis .* remove stage from rules.batch",
+        ),
+    ]:
+        config = _config({"stage": 2, "data": 4}, 2, rules=rules)
+        with pytest.raises(ConfigError, match=message):
+            build_program(config, build_mesh(config.mesh.axes, devices))

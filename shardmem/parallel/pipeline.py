@@ -98,6 +98,26 @@ class Pipeline:
                     f"same policy in every chunk (e.g. remat.policy alone)"
                 )
 
+    def check_rules(self, layers_axes, stage_users: list[tuple[str, tuple[str, ...]]]) -> None:
+        """Raises ConfigError unless ``rules.layers`` maps to the ``stage`` axis alone (``layers_axes``)
+        and no other rule uses it (``stage_users``: the rules that do, as (name, mesh axes)): the stages
+        hold their own layers through the ``layers`` rule and hand the micro-batches on over ``stage``."""
+        if tuple(layers_axes or ()) != (STAGE_AXIS,):
+            shown = list(layers_axes) if layers_axes else None
+            raise ConfigError(
+                f"rules.layers={shown} with mesh.axes.stage={self.stages}: each pipeline stage holds its "
+                "own layers through rules.layers, so it must be [stage] alone (otherwise every stage stores "
+                "weights and optimizer state of layers it never runs); set rules.layers: stage (the "
+                "default) or mesh.axes.stage=1"
+            )
+        if stage_users:
+            name, axes = stage_users[0]
+            raise ConfigError(
+                f"rules.{name}={list(axes)} uses the stage mesh axis (mesh.axes.stage={self.stages}), which "
+                f"only rules.layers may use: the pipeline's stages hand the micro-batches on over it; "
+                f"remove stage from rules.{name}"
+            )
+
     def chunk_plan(self, plan: LayerPlan, n_layers: int) -> LayerPlan:
         """Returns the remat plan of one chunk of layers (the same in every chunk, see :meth:`check`)."""
         k = n_layers // (self.stages * self.repeats)
