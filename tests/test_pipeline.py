@@ -164,6 +164,16 @@ def test_tune_mixes_remat_at_the_same_positions_of_every_stage_chunk():
     assert name == "full, the last 3 of each stage chunk's 10 layers: none"
 
 
+@pytest.mark.slow
+def test_tune_gives_a_pipeline_the_most_micro_batches():
+    # Fewer micro-batches only raise a pipeline's peak and bubble: tune picked 2 here (bubble 33%).
+    from shardmem.explore.tune import tune
+
+    result = tune(_config({"stage": 2, "data": 4}, 2), "cpu", search="micro_batches")
+    assert result.config.train.micro_batches == 4 and result.compiles == 1  # 16 sequences over data=4.
+    assert "the smallest bubble, 20.0%" in result.explanation[1]
+
+
 def test_sweep_rows_carry_the_bubble_and_the_collective_permute_bytes():
     from shardmem.explore.sweep import COLUMNS, SweepRow
 
