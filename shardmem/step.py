@@ -211,6 +211,8 @@ def build_program(
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
                                       where=device_class(mesh.devices.flat),
                                       dtype=config.precision.compute, context=context)  # fmt: skip
+    if attention is not None and not custom:
+        attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
     if model_factory is not None:
         plan = config.remat_plan()
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
