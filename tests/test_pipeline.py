@@ -76,7 +76,12 @@ def test_bubble_fraction_is_gpipes_and_shrinks_with_chunks_per_stage():
     assert Pipeline(4, 8).bubble_fraction == pytest.approx(3 / 11)  # (S - 1) / (M + S - 1)
     assert Pipeline(8, 16).ticks == 23 and Pipeline(8, 16).bubble_fraction == pytest.approx(7 / 23)
     assert Pipeline(4, 8, repeats=2).bubble_fraction == pytest.approx(3 / 19)  # (S - 1) / (M R + S - 1)
-    assert Pipeline(2, 4).describe() == "2 stages x 4 micro-batches (GPipe), bubble 20.0%"
+    assert Pipeline(2, 4).describe() == "2 stages x 4 micro-batches (GPipe): bubble (2-1)/(4+2-1) = 20.0%"
+    circular = Pipeline(8, 16, repeats=2)
+    assert Pipeline.from_json(circular.to_json()) == circular
+    assert circular.describe().endswith(
+        "(circular, 2 layer chunks per stage): bubble (8-1)/(16x2+8-1) = 17.9%"
+    )
 
 
 @pytest.mark.slow

@@ -56,10 +56,16 @@ class Pipeline:
         return (self.stages - 1) / self.ticks
 
     def describe(self) -> str:
-        """Returns e.g. "4 stages x 8 micro-batches (GPipe), bubble 27.3%"."""
-        schedule = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} chunks per stage"
-        return (f"{self.stages} stages x {self.micro_batches} micro-batches ({schedule}), "
-                f"bubble {self.bubble_fraction:.1%}")  # fmt: skip
+        """Returns e.g. "4 stages x 8 micro-batches (GPipe): bubble (4-1)/(8+4-1) = 27.3%"."""
+        s, m, r = self.stages, self.micro_batches, self.repeats
+        schedule = "GPipe" if r == 1 else f"circular, {r} layer chunks per stage"
+        formula = f"({s}-1)/({m}" + (f"x{r}" if r > 1 else "") + f"+{s}-1)"
+        return f"{s} stages x {m} micro-batches ({schedule}): bubble {formula} = {self.bubble_fraction:.1%}"
+
+    @classmethod
+    def from_json(cls, data: dict) -> Pipeline:
+        """The inverse of :meth:`to_json` (a report's ``pipeline`` entry)."""
+        return cls(data["stages"], data["micro_batches"], data["repeats"])
 
     def to_json(self) -> dict:
         """Returns the schedule as JSON-ready data (the plan's ``pipeline`` entry)."""
