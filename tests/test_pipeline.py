@@ -137,6 +137,10 @@ def test_config_errors_name_the_key_the_value_and_the_fix():
     with pytest.raises(ConfigError, match=r"mesh.axes.stage=8 = 8 layer chunks do not divide "
                        r"model.n_layers=4; use a stage count that does \(2, 4\)"):  # fmt: skip
         _program({"stage": 8}, devices, micro_batches=8)
+    with pytest.raises(ConfigError, match=r"stage=2 x pipeline.repeats=3 = 6 layer chunks do not divide "
+                       r"model.n_layers=4; use a stage count that does \(none with these repeats\), or "
+                       r"pipeline.repeats among \[1, 2\]$"):  # fmt: skip
+        _program({"stage": 2, "data": 4}, devices, micro_batches=4, repeats=3)
     with pytest.raises(ConfigError, match=r"mesh.axes.stage=4 x pipeline.repeats=2 = 8 layer chunks"):
         _program({"stage": 4, "data": 2}, devices, micro_batches=4, repeats=2)
     config = _config({"stage": 2, "data": 4}, 4, remat={"policy": "minimal", "layers": {"3": "none"}})

@@ -80,9 +80,12 @@ class Pipeline:
         if n_layers % chunks:
             fits = [k for k in range(2, n_layers + 1) if n_layers % (k * r) == 0][:6]
             what = f"mesh.axes.stage={s}" + (f" x pipeline.repeats={r}" if r > 1 else "")
+            fix = f"a stage count that does ({', '.join(map(str, fits)) or 'none with these repeats'})"
+            if r > 1 and n_layers % s == 0:
+                repeats = [q for q in range(1, n_layers // s + 1) if n_layers % (s * q) == 0]
+                fix += f", or pipeline.repeats among {repeats}"
             raise ConfigError(
-                f"{what} = {chunks} layer chunks do not divide model.n_layers={n_layers}; use a stage "
-                f"count that does ({', '.join(map(str, fits)) or 'none with these repeats'})"
+                f"{what} = {chunks} layer chunks do not divide model.n_layers={n_layers}; use {fix}"
             )
         if m < s:
             at_s, at_4s = Pipeline(s, s, r).bubble_fraction, Pipeline(s, 4 * s, r).bubble_fraction
