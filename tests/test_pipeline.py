@@ -186,10 +186,12 @@ def test_tune_gives_a_pipeline_the_most_micro_batches():
 def test_sweep_rows_carry_the_bubble_and_the_collective_permute_bytes():
     from shardmem.explore.sweep import COLUMNS, SweepRow
 
-    row = SweepRow(("mesh.axes.stage=2",), bubble_fraction=0.2, collectives={"collective-permute": 311296})
+    moved = {"collective-permute": 311296, "all-to-all": 1024}
+    row = SweepRow(("mesh.axes.stage=2",), bubble_fraction=0.2, collectives=moved)
     flat = row.flat()
     assert list(flat) == list(COLUMNS)
     assert flat["bubble_fraction"] == 0.2 and flat["collective_permute_bytes"] == 311296
+    assert flat["other_collective_bytes"] == 1024  # The permute was counted in "other" too.
 
 
 def test_a_stage_axis_the_layers_rule_does_not_use_is_a_config_error():
