@@ -138,8 +138,9 @@ class Pipeline:
         graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise ConfigError(
-                "mesh.axes.stage: the layers hold variables other than parameters (batch statistics, RNG "
-                "streams), which a pipeline cannot carry between stages; use stage: 1"
+                f"mesh.axes.stage={self.stages}: the layers hold variables other than parameters (batch "
+                "statistics, RNG streams), which a pipeline cannot carry between stages; set "
+                "mesh.axes.stage=1"
             )
         n_layers = jax.tree.leaves(params)[0].shape[0]
         self.check(n_layers, plan)
