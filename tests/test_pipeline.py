@@ -15,7 +15,6 @@ from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.planning import hlo
 from shardmem.planning.memory import make_target, plan_program
-from shardmem.run.checkpoint import Checkpointer
 from shardmem.step import build_program
 
 
@@ -115,19 +114,8 @@ def test_circular_training_matches_one_device(one_device):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_with_stage_2_resumes_with_stage_1(tmp_path, gpipe, one_device):
-    two, _, compiled, _, state = gpipe
-    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
-        checkpointer.save(3, state)
-    one = one_device[0]
-    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
-        restored = checkpointer.restore(one.abstract_state)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
-    assert len(restored["params"]["layers"]["wq"].sharding.device_set) == 1
-    copy = jax.tree.map(lambda x: x.copy(), state)  # The compiled step donates its input.
-    continued, _ = _steps(compiled, two, copy, 2, first=3)
-    resumed, _ = _steps(one.step, one, restored, 2, first=3)
-    np.testing.assert_allclose(resumed, continued, rtol=2e-5)
+def test_a_checkpoint_saved_with_stage_2_resumes_with_stage_1(resumes_with_one_device, gpipe, one_device):
+    resumes_with_one_device(gpipe, one_device[0], _steps)
 
 
 def test_config_errors_name_the_key_the_value_and_the_fix():
