@@ -206,11 +206,13 @@ def build_program(
     custom = model_factory is not None or config.user_model
     rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     context = _context_shards(config, mesh, rules, custom, batch_shape)
-    pipeline = pipeline_for(config, mesh, custom)
+    pipeline = pipeline_for(config, mesh, custom, rules)
     if attention is None and not custom:
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
                                       where=device_class(mesh.devices.flat),
                                       dtype=config.precision.compute, context=context)  # fmt: skip
+    if attention is not None and not custom:
+        attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
     if model_factory is not None:
         plan = config.remat_plan()
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
@@ -389,9 +391,11 @@ def _context_shards(config: Config, mesh: Mesh, rules: Rules, custom: bool, batc
     return shards
 
 
-def pipeline_for(config: Config, mesh: Mesh, custom: bool = False) -> Pipeline | None:
+def pipeline_for(
+    config: Config, mesh: Mesh, custom: bool = False, rules: Rules | None = None
+) -> Pipeline | None:
     """Returns the pipeline schedule for a mesh with a ``stage`` axis of size > 1 (None otherwise),
-    checked against the model's depth and remat plan."""
+    checked against the model's depth, remat plan and partition rules."""
     stages = dict(mesh.shape).get(STAGE_AXIS, 1)
     if stages == 1:
         return None
@@ -405,6 +409,11 @@ def pipeline_for(config: Config, mesh: Mesh, custom: bool = False) -> Pipeline |
     counts = parse_stages(ranges, n_layers) if ranges is not None else ()
     pipeline = Pipeline(stages, config.train.micro_batches, config.pipeline.repeats, counts)
     pipeline.check(n_layers, config.remat_plan())
+    rules = rules or Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
+    stage_users = [
+        (name, axes) for name, axes in rules.logical if name != "layers" and STAGE_AXIS in (axes or ())
+    ]
+    pipeline.check_rules(rules.mesh_axes("layers"), stage_users)
     return pipeline
 
 

@@ -3,6 +3,7 @@
 import subprocess
 
 import jax
+import numpy as np
 import pytest
 
 import shardmem  # noqa: F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
@@ -29,3 +30,31 @@ def small_disk(tmp_path):
     yield mount
     for mount_point in mounted:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def resumes_with_one_device(tmp_path):
+    """``resumes_with_one_device(strategy, one, run_steps, path)`` saves the state a parallel strategy's
+    fixture trained (``(program, report, compiled step, losses, state)``), restores it into the one-device
+    program ``one``, checks the parameter at ``path`` lands on one device as ``one`` shards it, and that
+    two more steps there give the losses two more steps of the strategy give (checkpoints do not depend
+    on the mesh)."""
+    from shardmem.run.checkpoint import Checkpointer
+
+    def check(strategy, one, run_steps, path=("layers", "wq")):
+        program, _, compiled, _, state = strategy
+        with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+            checkpointer.save(3, state)
+        with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+            restored = checkpointer.restore(one.abstract_state)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+        leaf, sharding = restored["params"], one.state_shardings["params"]
+        for key in path:
+            leaf, sharding = leaf[key], sharding[key]
+        assert leaf.sharding == sharding and len(leaf.sharding.device_set) == 1
+        copy = jax.tree.map(lambda x: x.copy(), state)  # The compiled step donates its input.
+        continued, _ = run_steps(compiled, program, copy, 2, first=3)
+        resumed, _ = run_steps(one.step, one, restored, 2, first=3)
+        np.testing.assert_allclose(resumed, continued, rtol=2e-5)
+
+    return check

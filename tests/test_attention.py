@@ -83,6 +83,22 @@ def test_stand_in_says_what_it_stands_for():
     assert text.startswith("pallas, standing in for cudnn") and "same memory: no L x L" in text
 
 
+def test_a_sequence_the_pallas_kernel_cannot_tile_is_a_config_error():
+    # It was a ValueError traceback from inside the kernel (llama-7b-long with seq_len 32000).
+    from shardmem.parallel.mesh import build_mesh
+    from shardmem.step import build_program
+
+    AttentionKernel("pallas", context=8).check_length(32768)  # 2 x 8 blocks of 2048.
+    AttentionKernel("pallas").check_length(100)  # One block.
+    message = r"seq_len=32000: the pallas .* 2 x 8 context blocks has 2000 .* 2048 \(e.g. 30720 or 32768\)"
+    with pytest.raises(ConfigError, match=message):
+        AttentionKernel("pallas", context=8).check_length(32000)
+    config = config_from_dict({"model": {"preset": "tiny", "seq_len": 200, "attention": "pallas"}})
+    with pytest.raises(ConfigError, match=r"model.seq_len=200: .* multiple of 128 \(e.g. 128 or 256\), or "
+                       r"model.attention=chunked$"):  # fmt: skip
+        build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+
+
 @pytest.mark.slow
 def test_fused_kernel_runs_per_shard_in_the_sharded_step():
     """Pallas (interpret mode) inside shard_map over batch and heads gives the xla kernel's loss."""

@@ -20,7 +20,6 @@ from shardmem.parallel import context
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import Rules, constrain
 from shardmem.planning.memory import make_target, plan, plan_program
-from shardmem.run.checkpoint import Checkpointer
 from shardmem.step import build_program
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,19 +196,10 @@ def test_the_plan_reports_the_key_value_all_gather_over_context(context_2):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_with_context_2_resumes_with_context_1(tmp_path, context_2, one_device):
-    two, _, compiled, _, state = context_2
-    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
-        checkpointer.save(3, state)
-    one = one_device[0]
-    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
-        restored = checkpointer.restore(one.abstract_state)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
-    assert len(restored["params"]["layers"]["wq"].sharding.device_set) == 1
-    copy = jax.tree.map(lambda x: x.copy(), state)  # The compiled step donates its input.
-    continued, _ = _steps(compiled, two, copy, 2, first=3)
-    resumed, _ = _steps(one.step, one, restored, 2, first=3)
-    np.testing.assert_allclose(resumed, continued, rtol=2e-5)
+def test_a_checkpoint_saved_with_context_2_resumes_with_context_1(
+    resumes_with_one_device, context_2, one_device
+):
+    resumes_with_one_device(context_2, one_device[0], _steps)
 
 
 # --- Errors --------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from shardmem.models.moe import MoEFeedForward, _top_k, expert_capacity, route
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import make_target, plan, plan_program
 from shardmem.remat import LayerPlan
-from shardmem.run.checkpoint import Checkpointer
 from shardmem.step import build_program
 
 TINY_MOE = ModelConfig.preset("tiny-moe")
@@ -237,21 +236,10 @@ def test_the_plan_reports_the_all_to_all_of_the_dispatched_tokens(expert_2):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_with_expert_2_resumes_with_expert_1(tmp_path, expert_2, one_device):
-    two, _, compiled, _, state = expert_2
-    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
-        checkpointer.save(3, state)
-    one = one_device[0]
-    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
-        restored = checkpointer.restore(one.abstract_state)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
-    w_up = restored["params"]["layers"]["moe"]["w_up"]
-    assert w_up.sharding == one.state_shardings["params"]["layers"]["moe"]["w_up"]
-    assert len(w_up.sharding.device_set) == 1
-    copy = jax.tree.map(lambda x: x.copy(), state)  # The compiled step donates its input.
-    continued, _ = _steps(compiled, two, copy, 2, first=3)
-    resumed, _ = _steps(one.step, one, restored, 2, first=3)
-    np.testing.assert_allclose(resumed, continued, rtol=2e-5)
+def test_a_checkpoint_saved_with_expert_2_resumes_with_expert_1(
+    resumes_with_one_device, expert_2, one_device
+):
+    resumes_with_one_device(expert_2, one_device[0], _steps, path=("layers", "moe", "w_up"))
 
 
 class UserMoE(nnx.Module):

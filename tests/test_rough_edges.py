@@ -39,6 +39,16 @@ def test_replicated_parameter_warning_only_where_sharding_was_possible():
     assert "embedding [32000, 256]" in warning and "layers" not in warning and "param_rules" in warning
 
 
+def test_a_mesh_axis_no_rule_uses_is_warned_about():
+    # `stages` (for stage) planned silently, its devices repeating the same work; so did a dense
+    # model's expert axis with a batch rule that leaves it out (tiny.yaml's).
+    (typo,) = _warnings(load_config(TINY, ["mesh.axes.stages=2"]))
+    assert typo.startswith("mesh.axes.stages=2 (did you mean 'stage'?) shards nothing: no rule this model")
+    (dense,) = _warnings(load_config(TINY, ["mesh.axes.expert=2"]))
+    assert dense.startswith("mesh.axes.expert=2 shards nothing") and "rules.batch" in dense
+    assert _warnings(load_config(TINY, ["mesh.axes.expert=2", "rules.batch=[data, fsdp, expert]"])) == []
+
+
 def test_time_left_comes_from_the_steps_pace_not_the_compile():
     now = [0.0]
     rate = StepRate(total=100, clock=lambda: now[0])

@@ -74,7 +74,7 @@ class SweepRow:
     def flat(self) -> dict[str, Any]:
         """Returns the row as the CSV columns."""
         moved = self.collectives
-        known = ("all-gather", "reduce-scatter", "all-reduce")
+        known = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")  # Their own columns.
         return {
             "candidate": self.candidate, "error": self.error, "peak_bytes": self.peak_bytes,
             "budget_bytes": self.budget_bytes, "fits": self.fits, "margin_bytes": self.margin_bytes,

@@ -514,8 +514,9 @@ def _tune_batch(planner: _Planner, target) -> TuneResult:
 
 
 def _tune_micro_batches(planner: _Planner, target) -> TuneResult:
-    """Fewest micro-batches (gradient accumulation steps) that fit the configured global batch; with
-    pipeline stages, at least one per stage (more shrink the bubble, in smaller matmuls)."""
+    """Fewest micro-batches (gradient accumulation steps) that fit the configured global batch. With
+    pipeline stages, the most: more micro-batches lower both the peak and the bubble, whose idle ticks
+    run (fewer would only buy larger matmuls at a higher peak and more FLOPs)."""
     config = planner.base
     batch, shards = config.train.global_batch, _batch_shards(config, target)
     stages = dict(build_mesh(config.mesh.axes, target.devices).shape).get(STAGE_AXIS, 1)
@@ -531,6 +532,10 @@ def _tune_micro_batches(planner: _Planner, target) -> TuneResult:
 
     lo, hi = -1, len(counts) - 1  # counts[hi] fits (once checked); counts[lo] does not.
     last = planner.compile(f"micro_batches={counts[hi]}", key(counts[hi]))
+    if last.fits and stages > 1:
+        bubble = last.pipeline["bubble_fraction"]
+        what = f"train.micro_batches={counts[hi]} (the most: the smallest bubble, {bubble:.1%}, and peak)"
+        return _finish(planner, target, "micro_batches", key(counts[hi]), what)
     if not last.fits:
         return _no_fit(planner, target, last.budget_bytes, "micro_batches", [
             f"even {counts[hi]} micro-batches of {batch // counts[hi]} need "

@@ -36,6 +36,9 @@ KERNELS = {
 ATTENTION_CHOICES = ("auto", *KERNELS)
 #: Query block of ``chunked`` when ``model.attention_chunk`` is unset.
 DEFAULT_CHUNK = 512
+#: Sequence block of the Pallas flash kernel (``BlockSizes.get_default().block_q``): a shorter sequence
+#: is one block, a longer one must be a multiple of it.
+PALLAS_BLOCK = 128
 #: Where a model is built for: an attached NVIDIA GPU, one compiled deviceless, or CPU devices.
 DEVICE_CLASSES = ("gpu", "deviceless-gpu", "cpu")
 
@@ -65,6 +68,26 @@ class AttentionKernel:
             text += (f"; context parallel over {self.context} devices (keys and values all-gathered, zigzag "
                      "causal load balance)")  # fmt: skip
         return text
+
+    def check_length(self, seq_len: int) -> None:
+        """Raises ConfigError where the Pallas kernel cannot tile ``seq_len`` positions (with a context
+        axis: each of the ``2 x context`` blocks :mod:`shardmem.parallel.context` gives it)."""
+        if self.name != "pallas":
+            return
+        pieces = 2 * self.context if self.context > 1 else 1
+        block = seq_len // pieces
+        if block <= PALLAS_BLOCK or block % PALLAS_BLOCK == 0:
+            return
+        step = PALLAS_BLOCK * pieces
+        below, above = seq_len // step * step, (seq_len // step + 1) * step
+        each = f"each of its 2 x {self.context} context blocks has {block}" if pieces > 1 else f"{seq_len}"
+        kernel = "pallas" + (f" (standing in for {self.stands_for})" if self.stands_for else "")
+        raise ConfigError(
+            f"model.seq_len={seq_len}: the {kernel} flash kernel tiles a sequence in blocks of "
+            f"{PALLAS_BLOCK} positions, and {each} is neither at most one block nor a multiple of one; "
+            f"use a seq_len that is a multiple of {step} "
+            f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or model.attention=chunked"
+        )
 
 
 def device_class(devices) -> str:

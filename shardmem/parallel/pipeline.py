@@ -93,10 +93,16 @@ class Pipeline:
         return (self.stages - 1) / self.ticks
 
     def describe(self) -> str:
-        """Returns e.g. "4 stages x 8 micro-batches (GPipe), bubble 27.3%"."""
-        schedule = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} chunks per stage"
-        return (f"{self.stages} stages x {self.micro_batches} micro-batches ({schedule}), "
-                f"bubble {self.bubble_fraction:.1%}")  # fmt: skip
+        """Returns e.g. "4 stages x 8 micro-batches (GPipe): bubble (4-1)/(8+4-1) = 27.3%"."""
+        s, m, r = self.stages, self.micro_batches, self.repeats
+        schedule = "GPipe" if r == 1 else f"circular, {r} layer chunks per stage"
+        formula = f"({s}-1)/({m}" + (f"x{r}" if r > 1 else "") + f"+{s}-1)"
+        return f"{s} stages x {m} micro-batches ({schedule}): bubble {formula} = {self.bubble_fraction:.1%}"
+
+    @classmethod
+    def from_json(cls, data: dict) -> Pipeline:
+        """The inverse of :meth:`to_json` (a report's ``pipeline`` entry)."""
+        return cls(data["stages"], data["micro_batches"], data["repeats"])
 
     def to_json(self, n_layers: int | None = None) -> dict:
         """Returns the schedule as JSON-ready data (the plan's ``pipeline`` entry); with ``n_layers``, also
@@ -116,10 +122,13 @@ class Pipeline:
         chunks = s * r
         if r > 1 and n_layers % chunks:
             fits = [k for k in range(2, n_layers + 1) if n_layers % (k * r) == 0][:6]
+            fix = f"a stage count that does ({', '.join(map(str, fits)) or 'none with these repeats'})"
+            if n_layers % s == 0:
+                repeats = [q for q in range(1, n_layers // s + 1) if n_layers % (s * q) == 0]
+                fix += f", or pipeline.repeats among {repeats}"
             raise ConfigError(
                 f"mesh.axes.stage={s} x pipeline.repeats={r} = {chunks} layer chunks do not divide "
-                f"model.n_layers={n_layers}; the circular schedule needs equal chunks: use a stage count "
-                f"that does ({', '.join(map(str, fits)) or 'none with these repeats'}), or "
+                f"model.n_layers={n_layers}; the circular schedule needs equal chunks: use {fix}, or "
                 f"pipeline.repeats=1 for uneven stages"
             )
         if self.layer_counts and len(self.layer_counts) != s:
@@ -170,6 +179,26 @@ class Pipeline:
             start += count
         return out
 
+    def check_rules(self, layers_axes, stage_users: list[tuple[str, tuple[str, ...]]]) -> None:
+        """Raises ConfigError unless ``rules.layers`` maps to the ``stage`` axis alone (``layers_axes``)
+        and no other rule uses it (``stage_users``: the rules that do, as (name, mesh axes)): the stages
+        hold their own layers through the ``layers`` rule and hand the micro-batches on over ``stage``."""
+        if tuple(layers_axes or ()) != (STAGE_AXIS,):
+            shown = list(layers_axes) if layers_axes else None
+            raise ConfigError(
+                f"rules.layers={shown} with mesh.axes.stage={self.stages}: each pipeline stage holds its "
+                "own layers through rules.layers, so it must be [stage] alone (otherwise every stage stores "
+                "weights and optimizer state of layers it never runs); set rules.layers: stage (the "
+                "default) or mesh.axes.stage=1"
+            )
+        if stage_users:
+            name, axes = stage_users[0]
+            raise ConfigError(
+                f"rules.{name}={list(axes)} uses the stage mesh axis (mesh.axes.stage={self.stages}), which "
+                f"only rules.layers may use: the pipeline's stages hand the micro-batches on over it; "
+                f"remove stage from rules.{name}"
+            )
+
     def chunk_plan(self, plan: LayerPlan, n_layers: int) -> LayerPlan:
         """Returns the remat plan of one chunk's layer slots (the same in every chunk, see :meth:`check`)."""
         policies = plan.for_layers(n_layers).policies
@@ -184,8 +213,9 @@ class Pipeline:
         graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise ConfigError(
-                "mesh.axes.stage: the layers hold variables other than parameters (batch statistics, RNG "
-                "streams), which a pipeline cannot carry between stages; use stage: 1"
+                f"mesh.axes.stage={self.stages}: the layers hold variables other than parameters (batch "
+                "statistics, RNG streams), which a pipeline cannot carry between stages; set "
+                "mesh.axes.stage=1"
             )
         n_layers = jax.tree.leaves(params)[0].shape[0]
         self.check(n_layers, plan)

@@ -297,6 +297,18 @@ def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: in
             f"rules.batch={list(batch_axes)} leaves out mesh axis expert: its {mesh.shape['expert']} devices "
             "repeat the same tokens outside the experts; add it, e.g. rules.batch: [data, fsdp, expert]"
         )
+    # A mesh axis that no rule in use names (a typo such as `stages`, or a dense model's `expert`) only
+    # repeats the same work on its devices.
+    sharding = {a for n in used_names | set(ACTIVATION_AXES) for a in rules.mesh_axes(n) or ()}
+    sharding |= {a for _, entries in rules.by_path for entry in entries for a in entry or ()}
+    known_axes = {a for axes in DEFAULT_RULES.values() for a in axes or ()} - set(mesh.axis_names)
+    for axis in mesh.axis_names:
+        if mesh.shape[axis] > 1 and axis not in sharding:
+            warnings.append(
+                f"mesh.axes.{axis}={mesh.shape[axis]}{did_you_mean(axis, known_axes)} shards nothing: no "
+                f"rule this model uses names it, so its {mesh.shape[axis]} devices repeat the same work; "
+                "name it in rules (e.g. rules.batch) or remove it"
+            )
     # Parameters can only be sharded over the mesh axes their rules name; with all of those of size 1 (pure
     # data parallelism) every device holds every parameter by design.
     param_axes = {a for n in used_names for a in spec_axes(known.get(n))}

@@ -9,6 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import ShardingRow
 from shardmem.planning.memory import MemoryReport
 from shardmem.units import format_bytes, format_flops
@@ -116,12 +117,9 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
 
 
 def _pipeline_line(pipeline: dict[str, Any]) -> str:
-    stages, micro, repeats = pipeline["stages"], pipeline["micro_batches"], pipeline["repeats"]
-    schedule = "GPipe" if repeats == 1 else f"circular, {repeats} layer chunks per stage"
-    formula = f"({stages}-1)/({micro}" + (f"x{repeats}" if repeats > 1 else "") + f"+{stages}-1)"
-    line = (f"pipeline {stages} stages x {micro} micro-batches ({schedule}): bubble {formula} = "
-            f"{pipeline['bubble_fraction']:.1%}; every stage runs the same program on same-shaped "
-            "buffers, so the peak per device is the worst stage's")  # fmt: skip
+    stages = pipeline["stages"]
+    line = (f"pipeline {Pipeline.from_json(pipeline).describe()}; every stage runs the same program on "
+            "same-shaped buffers, so the peak per device is the worst stage's")  # fmt: skip
     counts = pipeline.get("layers_per_stage")
     if not counts:
         return line
