@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from strategies import assert_same_training, planned_and_trained, train_steps
 
 from shardmem.config import config_from_dict, load_config
 from shardmem.errors import ConfigError
@@ -124,15 +125,6 @@ def _config(axes, **model):
     })  # fmt: skip
 
 
-def _steps(step, program, state, steps, first=0):
-    losses = []
-    for i in range(first, first + steps):
-        tokens = jax.random.randint(jax.random.key(i), program.abstract_batch.shape, 0, 256, jnp.int32)
-        state, metrics = step(state, jax.device_put(tokens, program.batch_sharding))
-        losses.append(float(metrics["loss"]))
-    return losses, state
-
-
 def _program(axes, devices):
     config = _config(axes)
     return build_program(config, build_mesh(config.mesh.axes, devices))
@@ -142,7 +134,7 @@ def _program(axes, devices):
 def one_device():
     """context=1 on one device: three steps from init."""
     program = _program({"data": 1}, jax.devices()[:1])
-    losses, state = _steps(program.step, program, program.init(), 3)
+    losses, state = train_steps(program.step, program, program.init(), 3)
     return program, losses, jax.device_get(state["params"])
 
 
@@ -151,17 +143,7 @@ def context_2():
     """{data: 2, fsdp: 2, context: 2}, planned once; the plan's compiled step trains, as in
     ``shardmem train``. Returns the program, its report and step, and three steps from init."""
     program = _program({"data": 2, "fsdp": 2, "context": 2}, jax.devices())
-    report, compiled = plan_program(program, make_target(program.config, "cpu"), count_remat_overhead=False)
-    losses, state = _steps(compiled, program, program.init(), 3)
-    return program, report, compiled, losses, state
-
-
-def _same_training(losses, params, one_device):
-    _, want_losses, want_params = one_device
-    # The same global computation, reduced in another order: float32 rounding.
-    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 jax.device_get(params), want_params)  # fmt: skip
+    return planned_and_trained(program)
 
 
 @pytest.mark.slow
@@ -170,14 +152,14 @@ def test_context_2_with_data_and_fsdp_trains_as_one_device(context_2, one_device
     assert program.attention.context == 2
     wq = program.abstract_state["params"]["layers"]["wq"]
     assert wq.sharding.spec[1] == ("fsdp", "context"), "the weights are split over the context devices too"
-    _same_training(losses, state["params"], one_device)
+    assert_same_training(losses, state["params"], one_device)
 
 
 @pytest.mark.slow
 def test_context_4_with_fsdp_trains_as_one_device(one_device):
     program = _program({"fsdp": 2, "context": 4}, jax.devices())
-    losses, state = _steps(program.step, program, program.init(), 3)
-    _same_training(losses, state["params"], one_device)
+    losses, state = train_steps(program.step, program, program.init(), 3)
+    assert_same_training(losses, state["params"], one_device)
 
 
 @pytest.mark.slow
@@ -199,7 +181,7 @@ def test_the_plan_reports_the_key_value_all_gather_over_context(context_2):
 def test_a_checkpoint_saved_with_context_2_resumes_with_context_1(
     resumes_with_one_device, context_2, one_device
 ):
-    resumes_with_one_device(context_2, one_device[0], _steps)
+    resumes_with_one_device(context_2, one_device[0], train_steps)
 
 
 # --- Errors --------------------------------------------------------------------------------------

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from strategies import assert_same_training, planned_and_trained, train_steps
 
 from shardmem.config import config_from_dict, load_config
 from shardmem.errors import ConfigError
 from shardmem.models.llama import PRESETS, Llama, ModelConfig
 from shardmem.models.moe import MoEFeedForward, _top_k, expert_capacity, route
 from shardmem.parallel.mesh import build_mesh
-from shardmem.planning.memory import make_target, plan, plan_program
+from shardmem.planning.memory import plan
 from shardmem.remat import LayerPlan
 from shardmem.step import build_program
 
@@ -164,19 +165,6 @@ def _config(axes, **model):
     })  # fmt: skip
 
 
-def _batch(program, step):
-    tokens = jax.random.randint(jax.random.key(step), program.abstract_batch.shape, 0, 256, jnp.int32)
-    return jax.device_put(tokens, program.batch_sharding)
-
-
-def _steps(step, program, state, steps, first=0):
-    losses = []
-    for i in range(first, first + steps):
-        state, metrics = step(state, _batch(program, i))
-        losses.append(float(metrics["loss"]))
-    return losses, state
-
-
 def _program(axes, devices):
     config = _config(axes)
     return build_program(config, build_mesh(config.mesh.axes, devices))
@@ -186,7 +174,7 @@ def _program(axes, devices):
 def one_device():
     """expert=1 on one device: three steps from init."""
     program = _program({"data": 1, "expert": 1}, jax.devices()[:1])
-    losses, state = _steps(program.step, program, program.init(), 3)
+    losses, state = train_steps(program.step, program, program.init(), 3)
     return program, losses, jax.device_get(state["params"])
 
 
@@ -195,9 +183,7 @@ def expert_2():
     """{data: 4, expert: 2} on 8 devices, planned once; the plan's compiled step trains, as in
     ``shardmem train``. Returns the program, its report and step, and three steps from init."""
     program = _program({"data": 4, "expert": 2}, jax.devices())
-    report, compiled = plan_program(program, make_target(program.config, "cpu"), count_remat_overhead=False)
-    losses, state = _steps(compiled, program, program.init(), 3)
-    return program, report, compiled, losses, state
+    return planned_and_trained(program)
 
 
 @pytest.mark.slow
@@ -205,21 +191,14 @@ def test_expert_parallel_training_matches_one_device(expert_2, one_device):
     program, _, _, losses, state = expert_2
     w_up = program.abstract_state["params"]["layers"]["moe"]["w_up"]
     assert w_up.sharding.spec[1] == "expert" and w_up.sharding.shard_shape(w_up.shape)[1] == 4
-    _, want_losses, want_params = one_device
-    # The same global computation, only reduced in another order: float32 rounding.
-    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 jax.device_get(state["params"]), want_params)  # fmt: skip
+    assert_same_training(losses, state["params"], one_device)
 
 
 @pytest.mark.slow
 def test_expert_fsdp_and_tensor_parallel_training_matches_one_device(one_device):
     program = _program({"fsdp": 2, "expert": 2, "tensor": 2}, jax.devices())
-    losses, state = _steps(program.step, program, program.init(), 3)
-    _, want_losses, want_params = one_device
-    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 jax.device_get(state["params"]), want_params)  # fmt: skip
+    losses, state = train_steps(program.step, program, program.init(), 3)
+    assert_same_training(losses, state["params"], one_device)
 
 
 @pytest.mark.slow
@@ -239,7 +218,7 @@ def test_the_plan_reports_the_all_to_all_of_the_dispatched_tokens(expert_2):
 def test_a_checkpoint_saved_with_expert_2_resumes_with_expert_1(
     resumes_with_one_device, expert_2, one_device
 ):
-    resumes_with_one_device(expert_2, one_device[0], _steps, path=("layers", "moe", "w_up"))
+    resumes_with_one_device(expert_2, one_device[0], train_steps, path=("layers", "moe", "w_up"))
 
 
 class UserMoE(nnx.Module):

@@ -5,16 +5,14 @@ counts and splits, and the config errors."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
+from strategies import assert_same_training, planned_and_trained, train_steps
 
 from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.planning import hlo
-from shardmem.planning.memory import make_target, plan_program
 from shardmem.step import build_program
 
 
@@ -36,20 +34,11 @@ def _program(axes, devices, micro_batches=1, repeats=1, n_layers=4, **sections):
     return build_program(config, build_mesh(config.mesh.axes, devices))
 
 
-def _steps(step, program, state, steps, first=0):
-    losses = []
-    for i in range(first, first + steps):
-        tokens = jax.random.randint(jax.random.key(i), program.abstract_batch.shape, 0, 256, jnp.int32)
-        state, metrics = step(state, jax.device_put(tokens, program.batch_sharding))
-        losses.append(float(metrics["loss"]))
-    return losses, state
-
-
 @pytest.fixture(scope="module")
 def one_device():
     """No pipeline, on one device: three steps from init."""
     program = _program({"data": 1}, jax.devices()[:1])
-    losses, state = _steps(program.step, program, program.init(), 3)
+    losses, state = train_steps(program.step, program, program.init(), 3)
     return program, losses, jax.device_get(state["params"])
 
 
@@ -58,16 +47,14 @@ def gpipe():
     """{stage: 2, data: 2, fsdp: 2}, 4 micro-batches, planned once; the plan's compiled step trains, as
     in ``shardmem train``. Returns the program, its report and step, and three steps from init."""
     program = _program({"stage": 2, "data": 2, "fsdp": 2}, jax.devices(), micro_batches=4)
-    report, compiled = plan_program(program, make_target(program.config, "cpu"), count_remat_overhead=False)
-    losses, state = _steps(compiled, program, program.init(), 3)
-    return program, report, compiled, losses, state
+    return planned_and_trained(program)
 
 
 @pytest.fixture(scope="module")
 def one_device_3():
     """Three layers, no pipeline, on one device: three steps from init."""
     program = _program({"data": 1}, jax.devices()[:1], n_layers=3)
-    losses, state = _steps(program.step, program, program.init(), 3)
+    losses, state = train_steps(program.step, program, program.init(), 3)
     return program, losses, jax.device_get(state["params"])
 
 
@@ -76,17 +63,7 @@ def uneven():
     """Three layers on {stage: 2, data: 2, fsdp: 2} (the default split: 2 and 1), 4 micro-batches, planned
     once; the plan's compiled step trains three steps from init."""
     program = _program({"stage": 2, "data": 2, "fsdp": 2}, jax.devices(), micro_batches=4, n_layers=3)
-    report, compiled = plan_program(program, make_target(program.config, "cpu"), count_remat_overhead=False)
-    losses, state = _steps(compiled, program, program.init(), 3)
-    return program, report, compiled, losses, state
-
-
-def _assert_matches(losses, params, one_device):
-    _, want_losses, want_params = one_device
-    # The same global computation on micro-batches, reduced in another order: float32 rounding.
-    np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 jax.device_get(params), want_params)  # fmt: skip
+    return planned_and_trained(program)
 
 
 def test_bubble_fraction_is_gpipes_and_shrinks_with_chunks_per_stage():
@@ -106,7 +83,7 @@ def test_gpipe_training_matches_one_device_and_the_plan_reports_the_schedule(gpi
     program, report, _, losses, state = gpipe
     wq = program.abstract_state["params"]["layers"]["wq"]
     assert wq.sharding.spec[0] == "stage" and wq.sharding.shard_shape(wq.shape)[0] == 2  # Own layers only.
-    _assert_matches(losses, state["params"], one_device)
+    assert_same_training(losses, state["params"], one_device)
     assert report.pipeline == {"stages": 2, "micro_batches": 4, "repeats": 1, "ticks": 5,
                                "bubble_fraction": 0.2, "layers_per_stage": [2, 2], "padded_slots": 0,
                                "layers_sharded_over_stage": True}  # fmt: skip
@@ -128,13 +105,13 @@ def test_circular_training_matches_one_device(one_device):
     assert program.pipeline.bubble_fraction == pytest.approx(1 / 5)
     wq = program.abstract_state["params"]["layers"]["wq"]
     assert tuple(wq.sharding.spec) == ("stage", None, "tensor")  # [layers, embed, heads, head_dim]
-    losses, state = _steps(program.step, program, program.init(), 3)
-    _assert_matches(losses, state["params"], one_device)
+    losses, state = train_steps(program.step, program, program.init(), 3)
+    assert_same_training(losses, state["params"], one_device)
 
 
 @pytest.mark.slow
 def test_a_checkpoint_saved_with_stage_2_resumes_with_stage_1(resumes_with_one_device, gpipe, one_device):
-    resumes_with_one_device(gpipe, one_device[0], _steps)
+    resumes_with_one_device(gpipe, one_device[0], train_steps)
 
 
 def test_config_errors_name_the_key_the_value_and_the_fix():
@@ -236,7 +213,7 @@ def test_uneven_stages_train_as_one_device_and_the_plan_says_the_split(uneven, o
     program, report, _, losses, state = uneven
     wq = program.abstract_state["params"]["layers"]["wq"]
     assert "stage" not in tuple(wq.sharding.spec)  # 3 layers cannot be split over 2 stages: stored whole.
-    _assert_matches(losses, state["params"], one_device_3)
+    assert_same_training(losses, state["params"], one_device_3)
     assert report.pipeline["layers_per_stage"] == [2, 1] and report.pipeline["padded_slots"] == 1
     from shardmem.planning.report import _pipeline_line
 
@@ -252,14 +229,14 @@ def test_explicit_stage_ranges_train_as_one_device(one_device):
                        pipeline={"stages": ["0-2", "3"]})  # fmt: skip
     assert program.pipeline.layer_counts == (3, 1)
     assert program.abstract_state["params"]["layers"]["wq"].sharding.spec[0] == "stage"
-    losses, state = _steps(program.step, program, program.init(), 3)
-    _assert_matches(losses, state["params"], one_device)
+    losses, state = train_steps(program.step, program, program.init(), 3)
+    assert_same_training(losses, state["params"], one_device)
 
 
 @pytest.mark.slow
 def test_a_checkpoint_saved_with_uneven_stages_resumes_with_stage_1(resumes_with_one_device, uneven,
                                                                      one_device_3):  # fmt: skip
-    resumes_with_one_device(uneven, one_device_3[0], _steps)
+    resumes_with_one_device(uneven, one_device_3[0], train_steps)
 
 
 def test_stage_range_errors_name_the_key_the_value_and_the_fix():
