@@ -220,11 +220,18 @@ class LayerPlan:
         )
 
 
+def layer_span(text: str) -> tuple[int, int] | None:
+    """Parses a layer ("3") or an inclusive range of layers ("0-7") into ``(first, last)``; None when
+    ``text`` is neither. ``remat.layers`` keys and ``pipeline.stages`` entries use it."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    return (int(match.group(1)), int(match.group(2) or match.group(1))) if match else None
+
+
 def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
-    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", span)
-    if not match:
+    bounds = layer_span(span)
+    if bounds is None:
         raise ConfigError(f'remat.layers: key {span!r} is not a layer or a range; write e.g. "3" or "0-7"')
-    first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+    first, last = bounds
     if first > last:
         raise ConfigError(f'remat.layers.{span}: the range runs backwards; write it as "{last}-{first}"')
     if last >= n_layers:

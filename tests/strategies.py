@@ -19,6 +19,13 @@ def train_steps(step, program, state, steps, first=0):
     return losses, state
 
 
+def trained(program, steps=3):
+    """Trains ``steps`` steps from init with the program's own step; returns ``(program, losses, params)``,
+    what :func:`assert_same_training` compares against."""
+    losses, state = train_steps(program.step, program, program.init(), steps)
+    return program, losses, jax.device_get(state["params"])
+
+
 def planned_and_trained(program, steps=3):
     """Plans ``program`` for CPU once and trains ``steps`` steps from init with the plan's compiled step,
     as ``shardmem train`` does; returns ``(program, report, compiled step, losses, state)``."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from strategies import assert_same_training, planned_and_trained, train_steps
+from strategies import assert_same_training, planned_and_trained, train_steps, trained
 
 from shardmem.config import config_from_dict, load_config
 from shardmem.errors import ConfigError
@@ -174,8 +174,7 @@ def _program(axes, devices):
 def one_device():
     """expert=1 on one device: three steps from init."""
     program = _program({"data": 1, "expert": 1}, jax.devices()[:1])
-    losses, state = train_steps(program.step, program, program.init(), 3)
-    return program, losses, jax.device_get(state["params"])
+    return trained(program)
 
 
 @pytest.fixture(scope="module")

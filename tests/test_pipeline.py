@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 import pytest
-from strategies import assert_same_training, planned_and_trained, train_steps
+from strategies import assert_same_training, planned_and_trained, train_steps, trained
 
 from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
@@ -38,8 +38,7 @@ def _program(axes, devices, micro_batches=1, repeats=1, n_layers=4, **sections):
 def one_device():
     """No pipeline, on one device: three steps from init."""
     program = _program({"data": 1}, jax.devices()[:1])
-    losses, state = train_steps(program.step, program, program.init(), 3)
-    return program, losses, jax.device_get(state["params"])
+    return trained(program)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +53,7 @@ def gpipe():
 def one_device_3():
     """Three layers, no pipeline, on one device: three steps from init."""
     program = _program({"data": 1}, jax.devices()[:1], n_layers=3)
-    losses, state = train_steps(program.step, program, program.init(), 3)
-    return program, losses, jax.device_get(state["params"])
+    return trained(program)
 
 
 @pytest.fixture(scope="module")

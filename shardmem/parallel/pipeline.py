@@ -31,7 +31,6 @@ each step (the plan's collectives show the bytes).
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 
 import jax
@@ -41,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
 from shardmem.parallel.rules import Rules, constrain
-from shardmem.remat import LayerPlan, remat_scan
+from shardmem.remat import LayerPlan, layer_span, remat_scan
 
 #: The mesh axis whose size is the number of pipeline stages.
 STAGE_AXIS = "stage"
@@ -317,10 +316,10 @@ def parse_stages(ranges: Sequence[object], n_layers: int) -> tuple[int, ...]:
     counts, expected = [], 0
     for i, entry in enumerate(ranges):
         key = f"pipeline.stages[{i}]={str(entry)!r}"
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(entry))
-        if isinstance(entry, bool) or not match:
+        bounds = None if isinstance(entry, bool) else layer_span(str(entry))
+        if bounds is None:
             raise ConfigError(f'{key} is not a layer or a range of layers; write e.g. "0-7" or "8"')
-        first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+        first, last = bounds
         if first > last:
             raise ConfigError(f'{key}: the range runs backwards; write it as "{last}-{first}"')
         if first != expected:
