@@ -273,8 +273,13 @@ def cmd_tune(args) -> int:
     config = _load(args, planning_only=True)
     if args.out:
         _check_writable(args.out, "--out")
+    max_compiles = args.max_compiles or (40 if args.search == "layout" else 12)
+    progress = None
+    if args.search == "layout" and not args.json:
+        progress = lambda message: print(f"  {message}", file=sys.stderr, flush=True)  # noqa: E731
     result = tune(config, args.target, search=args.search, allow_offload=False if args.no_offload else None,
-                  max_compiles=args.max_compiles)  # fmt: skip
+                  max_compiles=max_compiles, objective=args.objective, jobs=args.jobs,
+                  progress=progress)  # fmt: skip
     if result.found and args.out:
         header = "".join(f"# {line}\n" for line in result.explanation)
         try:
@@ -316,18 +321,26 @@ def _add_explore_commands(commands) -> None:
 
     p = commands.add_parser(
         "tune",
-        help="find the cheapest remat plan, largest batch or fewest micro-batches that fit",
+        help="find the cheapest remat plan, largest batch, fewest micro-batches or fastest layout that fit",
         description="Searches with few compiles (analytic estimates order the candidates, compiles "
         "confirm, monotonicity prunes) and explains the choice against the rejected alternatives. "
         "Exit 0: found (written to --out); 3: nothing fits; 2: config error.",
     )
     _config_args(p)
     p.add_argument("--target", type=_target, metavar="TARGET", help=target_help)
-    p.add_argument("--search", choices=("remat", "batch", "micro_batches"), default="remat",
-                   help="what to tune (default: remat)")  # fmt: skip
+    p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout"), default="remat",
+                   help="what to tune (default: remat); layout: the mesh, micro-batches, remat and ZeRO-1 "
+                   "with the shortest predicted step time")  # fmt: skip
+    p.add_argument("--objective", choices=("step_time", "throughput"), default="step_time",
+                   help="--search layout ranks by predicted step time, or by tokens/s per device at the "
+                   "largest batch that fits (throughput)")  # fmt: skip
+    p.add_argument(
+        "--jobs", type=int, help="--search layout: worker processes for its compiles (default: CPUs)"
+    )
     p.add_argument("--out", help="write the tuned config as YAML that plan and train accept")
     p.add_argument("--no-offload", action="store_true", help="never move activations to host memory")
-    p.add_argument("--max-compiles", type=int, default=12, help="compile budget of the search")
+    p.add_argument("--max-compiles", type=int,
+                   help="compile budget of the search (default: 12; 40 for --search layout)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(run=cmd_tune)
 

@@ -26,10 +26,11 @@ from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, ModelConfig
 from shardmem.planning.targets import TARGET_NAMES
 from shardmem.remat import LayerPlan
-from shardmem.units import parse_bytes
+from shardmem.units import parse_bandwidth, parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
 Bytes = Annotated[int, "bytes"]  # An int in the config that also accepts "1GiB"-style strings.
+Bandwidth = Annotated[float, "bytes/s"]  # Bytes per second; also "450GB/s" or "400Gb/s" (bits).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,18 @@ class MemoryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InterconnectConfig:
+    """A cluster's links for the step-time estimate, per GPU and per direction; null keeps the target's
+    published default (:data:`shardmem.planning.targets.GPU_TARGETS`). ``nvlink``: to the GPUs of the same
+    host; ``network``: to other hosts (e.g. ``400Gb/s`` for one NDR InfiniBand NIC per GPU, ``200Gb/s``
+    for HDR or a shared NIC); ``host``: to host memory (PCIe), which offloading uses."""
+
+    nvlink: Bandwidth | None = None
+    network: Bandwidth | None = None
+    host: Bandwidth | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """One training run, as a YAML file describes it."""
 
@@ -182,6 +195,7 @@ class Config:
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    interconnect: InterconnectConfig = dataclasses.field(default_factory=InterconnectConfig)
     name: str = "run"
     # The loaded file's folder, where import paths (model.factory, ...) are looked up first; not a key.
     folder: str | None = dataclasses.field(default=None, compare=False, metadata={"internal": True})
@@ -468,6 +482,11 @@ def _convert(hint, value: Any, key: str):
     if hint == Bytes:
         try:
             return parse_bytes(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    if hint == Bandwidth:
+        try:
+            return parse_bandwidth(value)
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
     if hint is float and not isinstance(value, bool):

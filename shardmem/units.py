@@ -54,3 +54,35 @@ def format_flops(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.3g} FLOP"
+
+
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmgt]?)(b|bit|B)?(?:/s|ps)?\s*$", re.I)
+
+
+def parse_bandwidth(value: int | float | str) -> float:
+    """Returns bytes per second from a number or a string such as "450GB/s", "400Gb/s" (bits: 50 GB/s)
+    or "2.5e10". Raises ValueError with the accepted forms when the value cannot be read."""
+    hint = "write e.g. 450GB/s, 400Gb/s (bits) or 5e10 (bytes per second)"
+    if isinstance(value, bool):
+        raise ValueError(f"expected a bandwidth, got {value!r}; {hint}")
+    if isinstance(value, int | float):
+        number = float(value)
+    else:
+        match = _RATE.match(str(value))
+        if not match or (match.group(2) and not match.group(3)):
+            raise ValueError(f"cannot read {value!r} as a bandwidth; {hint}")
+        scale = 10 ** (3 * " kmgt".index(match.group(2).lower() or " "))
+        bits = match.group(3) in ("b", "bit", "Bit")
+        number = float(match.group(1)) * scale / (8 if bits else 1)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{value!r} is not a positive, finite bandwidth; {hint}")
+    return number
+
+
+def format_seconds(seconds: float) -> str:
+    """Formats a duration for people: 0.0123 -> "12.3 ms"."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale or unit == "µs":
+            value = seconds / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    raise AssertionError("unreachable")

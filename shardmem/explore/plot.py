@@ -24,8 +24,10 @@ _OFFSETS = [(5, 4), (5, -11), (-5, 4), (-5, -11), (5, 13), (5, -20), (-5, 13), (
 
 
 def plot_sweep(rows: Sequence[SweepRow], *, x: str | None = None, title: str = "", ax=None):
-    """Returns a figure of peak bytes per device against FLOPs per step (or measured step time when every
-    planned row has one; force with ``x="flops"`` or ``x="step_seconds"``): candidates that fit in green,
+    """Returns a figure of peak bytes per device against step time: measured when every planned row has one,
+    else predicted when every row has an estimate (it counts host transfers and exposed communication,
+    which FLOPs do not), else FLOPs per step; force with ``x="flops"``, ``x="predicted_step_seconds"``
+    or ``x="step_seconds"``. Candidates that fit in green,
     the others in red, the budget as a dashed line and, per global batch size, the Pareto front of the
     fitting candidates (least memory for the compute) joined; every point is labelled."""
     if ax is None:
@@ -36,16 +38,21 @@ def plot_sweep(rows: Sequence[SweepRow], *, x: str | None = None, title: str = "
     else:
         figure = ax.figure
     planned = [r for r in rows if r.error is None]
+    times = {
+        "step_seconds": lambda r: r.step_seconds,
+        "predicted_step_seconds": lambda r: r.predicted("seconds"),
+    }
     if x is None:
-        x = "step_seconds" if planned and all(r.step_seconds is not None for r in planned) else "flops"
-    if x not in ("flops", "step_seconds"):
-        raise ValueError(f"x={x!r}: use 'flops' or 'step_seconds'")
-    if x == "step_seconds":
-        planned = [r for r in planned if r.step_seconds is not None]
-    raw_x = [r.step_seconds if x == "step_seconds" else r.flops_per_step for r in planned]
-    if x == "step_seconds":
+        x = next((name for name, of in times.items() if planned and all(of(r) is not None for r in planned)),
+                 "flops")  # fmt: skip
+    if x not in ("flops", *times):
+        raise ValueError(f"x={x!r}: use 'flops', 'predicted_step_seconds' or 'step_seconds'")
+    if x in times:
+        planned = [r for r in planned if times[x](r) is not None]
+    raw_x = [times[x](r) if x in times else r.flops_per_step for r in planned]
+    if x in times:
         x_unit, x_scale = ("s", 1.0) if raw_x and max(raw_x) >= 2 else ("ms", 1e-3)
-        x_label = f"measured step time ({x_unit})"
+        x_label = f"{'measured' if x == 'step_seconds' else 'predicted'} step time ({x_unit})"
     else:
         x_unit, x_scale = _unit(max(raw_x, default=0), _FLOP_UNITS, "FLOP")
         x_label = f"matmul {x_unit}s per step (all devices)"

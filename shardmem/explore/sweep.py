@@ -31,7 +31,7 @@ import yaml
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError, ShardmemError
-from shardmem.units import format_bytes, format_flops
+from shardmem.units import format_bytes, format_flops, format_seconds
 
 if TYPE_CHECKING:
     from shardmem.step import Program
@@ -41,7 +41,9 @@ COLUMNS = (
     "candidate", "error", "peak_bytes", "budget_bytes", "fits", "margin_bytes", "flops_per_step",
     "recompute_overhead", "host_bytes", "optimizer_bytes", "attention", "all_gather_bytes",
     "reduce_scatter_bytes", "all_reduce_bytes", "other_collective_bytes", "compile_seconds", "step_seconds",
-    "measured_peak_bytes", "bubble_fraction", "collective_permute_bytes",
+    "measured_peak_bytes", "bubble_fraction", "collective_permute_bytes", "predicted_step_seconds",
+    "tokens_per_second", "mfu", "exposed_communication_seconds", "host_transfer_bytes",
+    "host_transfer_seconds",
 )  # fmt: skip
 
 
@@ -66,6 +68,11 @@ class SweepRow:
     step_seconds: float | None = None
     measured_peak_bytes: int | None = None
     bubble_fraction: float | None = None  # The pipeline's idle share of each stage (None: no stage axis).
+    step_time: dict[str, Any] | None = None  # The plan's predicted step time (StepTime.to_json()).
+
+    def predicted(self, key: str) -> Any:
+        """A figure of the predicted step time ("seconds", "mfu", ...), None without an estimate."""
+        return self.step_time.get(key) if self.step_time else None
 
     @property
     def candidate(self) -> str:
@@ -86,6 +93,12 @@ class SweepRow:
             "compile_seconds": self.compile_seconds, "step_seconds": self.step_seconds,
             "measured_peak_bytes": self.measured_peak_bytes, "bubble_fraction": self.bubble_fraction,
             "collective_permute_bytes": moved.get("collective-permute"),
+            "predicted_step_seconds": self.predicted("seconds"), "tokens_per_second": self.predicted(
+                "tokens_per_second"), "mfu": self.predicted("mfu"),
+            "exposed_communication_seconds": (self.step_time["breakdown"]["exposed_communication"]
+                                              if self.step_time else None),
+            "host_transfer_bytes": self.predicted("host_transfer_bytes"),
+            "host_transfer_seconds": self.predicted("host_transfer_seconds"),
         }  # fmt: skip
 
 
@@ -162,6 +175,7 @@ def plan_candidate(
         attention=report.attention, collectives=dict(report.collectives),
         compile_seconds=round(report.compile_seconds, 3), approximate=report.approximate,
         bubble_fraction=report.pipeline.get("bubble_fraction"),
+        step_time=report.step_time.to_json() if getattr(report, "step_time", None) else None,
     )  # fmt: skip
     if measure_steps:
         try:
@@ -258,8 +272,24 @@ def sweep(
     per candidate in grid order. ``jobs`` worker processes (default: CPUs, at most one per candidate;
     1 plans in this process). ``measure`` also runs real steps (target ``local`` or ``cpu``)."""
     check_options(config, target, jobs=jobs, measure=measure, measure_steps=measure_steps)
-    combos = candidates(grid)
-    jobs = min(jobs or os.cpu_count() or 1, len(combos))
+    return plan_candidates(config, candidates(grid), target, jobs=jobs, measure=measure,
+                           measure_steps=measure_steps, progress=progress)  # fmt: skip
+
+
+def plan_candidates(
+    config: Config,
+    combos: Sequence[tuple[str, ...]],
+    target: str | None = None,
+    *,
+    jobs: int | None = None,
+    measure: bool = False,
+    measure_steps: int = 5,
+    progress: Callable[[int, int, SweepRow], None] | None = None,
+) -> list[SweepRow]:
+    """Plans each tuple of overrides in ``combos`` applied to ``config`` (what :func:`sweep` does for a
+    grid's combinations; ``tune --search layout`` for the layouts it chose); one row per candidate."""
+    combos = list(combos)
+    jobs = min(jobs or os.cpu_count() or 1, len(combos)) or 1
     done = 0
     rows: list[SweepRow | None] = [None] * len(combos)
 
@@ -387,6 +417,9 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
         headers.append("coll.-permute")
         moves.append("collective-permute")
         headers.append("bubble")
+    predicted = any(r.step_time for r in rows)
+    if predicted:  # Host transfers cost time: an offloading candidate is not free.
+        headers += ["pred. step", "MFU", "exp. comm", "host xfer"]
     if measured:
         headers += ["step time", "meas. peak"]
     cells, errors = [], []
@@ -406,6 +439,13 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
         ]  # fmt: skip
         if pipelined:
             row.append("-" if r.bubble_fraction is None else f"{r.bubble_fraction:.1%}")
+        if predicted:
+            st = r.step_time
+            row += ["-", "-", "-", "-"] if not st else [
+                format_seconds(st["seconds"]), "-" if st["mfu"] is None else f"{st['mfu']:.1%}",
+                format_seconds(st["breakdown"]["exposed_communication"]),
+                f"{format_bytes(st['host_transfer_bytes'])} / "
+                f"{format_seconds(st['host_transfer_seconds'])}"]  # fmt: skip
         if measured:
             row.append("-" if r.step_seconds is None else f"{r.step_seconds * 1e3:.1f} ms")
             row.append("-" if r.measured_peak_bytes is None else format_bytes(r.measured_peak_bytes))

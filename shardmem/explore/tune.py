@@ -34,9 +34,9 @@ from shardmem.planning import hlo
 from shardmem.planning.memory import MemoryReport, make_target, plan
 from shardmem.remat import PRESETS
 from shardmem.step import build_program, pipeline_for
-from shardmem.units import format_bytes
+from shardmem.units import format_bytes, format_seconds
 
-SEARCHES = ("remat", "batch", "micro_batches")
+SEARCHES = ("remat", "batch", "micro_batches", "layout")
 
 #: Policy -> policies that keep a superset of what it keeps on the device (so need no less memory).
 _SAVES_MORE = {
@@ -69,6 +69,7 @@ class Trial:
     fits: bool
     how: str  # "compiled", "estimated", "pruned" or "skipped"
     reason: str = ""
+    step_time: dict[str, Any] | None = None  # The compiled plan's predicted step time (StepTime.to_json()).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ class TuneResult:
     budget_bytes: int
     target_label: str
     explanation: list[str]
+    ranked: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # layout search: best first
 
     @property
     def found(self) -> bool:
@@ -100,6 +102,7 @@ class TuneResult:
             "compiles": self.compiles,
             "trials": [dataclasses.asdict(t) for t in self.trials],
             "explanation": self.explanation,
+            "ranked": self.ranked,
             "report": self.report.to_json() if self.report else None,
         }
 
@@ -166,24 +169,35 @@ def tune(
     allow_offload: bool | None = None,
     max_compiles: int = 12,
     progress: Callable[[str], None] | None = None,
+    objective: str = "step_time",
+    jobs: int | None = None,
 ) -> TuneResult:
     """Searches for the best config that fits the budget of ``target`` (default ``memory.target``).
 
     ``search``: ``"remat"`` finds the per-layer remat plan with the fewest recomputed FLOPs (then the
     fewest host-offloaded bytes); ``"batch"`` the largest ``train.global_batch``; ``"micro_batches"`` the
-    fewest ``train.micro_batches`` for the configured global batch. ``allow_offload`` defaults to
-    whether the target is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
+    fewest ``train.micro_batches`` for the configured global batch; ``"layout"`` the mesh, micro-batches,
+    remat and ZeRO-1 with the shortest predicted step time (``objective="throughput"``: the most tokens
+    per second per device, each top layout at the largest global batch that fits), compiling in ``jobs``
+    worker processes (:mod:`shardmem.explore.layout`). ``allow_offload`` defaults to whether the target
+    is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
     """
     if search not in SEARCHES:
         raise ConfigError(f"--search {search!r}: use {one_of(SEARCHES)}")
     if max_compiles < 2:
         raise ConfigError(f"--max-compiles {max_compiles}: the search needs at least 2")
+    from shardmem.explore.layout import OBJECTIVES
+
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective {objective!r}: use {one_of(OBJECTIVES)}")
     resolved = make_target(config, target)
     if allow_offload is None:
         allow_offload = resolved.platform != "cpu"
     planner = _Planner(config, target, max_compiles, progress)
     if search == "remat":
         result = _tune_remat(planner, resolved, allow_offload)
+    elif search == "layout":
+        result = _tune_layout(planner, resolved, allow_offload, objective, jobs)
     elif search == "batch":
         result = _tune_batch(planner, resolved)
     else:
@@ -438,6 +452,51 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
                       target.label, explanation)  # fmt: skip
 
 
+# --- layout --------------------------------------------------------------------------------------
+
+
+def _tune_layout(
+    planner: _Planner, target, allow_offload: bool, objective: str, jobs: int | None
+) -> TuneResult:
+    from shardmem.explore.layout import margin_text, search_layouts, why_winner
+
+    config = planner.base
+    ranked, compiles, notes = search_layouts(
+        config, planner.target, target, max_compiles=planner.max_compiles, jobs=jobs, objective=objective,
+        allow_offload=allow_offload, progress=planner.progress, note=planner.note,
+    )  # fmt: skip
+    planner.compiles = compiles
+    budget = plan_budget(config, target)
+    if not ranked:
+        return _no_fit(planner, target, budget, "layout", [
+            "no compiled layout fits the budget", *notes,
+            "shard over more devices, or tune with a smaller train.global_batch",
+        ])  # fmt: skip
+    best = ranked[0]
+    tuned = config.replace(*best.overrides)
+    report = plan(tuned, planner.target, top=5)  # The winner's full report (one more compile).
+    st = best.step_time
+    explanation = [
+        f"budget {format_bytes(budget)} per device on {target.label}",
+        f"chose {best.layout.describe()}: predicted {format_seconds(st['seconds'])} per step"
+        + (f", {st['tokens_per_second']:,.0f} tokens/s" if st.get("tokens_per_second") else "")
+        + (f", MFU {st['mfu']:.1%}" if st.get("mfu") is not None else "")
+        + f"; peak {format_bytes(best.peak_bytes)}, {margin_text(best)}",
+        why_winner(best, ranked[1] if len(ranked) > 1 else None),
+        *notes,
+    ]
+    chosen = next(t for t in reversed(planner.trials) if t.overrides == best.overrides)
+    return TuneResult("layout", tuned, report, chosen, planner.trials, compiles, budget, target.label,
+                      explanation, ranked=[dataclasses.asdict(r) | {"describe": r.layout.describe()}
+                                           for r in ranked])  # fmt: skip
+
+
+def plan_budget(config: Config, target) -> int:
+    from shardmem.planning.memory import budget
+
+    return budget(config.memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
+
+
 # --- batch ---------------------------------------------------------------------------------------
 
 
@@ -557,6 +616,8 @@ def render_tune(result: TuneResult):
     from rich.table import Table
     from rich.text import Text
 
+    if result.search == "layout":
+        return _render_layout(result)
     table = Table(title=f"shardmem tune --search {result.search}", title_justify="left", show_edge=False)
     for column in ("candidate", "peak / device", "host", "recompute", "verdict", "how", "why"):
         table.add_column(
@@ -575,5 +636,45 @@ def render_tune(result: TuneResult):
         )  # fmt: skip
     style = "bold green" if result.found else "bold red"
     lines = [Text(result.explanation[0]), table]
+    lines += [Text(line, style=style if i == 0 else None) for i, line in enumerate(result.explanation[1:])]
+    return Group(*lines)
+
+
+def _render_layout(result: TuneResult, top: int = 10):
+    """The ranked layouts (peak, margin, step time, MFU, exposed communication, bubble) and the why."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="shardmem tune --search layout: fastest layouts that fit", title_justify="left",
+                  show_edge=False)  # fmt: skip
+    for column in (
+        "#",
+        "layout",
+        "peak / device",
+        "margin",
+        "step",
+        "tokens/s",
+        "MFU",
+        "exposed comm",
+        "bubble",
+    ):
+        table.add_column(column, justify="left" if column == "layout" else "right", overflow="fold")
+    for i, row in enumerate(result.ranked[:top], 1):
+        st = row["step_time"]
+        table.add_row(str(i), row["describe"], format_bytes(row["peak_bytes"]),
+                      format_bytes(row["margin_bytes"]),
+                      format_seconds(st["seconds"]),
+                      f"{st['tokens_per_second']:,.0f}" if st.get("tokens_per_second") else "-",
+                      "-" if st.get("mfu") is None else f"{st['mfu']:.1%}",
+                      format_seconds(st["breakdown"]["exposed_communication"]),
+                      format_seconds(st["bubble_seconds"]) if st["bubble_seconds"] else "-")  # fmt: skip
+    over = [t for t in result.trials if t.how == "compiled" and not t.fits]
+    style = "bold green" if result.found else "bold red"
+    lines = [Text(result.explanation[0]), table]
+    if over:
+        lines.append(Text("compiled, over budget: " + "; ".join(
+            f"{t.candidate} ({format_bytes(t.peak_bytes)})"
+                                                              for t in over[:6]), style="dim"))  # fmt: skip
     lines += [Text(line, style=style if i == 0 else None) for i, line in enumerate(result.explanation[1:])]
     return Group(*lines)

@@ -84,6 +84,21 @@ def fused_attention_flops(eqn) -> float | None:
     return matmuls * 2.0 * pairs * (0.5 if causal else 1.0)
 
 
+def fused_attention_kernels(jaxpr) -> dict[str, tuple[int, bool]]:
+    """Returns the Pallas flash-attention kernels of a (closed) jaxpr by name ("mha_forward"), each with its
+    matmuls per query-key pair and whether it is causal: what the optimized HLO's custom calls cannot say."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    kernels = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
+            body = eqn.params["jaxpr"]
+            kernels[eqn.params["name"]] = (_count_primitive(body, "dot_general"),
+                                           _count_primitive(body, "ge") > 0)  # fmt: skip
+        for sub in _sub_jaxprs(eqn.params):
+            kernels.update(fused_attention_kernels(sub))
+    return kernels
+
+
 def _count_primitive(jaxpr, primitive: str) -> int:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     return sum((eqn.primitive.name == primitive) + sum(_count_primitive(sub, primitive)
@@ -438,62 +453,148 @@ def peak_buffers(schedule: BufferSchedule, top: int = 10) -> list[LiveBuffer]:
     return [LiveBuffer(b.bytes, b.scope, b.shape) for b in schedule.live_at(schedule.peak_position)[:top]]
 
 
+# --- The optimized module, parsed once -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: its result ``shape`` text (layouts and memory spaces included), ``opcode``,
+    operand names and the text of its attributes (``calls=``, ``replica_groups=``, metadata...)."""
+
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+    arguments: str = ""  # The operand list as written ("0" for parameter(0)).
+
+    @property
+    def op_name(self) -> str:
+        match = _OP_NAME.search(self.attributes)
+        return match.group(1) if match else ""
+
+    @property
+    def called(self) -> tuple[str, ...]:
+        """The computations this instruction calls (a loop's body and condition, a fusion's, ...)."""
+        names = []
+        for group in _CALLS.findall(self.attributes):
+            names += [n.strip() for n in group.replace("%", "").split(",") if n.strip()]
+        return tuple(names)
+
+    @property
+    def trip_count(self) -> int | None:
+        trips = _TRIPS.search(self.attributes)
+        return int(trips.group(1)) if trips and self.opcode == "while" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class HloModule:
+    """An optimized HLO module: its computations, each an instruction list in schedule order (the
+    optimized module is scheduled), and an index by instruction name (names are unique in a module)."""
+
+    entry: str
+    computations: dict[str, tuple[Instruction, ...]]
+    by_name: dict[str, Instruction]
+
+    def executions(self) -> dict[str, int]:
+        """How often each computation runs in one run of the module: a loop's body once per known trip,
+        everything a called computation calls as often as it runs."""
+        callers: dict[str, list[tuple[str, int]]] = {}
+        for computation, instructions in self.computations.items():
+            for ins in instructions:
+                for name in ins.called:
+                    callers.setdefault(name, []).append((computation, ins.trip_count or 1))
+        counts: dict[str, int] = {}
+
+        def count(name: str, seen: tuple[str, ...] = ()) -> int:
+            if name == self.entry:
+                return 1
+            if name in seen:
+                return 0
+            if name not in counts:
+                counts[name] = sum(n * count(parent, (*seen, name)) for parent, n in callers.get(name, ()))
+            return counts[name]
+
+        return {name: count(name) for name in self.computations}
+
+
+def parse_module(hlo_text: str) -> HloModule:
+    """Parses the text of an optimized HLO module (``compiled.as_text()``)."""
+    computations: dict[str, list[Instruction]] = {}
+    by_name: dict[str, Instruction] = {}
+    entry = current = ""
+    for line in hlo_text.splitlines():
+        if not line.startswith(" "):
+            header = _COMPUTATION.match(line) if line.rstrip().endswith("{") else None
+            if header:
+                current = header.group(1)
+                entry = current if line.startswith("ENTRY") else entry
+                computations[current] = []
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match or not current:
+            continue
+        shape, remainder = _split_shape(match.group("rest"))
+        remainder = remainder.strip()
+        opcode, _, rest = remainder.partition("(")
+        depth, end = 1, len(rest)
+        for i, ch in enumerate(rest):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                end = i
+                break
+        operands = tuple(re.findall(r"%([\w.\-]+)", re.sub(r"/\*.*?\*/", "", rest[:end])))
+        ins = Instruction(match.group("name"), shape, opcode.strip(), operands, rest[end + 1 :], rest[:end])
+        computations[current].append(ins)
+        by_name[ins.name] = ins
+    return HloModule(entry, {k: tuple(v) for k, v in computations.items()}, by_name)
+
+
 # --- Collective traffic ----------------------------------------------------------------------------
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-_CALLS = re.compile(r"(?:body|to_apply|calls|branch_computations)=\{?%?([\w.\-, %]+)\}?")
+_CALLS = re.compile(
+    r"(?:body|condition|to_apply|calls|branch_computations)=\{?(%?[\w.\-]+(?:, ?%?[\w.\-]+)*)\}?"
+)
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
-def _shape_bytes(shape: str) -> int:
+def shape_bytes(shape: str) -> int:
+    """Bytes of every array in a shape text ("(f32[2,3]{1,0}, bf16[4])" -> 32)."""
     return sum(
         _ITEMSIZE.get(dtype, 1) * math.prod(int(d) for d in dims.split(",") if d)
         for dtype, dims in _ARRAY.findall(shape)
     )
 
 
-def collective_bytes(hlo_text: str) -> dict[str, int]:
+def collective_kind(ins: Instruction) -> str | None:
+    """The collective an instruction starts or runs ("all-gather" for ``all-gather-start``), or None."""
+    if ins.opcode.endswith("-done"):
+        return None
+    base = ins.opcode.removesuffix("-start")
+    return base if base in COLLECTIVES else None
+
+
+def collective_result_bytes(ins: Instruction) -> int:
+    """Bytes a collective produces per device: an async start's shape is (operands, results)."""
+    shape = ins.shape
+    if ins.opcode.endswith("-start") and shape.startswith("("):
+        shape = _tuple_element(shape, "-1")
+    return shape_bytes(shape)
+
+
+def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
     """Returns the bytes per device that each kind of collective produces in one run of an optimized
     HLO module (result shapes), with ops inside while loops counted once per known trip."""
-    per_computation: dict[str, dict[str, int]] = {}
-    callers: dict[str, list[tuple[str, int]]] = {}
-    entry = current = ""
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line) if not line.startswith(" ") else None
-        if header and line.rstrip().endswith("{"):
-            current = header.group(1)
-            entry = current if line.startswith("ENTRY") else entry
-            per_computation[current] = dict.fromkeys(COLLECTIVES, 0)
-            continue
-        match = _INSTRUCTION.match(line)
-        if not match or not current:
-            continue
-        shape, remainder = _split_shape(match.group("rest"))
-        opcode = remainder.strip().split("(", 1)[0]
-        base = opcode.removesuffix("-start")
-        if base in per_computation[current] and not opcode.endswith("-done"):
-            if opcode.endswith("-start") and shape.startswith("("):
-                shape = _tuple_element(shape, "-1")  # (operand, result): count the result.
-            per_computation[current][base] += _shape_bytes(shape)
-        trips = _TRIPS.search(remainder)
-        for called in _CALLS.findall(remainder):
-            for name in called.replace("%", "").split(","):
-                callers.setdefault(name.strip(), []).append(
-                    (current, int(trips.group(1)) if trips and opcode == "while" else 1)
-                )
-
-    def multiplier(name: str, seen=()) -> int:
-        if name == entry or name in seen:
-            return 1 if name == entry else 0
-        return sum(n * multiplier(parent, (*seen, name)) for parent, n in callers.get(name, ()))
-
+    module = hlo_text if isinstance(hlo_text, HloModule) else parse_module(hlo_text)
+    executions = module.executions()
     totals = dict.fromkeys(COLLECTIVES, 0)
-    for name, counts in per_computation.items():
-        if any(counts.values()):
-            factor = multiplier(name)
-            for kind, value in counts.items():
-                totals[kind] += value * factor
+    for computation, instructions in module.computations.items():
+        for ins in instructions:
+            kind = collective_kind(ins)
+            if kind:
+                totals[kind] += collective_result_bytes(ins) * executions[computation]
     return totals

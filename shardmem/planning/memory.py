@@ -28,7 +28,7 @@ from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
-from shardmem.planning import hlo
+from shardmem.planning import cost, hlo
 from shardmem.planning.targets import Target, ensure_cpu_devices, resolve_target
 from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
@@ -85,6 +85,11 @@ class MemoryReport:
     compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     # The pipeline schedule (stages, micro_batches, repeats, ticks, bubble_fraction); empty without one.
     pipeline: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The predicted step time on the target (:mod:`shardmem.planning.cost`); None where it has no spec.
+    step_time: cost.StepTime | None = None
+    step_time_note: str = ""  # Why there is no estimate, or what it leaves out.
+    #: The optimized HLO the figures were read from (for the step-time estimate).
+    module: hlo.HloModule | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def margin_bytes(self) -> int:
@@ -126,6 +131,8 @@ class MemoryReport:
             "jax_version": self.jax_version,
             "compiler_options": self.compiler_options,
             "pipeline": self.pipeline,
+            "step_time": self.step_time.to_json() if self.step_time else None,
+            "step_time_note": self.step_time_note,
         }
 
 
@@ -230,15 +237,52 @@ def plan_program(
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
                                  sharding=rows, attention=attention, pipeline=pipeline)  # fmt: skip
     if layer_plan is None:  # A model that remats itself: no plan of ours to compare with.
-        return dataclasses.replace(report, remat="the model's own"), compiled
-    baseline = report.flops_per_step  # Without remat the step is its own baseline.
-    if any(p.remats for p in layer_plan.policies):
-        baseline = None
-        if count_remat_overhead:  # Tracing the step without remat costs no compile.
-            plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), program.mesh,
-                                  **program.build_args)  # fmt: skip
-            baseline = hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
-    return dataclasses.replace(report, flops_no_remat=baseline, remat=layer_plan.describe()), compiled
+        report = dataclasses.replace(report, remat="the model's own")
+    else:
+        baseline = report.flops_per_step  # Without remat the step is its own baseline.
+        if any(p.remats for p in layer_plan.policies):
+            baseline = None
+            if count_remat_overhead:  # Tracing the step without remat costs no compile.
+                plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), program.mesh,
+                                      **program.build_args)  # fmt: skip
+                baseline = hlo.matmul_flops(
+                    plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
+                )
+        report = dataclasses.replace(report, flops_no_remat=baseline, remat=layer_plan.describe())
+    tokens = None
+    if program.token_batch:  # [batch, length + 1]: each row predicts its last `length` tokens.
+        rows, width = jax.tree.leaves(program.abstract_batch)[0].shape[:2]
+        tokens = rows * (width - 1)
+    return with_step_time(report, target, program.mesh, traced.jaxpr, config.interconnect, tokens), compiled
+
+
+def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconnect=None,
+                   tokens_per_step: int | None = None) -> MemoryReport:  # fmt: skip
+    """Returns ``report`` with its predicted step time on ``target`` (:mod:`shardmem.planning.cost`), or a
+    note saying why a target has none."""
+    hardware = cost.Hardware.of(target, interconnect)
+    if hardware is None or report.module is None:
+        if target.platform == "cpu":
+            note = ("no step-time estimate for CPU devices: simulated devices share this machine's cores; "
+                    "time real steps with shardmem sweep --measure")  # fmt: skip
+        else:
+            note = (f"no step-time estimate: {target.label} is not a GPU shardmem has a spec for "
+                    "(planning.targets.GPU_TARGETS)")  # fmt: skip
+        return dataclasses.replace(report, step_time_note=note)
+    idle = report.pipeline.get("bubble_fraction", 0.0) if report.pipeline else 0.0
+    useful = 1.0 - idle  # The flops count idle stages' work on placeholders; MFU counts the model's.
+    model_flops = report.flops_no_remat if report.flops_no_remat is not None else None
+    estimate = cost.estimate_step_time(
+        report.module, hardware, [d.process_index for d in mesh.devices.flat],
+        attention=hlo.fused_attention_kernels(jaxpr), bubble_fraction=idle, tokens_per_step=tokens_per_step,
+        model_flops=model_flops * useful if model_flops else None,
+        hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
+    )  # fmt: skip
+    estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
+    note = cost.ASSUMPTIONS
+    if target.deviceless:
+        note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
+    return dataclasses.replace(report, step_time=estimate, step_time_note=note)
 
 
 def _remat_warnings(config: Config, layer_plan, traced_tags: set[str]) -> list[str]:
@@ -288,7 +332,12 @@ def plan_function(
     if groups and "params" in groups:  # The sharding table, from the arguments' own shardings.
         params = groups["params"]
         rows = sharding_table(params, jax.tree.map(lambda leaf: leaf.sharding, params), {})
-    return dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), sharding=rows)
+    report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), sharding=rows)
+    meshes = [leaf.sharding.mesh for leaf in jax.tree.leaves(abstract_args)
+              if getattr(getattr(leaf, "sharding", None), "mesh", None) is not None]  # fmt: skip
+    if not meshes:
+        return report
+    return with_step_time(report, target, meshes[0], traced.jaxpr)
 
 
 def per_device_bytes(tree, *, host: bool = False) -> int:
@@ -343,7 +392,8 @@ def _compile_and_analyze(
         schedule = hlo.buffer_schedule(dump)
         top_buffers = hlo.peak_buffers(schedule, top) if schedule else []
         live_peak = schedule.peak_bytes if schedule else None
-        collectives = hlo.collective_bytes(compiled.as_text() or "")
+        module = hlo.parse_module(compiled.as_text() or "")
+        collectives = hlo.collective_bytes(module)
     stats = compiled.memory_analysis()
     if stats is None:
         raise PlanError(f"XLA gave no memory analysis for {target.label}")
@@ -401,7 +451,7 @@ def _compile_and_analyze(
         deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
-        compiler_options=options, schedule=schedule,
+        compiler_options=options, schedule=schedule, module=module,
     ), compiled  # fmt: skip
 
 

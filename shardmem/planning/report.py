@@ -12,7 +12,7 @@ from rich.text import Text
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import ShardingRow
 from shardmem.planning.memory import MemoryReport
-from shardmem.units import format_bytes, format_flops
+from shardmem.units import format_bytes, format_flops, format_seconds
 
 _LABELS = {
     "params": "parameters",
@@ -88,6 +88,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     if moved:
         parts.append(Text("collectives per step per device: " + ", ".join(
             f"{kind} {format_bytes(v)}" for kind, v in moved.items())))  # fmt: skip
+    parts += _step_time_lines(report)
     check = report.cross_check
     if "analytic_argument_bytes" in check:
         ok = "matches" if check["matches"] else "DIFFERS FROM"
@@ -114,6 +115,40 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     parts.append(Text(f"compiled in {report.compile_seconds:.1f} s by JAX {report.jax_version}"
                       + (f" with {options}" if options else ""), style="dim"))  # fmt: skip
     return Group(*parts)
+
+
+def _step_time_lines(report: MemoryReport) -> list[Text]:
+    """The predicted step time: the estimate with its breakdown and bounds, and the costliest collectives."""
+    st = report.step_time
+    if st is None:
+        return [Text(f"step time: {report.step_time_note}", style="dim")] if report.step_time_note else []
+    band = f" (±{st.uncertainty:.0%} against measured steps)" if st.uncertainty else ""
+    lines = [Text.assemble(("predicted step time ", "bold"), (st.summary(), "bold"), band)]
+    bounds = (
+        f"  bounds: {format_seconds(st.full_overlap_seconds)} if communication hid entirely, "
+        f"{format_seconds(st.no_overlap_seconds)} if nothing overlapped; communication "
+        f"{format_seconds(st.communication)} in all, {format_seconds(st.exposed_communication)} exposed"
+    )
+    if st.host_transfers:
+        bounds += (f"; host transfers {format_seconds(st.host_transfers)}, "
+                   f"{format_seconds(st.exposed_host_transfers)} exposed")  # fmt: skip
+    if st.bubble:
+        bounds += f"; pipeline bubble {format_seconds(st.bubble)} of it"
+    lines.append(Text(bounds, style="dim"))
+    costly = sorted(st.collectives, key=lambda c: -c.seconds)[:3]
+    if costly and costly[0].seconds:
+        lines.append(Text("  costliest collectives: " + "; ".join(
+            f"{c.kind} over {c.group_size} ({c.link}) x{c.count}: {format_bytes(c.bytes)}, "
+            f"{format_seconds(c.seconds)}" for c in costly if c.seconds), style="dim"))  # fmt: skip
+    layer = max(st.loops, key=lambda loop: loop.trips * loop.seconds_per_trip, default=None)
+    if layer is not None and layer.trips > 1:
+        lines.append(Text(f"  one trip of {layer.scope} (x{layer.trips}): "
+                          f"{format_seconds(layer.seconds_per_trip)} per trip, "
+                          f"{format_seconds(layer.exposed_communication_per_trip)} exposed communication",
+                          style="dim"))  # fmt: skip
+    if report.step_time_note:
+        lines.append(Text(f"  model: {report.step_time_note}", style="dim"))
+    return lines
 
 
 def _pipeline_line(pipeline: dict[str, Any]) -> str:

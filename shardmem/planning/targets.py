@@ -22,7 +22,15 @@ from shardmem.errors import ConfigError, PlanError, did_you_mean, one_of
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """Published facts about one GPU model (XLA's GPU spec files and vendor datasheets)."""
+    """Published facts about one GPU model and the links of the server it usually comes in.
+
+    Device facts are from XLA's GPU spec files and vendor datasheets (``shared/reference/gpu-targets.md``).
+    ``peak_flops`` is the dense tensor-core rate per operand dtype ("f32" is TF32, which XLA uses for
+    float32 matmuls at default precision). Link rates are per GPU and per direction, from the vendors'
+    system datasheets: ``nvlink_bandwidth`` to the other GPUs of its host, ``network_bandwidth`` to other
+    hosts (one NIC per GPU, as DGX/HGX servers have), ``host_bandwidth`` to host memory (PCIe). A
+    cluster's real figures override the links (``interconnect`` in the config).
+    """
 
     description: str
     compute_capability: tuple[int, int]
@@ -34,7 +42,15 @@ class GpuSpec:
     l2_cache_bytes: int
     shared_memory_per_sm: int
     shared_memory_per_block_optin: int
-    peak_bf16_flops: float
+    peak_flops: dict[str, float]
+    nvlink_bandwidth: float
+    network_bandwidth: float
+    host_bandwidth: float
+
+    @property
+    def peak_bf16_flops(self) -> float:
+        """The dense bf16 peak, the rate MFU is quoted against."""
+        return self.peak_flops["bf16"]
 
     def target_config(self) -> str:
         """Returns the ``GpuTargetConfigProto`` text XLA's deviceless compiler takes."""
@@ -66,19 +82,32 @@ device_description_str: "{self.description}"
 """
 
 
+GB = 1e9  # Link and memory rates are decimal: 900 GB/s is 900e9 bytes per second.
+
+# Dense tensor-core peaks (NVIDIA H100, H200, A100 and B200 datasheets; sparsity figures halved).
+_HOPPER = {"bf16": 989.4e12, "f16": 989.4e12, "f32": 494.7e12, "f8": 1978.9e12}
+_HOPPER_PCIE = {"bf16": 756e12, "f16": 756e12, "f32": 378e12, "f8": 1513e12}
+_AMPERE = {"bf16": 312e12, "f16": 312e12, "f32": 156e12}  # No FP8 units: f8 runs as bf16.
+_BLACKWELL = {"bf16": 2250e12, "f16": 2250e12, "f32": 1100e12, "f8": 4500e12}
+
+# Links per GPU, each way. DGX/HGX H100 and H200: NVLink 4 at 900 GB/s both ways through NVSwitch, eight
+# 400 Gb/s NDR InfiniBand NICs per host (50 GB/s per GPU), PCIe Gen5 x16 (64 GB/s). DGX A100: NVLink 3 at
+# 600 GB/s, eight 200 Gb/s HDR NICs (25 GB/s), PCIe Gen4 x16 (32 GB/s). HGX B200: NVLink 5 at 1.8 TB/s,
+# eight 400 Gb/s NICs. An H100 PCIe card reaches the other GPUs of its server over PCIe Gen5 (its NVLink
+# bridge pairs two cards only).
 GPU_TARGETS: dict[str, GpuSpec] = {
     "h100-sxm": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84942979072,
-                        3352320000000, 52428800, 233472, 232448, 989e12),
+                        3352320000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB),
     "h100-pcie": GpuSpec("NVIDIA H100 PCIe", (9, 0), 114, 128, 1.755, 84942979072,
-                         2039040000000, 52428800, 233472, 232448, 756e12),
+                         2039040000000, 52428800, 233472, 232448, _HOPPER_PCIE, 64 * GB, 50 * GB, 64 * GB),
     "h200": GpuSpec("NVIDIA H200 141GB HBM3e", (9, 0), 132, 128, 1.98, 151397597184,
-                    4800000000000, 52428800, 233472, 232448, 989e12),
+                    4800000000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB),
     "a100-40g": GpuSpec("NVIDIA A100-SXM4-40GB", (8, 0), 108, 64, 1.41, 42331013120,
-                        1555200000000, 41943040, 167936, 166912, 312e12),
+                        1555200000000, 41943040, 167936, 166912, _AMPERE, 300 * GB, 25 * GB, 32 * GB),
     "a100-80g": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 85100068864,
-                        2039040000000, 41943040, 167936, 166912, 312e12),
+                        2039040000000, 41943040, 167936, 166912, _AMPERE, 300 * GB, 25 * GB, 32 * GB),
     "b200": GpuSpec("NVIDIA B200", (10, 0), 148, 128, 1.965, 191514411008,
-                    7672320000000, 132644864, 233472, 232448, 2250e12),
+                    7672320000000, 132644864, 233472, 232448, _BLACKWELL, 900 * GB, 50 * GB, 64 * GB),
 }  # fmt: skip
 
 TARGET_NAMES = ("cpu", "local", *GPU_TARGETS)
@@ -96,6 +125,7 @@ class Target:
     deviceless: bool
     approximate: bool
     allocator_limit: int | None = None  # What JAX's allocator may take on an attached GPU.
+    spec: GpuSpec | None = None  # The GPU's published facts, where it is one shardmem knows.
 
     @property
     def platform(self) -> str:
@@ -179,7 +209,7 @@ def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
         spec = GPU_TARGETS[name]
         devices = _gpu_topology(name, hosts, n_devices // hosts)
         label = f"{n_devices} x {spec.description} ({hosts} host{'s' * (hosts > 1)}), deviceless"
-        return Target(name, label, devices, spec.memory_bytes, spec.peak_bf16_flops, True, False)
+        return Target(name, label, devices, spec.memory_bytes, spec.peak_bf16_flops, True, False, spec=spec)
     if name == "cpu":
         with native_stderr_silenced():
             devices = tuple(jax.devices("cpu"))
@@ -211,7 +241,8 @@ def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
         approximate = devices[0].platform == "cpu"
         label = f"{len(devices)} x {kind} (attached)" + (", approximate" if approximate else "")
         return Target("local", label, devices[:n_devices], memory, peak_flops_for(kind), False,
-                      approximate, allocator_limit=limit)  # fmt: skip
+                      approximate, allocator_limit=limit,
+                      spec=GPU_TARGETS[known] if known else None)  # fmt: skip
     raise ConfigError(
         f"target {name!r} is not known{did_you_mean(name, TARGET_NAMES)}; use {one_of(TARGET_NAMES)}"
     )

@@ -1,0 +1,432 @@
+"""Choosing the layout that trains fastest: ``shardmem tune --search layout``.
+
+    result = tune(load_config("configs/llama-70b.yaml"), search="layout")
+    result.config.mesh.axes, result.report.step_time.seconds, result.explanation
+
+For the config's devices and hosts, every layout is enumerated: the device count factored over the
+mesh axes ``stage, data, fsdp, context, expert, tensor`` (outermost first, so that the outer axes span
+hosts and ``tensor`` stays inside one), with the micro-batches, a uniform remat policy and ZeRO-1 where
+the batch axes replicate parameters. Candidates that cannot be built are dropped by arithmetic (tensor
+inside a host and dividing the heads, context dividing the sequence, expert dividing the experts, the
+batch dividing over its shards). Each remaining candidate gets a pruning estimate of its peak memory
+and step time from a few traced quantities (FLOPs and backward residuals per policy, parameter bytes)
+and the standard communication volumes of each parallelism; the estimates are refitted to every
+compile made. The most promising are compiled (in parallel worker processes, like ``sweep``), their
+memory confirmed by XLA and their step time predicted from the compiled HLO
+(:mod:`shardmem.planning.cost`); the fitting ones are ranked by predicted step time.
+
+The estimates only order and prune: every layout shown with a step time was compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shardmem.config import Config
+from shardmem.errors import ConfigError
+from shardmem.planning.cost import MATMUL_EFFICIENCY
+from shardmem.units import format_bytes, format_seconds
+
+#: Mesh axes of a layout, outermost (across hosts) first.
+AXES = ("stage", "data", "fsdp", "context", "expert", "tensor")
+OBJECTIVES = ("step_time", "throughput")
+#: A candidate estimated this far over the budget is not compiled (the estimates are refitted as
+#: compiles come in, but start rough).
+_ESTIMATE_REJECT = 1.25
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One candidate: mesh sizes by axis, micro-batches, a uniform remat policy and ZeRO-1."""
+
+    sizes: tuple[tuple[str, int], ...]
+    micro_batches: int
+    policy: str
+    zero1: bool = False
+    global_batch: int | None = None  # None: the config's.
+
+    @property
+    def axes(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def overrides(self, config: Config) -> tuple[str, ...]:
+        axes = ", ".join(f"{a}: {n}" for a, n in self.sizes)
+        out = (f"mesh.axes={{{axes}}}", "rules={}", "param_rules={}",
+               f"train.micro_batches={self.micro_batches}",
+               f"remat.policy={self.policy}", "remat.layers={}", "pipeline.stages=null",
+               f"optimizer.shard_over_data={str(self.zero1).lower()}")  # fmt: skip
+        if self.global_batch is not None:
+            out += (f"train.global_batch={self.global_batch}",)
+        return out
+
+    def describe(self) -> str:
+        mesh = " ".join(f"{a}={n}" for a, n in self.sizes if n > 1) or "one device"
+        extra = ", ZeRO-1" if self.zero1 else ""
+        batch = f", batch {self.global_batch}" if self.global_batch else ""
+        micro = f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}"
+        return f"{mesh}; {micro}; {self.policy}{extra}{batch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The pruning estimate of one layout (never shown as a result)."""
+
+    peak_bytes: float
+    seconds: float
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in _divisors(n) for rest in _factorizations(n // d, k - 1)]
+
+
+def enumerate_layouts(config: Config, n_devices: int, per_host: int, policies: Sequence[str]) -> list[Layout]:
+    """Every layout the arithmetic allows for the reference model on ``n_devices`` (``per_host`` per host)."""
+    model = config.model
+    batch = config.train.global_batch
+    layouts = []
+    for sizes in _factorizations(n_devices, len(AXES)):
+        axes = dict(zip(AXES, sizes, strict=True))
+        t, s, c, e = axes["tensor"], axes["stage"], axes["context"], axes["expert"]
+        if (
+            per_host % t
+            or model.n_heads % t
+            or model.n_kv_heads % t
+            or model.d_ff % t
+            or model.vocab_size % t
+        ):
+            continue
+        if s > model.n_layers or (c > 1 and (model.n_experts or model.seq_len % (2 * c))):
+            continue
+        if e > 1 and (not model.n_experts or model.n_experts % e):
+            continue
+        shards = axes["data"] * axes["fsdp"] * e
+        for micro in _divisors(batch):
+            if (batch // micro) % shards or (s > 1 and micro < s):
+                continue
+            if s > 1 and micro not in _largest(batch, shards, s):
+                continue  # A pipeline wants the most micro-batches (smallest bubble and peak).
+            for policy in policies:
+                zero = (False, True) if axes["data"] * e > 1 and config.optimizer.name != "sgd" else (False,)
+                for zero1 in zero:
+                    layouts.append(Layout(tuple(axes.items()), micro, policy, zero1))
+    return layouts
+
+
+def _largest(batch: int, shards: int, stages: int, count: int = 2) -> list[int]:
+    micro = [m for m in _divisors(batch) if m >= stages and (batch // m) % shards == 0]
+    return micro[-count:]
+
+
+def _spans_hosts(axes: dict[str, int], per_host: int) -> dict[str, bool]:
+    """Whether each axis's groups span hosts, with the devices laid out host by host, axes outermost first."""
+    spans, inner = {}, 1
+    for axis in reversed(AXES):
+        size = axes[axis]
+        spans[axis] = size > 1 and inner * size > per_host
+        inner *= size
+    return spans
+
+
+class Estimator:
+    """Pruning estimates from traced quantities, refitted to compiled plans.
+
+    Peak: parameters, gradients and optimizer state per device from the parameter count and the
+    layout's sharding, plus the backward pass's residuals (traced per policy) for the micro-batch rows a
+    device holds (all of a pipeline stage's in-flight micro-batches), times a factor fitted to compiles.
+    Time: matmul FLOPs per device (traced per policy, the pipeline's idle ticks included) at the peak's
+    efficiency, memory-bound work as a fitted share of it, and each parallelism's usual communication:
+    FSDP's weight all-gathers per micro-batch and gradient reduce-scatter, data parallelism's gradient
+    all-reduce, tensor parallelism's two activation all-reduces per layer and pass, pipeline hand-offs,
+    context parallelism's key/value all-gathers; a group spanning hosts uses the network."""
+
+    def __init__(self, config: Config, hardware, per_host: int, flops: dict[str, float],
+                 residuals: dict[str, float]):  # fmt: skip
+        self.config, self.hardware, self.per_host = config, hardware, per_host
+        self.flops, self.residuals = flops, residuals
+        self.params = config.model.param_count()
+        self.memory_scale = 1.0  # compiled peak / estimated peak, refitted
+        self.memory_share = 0.8  # memory-bound seconds per compute second (the H200 trials: 0.7-1.4)
+        self.time_scale = 1.0
+        self.launch_per_layer_pass = 0.0  # kernel gaps per layer and micro-batch pass, fitted
+        self._peaks: list[tuple[float, float]] = []
+        self._times: list[tuple[float, float]] = []
+
+    def __call__(self, layout: Layout) -> Estimate:
+        config, model, axes = self.config, self.config.model, layout.axes
+        n = math.prod(axes.values())
+        t, s, c, d, f, e = (axes[a] for a in ("tensor", "stage", "context", "data", "fsdp", "expert"))
+        batch = layout.global_batch or config.train.global_batch
+        m = layout.micro_batches
+        weight_shards = t * s * f * c * (e if model.n_experts else 1)
+        param_bytes = self.params * _itemsize(config.precision.params) / weight_shards
+        moments = 1 if config.optimizer.name == "sgd" else 2
+        mu = _itemsize(config.optimizer.mu_dtype or config.precision.params)
+        optimizer = self.params * (mu + _itemsize(config.precision.params) * (moments - 1)) / weight_shards
+        if layout.zero1:
+            optimizer /= d * e
+        rows = batch / (d * f * e)  # sequences per device per step
+        live_rows = rows if s > 1 else rows / m  # a pipeline keeps all its micro-batches' residuals
+        residual = self.residuals[layout.policy] / config.train.global_batch * live_rows / c / s
+        residual *= 1.0 if layout.policy == "full" else (1 + 1 / t) / 2  # tensor splits the wide ones
+        peak = 2 * param_bytes + optimizer + residual
+        peak *= self.memory_scale
+
+        # Time.
+        ticks = (m + s - 1) / m if s > 1 else 1.0
+        flops = self.flops[layout.policy] * batch / config.train.global_batch / n * ticks
+        dtype = "f32" if config.precision.compute == "float32" else "bf16"
+        compute = flops / (self.hardware.peak(dtype) * MATMUL_EFFICIENCY)
+        spans = _spans_hosts(axes, self.per_host)
+        link = lambda *names: self.hardware.link("network" if any(spans[a] for a in names) else "nvlink")  # noqa: E731
+        weights_bf16 = self.params * 2 / (t * s * (e if model.n_experts else 1))
+        comm = 0.0
+        g = f * c
+        if g > 1:
+            passes = 3 if layout.policy != "none" else 2
+            comm += passes * m * weights_bf16 * (g - 1) / g / link("fsdp", "context")
+            comm += self.params * 4 / (t * s) * (g - 1) / g / link("fsdp", "context")
+        if d > 1:
+            comm += 2 * (d - 1) / d * self.params * 4 / weight_shards / link("data")
+        micro_rows = rows / m
+        activation = micro_rows * model.seq_len / c * model.d_model * 2
+        layers = model.n_layers / s
+        if t > 1:
+            passes = 6 if layout.policy != "none" else 4
+            comm += layers * m * passes * activation * 2 * (t - 1) / t / link("tensor")
+        if s > 1:
+            comm += 2 * (m + s - 1) * activation / t / link("stage")
+        if c > 1:
+            kv = micro_rows * model.seq_len * model.n_kv_heads * model.head_size * 2 * 2 / t
+            comm += layers * m * 3 * kv * (c - 1) / c / link("context")
+        if e > 1:
+            comm += layers * m * 4 * activation * model.experts_per_token * (e - 1) / e / link("expert")
+        work = compute * (1 + self.memory_share) + self.launch_per_layer_pass * self._passes(layout)
+        seconds = (work + max(0.0, comm - 0.5 * work)) * self.time_scale
+        return Estimate(peak, seconds)
+
+    def _passes(self, layout: Layout) -> float:
+        """Layer passes a device runs per step: its layers times micro-batches (a pipeline's ticks)."""
+        s = layout.axes["stage"]
+        m = layout.micro_batches
+        return self.config.model.n_layers / s * (m + s - 1 if s > 1 else m)
+
+    def refit(self, layout: Layout, peak: int, seconds: float | None, breakdown: dict | None) -> None:
+        """Scales the estimates to a compiled plan's peak and predicted time (least squares through 0)."""
+        saved, self.memory_scale, self.time_scale = (self.memory_scale, self.time_scale), 1.0, 1.0
+        raw = self(layout)
+        self.memory_scale, self.time_scale = saved
+        self._peaks.append((raw.peak_bytes, peak))
+        self.memory_scale = sum(x * y for x, y in self._peaks) / sum(x * x for x, _ in self._peaks)
+        if seconds:
+            if breakdown and breakdown.get("compute"):
+                self.memory_share = breakdown["memory_bound"] / breakdown["compute"]
+            if breakdown:
+                self.launch_per_layer_pass = breakdown["launch"] / self._passes(layout)
+            self._times.append((raw.seconds, seconds))
+            self.time_scale = sum(x * y for x, y in self._times) / sum(x * x for x, _ in self._times)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    """A compiled layout: its overrides, the plan's figures and the predicted step time."""
+
+    layout: Layout
+    overrides: tuple[str, ...]
+    peak_bytes: int
+    margin_bytes: int
+    fits: bool
+    step_time: dict[str, Any] | None
+    host_bytes: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.step_time["seconds"] if self.step_time else math.inf
+
+    def throughput_per_device(self, devices: int) -> float:
+        tokens = self.step_time.get("tokens_per_second") if self.step_time else None
+        return (tokens or 0.0) / devices
+
+
+def search_layouts(
+    config: Config,
+    target: str | None,
+    resolved,
+    *,
+    max_compiles: int,
+    jobs: int | None,
+    objective: str,
+    allow_offload: bool,
+    progress: Callable[[str], None],
+    note: Callable[..., None],
+) -> tuple[list[Ranked], int, list[str]]:
+    """Compiles the most promising layouts and returns them ranked by the objective (fitting first),
+    the number of compiles and notes on what was pruned."""
+    from shardmem.explore.sweep import plan_candidates
+    from shardmem.explore.tune import residual_bytes
+    from shardmem.models.llama import ModelConfig
+    from shardmem.planning import hlo
+    from shardmem.planning.cost import Hardware
+    from shardmem.step import build_program
+
+    if not isinstance(config.model, ModelConfig):
+        raise ConfigError(
+            "shardmem tune --search layout lays out the reference model's axes (stage, context, expert, "
+            "tensor); a model of your own has no model.preset: search its remat (--search remat) or "
+            "sweep its mesh.axes"
+        )
+    hardware = Hardware.of(resolved, config.interconnect)
+    if hardware is None:
+        raise ConfigError(
+            f"shardmem tune --search layout ranks layouts by predicted step time, which target "
+            f"{resolved.name!r} has no model of; use a GPU target (--target h100-sxm, ...)"
+        )
+    n, hosts = len(resolved.devices), config.mesh.hosts
+    per_host = n // hosts
+    policies = ["none", "minimal", "full"] + (["offload"] if allow_offload else [])
+    progress(f"tracing {len(policies)} remat policies for the estimates")
+    from shardmem.parallel.mesh import build_mesh
+
+    mesh = build_mesh(config.mesh.axes, resolved.devices)
+    flops, residuals = {}, {}
+    for policy in policies:
+        candidate = config.replace(f"remat.policy={policy}", "remat.layers={}")
+        program = build_program(candidate, mesh)
+        flops[policy] = hlo.matmul_flops(
+            program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
+        )
+        residuals[policy] = residual_bytes(candidate, program.attention) * candidate.train.micro_batches
+    estimator = Estimator(config, hardware, per_host, flops, residuals)
+    from shardmem.planning.memory import budget as budget_of
+
+    budget = budget_of(
+        config.memory, resolved.memory_bytes, resolved.allocator_limit, deviceless=resolved.deviceless
+    )
+    layouts = enumerate_layouts(config, n, per_host, policies)
+    own = _own_layout(config, n)
+    notes = [f"{len(layouts)} layouts enumerated over {', '.join(AXES)} x micro-batches x remat x ZeRO-1"]
+
+    compiled: dict[Layout, Ranked] = {}
+    compiles = 0
+
+    def run(batch: list[Layout]) -> None:
+        nonlocal compiles
+        combos = [layout.overrides(config) for layout in batch]
+        for layout in batch:
+            progress(f"compiling {layout.describe()}")
+        rows = plan_candidates(config, combos, target, jobs=jobs)
+        for layout, overrides, row in zip(batch, combos, rows, strict=True):
+            if row.error:
+                note(layout.describe(), overrides, None, None, None, False, "skipped", row.error[:200])
+                compiled[layout] = Ranked(layout, overrides, 0, 0, False, None)
+                continue
+            compiles += 1
+            ranked = Ranked(layout, overrides, row.peak_bytes, row.margin_bytes, bool(row.fits),
+                            row.step_time,
+                            row.host_bytes or 0)  # fmt: skip
+            compiled[layout] = ranked
+            estimator.refit(layout, row.peak_bytes, ranked.seconds if row.step_time else None,
+                            row.step_time["breakdown"] if row.step_time else None)  # fmt: skip
+            verdict = "fits" if row.fits else "does not fit"
+            seconds = f", {format_seconds(ranked.seconds)} per step" if row.step_time else ""
+            note(layout.describe(), overrides, row.peak_bytes, row.host_bytes, row.recompute_overhead,
+                 bool(row.fits),
+                 "compiled", f"{verdict}{seconds}", step_time=row.step_time)  # fmt: skip
+
+    if own is not None and own in layouts:
+        run([own])  # The config's own layout first: the baseline the search must beat.
+    workers = max(1, jobs or 1)
+    while compiles < max_compiles:
+        estimates = {layout: estimator(layout) for layout in layouts if layout not in compiled}
+        fitting = [lay for lay, est in estimates.items() if est.peak_bytes <= budget * _ESTIMATE_REJECT]
+        if not fitting:
+            break
+        best_mesh: dict[tuple, Layout] = {}
+        for layout in sorted(fitting, key=lambda lay: (estimates[lay].seconds, lay.zero1)):
+            best_mesh.setdefault(layout.sizes, layout)  # The fastest-looking variant of each mesh.
+        tried = {lay.sizes for lay, r in compiled.items() if r.fits}
+        order = [lay for lay in best_mesh.values() if lay.sizes not in tried]
+        if not order:
+            break
+        best = min((r.seconds for r in compiled.values() if r.fits), default=math.inf)
+        if compiles >= min(8, max_compiles // 2) and estimates[order[0]].seconds > 1.3 * best:
+            notes.append("stopped: no remaining layout is estimated within 1.3x of the best compiled")
+            break
+        run(order[: min(workers, max_compiles - compiles)])
+    fits = sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
+    if objective == "throughput" and fits:
+        fits = _grow_batches(fits[:3], config, target, budget, jobs, progress, note, estimator, max_compiles,
+                             lambda: compiles, run, compiled) + fits  # fmt: skip
+        fits = sorted({r.overrides: r for r in fits}.values(), key=lambda r: -r.throughput_per_device(n))
+    over = sum(1 for r in compiled.values() if not r.fits and r.step_time is not None)
+    notes.append(f"{compiles} compiles; {over} compiled layouts did not fit; "
+                 f"{len(layouts) - len(compiled)} left to the estimates")  # fmt: skip
+    return fits, compiles, notes
+
+
+def _grow_batches(
+    top, config, target, budget, jobs, progress, note, estimator, max_compiles, count, run, compiled
+):
+    """For ``--objective throughput``: each of the top layouts at the largest global batch the estimate
+    says fits (doubling), confirmed by compiles."""
+    grown = []
+    for ranked in top:
+        layout = ranked.layout
+        batch = config.train.global_batch
+        while count() < max_compiles:
+            bigger = dataclasses.replace(layout, global_batch=batch * 2)
+            if estimator(bigger).peak_bytes > budget:
+                break
+            run([bigger])
+            result = compiled[bigger]
+            if not result.fits:
+                break
+            grown.append(result)
+            batch *= 2
+            layout = bigger
+    return grown
+
+
+def _own_layout(config: Config, n: int) -> Layout | None:
+    """The config's own mesh as a layout of the searched axes, when it is one."""
+    axes = {a: size for a, size in config.mesh.axes.items()}
+    if set(axes) - set(AXES):
+        return None
+    fixed = math.prod(v for v in axes.values() if v > 0)
+    axes = {a: (n // fixed if v == -1 else v) for a, v in axes.items()}
+    sizes = tuple((a, axes.get(a, 1)) for a in AXES)
+    if math.prod(v for _, v in sizes) != n or config.remat.layers:
+        return None
+    return Layout(sizes, config.train.micro_batches, config.remat.policy, config.optimizer.shard_over_data)
+
+
+def why_winner(first: Ranked, second: Ranked | None) -> str:
+    """One line on why the winner beats the runner-up: the term of the step time that differs most."""
+    if second is None or not first.step_time or not second.step_time:
+        return "the only compiled layout that fits"
+    a, b = first.step_time["breakdown"], second.step_time["breakdown"]
+    terms = {k: b[k] - a[k] for k in a}
+    bubble = second.step_time["bubble_seconds"] - first.step_time["bubble_seconds"]
+    if abs(bubble) > max(abs(v) for v in terms.values()):
+        terms = {"pipeline bubble": bubble}
+    term, gain = max(terms.items(), key=lambda kv: kv[1])
+    faster = second.seconds - first.seconds
+    return (f"it beats the runner-up ({second.layout.describe()}) by {format_seconds(faster)} per step "
+            f"({faster / second.seconds:.0%}), most of it in {term.replace('_', ' ')} "
+            f"({format_seconds(gain)} less)")  # fmt: skip
+
+
+def margin_text(ranked: Ranked) -> str:
+    return f"{format_bytes(abs(ranked.margin_bytes))} {'to spare' if ranked.margin_bytes >= 0 else 'over'}"

@@ -1,0 +1,646 @@
+"""The step-time model: seconds per training step, read from the same optimized HLO the memory report reads.
+
+    hardware = Hardware.of(target, config.interconnect)
+    estimate = estimate_step_time(hlo.parse_module(compiled.as_text()), hardware, hosts_of, ...)
+    estimate.seconds, estimate.breakdown(), estimate.no_overlap_seconds, estimate.full_overlap_seconds
+
+Every kernel of the compiled step is costed on the target by a roofline: matmuls (dots, cuBLAS calls,
+Triton GEMM fusions, convolutions, fused-attention kernels) at the dense peak for their dtype times an
+achievable efficiency, everything else at its bytes accessed over the HBM bandwidth, plus a launch gap.
+Each collective costs a latency plus its bytes times the algorithm's factor (ring all-reduce moves
+2(n-1)/n of them) over NVLink inside a host or the network when its group spans hosts; host-offload
+copies cost their bytes over PCIe. The schedule is then replayed: XLA's asynchronous collectives and
+copies run on their own streams beside the compute between their start and done, so only the wait at a
+``done`` is exposed. Loops run their bodies once per known trip; recomputation is simply more kernels.
+
+The efficiencies are documented constants below, each with its source; BENCHMARKS.md compares the model
+with measured H200 step times ("Step time").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardmem.planning import hlo
+from shardmem.units import format_seconds
+
+#: Fraction of the dense tensor-core peak a large matmul reaches: a lent H200 ran an 8192^3 bf16 matmul
+#: at 790 of its 989 TFLOP/s (shared/reference/gpu-targets.md).
+MATMUL_EFFICIENCY = 0.80
+#: Fused flash-attention kernels reach less of the peak than plain matmuls: FlashAttention-2 runs at
+#: 35-50% of an H100's bf16 peak, cuDNN's and FlashAttention-3's at 60-75% (Shah et al., FlashAttention-3,
+#: 2024). The plan compiles JAX's Pallas (Triton) kernel, of FlashAttention-2's design.
+ATTENTION_EFFICIENCY = 0.45
+#: Fraction of the HBM bandwidth a streaming kernel reaches: the lent H200 copied device to device at
+#: 4.3 of its 4.8 TB/s.
+MEMORY_EFFICIENCY = 0.90
+#: Fraction of a link's rate NCCL reaches: all-reduce bus bandwidth on 8 x H100 (NVLink 4, 450 GB/s each
+#: way) is reported at 350-480 GB/s, and 40-45 GB/s per GPU across hosts on 400 Gb/s NDR
+#: (shared/reference/step-time-and-tpu.md).
+LINK_EFFICIENCY = {"nvlink": 0.80, "network": 0.85, "host": 0.80}
+#: Fixed cost of one collective: NCCL's launch and the first chunk's trip, about 10 us inside a host and
+#: 25 us across (the defaults of XLA's analytical collective model are of this order).
+COLLECTIVE_LATENCY = {"nvlink": 10e-6, "network": 25e-6}
+#: Gap between two kernels on the GPU (launch and tail), about 2 us with XLA's command buffers.
+KERNEL_GAP = 2e-6
+
+#: The model's median relative error against measured step times (BENCHMARKS.md, "Step time").
+CALIBRATED_ERROR: float | None = None
+#: What every estimate leaves out, said in the report.
+ASSUMPTIONS = ("roofline per kernel at documented efficiencies; collectives overlap compute only between "
+               "their start and done; no contention between concurrent streams")  # fmt: skip
+
+#: Instructions that run no kernel.
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
+         "after-all", "add-dependency", "opt-barrier", "domain", "get-dimension-size"}  # fmt: skip
+_FREE_CUSTOM_CALLS = ("AllocateBuffer", "MoveToHost", "MoveToDevice", "Sharding", "SPMDFullToShardShape",
+                      "SPMDShardToFullShape", "annotate_device_placement")  # fmt: skip
+#: The factor of a collective's bytes that crosses each device's link, for a group of n (ring algorithms).
+_ALGORITHM = {
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+_DTYPE_CLASS = {"bf16": "bf16", "f16": "f16", "f32": "f32", "f64": "f32", "s8": "f8", "u8": "f8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What the time model reads of a target: peaks per dtype, HBM bandwidth, and links per GPU per
+    direction (bytes per second)."""
+
+    name: str
+    peak_flops: Mapping[str, float]
+    memory_bandwidth: float
+    nvlink_bandwidth: float
+    network_bandwidth: float
+    host_bandwidth: float
+
+    @classmethod
+    def of(cls, target, interconnect=None) -> Hardware | None:
+        """The hardware of a :class:`~shardmem.planning.targets.Target` with a GPU spec (None without
+        one), its links overridden by a config's ``interconnect`` section."""
+        spec = getattr(target, "spec", None)
+        if spec is None:
+            return None
+        links = {"nvlink": spec.nvlink_bandwidth, "network": spec.network_bandwidth,
+                 "host": spec.host_bandwidth}  # fmt: skip
+        for key in links:
+            links[key] = getattr(interconnect, key, None) or links[key]
+        return cls(target.name, dict(spec.peak_flops), float(spec.memory_bandwidth), links["nvlink"],
+                   links["network"], links["host"])  # fmt: skip
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops.get(_DTYPE_CLASS.get(dtype, "bf16"), self.peak_flops["bf16"])
+
+    def link(self, kind: str) -> float:
+        return {"nvlink": self.nvlink_bandwidth, "network": self.network_bandwidth,
+                "host": self.host_bandwidth}[kind] * LINK_EFFICIENCY[kind]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """The collectives of one kind over one kind of group: how many run per step, their bytes per device,
+    and the seconds they take on their stream (before overlap)."""
+
+    kind: str
+    group_size: int
+    link: str  # "nvlink" or "network" (the group spans hosts)
+    count: int
+    bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCost:
+    """One loop of the step (a scan over layers, micro-batches, pipeline ticks): its trips and the
+    seconds and exposed communication of one trip."""
+
+    scope: str
+    trips: int
+    seconds_per_trip: float
+    exposed_communication_per_trip: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """The predicted seconds of one training step on the target, and what they are made of.
+
+    ``compute`` (matmul kernels), ``memory_bound`` (the other kernels) and ``launch`` run on the compute
+    stream one after the other; ``exposed_communication`` and ``exposed_host_transfers`` are the waits the
+    replayed schedule found at collectives' and offload copies' ``done``; ``bubble`` is the share of the
+    pipelined loop that idle stages spend (inside the other terms: it is work on placeholders).
+    ``communication`` and ``host_transfers`` are the streams' whole busy time, overlapped or not."""
+
+    seconds: float
+    compute: float
+    memory_bound: float
+    launch: float
+    communication: float
+    exposed_communication: float
+    host_transfers: float
+    exposed_host_transfers: float
+    bubble: float
+    host_transfer_bytes: int  # Bytes copied between device and host memory per step (offload).
+    kernels: int  # kernel launches per step
+    collectives: tuple[CollectiveCost, ...]
+    loops: tuple[LoopCost, ...]
+    hardware: str
+    tokens_per_step: int | None = None
+    model_flops: float | None = None  # All devices, without recomputation or the bubble's idle work.
+    hardware_flops: float | None = None  # All devices, recomputation included.
+    devices: int = 1
+    peak_flops: float | None = None  # bf16 dense peak per device, for MFU and HFU.
+    uncertainty: float | None = None  # Relative error the calibration measured (median), see BENCHMARKS.
+
+    @property
+    def no_overlap_seconds(self) -> float:
+        """The bound where nothing overlaps: every stream's time one after another."""
+        return self.compute + self.memory_bound + self.launch + self.communication + self.host_transfers
+
+    @property
+    def full_overlap_seconds(self) -> float:
+        """The bound where communication and host copies hide entirely behind the kernels (or the kernels
+        behind the busiest stream)."""
+        return max(self.compute + self.memory_bound + self.launch, self.communication, self.host_transfers)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens_per_step / self.seconds if self.tokens_per_step and self.seconds else None
+
+    def _utilization(self, flops: float | None) -> float | None:
+        if not flops or not self.peak_flops or not self.seconds:
+            return None
+        return flops / (self.devices * self.peak_flops * self.seconds)
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOP utilisation: the model's matmul FLOPs (no recomputation) per second over the peak."""
+        return self._utilization(self.model_flops)
+
+    @property
+    def hfu(self) -> float | None:
+        """Hardware FLOP utilisation: recomputation counted."""
+        return self._utilization(self.hardware_flops)
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds by where they go, adding up to ``seconds``: compute, memory-bound, launch gaps, exposed
+        communication and exposed host transfers (the bubble is a share of these, shown apart)."""
+        return {"compute": self.compute, "memory_bound": self.memory_bound, "launch": self.launch,
+                "exposed_communication": self.exposed_communication,
+                "exposed_host_transfers": self.exposed_host_transfers}  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "breakdown": self.breakdown(),
+            "bubble_seconds": self.bubble,
+            "communication_seconds": self.communication,
+            "host_transfer_seconds": self.host_transfers,
+            "host_transfer_bytes": self.host_transfer_bytes,
+            "bounds": {"no_overlap": self.no_overlap_seconds, "full_overlap": self.full_overlap_seconds},
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "kernels": self.kernels,
+            "collectives": [dataclasses.asdict(c) for c in self.collectives],
+            "loops": [dataclasses.asdict(loop) for loop in self.loops],
+            "hardware": self.hardware,
+            "uncertainty": self.uncertainty,
+        }
+
+    def summary(self) -> str:
+        """One line for people: "1.23 s (compute 0.9 s, ...), 53,000 tokens/s, MFU 41%"."""
+        parts = [f"{name.replace('_', ' ')} {format_seconds(value)}"
+                 for name, value in self.breakdown().items() if value >= 0.005 * self.seconds]  # fmt: skip
+        line = f"{format_seconds(self.seconds)} ({', '.join(parts)})"
+        if self.tokens_per_second:
+            line += f", {self.tokens_per_second:,.0f} tokens/s"
+        if self.mfu is not None:
+            line += f", MFU {self.mfu:.1%}, HFU {self.hfu:.1%}"
+        return line
+
+
+# --- Costing one kernel ----------------------------------------------------------------------------
+
+
+def _dims(shape: str) -> list[int]:
+    match = hlo._ARRAY.search(shape)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _dtype(shape: str) -> str:
+    match = hlo._ARRAY.search(shape)
+    return match.group(1) if match else "f32"
+
+
+def _attr_dims(attributes: str, key: str) -> list[int]:
+    match = re.search(key + r"=\{([\d,]*)\}", attributes)
+    return [int(d) for d in match.group(1).split(",") if d] if match else []
+
+
+class _Kernels:
+    """Costs the kernels of one module on one piece of hardware (each distinct kernel once)."""
+
+    def __init__(self, module: hlo.HloModule, hardware: Hardware, attention: Mapping[str, tuple[int, bool]]):
+        self.module, self.hardware, self.attention = module, hardware, attention
+        self.users: dict[str, dict[str, list[hlo.Instruction]]] = {}
+
+    def shape(self, name: str) -> str:
+        ins = self.module.by_name.get(name)
+        return ins.shape if ins else ""
+
+    def dot_flops(self, ins: hlo.Instruction) -> tuple[float, str]:
+        lhs = self.shape(ins.operands[0]) if ins.operands else ""
+        contracting = _attr_dims(ins.attributes, "lhs_contracting_dims")
+        k = math.prod(_dims(lhs)[d] for d in contracting if d < len(_dims(lhs)))
+        return 2.0 * math.prod(_dims(ins.shape)) * k, _dtype(lhs)
+
+    def conv_flops(self, ins: hlo.Instruction) -> tuple[float, str]:
+        rhs = _dims(self.shape(ins.operands[1])) if len(ins.operands) > 1 else []
+        labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attributes)
+        out_features = rhs[labels.group(1).index("o")] if labels and rhs and "o" in labels.group(1) else 1
+        return 2.0 * math.prod(_dims(ins.shape)) * math.prod(rhs) / max(out_features, 1), _dtype(ins.shape)
+
+    def flops(self, ins: hlo.Instruction) -> tuple[float, str, bool]:
+        """(FLOPs, operand dtype, whether a fused-attention kernel) of one kernel."""
+        if ins.opcode == "dot":
+            return (*self.dot_flops(ins), False)
+        if ins.opcode == "convolution":
+            return (*self.conv_flops(ins), False)
+        if ins.opcode == "custom-call":
+            return self.custom_call_flops(ins)
+        if ins.opcode in ("fusion", "fusion-start") and ins.called:
+            total, dtype = 0.0, "bf16"
+            for inner in self.module.computations.get(ins.called[0], ()):
+                if inner.opcode in ("dot", "convolution", "custom-call"):
+                    flops, dtype, _ = self.flops(inner)
+                    total += flops
+            return total, dtype, False
+        return 0.0, "f32", False
+
+    def custom_call_flops(self, ins: hlo.Instruction) -> tuple[float, str, bool]:
+        target = re.search(r'custom_call_target="([^"]*)"', ins.attributes)
+        target = target.group(1) if target else ""
+        if target.startswith("__cublas"):
+            lhs = self.shape(ins.operands[0]) if ins.operands else ""
+            contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
+            dims = (
+                [int(d.strip('" ')) for d in contracting.group(1).split(",") if d.strip()]
+                if contracting
+                else []
+            )
+            out = ins.shape if not ins.shape.startswith("(") else hlo._tuple_element(ins.shape, "0")
+            k = math.prod(_dims(lhs)[d] for d in dims if d < len(_dims(lhs)))
+            return 2.0 * math.prod(_dims(out)) * k, _dtype(lhs), False
+        kernel = self.attention_kernel(ins, target)
+        if kernel is None or len(ins.operands) < 2:
+            return 0.0, "f32", False
+        matmuls, causal = kernel
+        q, k = _dims(self.shape(ins.operands[0])), _dims(self.shape(ins.operands[1]))
+        if len(q) != 4 or len(k) != 4:
+            return 0.0, "f32", False
+        pairs = q[0] * q[2] * q[1] * k[1] * q[3]  # [batch, length, heads, head_dim]
+        return matmuls * 2.0 * pairs * (0.5 if causal else 1.0), _dtype(self.shape(ins.operands[0])), True
+
+    def attention_kernel(self, ins: hlo.Instruction, target: str) -> tuple[int, bool] | None:
+        if target.startswith("__cudnn$fmha"):
+            causal = "CAUSAL" in ins.attributes
+            return (5 if "Backward" in target else 2), causal
+        parts = ins.op_name.split("/")
+        for name in reversed(parts):
+            if name in self.attention:
+                return self.attention[name]
+        return None
+
+    def bytes(self, ins: hlo.Instruction) -> int:
+        """Bytes a kernel reads and writes in HBM: a fusion reads only the slices it takes of an operand
+        and writes only the update of an in-place dynamic-update-slice (a scan's stacked residuals)."""
+        if ins.opcode in ("fusion", "fusion-start") and ins.called:
+            return self._fusion_bytes(ins)
+        if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
+            return 2 * hlo.shape_bytes(self.shape(ins.operands[1]))
+        if ins.opcode in ("dynamic-slice", "slice", "gather"):
+            return 2 * hlo.shape_bytes(ins.shape)
+        return hlo.shape_bytes(ins.shape) + sum(hlo.shape_bytes(self.shape(o)) for o in ins.operands)
+
+    def _fusion_bytes(self, ins: hlo.Instruction) -> int:
+        computation = ins.called[0]
+        inner = self.module.computations.get(computation, ())
+        users = self.users.get(computation)
+        if users is None:
+            users = {}
+            for i in inner:
+                for operand in i.operands:
+                    users.setdefault(operand, []).append(i)
+            self.users[computation] = users
+        total = 0
+        for i in inner:
+            if i.opcode != "parameter":
+                continue
+            index = int(i.arguments) if i.arguments.strip().isdigit() else -1
+            full = hlo.shape_bytes(self.shape(ins.operands[index])) if 0 <= index < len(ins.operands) else 0
+            total += min(full, self._read_bytes(i, users, full))
+        root = inner[-1] if inner else None
+        outputs = [root] if root is not None and root.opcode != "tuple" else [
+            self.module.by_name.get(o) for o in (root.operands if root is not None else ())]  # fmt: skip
+        for out in outputs:
+            if out is None:
+                continue
+            if out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
+                total += hlo.shape_bytes(self.shape(out.operands[1]))
+            else:
+                total += hlo.shape_bytes(out.shape)
+        return total
+
+    def _read_bytes(self, param: hlo.Instruction, users, full: int) -> int:
+        reads, stack = 0, [param]
+        while stack:
+            value = stack.pop()
+            for user in users.get(value.name, ()):
+                if user.opcode == "bitcast":
+                    stack.append(user)
+                elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == value.name:
+                    reads += hlo.shape_bytes(user.shape)
+                elif user.opcode == "dynamic-update-slice" and user.operands[0] == value.name:
+                    continue  # Updated in place: only the update is written.
+                else:
+                    return full
+        return reads
+
+    def seconds(self, ins: hlo.Instruction) -> tuple[float, str, float]:
+        """(seconds, "compute" or "memory_bound", FLOPs) of one kernel, by the roofline."""
+        flops, dtype, attention = self.flops(ins)
+        memory = self.bytes(ins) / (self.hardware.memory_bandwidth * MEMORY_EFFICIENCY)
+        if not flops:
+            return memory, "memory_bound", 0.0
+        efficiency = ATTENTION_EFFICIENCY if attention else MATMUL_EFFICIENCY
+        return max(flops / (self.hardware.peak(dtype) * efficiency), memory), "compute", flops
+
+
+# --- Collectives -----------------------------------------------------------------------------------
+
+
+def replica_groups(ins: hlo.Instruction, devices: int) -> list[list[int]]:
+    """The device groups of a collective, from any of the forms XLA writes: ``{{0,1},{2,3}}``, the iota
+    form ``[2,2]<=[4]`` (with ``T(...)`` transposes), the mesh form ``mesh['a'=2,'b'=2] {'a'}``, and a
+    collective-permute's ``source_target_pairs``. No groups: one group of every device."""
+    text = ins.attributes
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", text)
+    if pairs:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if iota:
+        import numpy as np
+
+        shape = [int(d) for d in iota.group(1).split(",")]
+        ids = np.arange(math.prod(int(d) for d in iota.group(2).split(","))).reshape(
+            [int(d) for d in iota.group(2).split(",")])  # fmt: skip
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+    if mesh:
+        import numpy as np
+
+        axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in names]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        rest = [i for i in range(len(sizes)) if i not in chosen]
+        return ids.transpose(rest + chosen).reshape(-1, math.prod(sizes[i] for i in chosen)).tolist()
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", text)
+    if explicit and explicit.group(1):
+        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+    return [list(range(devices))]
+
+
+def _collective_cost(ins, kind: str, kernels: _Kernels, hardware: Hardware,
+                     hosts_of: Sequence[int]) -> tuple[float, CollectiveCost]:  # fmt: skip
+    groups = replica_groups(ins, len(hosts_of))
+    n = max(len(g) for g in groups) if groups else 1
+    spans = any(len({hosts_of[d] for d in g if d < len(hosts_of)}) > 1 for g in groups)
+    link = "network" if spans else "nvlink"
+    moved = hlo.collective_result_bytes(ins)
+    if kind == "reduce-scatter":
+        moved *= n  # The ring moves (n-1)/n of the operand, n times the result.
+    if n <= 1 and kind != "collective-permute":
+        return 0.0, CollectiveCost(kind, n, link, 1, moved, 0.0)
+    seconds = COLLECTIVE_LATENCY[link] + _ALGORITHM[kind](n) * moved / hardware.link(link)
+    return seconds, CollectiveCost(kind, n, link, 1, hlo.collective_result_bytes(ins), seconds)
+
+
+def _host_copy(ins: hlo.Instruction, module: hlo.HloModule) -> int | None:
+    """Bytes an asynchronous copy moves between device and host memory (layout memory space S(5)), or
+    None when it is not one."""
+    touched = [ins.shape] + [module.by_name[o].shape for o in ins.operands if o in module.by_name]
+    for name in ins.called:
+        touched += [i.shape for i in module.computations.get(name, ())]
+    if not any(":S(5)" in shape for shape in touched):
+        return None
+    for name in ins.called:
+        inner = module.computations.get(name, ())
+        if inner and inner[-1].opcode == "dynamic-update-slice" and len(inner[-1].operands) > 1:
+            update = module.by_name.get(inner[-1].operands[1])
+            return hlo.shape_bytes(update.shape) if update else 0
+        if inner and inner[-1].opcode in ("dynamic-slice", "slice"):
+            return hlo.shape_bytes(inner[-1].shape)
+    shape = ins.shape
+    if ins.opcode.endswith("-start") and shape.startswith("("):
+        shape = hlo._tuple_element(shape, "1")
+    return hlo.shape_bytes(shape)
+
+
+# --- Replaying the schedule ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Totals:
+    seconds: float = 0.0
+    compute: float = 0.0
+    memory_bound: float = 0.0
+    launch: float = 0.0
+    communication: float = 0.0
+    exposed_communication: float = 0.0
+    host_transfers: float = 0.0
+    exposed_host_transfers: float = 0.0
+    host_bytes: float = 0.0
+    kernels: int = 0
+
+    def add(self, other: _Totals, times: float = 1.0) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + times * getattr(other, field.name))
+
+
+class _Replay:
+    def __init__(self, module, hardware, hosts_of, attention):
+        self.module, self.hardware, self.hosts_of = module, hardware, hosts_of
+        self.kernels = _Kernels(module, hardware, attention)
+        self.memo: dict[str, _Totals] = {}
+        self.collectives: dict[tuple[str, int, str], list] = {}
+        self.loops: list[tuple[str, int, _Totals]] = []
+        self.multiplier = 1
+
+    def computation(self, name: str) -> _Totals:
+        if name in self.memo:
+            return self.memo[name]
+        totals = _Totals()
+        clock, streams = 0.0, {"comm": 0.0, "host": 0.0}
+        pending: dict[str, tuple[str, float]] = {}  # start -> (stream, finish time)
+        for ins in self.module.computations.get(name, ()):
+            op = ins.opcode
+            if op in _FREE or (
+                op == "custom-call" and any(f'"{t}"' in ins.attributes for t in _FREE_CUSTOM_CALLS)
+            ):
+                continue
+            if op.endswith("-done"):
+                stream, finish = pending.pop(ins.operands[0] if ins.operands else "", ("", clock))
+                if finish > clock:
+                    key = "exposed_communication" if stream == "comm" else "exposed_host_transfers"
+                    setattr(totals, key, getattr(totals, key) + finish - clock)
+                    clock = finish
+                continue
+            kind = hlo.collective_kind(ins) or self._wrapped_collective(ins)
+            if kind:
+                seconds = self._collective(ins, kind)
+                totals.communication += seconds
+                start = max(clock, streams["comm"])
+                streams["comm"] = start + seconds
+                if op.endswith("-start"):
+                    pending[ins.name] = ("comm", streams["comm"])
+                else:  # Synchronous: the compute stream waits for it.
+                    totals.exposed_communication += streams["comm"] - clock
+                    clock = streams["comm"]
+                continue
+            host = _host_copy(ins, self.module) if op.endswith("-start") or op == "copy" else None
+            if host is not None:
+                seconds = host / self.hardware.link("host")
+                totals.host_transfers += seconds
+                totals.host_bytes += host
+                start = max(clock, streams["host"])
+                streams["host"] = start + seconds
+                if op.endswith("-start"):
+                    pending[ins.name] = ("host", streams["host"])
+                else:
+                    totals.exposed_host_transfers += streams["host"] - clock
+                    clock = streams["host"]
+                continue
+            if op in ("while", "call", "conditional", "async-start"):
+                inner = self._control(ins)
+                totals.add(inner)
+                clock += inner.seconds
+                if op == "async-start":
+                    pending[ins.name] = ("compute", clock)
+                continue
+            seconds, category, _ = self.kernels.seconds(ins)
+            setattr(totals, category, getattr(totals, category) + seconds)
+            totals.launch += KERNEL_GAP
+            totals.kernels += 1
+            clock += seconds + KERNEL_GAP
+        for stream, finish in pending.values():  # Still in flight at the end: the step waits.
+            if finish > clock:
+                key = "exposed_communication" if stream == "comm" else "exposed_host_transfers"
+                setattr(totals, key, getattr(totals, key) + finish - clock)
+                clock = finish
+        totals.seconds = clock
+        self.memo[name] = totals
+        return totals
+
+    def _control(self, ins: hlo.Instruction) -> _Totals:
+        totals = _Totals()
+        if ins.opcode == "while":
+            trips = ins.trip_count or 1
+            body = re.search(r"body=%?([\w.\-]+)", ins.attributes)
+            condition = re.search(r"condition=%?([\w.\-]+)", ins.attributes)
+            saved, self.multiplier = self.multiplier, self.multiplier * trips
+            if body:
+                per_trip = self.computation(body.group(1))
+                totals.add(per_trip, trips)
+                self.loops.append(
+                    (hlo.readable_scope(ins.op_name) if ins.op_name else ins.name, trips, per_trip)
+                )
+            if condition:
+                totals.add(self.computation(condition.group(1)), trips + 1)
+            self.multiplier = saved
+        elif ins.opcode == "conditional":
+            branches = [self.computation(name) for name in ins.called]
+            if branches:
+                totals.add(max(branches, key=lambda t: t.seconds))
+        else:
+            for name in ins.called:
+                totals.add(self.computation(name))
+        return totals
+
+    def _wrapped_collective(self, ins: hlo.Instruction) -> str | None:
+        if ins.opcode != "async-start":
+            return None
+        for name in ins.called:
+            for inner in self.module.computations.get(name, ()):
+                kind = hlo.collective_kind(inner)
+                if kind:
+                    return kind
+        return None
+
+    def _collective(self, ins: hlo.Instruction, kind: str) -> float:
+        target = ins
+        if ins.opcode == "async-start":  # The collective is the wrapped computation's.
+            target = next(i for name in ins.called for i in self.module.computations.get(name, ())
+                          if hlo.collective_kind(i))  # fmt: skip
+        seconds, cost = _collective_cost(target, kind, self.kernels, self.hardware, self.hosts_of)
+        key = (kind, cost.group_size, cost.link)
+        entry = self.collectives.setdefault(key, [0, 0, 0.0])
+        entry[0] += self.multiplier
+        entry[1] += cost.bytes * self.multiplier
+        entry[2] += seconds * self.multiplier
+        return seconds
+
+
+def estimate_step_time(
+    module: hlo.HloModule,
+    hardware: Hardware,
+    hosts_of: Sequence[int],
+    *,
+    attention: Mapping[str, tuple[int, bool]] | None = None,
+    bubble_fraction: float = 0.0,
+    tokens_per_step: int | None = None,
+    model_flops: float | None = None,
+    hardware_flops: float | None = None,
+) -> StepTime:
+    """Predicts one step of an optimized, scheduled HLO module on ``hardware``.
+
+    ``hosts_of[i]`` is the host of the program's device ``i`` (its partition id: the mesh's devices in
+    order); ``attention`` maps fused-attention kernel names to (matmuls, causal), as
+    :func:`shardmem.planning.hlo.fused_attention_kernels` reads them from the jaxpr; ``bubble_fraction``
+    is the pipeline schedule's idle share of its loop of ticks."""
+    replay = _Replay(module, hardware, hosts_of, attention or {})
+    totals = replay.computation(module.entry)
+    bubble = 0.0
+    if bubble_fraction:
+        # The pipeline's ticks are the longest loop whose scope names the pipeline (idle stages run too).
+        ticks = [trips * t.seconds for scope, trips, t in replay.loops if "pipeline" in scope]
+        bubble = bubble_fraction * (max(ticks) if ticks else totals.seconds)
+    collectives = tuple(
+        CollectiveCost(kind, size, link, count, moved, seconds)
+        for (kind, size, link), (count, moved, seconds) in sorted(replay.collectives.items())
+    )
+    seen, loops = set(), []
+    for scope, trips, per_trip in replay.loops:
+        if (scope, trips) not in seen:
+            seen.add((scope, trips))
+            loops.append(LoopCost(scope, trips, per_trip.seconds, per_trip.exposed_communication))
+    return StepTime(
+        seconds=totals.seconds, compute=totals.compute, memory_bound=totals.memory_bound,
+        launch=totals.launch, communication=totals.communication,
+        exposed_communication=totals.exposed_communication, host_transfers=totals.host_transfers,
+        exposed_host_transfers=totals.exposed_host_transfers, bubble=bubble,
+        host_transfer_bytes=round(totals.host_bytes), kernels=round(totals.kernels),
+        collectives=collectives, loops=tuple(loops), hardware=hardware.name,
+        tokens_per_step=tokens_per_step, model_flops=model_flops, hardware_flops=hardware_flops,
+        devices=len(hosts_of), peak_flops=hardware.peak("bf16"),
+    )  # fmt: skip
