@@ -161,9 +161,14 @@ def test_the_bubble_is_the_schedules_idle_share_of_the_pipeline_loop(pipelined):
     assert st.bubble == pytest.approx(schedule["bubble_fraction"] * loop.trips * loop.seconds_per_trip)
 
 
-def test_cpu_plans_say_what_they_cannot_predict():
+def test_cpu_plans_rank_layouts_with_this_machines_measured_rates():
     from shardmem.planning.memory import plan
 
     report = plan(load_config("configs/tiny.yaml", ["mesh.axes={data: 1, fsdp: 1, tensor: 1}"]), "cpu")
-    assert report.step_time is None and "sweep --measure" in report.step_time_note
-    assert report.to_json()["step_time"] is None
+    st = report.step_time
+    assert st.hardware.startswith("cpu") and st.seconds > 0 and st.uncertainty is None
+    assert "approximate" in report.step_time_note and "sweep --measure" in report.step_time_note
+    hardware = cost.Hardware.host(8)
+    assert hardware.peak("f32") == pytest.approx(
+        cost.Hardware.host(1).peak("f32") / 8
+    )  # the cores are shared

@@ -72,10 +72,16 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """The pruning estimate of one layout (never shown as a result)."""
+    """The pruning estimate of one layout (never shown as a result): ``static`` bytes (parameters,
+    gradients, optimizer state) are near exact, ``activations`` are scaled by what compiles showed."""
 
-    peak_bytes: float
+    static: float
+    activations: float
     seconds: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.static + self.activations
 
 
 def _divisors(n: int) -> list[int]:
@@ -153,11 +159,12 @@ class Estimator:
         self.config, self.hardware, self.per_host = config, hardware, per_host
         self.flops, self.residuals = flops, residuals
         self.params = config.model.param_count()
-        self.memory_scale = 1.0  # compiled peak / estimated peak, refitted
+        # Compiled activation bytes over estimated ones, per (policy, pipelined): fitted to compiles.
+        self.activation_scale: dict[tuple[str, bool], float] = {}
         self.memory_share = 0.8  # memory-bound seconds per compute second (the H200 trials: 0.7-1.4)
         self.time_scale = 1.0
         self.launch_per_layer_pass = 0.0  # kernel gaps per layer and micro-batch pass, fitted
-        self._peaks: list[tuple[float, float]] = []
+        self._activations: dict[tuple[str, bool], list[tuple[float, float]]] = {}
         self._times: list[tuple[float, float]] = []
 
     def __call__(self, layout: Layout) -> Estimate:
@@ -177,8 +184,11 @@ class Estimator:
         live_rows = rows if s > 1 else rows / m  # a pipeline keeps all its micro-batches' residuals
         residual = self.residuals[layout.policy] / config.train.global_batch * live_rows / c / s
         residual *= 1.0 if layout.policy == "full" else (1 + 1 / t) / 2  # tensor splits the wide ones
-        peak = 2 * param_bytes + optimizer + residual
-        peak *= self.memory_scale
+        static = 2 * param_bytes + optimizer
+        key = (layout.policy, s > 1)
+        scales = self.activation_scale
+        scale = scales.get(key, scales.get((layout.policy, not key[1]), max(scales.values(), default=1.0)))
+        activations = residual * scale
 
         # Time.
         ticks = (m + s - 1) / m if s > 1 else 1.0
@@ -211,7 +221,7 @@ class Estimator:
             comm += layers * m * 4 * activation * model.experts_per_token * (e - 1) / e / link("expert")
         work = compute * (1 + self.memory_share) + self.launch_per_layer_pass * self._passes(layout)
         seconds = (work + max(0.0, comm - 0.5 * work)) * self.time_scale
-        return Estimate(peak, seconds)
+        return Estimate(static, activations, seconds)
 
     def _passes(self, layout: Layout) -> float:
         """Layer passes a device runs per step: its layers times micro-batches (a pipeline's ticks)."""
@@ -221,11 +231,13 @@ class Estimator:
 
     def refit(self, layout: Layout, peak: int, seconds: float | None, breakdown: dict | None) -> None:
         """Scales the estimates to a compiled plan's peak and predicted time (least squares through 0)."""
-        saved, self.memory_scale, self.time_scale = (self.memory_scale, self.time_scale), 1.0, 1.0
-        raw = self(layout)
-        self.memory_scale, self.time_scale = saved
-        self._peaks.append((raw.peak_bytes, peak))
-        self.memory_scale = sum(x * y for x, y in self._peaks) / sum(x * x for x, _ in self._peaks)
+        saved, self.activation_scale, self.time_scale = (self.activation_scale, self.time_scale), {}, 1.0
+        raw = self(layout)  # Unscaled activations: the scales stand for themselves.
+        self.activation_scale, self.time_scale = saved
+        key = (layout.policy, layout.axes["stage"] > 1)
+        points = self._activations.setdefault(key, [])
+        points.append((raw.activations, max(peak - raw.static, 0.0)))
+        self.activation_scale[key] = sum(x * y for x, y in points) / max(sum(x * x for x, _ in points), 1.0)
         if seconds:
             if breakdown and breakdown.get("compute"):
                 self.memory_share = breakdown["memory_bound"] / breakdown["compute"]
@@ -288,6 +300,8 @@ def search_layouts(
             "sweep its mesh.axes"
         )
     hardware = Hardware.of(resolved, config.interconnect)
+    if hardware is None and resolved.platform == "cpu":  # Ranks CPU layouts (sweep --measure checks).
+        hardware = Hardware.host(len(resolved.devices))
     if hardware is None:
         raise ConfigError(
             f"shardmem tune --search layout ranks layouts by predicted step time, which target "

@@ -261,13 +261,11 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
     """Returns ``report`` with its predicted step time on ``target`` (:mod:`shardmem.planning.cost`), or a
     note saying why a target has none."""
     hardware = cost.Hardware.of(target, interconnect)
+    if hardware is None and target.platform == "cpu" and report.module is not None:
+        hardware = cost.Hardware.host(len(target.devices))
     if hardware is None or report.module is None:
-        if target.platform == "cpu":
-            note = ("no step-time estimate for CPU devices: simulated devices share this machine's cores; "
-                    "time real steps with shardmem sweep --measure")  # fmt: skip
-        else:
-            note = (f"no step-time estimate: {target.label} is not a GPU shardmem has a spec for "
-                    "(planning.targets.GPU_TARGETS)")  # fmt: skip
+        note = (f"no step-time estimate: {target.label} is not a GPU shardmem has a spec for "
+                "(planning.targets.GPU_TARGETS)")  # fmt: skip
         return dataclasses.replace(report, step_time_note=note)
     idle = report.pipeline.get("bubble_fraction", 0.0) if report.pipeline else 0.0
     useful = 1.0 - idle  # The flops count idle stages' work on placeholders; MFU counts the model's.
@@ -278,9 +276,13 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         model_flops=model_flops * useful if model_flops else None,
         hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
     )  # fmt: skip
-    estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
+    if target.platform != "cpu":
+        estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
     note = cost.ASSUMPTIONS
-    if target.deviceless:
+    if target.platform == "cpu":
+        note = ("approximate: simulated CPU devices share this machine's cores, so the estimate ranks CPU "
+                "layouts (check with shardmem sweep --measure) and is no GPU prediction; " + note)  # fmt: skip
+    elif target.deviceless:
         note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
     return dataclasses.replace(report, step_time=estimate, step_time_note=note)
 

@@ -1,0 +1,68 @@
+"""tune --search layout: the enumeration's arithmetic, and a search that compiles and ranks for real."""
+
+import math
+
+import pytest
+
+from shardmem.cli import main
+from shardmem.config import load_config
+from shardmem.explore import layout
+from shardmem.explore.tune import tune
+
+TINY = "configs/tiny.yaml"
+
+
+def test_layouts_keep_tensor_inside_a_host_and_divide_what_they_split():
+    config = load_config(TINY, ["train.global_batch=16"])  # 4 heads, 2 kv heads, seq 64, 4 layers
+    layouts = layout.enumerate_layouts(config, 16, 4, ["none", "full"])
+    assert layouts and all(math.prod(lay.axes.values()) == 16 for lay in layouts)
+    assert {lay.axes["tensor"] for lay in layouts} == {1, 2}  # divides the 2 kv heads and the 4 per host
+    assert all(lay.axes["stage"] <= 4 and lay.axes["expert"] == 1 for lay in layouts)  # 4 layers, dense
+    for lay in layouts:
+        axes = lay.axes
+        assert 64 % (2 * axes["context"]) == 0
+        assert (16 // lay.micro_batches) % (axes["data"] * axes["fsdp"]) == 0
+        if axes["stage"] > 1:
+            assert lay.micro_batches >= axes["stage"]
+    zero = [lay for lay in layouts if lay.zero1]
+    assert zero and all(lay.axes["data"] > 1 for lay in zero)
+
+
+def test_outer_axes_span_hosts_and_tensor_stays_inside_one():
+    spans = layout._spans_hosts({"stage": 2, "data": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}, 4)
+    assert spans == {"stage": True, "data": False, "fsdp": False, "context": False, "expert": False,
+                     "tensor": False}  # fmt: skip
+    assert layout._spans_hosts({"stage": 1, "data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 2},
+                               8)["fsdp"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def searched():
+    config = load_config(TINY, ["remat.layers={}", "remat.policy=full"])
+    return config, tune(config, "cpu", search="layout", max_compiles=4, jobs=1)
+
+
+def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_time(searched):
+    config, result = searched
+    assert result.found and 2 <= result.compiles <= 4
+    own = layout._own_layout(config, 8)
+    assert result.trials[0].overrides == own.overrides(config)  # the baseline to beat
+    seconds = [row["step_time"]["seconds"] for row in result.ranked]
+    assert seconds == sorted(seconds)
+    baseline = next(t for t in result.trials if t.overrides == own.overrides(config))
+    assert result.report.step_time.seconds <= baseline.step_time["seconds"] * 1.0001
+    assert any("beats the runner-up" in line or "only compiled" in line for line in result.explanation)
+    assert all(t.how in ("compiled", "skipped") for t in result.trials)
+
+
+def test_cli_tune_layout_writes_a_config_plan_accepts(tmp_path, capsys):
+    out = tmp_path / "layout.yaml"
+    args = ["tune", TINY, "--target", "cpu", "--search", "layout", "--max-compiles", "2", "--jobs", "1"]
+    assert main([*args, "--out", str(out), "--set", "remat.layers={}"]) == 0
+    printed = capsys.readouterr().out
+    assert "fastest layouts that fit" in printed and "chose" in printed
+    assert out.read_text().startswith("# shardmem tune --search layout")
+    assert main(["plan", str(out), "--target", "cpu"]) == 0
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", TINY, "--search", "layout", "--objective", "fastest"])
+    assert exit_.value.code == 2
