@@ -281,7 +281,8 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
     note = cost.ASSUMPTIONS
     if target.platform == "cpu":
         note = ("approximate: simulated CPU devices share this machine's cores, so the estimate ranks CPU "
-                "layouts (check with shardmem sweep --measure) and is no GPU prediction; " + note)  # fmt: skip
+                "layouts (check with shardmem sweep --measure) and is no GPU prediction; "
+                + note)  # fmt: skip
     elif target.deviceless:
         note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
     return dataclasses.replace(report, step_time=estimate, step_time_note=note)
