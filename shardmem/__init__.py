@@ -27,6 +27,7 @@ from shardmem.errors import ConfigError, PlanError, ShardmemError  # noqa: E402
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig  # noqa: E402
 from shardmem.parallel.mesh import build_mesh  # noqa: E402
 from shardmem.parallel.rules import Rules, constrain  # noqa: E402
+from shardmem.planning.cost import StepTime  # noqa: E402
 from shardmem.planning.memory import MemoryReport, analyze, make_target, plan, plan_function, plan_program  # noqa: E402
 from shardmem.planning.report import render  # noqa: E402
 from shardmem.planning.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
@@ -50,6 +51,7 @@ __all__ = [
     "RematPolicy",
     "Rules",
     "ShardmemError",
+    "StepTime",
     "Target",
     "Timeline",
     "TrainResult",

@@ -37,11 +37,12 @@ def test_outer_axes_span_hosts_and_tensor_stays_inside_one():
 
 
 @pytest.fixture(scope="module")
-def searched():
+def searched():  # Compiles: the tests that use it are marked slow.
     config = load_config(TINY, ["remat.layers={}", "remat.policy=full"])
     return config, tune(config, "cpu", search="layout", max_compiles=4, jobs=1)
 
 
+@pytest.mark.slow
 def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_time(searched):
     config, result = searched
     assert result.found and 2 <= result.compiles <= 4
@@ -55,6 +56,7 @@ def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_ti
     assert all(t.how in ("compiled", "skipped") for t in result.trials)
 
 
+@pytest.mark.slow
 def test_cli_tune_layout_writes_a_config_plan_accepts(tmp_path, capsys):
     out = tmp_path / "layout.yaml"
     args = ["tune", TINY, "--target", "cpu", "--search", "layout", "--max-compiles", "2", "--jobs", "1"]

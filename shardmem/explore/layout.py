@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -286,7 +287,9 @@ def search_layouts(
 ) -> tuple[list[Ranked], int, list[str]]:
     """Compiles the most promising layouts and returns them ranked by the objective (fitting first),
     the number of compiles and notes on what was pruned."""
-    from shardmem.explore.sweep import plan_candidates
+    import contextlib
+
+    from shardmem.explore.sweep import plan_candidates, planning_pool
     from shardmem.explore.tune import residual_bytes
     from shardmem.models.llama import ModelConfig
     from shardmem.planning import hlo
@@ -339,8 +342,10 @@ def search_layouts(
         nonlocal compiles
         combos = [layout.overrides(config) for layout in batch]
         for layout in batch:
-            progress(f"compiling {layout.describe()}")
-        rows = plan_candidates(config, combos, target, jobs=jobs)
+            guess = estimator(layout)
+            progress(f"compiling {layout.describe()} (estimated {format_bytes(guess.peak_bytes)}, "
+                     f"{format_seconds(guess.seconds)})")  # fmt: skip
+        rows = plan_candidates(config, combos, target, jobs=1, pool=pool)
         for layout, overrides, row in zip(batch, combos, rows, strict=True):
             if row.error:
                 note(layout.describe(), overrides, None, None, None, False, "skipped", row.error[:200])
@@ -359,40 +364,38 @@ def search_layouts(
                  bool(row.fits),
                  "compiled", f"{verdict}{seconds}", step_time=row.step_time)  # fmt: skip
 
-    if own is not None and own in layouts:
-        run([own])  # The config's own layout first: the baseline the search must beat.
-    workers = max(1, jobs or 1)
-    while compiles < max_compiles:
-        estimates = {layout: estimator(layout) for layout in layouts if layout not in compiled}
-        fitting = [lay for lay, est in estimates.items() if est.peak_bytes <= budget * _ESTIMATE_REJECT]
-        if not fitting:
-            break
-        best_mesh: dict[tuple, Layout] = {}
-        for layout in sorted(fitting, key=lambda lay: (estimates[lay].seconds, lay.zero1)):
-            best_mesh.setdefault(layout.sizes, layout)  # The fastest-looking variant of each mesh.
-        tried = {lay.sizes for lay, r in compiled.items() if r.fits}
-        order = [lay for lay in best_mesh.values() if lay.sizes not in tried]
-        if not order:
-            break
-        best = min((r.seconds for r in compiled.values() if r.fits), default=math.inf)
-        if compiles >= min(8, max_compiles // 2) and estimates[order[0]].seconds > 1.3 * best:
-            notes.append("stopped: no remaining layout is estimated within 1.3x of the best compiled")
-            break
-        run(order[: min(workers, max_compiles - compiles)])
-    fits = sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
-    if objective == "throughput" and fits:
-        fits = _grow_batches(fits[:3], config, target, budget, jobs, progress, note, estimator, max_compiles,
-                             lambda: compiles, run, compiled) + fits  # fmt: skip
-        fits = sorted({r.overrides: r for r in fits}.values(), key=lambda r: -r.throughput_per_device(n))
+    workers = max(1, jobs if jobs is not None else (os.cpu_count() or 1))
+    with contextlib.ExitStack() as stack:  # One pool of workers for every compile of the search.
+        pool = stack.enter_context(planning_pool(config, target, workers, n)) if workers > 1 else None
+        if own is not None and own in layouts:
+            run([own])  # The config's own layout first: the baseline the search must beat.
+        while compiles < max_compiles:
+            estimates = {layout: estimator(layout) for layout in layouts if layout not in compiled}
+            fitting = [lay for lay, est in estimates.items() if est.peak_bytes <= budget * _ESTIMATE_REJECT]
+            best_mesh: dict[tuple, Layout] = {}
+            for layout in sorted(fitting, key=lambda lay: (estimates[lay].seconds, lay.zero1)):
+                best_mesh.setdefault(layout.sizes, layout)  # The fastest-looking variant of each mesh.
+            tried = {lay.sizes for lay, r in compiled.items() if r.fits}
+            order = [lay for lay in best_mesh.values() if lay.sizes not in tried]
+            if not order:
+                break
+            best = min((r.seconds for r in compiled.values() if r.fits), default=math.inf)
+            if compiles >= min(8, max_compiles // 2) and estimates[order[0]].seconds > 1.3 * best:
+                notes.append("stopped: no remaining layout is estimated within 1.3x of the best compiled")
+                break
+            run(order[: min(workers, max_compiles - compiles)])
+        fits = sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
+        if objective == "throughput" and fits:
+            fits = _grow_batches(fits[:3], config, budget, estimator, max_compiles, lambda: compiles, run,
+                                 compiled) + fits  # fmt: skip
+            fits = sorted({r.overrides: r for r in fits}.values(), key=lambda r: -r.throughput_per_device(n))
     over = sum(1 for r in compiled.values() if not r.fits and r.step_time is not None)
     notes.append(f"{compiles} compiles; {over} compiled layouts did not fit; "
                  f"{len(layouts) - len(compiled)} left to the estimates")  # fmt: skip
     return fits, compiles, notes
 
 
-def _grow_batches(
-    top, config, target, budget, jobs, progress, note, estimator, max_compiles, count, run, compiled
-):
+def _grow_batches(top, config, budget, estimator, max_compiles, count, run, compiled):
     """For ``--objective throughput``: each of the top layouts at the largest global batch the estimate
     says fits (doubling), confirmed by compiles."""
     grown = []

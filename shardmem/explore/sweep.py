@@ -285,9 +285,11 @@ def plan_candidates(
     measure: bool = False,
     measure_steps: int = 5,
     progress: Callable[[int, int, SweepRow], None] | None = None,
+    pool: concurrent.futures.Executor | None = None,
 ) -> list[SweepRow]:
     """Plans each tuple of overrides in ``combos`` applied to ``config`` (what :func:`sweep` does for a
-    grid's combinations; ``tune --search layout`` for the layouts it chose); one row per candidate."""
+    grid's combinations; ``tune --search layout`` for the layouts it chose); one row per candidate.
+    ``pool`` (from :func:`planning_pool`) keeps worker processes across calls."""
     combos = list(combos)
     jobs = min(jobs or os.cpu_count() or 1, len(combos)) or 1
     done = 0
@@ -315,7 +317,11 @@ def plan_candidates(
     # The budget is the lower of the allocator's limit and each candidate's usable_fraction: the
     # largest fraction of the grid leaves every candidate its own.
     settings = (cpu_devices, not local, _widest_memory(config, combos) if local else None)
-    if jobs == 1:
+    if pool is not None:
+        futures = {pool.submit(plan_candidate, config, o, target): i for i, o in enumerate(combos)}
+        for future in concurrent.futures.as_completed(futures):
+            finished(futures[future], _result(future, combos[futures[future]]))
+    elif jobs == 1:
         _worker_init(*settings)
         for i, overrides in enumerate(combos):
             finished(i, plan_candidate(config, overrides, target))
@@ -326,6 +332,16 @@ def plan_candidates(
             for future in concurrent.futures.as_completed(futures):
                 finished(futures[future], _result(future, combos[futures[future]]))
     return rows  # type: ignore[return-value]
+
+
+def planning_pool(config: Config, target: str | None, jobs: int, cpu_devices: int):
+    """Worker processes that plan candidates of ``config`` (``jobs`` of them), for several
+    :func:`plan_candidates` calls; use it as a context manager."""
+    local = (target or config.memory.target) == "local"
+    return concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+        initargs=(cpu_devices, not local, config if local else None),
+    )  # fmt: skip
 
 
 def _result(future: concurrent.futures.Future, overrides: tuple[str, ...]) -> SweepRow:
