@@ -65,7 +65,8 @@ def field_comments(cls) -> dict[str, str]:
         while line in comments and line not in code_lines:
             above.insert(0, comments[line])
             line -= 1
-        trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments and n in code_lines]
+        lines = range(node.lineno, node.end_lineno + 1)
+        trailing = [comments[n] for n in lines if n in comments and n in code_lines]
         out[node.target.id] = " ".join([*above, *trailing]).strip()
     return out
 
@@ -122,7 +123,7 @@ def config_keys() -> dict[str, list[Key]]:
                  f"A named architecture, whose fields the other model keys override: {presets}. Setting it "
                  "with --set (or a sweep --grid) replaces the whole model section.")  # fmt: skip
     sections = {
-        "model: the reference decoder": [preset, *_rows(ModelConfig, "model.", "required, or from model.preset")],
+        "model: the reference decoder": [preset, *_rows(ModelConfig, "model.", "required, or model.preset")],
         "model: a model of your own": _rows(c.UserModelConfig, "model."),
     }
     top = [f for f in dataclasses.fields(c.Config) if not f.metadata.get("internal") and f.name != "model"]
