@@ -19,8 +19,8 @@ import ast
 import dataclasses
 import hashlib
 import io
+import json
 import re
-import shutil
 import tokenize
 import typing
 from pathlib import Path
@@ -123,7 +123,7 @@ def config_keys() -> dict[str, list[Key]]:
                  f"A named architecture, whose fields the other model keys override: {presets}. Setting it "
                  "with --set (or a sweep --grid) replaces the whole model section.")  # fmt: skip
     sections = {
-        "model: the reference decoder": [preset, *_rows(ModelConfig, "model.", "required, or model.preset")],
+        "model: the reference decoder": [preset, *_rows(ModelConfig, "model.", "from model.preset")],
         "model: a model of your own": _rows(c.UserModelConfig, "model."),
     }
     top = [f for f in dataclasses.fields(c.Config) if not f.metadata.get("internal") and f.name != "model"]
@@ -155,7 +155,8 @@ def config_reference() -> str:
         out += [f"## {title}", "", _rst_to_md(_class_summary(cls)), "",
                 "| key | type | default | meaning |", "|---|---|---|---|"]  # fmt: skip
         for k in keys:
-            out.append(f"| `{k.path}` | {k.type} | `{k.default}` | {_cell(k.meaning)} |")
+            default = k.default if k.default in ("required", "from model.preset") else f"`{k.default}`"
+            out.append(f"| `{k.path}` | {k.type} | {default} | {_cell(k.meaning)} |")
         out.append("")
     return "\n".join(out)
 
@@ -307,6 +308,30 @@ def executed_notebook(notebook: Path, log=print) -> Path:
     return store_executed(notebook, executed)
 
 
+# XLA's C++ start-up lines on a machine without a GPU (the kernel imports jax before shardmem quiets them).
+NATIVE_LOG = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\).*|I\d{4} .*cudart_stub\.cc.*)$", flags=re.M
+)
+
+
+def _without_native_logs(text: str) -> str:
+    """The notebook (JSON) without XLA's native log lines in its stderr outputs."""
+    notebook = json.loads(text)
+    for cell in notebook["cells"]:
+        kept = []
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream" and output.get("name") == "stderr":
+                source = output["text"] if isinstance(output["text"], str) else "".join(output["text"])
+                source = NATIVE_LOG.sub("", source).replace("\n\n", "\n")
+                if not source.strip():
+                    continue
+                output["text"] = source
+            kept.append(output)
+        if "outputs" in cell:
+            cell["outputs"] = kept
+    return json.dumps(notebook)
+
+
 # --- the MkDocs hooks ----------------------------------------------------------------------------------
 
 MARKERS = {
@@ -337,7 +362,7 @@ def on_files(files, config):
     for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
         uri = f"notebooks/{notebook.name}"
         (staged / uri).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(executed_notebook(notebook, log), staged / uri)
+        (staged / uri).write_text(_without_native_logs(executed_notebook(notebook, log).read_text()))
         files.append(File(uri, src_dir=str(staged), dest_dir=config.site_dir,
                           use_directory_urls=config.use_directory_urls))  # fmt: skip
     return files
