@@ -18,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import hashlib
+import html
 import io
 import json
 import re
@@ -119,7 +120,7 @@ def config_keys() -> dict[str, list[Key]]:
     from shardmem.models.llama import PRESETS, ModelConfig
 
     presets = ", ".join(f"`{name}` ({model.param_count():,} parameters)" for name, model in PRESETS.items())
-    preset = Key("model.preset", "str", "none",
+    preset = Key("model.preset", "str", "null",
                  f"A named architecture, whose fields the other model keys override: {presets}. Setting it "
                  "with --set (or a sweep --grid) replaces the whole model section.")  # fmt: skip
     sections = {
@@ -156,7 +157,7 @@ def config_reference() -> str:
                 "| key | type | default | meaning |", "|---|---|---|---|"]  # fmt: skip
         for k in keys:
             default = k.default if k.default in ("required", "from model.preset") else f"`{k.default}`"
-            out.append(f"| `{k.path}` | {k.type} | {default} | {_cell(k.meaning)} |")
+            out.append(f"| {_key(k.path)} | {k.type} | {default} | {_cell(k.meaning)} |")
         out.append("")
     return "\n".join(out)
 
@@ -165,6 +166,11 @@ def _rst_to_md(text: str) -> str:
     """Docstrings' ``code`` and :role:`target` as Markdown code."""
     text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
     return text.replace("``", "`")
+
+
+def _key(text: str) -> str:
+    """A key or flag as code that does not wrap (docs/stylesheets/extra.css), in a table's first column."""
+    return f'<code class="key">{html.escape(text)}</code>'
 
 
 def _cell(text: str) -> str:
@@ -208,7 +214,7 @@ def cli_reference() -> str:
             default = "" if action.default in (None, False, [], argparse.SUPPRESS) else f"`{action.default}`"
             if action.required and action.option_strings:
                 default = "required"
-            out.append(f"| `{flags}` | {default} | {_cell(action.help or '')} |")
+            out.append(f"| {_key(flags)} | {default} | {_cell(action.help or '')} |")
         out.append("")
     return "\n".join(out)
 

@@ -86,7 +86,7 @@ def test_config_reference_lists_every_key_with_its_meaning_and_real_default():
         if field.default is not dataclasses.MISSING:
             assert yaml.safe_load(key.default) == field.default, key
     page = hooks().config_reference()
-    assert all(f"| `{key.path}` |" in page for key in rows)
+    assert all(f'| <code class="key">{key.path}</code> |' in page for key in rows)
 
 
 def test_field_comments_read_the_comment_on_a_field_and_the_lines_above_it():
@@ -106,7 +106,7 @@ def test_cli_reference_has_every_command_and_option_with_its_help():
             if isinstance(action, argparse._HelpAction):
                 continue
             for flag in action.option_strings:
-                assert f"`{flag}" in page or f", {flag}" in page, (name, flag)
+                assert f'<code class="key">{flag}' in page or f", {flag}" in page, (name, flag)
             assert action.help, (name, action.dest)  # Every option says what it does.
 
 
