@@ -340,7 +340,19 @@ def _without_native_logs(text: str) -> str:
 
 # --- the MkDocs hooks ----------------------------------------------------------------------------------
 
+
+def default_rules() -> str:
+    """Returns the default logical axis rules as a Markdown table."""
+    from shardmem.parallel.rules import DEFAULT_RULES
+
+    rows = ["| logical axis | mesh axes |", "|---|---|"]
+    for name, axes in DEFAULT_RULES.items():
+        rows.append(f"| `{name}` | {', '.join(f'`{a}`' for a in axes) if axes else 'replicated (`null`)'} |")
+    return "\n".join(rows)
+
+
 MARKERS = {
+    "<!-- default-rules -->": default_rules,
     "<!-- config-reference -->": config_reference,
     "<!-- cli-reference -->": cli_reference,
     "<!-- error-messages -->": error_reference,

@@ -96,6 +96,15 @@ def test_field_comments_read_the_comment_on_a_field_and_the_lines_above_it():
     assert comments["compiler_options"].startswith("XLA options for every compile")
 
 
+def test_default_rules_table_lists_every_default_rule():
+    from shardmem.parallel.rules import DEFAULT_RULES
+
+    table = hooks().default_rules()
+    assert "| `embed` | `fsdp`, `context` |" in table and "| `norm` | replicated (`null`) |" in table
+    assert table.count("\n| `") == len(DEFAULT_RULES)
+    assert "<!-- default-rules -->" in (ROOT / "docs" / "guides" / "sharding.md").read_text()
+
+
 def test_cli_reference_has_every_command_and_option_with_its_help():
     page = hooks().cli_reference()
     commands = hooks().cli_commands()
