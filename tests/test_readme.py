@@ -20,6 +20,9 @@ def _examples() -> list[tuple[str, str]]:
 
 
 EXAMPLES = _examples()
+# README's examples in every run; the docs pages' (a minute or two together) with the slow tests.
+PARAMS = [pytest.param(name, code, id=name, marks=[] if name.startswith("README.md:") else [pytest.mark.slow])
+          for name, code in EXAMPLES]  # fmt: skip
 
 
 def test_readme_and_the_guides_have_python_examples():
@@ -28,7 +31,7 @@ def test_readme_and_the_guides_have_python_examples():
     assert any(n.startswith("docs/guides/plan.md:") for n in names)  # The Python API's tour.
 
 
-@pytest.mark.parametrize(("name", "code"), EXAMPLES, ids=[name for name, _ in EXAMPLES])
+@pytest.mark.parametrize(("name", "code"), PARAMS)
 def test_python_example_runs(tmp_path, name, code):
     (tmp_path / "configs").symlink_to(ROOT / "configs")  # Run where the examples' files may be written.
     script = tmp_path / "example.py"
