@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if needed) and installs shardmem with its test tools. Safe to run again.
+# Creates .venv (if needed) and installs shardmem with its test and docs tools. Safe to run again.
 #
 #   bash scripts/setup.sh            # .venv on python3 (3.11+), the versions pip resolves
 #   bash scripts/setup.sh --newest   # .venv-newest on the newest Python >= 3.12 on this machine,
@@ -39,4 +39,4 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # Compat mode puts the checkout on sys.path, so a folder named shardmem next to a script (a clone) cannot
 # shadow the package as an empty namespace package.
-.venv/bin/python -m pip install --quiet -e ".[dev]" --config-settings editable_mode=compat
+.venv/bin/python -m pip install --quiet -e ".[dev,docs]" --config-settings editable_mode=compat

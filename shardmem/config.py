@@ -40,9 +40,10 @@ class MeshConfig:
     ``devices_per_host`` fixes the device count for deviceless targets when an axis is -1.
     """
 
+    # Axis name -> size, outer to inner (the last axis is within a host); one size may be -1 for the rest.
     axes: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "fsdp": -1, "tensor": 1})
-    hosts: int = 1
-    devices_per_host: int | None = None
+    hosts: int = 1  # Hosts (processes) the devices are spread over, laid out host by host.
+    devices_per_host: int | None = None  # Devices per host for deviceless plans (None: 8 when an axis is -1).
 
     def device_count(self) -> int:
         """Devices a deviceless plan is made for."""
@@ -64,9 +65,9 @@ class UserModelConfig:
     argument, which then receives the per-layer :class:`~shardmem.remat.LayerPlan` for ``n_layers``
     layers (required for ``remat.layers`` ranges)."""
 
-    factory: str
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    n_layers: int | None = None
+    factory: str  # Import path package.module:function of the function that builds the model.
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # Keyword arguments of the factory.
+    n_layers: int | None = None  # The depth remat.layers ranges refer to (the factory gets the plan).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +76,10 @@ class RematConfig:
     model's own ``checkpoint_name`` tags (the ones ``minimal`` saves and ``offload`` moves to the host;
     default: the reference model's projections)."""
 
-    policy: str = "none"
-    layers: dict[str, str] = dataclasses.field(default_factory=dict)
-    custom: dict[str, str] = dataclasses.field(default_factory=dict)
-    tags: list[str] = dataclasses.field(default_factory=list)
+    policy: str = "none"  # The policy of every layer that remat.layers does not name.
+    layers: dict[str, str] = dataclasses.field(default_factory=dict)  # Range "i" or "i-j" -> policy.
+    custom: dict[str, str] = dataclasses.field(default_factory=dict)  # Tag -> save, offload or recompute.
+    tags: list[str] = dataclasses.field(default_factory=list)  # Your model's checkpoint_name tags.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +87,8 @@ class PrecisionConfig:
     """Dtypes: ``params`` for the master weights and optimizer, ``compute`` for the forward and
     backward passes (weights are cast where they are used)."""
 
-    params: str = "float32"
-    compute: str = "bfloat16"
+    params: str = "float32"  # Master weights and optimizer state.
+    compute: str = "bfloat16"  # The forward and backward passes.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +97,14 @@ class OptimizerConfig:
     ``warmup_steps`` then cosine decay to a tenth of it at ``train.steps``; global-norm clipping at
     ``grad_clip`` (None: off)."""
 
-    name: str = "adamw"
-    learning_rate: float = 3e-4
-    weight_decay: float = 0.1
-    warmup_steps: int = 100
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0
+    name: str = "adamw"  # adamw, adam or sgd.
+    learning_rate: float = 3e-4  # The peak rate, reached after warmup_steps.
+    weight_decay: float = 0.1  # Decoupled weight decay (adamw).
+    warmup_steps: int = 100  # Steps of linear warmup before the cosine decay.
+    b1: float = 0.9  # Adam's first-moment decay (sgd uses none of b1, b2, eps, weight_decay).
+    b2: float = 0.95  # Adam's second-moment decay.
+    eps: float = 1e-8  # Adam's epsilon.
+    grad_clip: float | None = 1.0  # Clip the gradients' global norm to this (None: no clipping).
     mu_dtype: str | None = None  # Adam's first moment in this dtype (None: the params dtype).
     shard_over_data: bool = False  # ZeRO-1: state split over the batch axes parameters are replicated on.
 
@@ -114,14 +115,14 @@ class TrainConfig:
     accumulation (with a ``stage`` mesh axis: the micro-batches of the pipeline schedule), length, seed,
     logging and checkpoint cadence."""
 
-    global_batch: int = 16
-    micro_batches: int = 1
-    steps: int = 1000
-    seed: int = 0
-    log_every: int = 10
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    tensorboard: bool = False
+    global_batch: int = 16  # Sequences (rows) per step, over all devices.
+    micro_batches: int = 1  # Gradient-accumulation steps per step (with a stage axis: the pipeline's).
+    steps: int = 1000  # Steps to train; also the horizon of the learning-rate schedule.
+    seed: int = 0  # Seeds the initialization and the data: the batch of step k depends on (seed, k).
+    log_every: int = 10  # Steps between logged lines (metrics.jsonl has a line per logged step).
+    checkpoint_every: int = 100  # Steps between checkpoints (also saved at the end and on SIGTERM).
+    keep_checkpoints: int = 3  # Newest checkpoints kept in runs/<name>/checkpoints.
+    tensorboard: bool = False  # Also log to runs/<name>/tensorboard (needs tensorboardX).
     loss: str | None = None  # Import path of loss_fn(model, batch) -> loss or (loss, metrics).
 
 
@@ -133,8 +134,8 @@ class PipelineConfig:
     each stage's range of layers, e.g. ``["0-7", "8-15", "16-22", "23-29"]`` (GPipe only; default: the
     most even split, the first stages one layer more)."""
 
-    repeats: int = 1
-    stages: list[str | int] | None = None
+    repeats: int = 1  # Layer chunks per stage: 1 is GPipe, more the circular schedule.
+    stages: list[str | int] | None = None  # Each stage's layers, e.g. ["0-7", "8-15"] (None: most even).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +148,9 @@ class DataConfig:
     holds, deterministic per ``(seed, step)``.
     """
 
-    path: str | None = None
-    batch: dict[str, Any] | None = None
-    source: str | None = None
+    path: str | None = None  # None: synthetic; a text file (bytes as tokens); a .npy file of token ids.
+    batch: dict[str, Any] | None = None  # Your batch: name -> {shape, dtype, axes} (None: token batch).
+    source: str | None = None  # Import path of batches(step, rows, seed) -> {name: array}.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +158,9 @@ class MemoryConfig:
     """Target to plan for and the budget: device memory x ``usable_fraction`` - ``reserve``, divided by
     1 + ``deviceless_margin`` for GPUs compiled deviceless."""
 
-    target: str = "cpu"
-    usable_fraction: float = 0.9
-    reserve: Bytes = 1 << 30
+    target: str = "cpu"  # Where to plan for when --target is not given.
+    usable_fraction: float = 0.9  # The share of device memory the run may use.
+    reserve: Bytes = 1 << 30  # Bytes kept free besides (an int, or a size such as 1GiB).
     # Deviceless compiles cannot autotune; on an H200 one measured step needed 15.5% more than its
     # deviceless plan (the real-GPU plan, --target local, was exact): see BENCHMARKS.md, issue 5.
     deviceless_margin: float = 0.16
@@ -175,9 +176,9 @@ class InterconnectConfig:
     host; ``network``: to other hosts (e.g. ``400Gb/s`` for one NDR InfiniBand NIC per GPU, ``200Gb/s``
     for HDR or a shared NIC); ``host``: to host memory (PCIe), which offloading uses."""
 
-    nvlink: Bandwidth | None = None
-    network: Bandwidth | None = None
-    host: Bandwidth | None = None
+    nvlink: Bandwidth | None = None  # GPU to GPU inside a host, per GPU each way (null: the target's).
+    network: Bandwidth | None = None  # GPU to another host, per GPU each way (null: the target's).
+    host: Bandwidth | None = None  # GPU to host memory (PCIe), each way (null: the target's).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +187,9 @@ class Config:
 
     model: ModelConfig | UserModelConfig | None = None
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # Logical axis -> mesh axis, list of mesh axes or null (replicated), merged over the default rules.
     rules: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Regex on parameter paths (layers/wq) -> one PartitionSpec entry per dimension; wins over rules.
     param_rules: dict[str, list] = dataclasses.field(default_factory=dict)
     remat: RematConfig = dataclasses.field(default_factory=RematConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
@@ -196,7 +199,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     interconnect: InterconnectConfig = dataclasses.field(default_factory=InterconnectConfig)
-    name: str = "run"
+    name: str = "run"  # The run's name: runs/<name> (default: the config file's name).
     # The loaded file's folder, where import paths (model.factory, ...) are looked up first; not a key.
     folder: str | None = dataclasses.field(default=None, compare=False, metadata={"internal": True})
 

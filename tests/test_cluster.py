@@ -1,4 +1,4 @@
-"""Real schedulers: docs/slurm.sbatch on a single-node SLURM cluster, and Open MPI's mpirun.
+"""Real schedulers: examples/slurm.sbatch on a single-node SLURM cluster, and Open MPI's mpirun.
 
 ``scripts/cluster.sh start`` installs Debian's slurm-wlm, munge and openmpi-bin when they are missing
 and starts slurmctld and slurmd (one node, this machine's CPUs); the tests skip, saying why, only where
@@ -69,7 +69,7 @@ def slurm():
 def _submit(env, out: Path, *options: str, args=()) -> str:
     done = subprocess.run(
         ["sbatch", "--parsable", *SBATCH_CPU, f"--output={out}", *options,
-         str(ROOT / "docs" / "slurm.sbatch"), TINY, *_sets(OVERRIDES), *args],
+         str(ROOT / "examples" / "slurm.sbatch"), TINY, *_sets(OVERRIDES), *args],
         env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return done.stdout.strip().split(";")[0]

@@ -1,11 +1,24 @@
-"""The notebooks run top to bottom from a clean kernel (the same check as `pytest --nbmake notebooks`)."""
+"""The notebooks run top to bottom from a clean kernel (the same check as `pytest --nbmake notebooks`).
 
+Each executed notebook is stored (docs/hooks.py's store_executed) as the copy the documentation site
+renders with its outputs, so building the site does not execute them again."""
+
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _docs_hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (its dataclass needs it)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_notebooks_exist_and_are_stored_without_outputs():
@@ -29,3 +42,5 @@ def test_notebook_runs(path):
     client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})  # fmt: skip
     client.execute()  # Raises CellExecutionError, with the failing cell and its traceback.
+    stored = _docs_hooks().store_executed(path, notebook)
+    assert any(c.get("outputs") for c in nbformat.read(stored, as_version=4).cells if c.cell_type == "code")

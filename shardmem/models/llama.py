@@ -52,26 +52,26 @@ CHECKPOINT_TAGS = (
 class ModelConfig:
     """Architecture of the reference decoder. ``head_dim`` defaults to ``d_model // n_heads``."""
 
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    seq_len: int
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
+    vocab_size: int  # Tokens in the vocabulary.
+    d_model: int  # Width of the residual stream.
+    n_layers: int  # Decoder layers.
+    n_heads: int  # Query heads per layer.
+    n_kv_heads: int  # Key/value heads (grouped-query attention when fewer than n_heads).
+    d_ff: int  # Hidden width of the SwiGLU MLP (of each expert, with n_experts).
+    seq_len: int  # Tokens per sequence.
+    head_dim: int | None = None  # Width of one head (None: d_model // n_heads).
+    rope_theta: float = 10000.0  # Base of the rotary position embedding's frequencies.
+    norm_eps: float = 1e-5  # Epsilon of RMSNorm.
+    tie_embeddings: bool = False  # The output head reuses the input embedding.
     attention: str = "auto"  # A kernel of shardmem.models.attention.ATTENTION_CHOICES.
     attention_chunk: int | None = None  # Query block of the `chunked` kernel (None: 512).
     loss_chunk: int | str | None = "auto"  # Vocabulary entries per loss chunk: models/losses.py.
     # Mixture of experts (shardmem.models.moe): n_experts > 0 replaces each layer's MLP by that many
     # SwiGLU experts of width d_ff, experts_per_token of them per token, each taking at most
     # capacity_factor x its balanced share of a sequence's tokens.
-    n_experts: int = 0
-    experts_per_token: int = 2
-    capacity_factor: float = 1.25
+    n_experts: int = 0  # Experts per layer (0: a dense MLP).
+    experts_per_token: int = 2  # Experts each token is routed to (top-k).
+    capacity_factor: float = 1.25  # An expert takes at most this x its balanced share of the tokens.
     load_balance_weight: float = 0.01  # Weight of the Switch load-balancing loss in the gradients.
 
     @property
