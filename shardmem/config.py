@@ -72,7 +72,8 @@ class UserModelConfig:
 class RematConfig:
     """``policy`` for every layer, ``layers`` overrides per range, ``custom`` tag actions; ``tags`` are a
     model's own ``checkpoint_name`` tags (the ones ``minimal`` saves and ``offload`` moves to the host;
-    default: the reference model's projections)."""
+    default: the reference model's projections). A model passed in code (``model_factory=``) is a model
+    of your own even beside a ``model.preset``; ``tags`` with the reference model itself are an error."""
 
     policy: str = "none"
     layers: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -191,17 +192,23 @@ class Config:
         """Whether the model comes from the user (``model.factory``, or no model section at all)."""
         return not isinstance(self.model, ModelConfig)
 
-    def remat_plan(self) -> LayerPlan:
+    def remat_plan(self, user_model: bool | None = None) -> LayerPlan:
         """Returns the per-layer remat plan (for a model of your own without ``model.n_layers``, one
-        policy that :meth:`LayerPlan.for_layers` stretches over any depth)."""
+        policy that :meth:`LayerPlan.for_layers` stretches over any depth).
+
+        ``user_model=True`` plans for a model passed in code (``model_factory=``) whatever the model
+        section says: ``remat.tags`` are its tags, and a preset's ``n_layers`` is its depth only for
+        ``remat.layers`` ranges. The default is :attr:`user_model`."""
         remat = dataclasses.asdict(self.remat)
-        if not self.user_model:
+        if not (self.user_model if user_model is None else user_model):
             return LayerPlan.parse(remat, self.model.n_layers, tags=CHECKPOINT_TAGS)
         n_layers = getattr(self.model, "n_layers", None)
         if n_layers is None and self.remat.layers:
             raise ConfigError(
                 f"remat.layers={self.remat.layers} needs the depth of your model: set model.n_layers"
             )
+        if not self.remat.layers and not isinstance(self.model, UserModelConfig):
+            n_layers = None  # A preset's depth is not a code model's: one policy for any depth.
         tags = self.remat.tags or None
         plan = LayerPlan.parse(remat, n_layers or 1, tags=tags, named=tuple(self.remat.tags) or None)
         return plan if n_layers else dataclasses.replace(plan, any_depth=True)
@@ -730,4 +737,6 @@ def _validate_rest(config: Config) -> None:
         raise ConfigError(
             "data: give either data.path (token files) or data.source (your function), not both"
         )
-    config.remat_plan()  # Validates policies, layer ranges and custom tags.
+    # Validates policies, layer ranges and custom tags; with remat.tags beside a preset, against the
+    # tags of the model that will be passed in code (build_program refuses them for the reference one).
+    config.remat_plan(user_model=config.user_model or bool(config.remat.tags))

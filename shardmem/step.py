@@ -34,7 +34,7 @@ from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
 from shardmem.models import losses
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
-from shardmem.models.llama import PRESETS, Llama, ModelConfig
+from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig
 from shardmem.models.user import import_object, search_from, takes
 from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
 from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
@@ -213,8 +213,14 @@ def build_program(
                                       dtype=config.precision.compute, context=context)  # fmt: skip
     if attention is not None and not custom:
         attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
+    if not custom and config.remat.tags:
+        raise ConfigError(
+            f"remat.tags={config.remat.tags} names a model of your own's checkpoint_name tags, but the model "
+            f"is the reference one (model.preset or model fields), which tags {', '.join(CHECKPOINT_TAGS)}; "
+            "remove remat.tags (remat.custom picks among those), or pass your model as model_factory="
+        )
     if model_factory is not None:
-        plan = config.remat_plan()
+        plan = config.remat_plan(user_model=True)  # A model passed in code is the user's, whatever the YAML.
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
     else:
         factory = default_model_factory(config, None if custom else attention, pipeline)
@@ -338,7 +344,7 @@ def build_program(
     init = jax.jit(init_state, out_shardings=state_shardings)
     return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
                    batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
-                   custom_model=custom, remat_plan=config.remat_plan() if takes_remat else None,
+                   custom_model=custom, remat_plan=config.remat_plan(custom) if takes_remat else None,
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
                    pipeline=pipeline,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,

@@ -139,32 +139,40 @@ def test_nnx_variables_beyond_params_are_carried_not_trained():
     assert report.cross_check["matches"]
 
 
+class Stack(nnx.Module):
+    """Three stacked layers run by shardmem.remat_scan with the plan it is given; each tags ``my_proj``."""
+
+    def __init__(self, rngs, remat):
+        self.remat = remat
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def layers(rngs):
+            return Layer(rngs)
+
+        self.layers = layers(rngs)
+
+    def __call__(self, x):
+        return shardmem.remat_scan(self.layers, x, self.remat).sum()
+
+
+class Layer(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (16, 16)))
+
+    def __call__(self, x):
+        return jnp.tanh(checkpoint_name(x @ self.w[...], "my_proj"))
+
+
+def _stack_loss(model, x):
+    return model(x)
+
+
+STACK_BATCH = {"shape": ["global_batch", 16], "dtype": "float32"}
+
+
 def test_user_remat_plan_reaches_layers_and_unmatched_tags_warn():
-    class Stack(nnx.Module):
-        def __init__(self, rngs, remat):
-            self.remat = remat
-
-            @nnx.split_rngs(splits=3)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def layers(rngs):
-                return Layer(rngs)
-
-            self.layers = layers(rngs)
-
-        def __call__(self, x):
-            return shardmem.remat_scan(self.layers, x, self.remat).sum()
-
-    class Layer(nnx.Module):
-        def __init__(self, rngs):
-            self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (16, 16)))
-
-        def __call__(self, x):
-            return jnp.tanh(checkpoint_name(x @ self.w[...], "my_proj"))
-
-    batch = {"shape": ["global_batch", 16], "dtype": "float32"}
-
-    def loss(model, x):
-        return model(x)
+    batch, loss = STACK_BATCH, _stack_loss
 
     def planned(**remat):
         config = config_from_dict({"mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8},
@@ -188,6 +196,25 @@ def test_user_remat_plan_reaches_layers_and_unmatched_tags_warn():
     report = shardmem.plan(config, model_factory=fixed, loss_fn=loss, batch=batch)
     assert report.remat == "the model's own"
     assert any("remat.policy='full' is not applied" in w for w in report.warnings)
+
+
+def test_model_passed_in_code_gets_its_tags_whatever_the_yaml_model_section():
+    # The YAML still names a preset (e.g. for seq_len), the model comes from Python: remat.tags are its.
+    sections = {"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8}}
+    tagged = config_from_dict({**sections, "remat": {"policy": "minimal", "tags": ["my_proj"]}})
+    report = shardmem.plan(tagged, model_factory=Stack, loss_fn=_stack_loss, batch=STACK_BATCH)
+    assert not any("keeps the tags" in w for w in report.warnings)
+    assert report.remat == "every layer: minimal" and report.recompute_overhead == 0  # my_proj is saved.
+    no_section = config_from_dict({k: v for k, v in tagged.to_dict().items() if k != "model"})
+    alone = shardmem.plan(no_section, model_factory=Stack, loss_fn=_stack_loss, batch=STACK_BATCH)
+    assert report.per_device["temp"] == alone.per_device["temp"]
+    custom = tagged.replace("remat.policy=custom", "remat.custom={my_proj: save}")  # Loads: tags are mine.
+    assert shardmem.plan(custom, model_factory=Stack, loss_fn=_stack_loss, batch=STACK_BATCH).fits
+    # A preset's depth does not bind a code model of another depth unless remat.layers needs one.
+    assert config_from_dict(sections).remat_plan(user_model=True).any_depth
+    # The reference model has its own tags: remat.tags beside it would be dropped, so they are an error.
+    with pytest.raises(ConfigError, match=r"remat.tags=\['my_proj'\] names a model of your own's"):
+        build_program(tagged, build_mesh(tagged.mesh.axes, jax.devices()))
 
 
 def test_deviceless_compile_failure_retries_without_triton_gemm(monkeypatch):
