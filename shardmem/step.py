@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -230,12 +231,7 @@ def build_program(
 
     seed = config.train.seed
     with nnx.use_eager_sharding(False):
-        abstract_model = nnx.eval_shape(lambda: factory(nnx.Rngs(seed)))
-    if not isinstance(abstract_model, nnx.Module):
-        raise ConfigError(
-            f"the model factory returned a {type(abstract_model).__name__}, not a Flax NNX module; for a "
-            "Linen module wrap it with shardmem.models.linen.from_linen"
-        )
+        abstract_model = nnx.eval_shape(lambda: _checked_model(factory(nnx.Rngs(seed))))
     graphdef, abstract_params_state, abstract_rest_state = nnx.split(abstract_model, nnx.Param, ...)
     param_logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params_state))
     abstract_params = nnx.to_pure_dict(abstract_params_state)
@@ -349,6 +345,23 @@ def build_program(
                    pipeline=pipeline,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
+
+
+def _checked_model(model: Any) -> nnx.Module:
+    """Returns ``model`` if it is an NNX module, else raises the ConfigError that says how to make one.
+    Called inside ``nnx.eval_shape``, before JAX refuses a non-NNX return value with a TypeError."""
+    if isinstance(model, nn.Module):
+        name = type(model).__name__
+        raise ConfigError(
+            f"the model factory returned the Flax Linen module {name}, not a Flax NNX module; wrap it with "
+            f"shardmem.models.linen.from_linen: return from_linen({name}(...), example_input, rngs=rngs)"
+        )
+    if not isinstance(model, nnx.Module):
+        raise ConfigError(
+            f"the model factory returned a {type(model).__name__}, not a Flax NNX module; return an "
+            "nnx.Module (a Linen module: shardmem.models.linen.from_linen(module, example_input, rngs=rngs))"
+        )
+    return model
 
 
 def _context_shards(config: Config, mesh: Mesh, rules: Rules, custom: bool, batch_shape) -> int:

@@ -5,6 +5,7 @@ layers or says why not; config lint for user code."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -305,3 +306,29 @@ def test_linen_batch_statistics_update_and_are_not_trained():
     new, _ = program.step(jax.tree.map(lambda x: x.copy(), state), _batch(program))
     before, after = state["model_state"]["BatchNorm_0"]["mean"], new["model_state"]["BatchNorm_0"]["mean"]
     assert not np.allclose(np.asarray(after), np.asarray(before))
+
+
+def test_a_linen_module_returned_directly_is_a_config_error_naming_from_linen(tmp_path):
+    import flax.linen as nn
+
+    class Decoder(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x)
+
+    (tmp_path / "linen_mine.py").write_text(  # Not mine.py: another test imports one (sys.modules).
+        "import flax.linen as nn\n\nclass Decoder(nn.Module):\n    @nn.compact\n    def __call__(self, x):\n"
+        "        return nn.Dense(4)(x)\n\ndef build(rngs):\n    return Decoder()\n"
+    )
+    (tmp_path / "run.yaml").write_text("model: {factory: linen_mine:build}\ntrain: {global_batch: 16}\n")
+    config = load_config(tmp_path / "run.yaml")
+    mesh = build_mesh({"data": 8}, jax.devices())
+    linen = (
+        "returned the Flax Linen module Decoder, not a Flax NNX module; wrap it with "
+        "shardmem.models.linen.from_linen: return from_linen(Decoder(...), example_input, rngs=rngs)"
+    )
+    with pytest.raises(ConfigError, match=re.escape(linen)) as raised:  # From the YAML's model.factory ...
+        build_program(config, mesh, loss_fn=_classify, batch=BATCH)
+    assert "\n" not in str(raised.value)  # One line for the CLI, no JAX traceback note in it.
+    with pytest.raises(ConfigError, match=re.escape(linen)):  # ... and from Python.
+        build_program(config, mesh, model_factory=lambda rngs: Decoder(), loss_fn=_classify, batch=BATCH)
