@@ -4,6 +4,7 @@
     jax.checkpoint(f, policy=policy.lower())             # ... one lowering
     plan = LayerPlan.parse({"policy": "full", "layers": {"30-31": "none"}}, n_layers=32)
     plan.segments()  # [(0, 30, full), (30, 32, none)]: two scans, whatever the depth
+    remat_modules(model, ModulePlan.parse({"blocks_*": "full"}))  # layers of a model that takes no plan
 
 A policy decides which tagged intermediates (see ``checkpoint_name``) a layer keeps for the backward pass,
 which it sends to pinned host memory, and which it recomputes.

@@ -212,8 +212,9 @@ def build_program(
     ``model_factory(rngs)`` (or ``model.factory`` in the config) builds any Flax NNX module whose
     parameters carry logical axis names (default: the reference :class:`~shardmem.models.llama.Llama`);
     one that takes a ``remat`` argument receives the config's per-layer
-    :class:`~shardmem.remat.LayerPlan`. ``loss_fn(model, batch)`` (or ``train.loss``) returns a scalar
-    loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
+    :class:`~shardmem.remat.LayerPlan`; ``remat.modules`` wraps the submodules it names in any model of
+    your own (:class:`~shardmem.remat.ModulePlan`). ``loss_fn(model, batch)`` (or ``train.loss``)
+    returns a scalar loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
     :mod:`shardmem.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
     (``batch_shape`` changes its shape). ``attention`` overrides the reference model's kernel, resolved
     by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`).
