@@ -232,8 +232,9 @@ def build_program(
         attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
     if not custom and config.remat.tags:
         raise ConfigError(
-            f"remat.tags={config.remat.tags} names a model of your own's checkpoint_name tags, but the model "
-            f"is the reference one (model.preset or model fields), which tags {', '.join(CHECKPOINT_TAGS)}; "
+            f"remat.tags={config.remat.tags} lists the checkpoint_name tags of a model of your own, but the "
+            f"model is the reference one (model.preset or model fields), which tags "
+            f"{', '.join(CHECKPOINT_TAGS)}; "
             "remove remat.tags (remat.custom picks among those), or pass your model as model_factory="
         )
     if not custom and config.remat.modules:

@@ -216,7 +216,7 @@ def test_model_passed_in_code_gets_its_tags_whatever_the_yaml_model_section():
     # A preset's depth does not bind a code model of another depth unless remat.layers needs one.
     assert config_from_dict(sections).remat_plan(user_model=True).any_depth
     # The reference model has its own tags: remat.tags beside it would be dropped, so they are an error.
-    with pytest.raises(ConfigError, match=r"remat.tags=\['my_proj'\] names a model of your own's"):
+    with pytest.raises(ConfigError, match=r"remat.tags=\['my_proj'\] lists the checkpoint_name tags of"):
         build_program(tagged, build_mesh(tagged.mesh.axes, jax.devices()))
 
 
