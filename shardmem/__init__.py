@@ -32,7 +32,7 @@ from shardmem.planning.memory import MemoryReport, analyze, make_target, plan, p
 from shardmem.planning.report import render  # noqa: E402
 from shardmem.planning.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
 from shardmem.planning.timeline import Timeline, timeline  # noqa: E402
-from shardmem.remat import LayerPlan, RematPolicy, remat_scan  # noqa: E402
+from shardmem.remat import LayerPlan, ModulePlan, RematPolicy, remat_modules, remat_scan  # noqa: E402
 from shardmem.run.training import TrainResult, train  # noqa: E402
 from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
 
@@ -46,6 +46,7 @@ __all__ = [
     "Llama",
     "MemoryReport",
     "ModelConfig",
+    "ModulePlan",
     "PlanError",
     "Program",
     "RematPolicy",
@@ -67,6 +68,7 @@ __all__ = [
     "plan",
     "plan_function",
     "plan_program",
+    "remat_modules",
     "remat_scan",
     "render",
     "resolve_target",

@@ -25,7 +25,7 @@ from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, ModelConfig
 from shardmem.planning.targets import TARGET_NAMES
-from shardmem.remat import LayerPlan
+from shardmem.remat import LayerPlan, ModulePlan
 from shardmem.units import parse_bandwidth, parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -74,12 +74,22 @@ class UserModelConfig:
 class RematConfig:
     """``policy`` for every layer, ``layers`` overrides per range, ``custom`` tag actions; ``tags`` are a
     model's own ``checkpoint_name`` tags (the ones ``minimal`` saves and ``offload`` moves to the host;
-    default: the reference model's projections)."""
+    default: the reference model's projections). A model passed in code (``model_factory=``) is a model
+    of your own even beside a ``model.preset``; ``tags`` with the reference model itself are an error.
+
+    ``modules`` remats the layers of a model of your own that takes no plan (a third party's, whose
+    blocks have no ``remat`` argument): pattern -> policy, e.g. ``{"blocks_*": full}``, a glob on a
+    submodule's path (``decoder/blocks_3``), name or class name (``DecoderBlock``); each matched
+    module's call runs under ``jax.checkpoint`` with that policy (:class:`~shardmem.remat.ModulePlan`:
+    Linen modules through ``nn.intercept_methods``, NNX ones through ``nnx.remat``). A pattern that
+    matches no module is a warning in the plan."""
 
     policy: str = "none"  # The policy of every layer that remat.layers does not name.
     layers: dict[str, str] = dataclasses.field(default_factory=dict)  # Range "i" or "i-j" -> policy.
     custom: dict[str, str] = dataclasses.field(default_factory=dict)  # Tag -> save, offload or recompute.
     tags: list[str] = dataclasses.field(default_factory=list)  # Your model's checkpoint_name tags.
+    # Submodules of an unedited model by path, name or class glob -> policy (e.g. {"blocks_*": full}).
+    modules: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,20 +218,34 @@ class Config:
         """Whether the model comes from the user (``model.factory``, or no model section at all)."""
         return not isinstance(self.model, ModelConfig)
 
-    def remat_plan(self) -> LayerPlan:
+    def remat_plan(self, user_model: bool | None = None) -> LayerPlan:
         """Returns the per-layer remat plan (for a model of your own without ``model.n_layers``, one
-        policy that :meth:`LayerPlan.for_layers` stretches over any depth)."""
+        policy that :meth:`LayerPlan.for_layers` stretches over any depth).
+
+        ``user_model=True`` plans for a model passed in code (``model_factory=``) whatever the model
+        section says: ``remat.tags`` are its tags, and a preset's ``n_layers`` is its depth only for
+        ``remat.layers`` ranges. The default is :attr:`user_model`."""
         remat = dataclasses.asdict(self.remat)
-        if not self.user_model:
+        if not (self.user_model if user_model is None else user_model):
             return LayerPlan.parse(remat, self.model.n_layers, tags=CHECKPOINT_TAGS)
         n_layers = getattr(self.model, "n_layers", None)
         if n_layers is None and self.remat.layers:
             raise ConfigError(
                 f"remat.layers={self.remat.layers} needs the depth of your model: set model.n_layers"
             )
+        if not self.remat.layers and not isinstance(self.model, UserModelConfig):
+            n_layers = None  # A preset's depth is not a code model's: one policy for any depth.
         tags = self.remat.tags or None
         plan = LayerPlan.parse(remat, n_layers or 1, tags=tags, named=tuple(self.remat.tags) or None)
         return plan if n_layers else dataclasses.replace(plan, any_depth=True)
+
+    def module_plan(self, user_model: bool | None = None) -> ModulePlan:
+        """Returns the ``remat.modules`` plan, its policies parsed as :meth:`remat_plan` parses them."""
+        custom = self.remat.custom
+        if not (self.user_model if user_model is None else user_model):
+            return ModulePlan.parse(self.remat.modules, custom, tags=CHECKPOINT_TAGS)
+        tags = tuple(self.remat.tags) or None
+        return ModulePlan.parse(self.remat.modules, custom, tags=tags, named=tags)
 
     def to_dict(self) -> dict[str, Any]:
         """Returns plain data that :func:`config_from_dict` turns back into an equal Config."""
@@ -752,4 +776,8 @@ def _validate_rest(config: Config) -> None:
         raise ConfigError(
             "data: give either data.path (token files) or data.source (your function), not both"
         )
-    config.remat_plan()  # Validates policies, layer ranges and custom tags.
+    # Validates policies, layer ranges and custom tags; with remat.tags beside a preset, against the
+    # tags of the model that will be passed in code (build_program refuses them for the reference one).
+    user_model = config.user_model or bool(config.remat.tags)
+    config.remat_plan(user_model)
+    config.module_plan(user_model)

@@ -4,6 +4,7 @@
     jax.checkpoint(f, policy=policy.lower())             # ... one lowering
     plan = LayerPlan.parse({"policy": "full", "layers": {"30-31": "none"}}, n_layers=32)
     plan.segments()  # [(0, 30, full), (30, 32, none)]: two scans, whatever the depth
+    remat_modules(model, ModulePlan.parse({"blocks_*": "full"}))  # layers of a model that takes no plan
 
 A policy decides which tagged intermediates (see ``checkpoint_name``) a layer keeps for the backward pass,
 which it sends to pinned host memory, and which it recomputes.
@@ -12,11 +13,13 @@ which it sends to pinned host memory, and which it recomputes.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import jax
+import numpy as np
 from flax import nnx
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
@@ -218,6 +221,122 @@ class LayerPlan:
         return ", ".join(
             f"{a}-{b - 1}: {p.name}" if b - a > 1 else f"{a}: {p.name}" for a, b, p in self.segments()
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePlan:
+    """Remat policies for submodules of a model that takes no plan (a third party's), by pattern.
+
+        plan = ModulePlan.parse({"blocks_*": "full"})
+        plan.match(("decoder", "blocks_3"), "DecoderBlock")   # ("blocks_*", full)
+
+    A pattern is a glob (``fnmatch``, case-sensitive) matched against a submodule's path joined by
+    ``/`` (``decoder/blocks_3``, ``layers/0``), its own name (``blocks_3``) or its class name
+    (``DecoderBlock``). The outermost match wins: a matched module's submodules are not wrapped again.
+    The model's root is never matched. :func:`remat_modules` applies a plan to an NNX model,
+    :func:`shardmem.models.linen.remat_calls` to the Linen modules called inside it.
+    """
+
+    rules: tuple[tuple[str, RematPolicy], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    @staticmethod
+    def parse(
+        modules: Mapping[str, str],
+        custom: Mapping[str, str] | None = None,
+        *,
+        tags: Sequence[str] | None = None,
+        named: Sequence[str] | None = None,
+    ) -> ModulePlan:
+        """Builds the plan from ``remat.modules`` (pattern -> policy name; ``custom``, ``tags`` and
+        ``named`` as for :meth:`RematPolicy.parse`)."""
+        rules = []
+        for pattern, name in modules.items():
+            if not str(pattern).strip():
+                raise ConfigError("remat.modules: a pattern is empty; name modules, e.g. 'blocks_*'")
+            key = f"remat.modules.{pattern}"
+            policy = RematPolicy.parse(str(name), custom, tags=tags, named=named, key=key)
+            rules.append((str(pattern), policy))
+        return ModulePlan(tuple(rules))
+
+    def match(self, path: Sequence[object], class_name: str) -> tuple[str, RematPolicy] | None:
+        """Returns ``(pattern, policy)`` for the submodule at ``path`` (None: no pattern names it, or
+        it is the root); a ConfigError when two patterns name it."""
+        if not path:
+            return None
+        joined = "/".join(str(part) for part in path)
+        names = (joined, str(path[-1]), class_name)
+        found = [(pattern, policy) for pattern, policy in self.rules
+                 if any(fnmatch.fnmatchcase(name, pattern) for name in names)]  # fmt: skip
+        if len(found) > 1:
+            both = " and ".join(repr(pattern) for pattern, _ in found)
+            raise ConfigError(
+                f"remat.modules: the module {joined} ({class_name}) matches {both}; make the patterns "
+                "name disjoint modules"
+            )
+        return found[0] if found else None
+
+    def describe(self) -> str:
+        """Returns e.g. "modules blocks_*: full" ("" for an empty plan)."""
+        return "modules " + ", ".join(f"{p}: {policy.name}" for p, policy in self.rules) if self.rules else ""
+
+
+def checkpointed_call(lift, method, policy: RematPolicy, module, args: tuple, kwargs: dict):
+    """Calls ``method(module, *args, **kwargs)`` under ``lift`` (``nnx.remat`` or ``nn.checkpoint``,
+    the transform that carries the module's variables through ``jax.checkpoint``) with ``policy``.
+    Only array arguments are traced; Python values (``deterministic=True``, ``None``) stay static, as
+    a block that branches on them expects."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array | np.ndarray)]
+
+    def call(module, *arrays):
+        full = list(leaves)
+        for i, array in zip(dynamic, arrays, strict=True):
+            full[i] = array
+        args, kwargs = jax.tree.unflatten(tree, full)
+        return method(module, *args, **kwargs)
+
+    return lift(call, policy=policy.lower())(module, *(leaves[i] for i in dynamic))
+
+
+_REMAT_CLASSES: dict[tuple[type, RematPolicy], type] = {}
+
+
+def remat_modules(model: nnx.Module, plan: ModulePlan, matched: set[str] | None = None) -> nnx.Module:
+    """Returns ``model`` with the ``__call__`` of each NNX submodule ``plan`` names run under
+    ``nnx.remat`` with its policy (changed in place: each matched module becomes an instance of a
+    subclass of its class, so ``nnx.split``/``merge`` keep the wrapping). The patterns that named a
+    module are added to ``matched``."""
+    modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]))  # Parents first.
+    wrapped: list[tuple] = []
+    for path, module in modules:
+        if any(path[: len(done)] == done for done in wrapped):
+            continue
+        found = plan.match(path, type(module).__name__)
+        if found is None:
+            continue
+        pattern, policy = found
+        if matched is not None:
+            matched.add(pattern)
+        wrapped.append(tuple(path))
+        if policy.remats:
+            object.__setattr__(module, "__class__", _remat_class(type(module), policy))
+    return model
+
+
+def _remat_class(cls: type, policy: RematPolicy) -> type:
+    key = (cls, policy)
+    if key not in _REMAT_CLASSES:  # One class per (class, policy): graphdefs of two builds compare equal.
+        call = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            return checkpointed_call(nnx.remat, call, policy, self, args, kwargs)
+
+        namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _REMAT_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    return _REMAT_CLASSES[key]
 
 
 def layer_span(text: str) -> tuple[int, int] | None:

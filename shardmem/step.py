@@ -16,11 +16,13 @@ With a ``stage`` mesh axis the reference model runs its layers as pipeline stage
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -34,12 +36,13 @@ from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
 from shardmem.models import losses
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
-from shardmem.models.llama import PRESETS, Llama, ModelConfig
+from shardmem.models.linen import remat_calls
+from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig
 from shardmem.models.user import import_object, search_from, takes
 from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
 from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
-from shardmem.remat import LayerPlan
+from shardmem.remat import LayerPlan, ModulePlan, remat_modules
 
 ModelFactory = Callable[..., nnx.Module]
 LossFn = Callable[[nnx.Module, Any], Any]
@@ -93,6 +96,16 @@ def _with_options(build: Callable, plan: LayerPlan, options: dict) -> ModelFacto
     return factory
 
 
+def _with_module_remat(factory: ModelFactory, modules: ModulePlan, matched: set[str]) -> ModelFactory:
+    """The factory, its NNX submodules that ``remat.modules`` names wrapped in ``nnx.remat``."""
+
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        model = factory(rngs)  # Anything else is _checked_model's to refuse.
+        return remat_modules(model, modules, matched) if isinstance(model, nnx.Module) else model
+
+    return build
+
+
 @dataclasses.dataclass
 class Program:
     """Everything needed to initialise and run (or only compile) the sharded step.
@@ -118,6 +131,9 @@ class Program:
     init: Callable  # () -> state, initialised from train.seed with its shardings
     custom_model: bool = False  # Built from a user's model rather than the reference model.
     remat_plan: LayerPlan | None = None  # The plan the model applies (None: the model remats itself).
+    module_plan: ModulePlan = dataclasses.field(default_factory=ModulePlan)  # remat.modules, applied to it.
+    # The module_plan patterns that named a module: NNX ones when the model is built, Linen ones when traced.
+    module_matches: set[str] = dataclasses.field(default_factory=set)
     token_batch: bool = True  # The batch is the reference [batch, seq_len + 1] token array.
     build_args: dict = dataclasses.field(default_factory=dict)  # build_program's keywords, to rebuild it.
     # (params, model_state, batch) -> (loss, (metrics, new model_state)): what the step differentiates.
@@ -196,8 +212,9 @@ def build_program(
     ``model_factory(rngs)`` (or ``model.factory`` in the config) builds any Flax NNX module whose
     parameters carry logical axis names (default: the reference :class:`~shardmem.models.llama.Llama`);
     one that takes a ``remat`` argument receives the config's per-layer
-    :class:`~shardmem.remat.LayerPlan`. ``loss_fn(model, batch)`` (or ``train.loss``) returns a scalar
-    loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
+    :class:`~shardmem.remat.LayerPlan`; ``remat.modules`` wraps the submodules it names in any model of
+    your own (:class:`~shardmem.remat.ModulePlan`). ``loss_fn(model, batch)`` (or ``train.loss``)
+    returns a scalar loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
     :mod:`shardmem.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
     (``batch_shape`` changes its shape). ``attention`` overrides the reference model's kernel, resolved
     by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`).
@@ -213,23 +230,35 @@ def build_program(
                                       dtype=config.precision.compute, context=context)  # fmt: skip
     if attention is not None and not custom:
         attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
+    if not custom and config.remat.tags:
+        raise ConfigError(
+            f"remat.tags={config.remat.tags} lists the checkpoint_name tags of a model of your own, but the "
+            f"model is the reference one (model.preset or model fields), which tags "
+            f"{', '.join(CHECKPOINT_TAGS)}; "
+            "remove remat.tags (remat.custom picks among those), or pass your model as model_factory="
+        )
+    if not custom and config.remat.modules:
+        raise ConfigError(
+            f"remat.modules={config.remat.modules} wraps layers of a model of your own, but the model is the "
+            "reference one (model.preset or model fields), whose layers take remat.policy and remat.layers; "
+            "use those, or pass your model as model_factory="
+        )
     if model_factory is not None:
-        plan = config.remat_plan()
+        plan = config.remat_plan(user_model=True)  # A model passed in code is the user's, whatever the YAML.
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
     else:
         factory = default_model_factory(config, None if custom else attention, pipeline)
     takes_remat = getattr(factory, "takes_remat", not custom)
+    modules = config.module_plan(user_model=True) if custom else ModulePlan()
+    matched: set[str] = set()  # The remat.modules patterns that named a module, for the plan's warnings.
+    if modules:
+        factory = _with_module_remat(factory, modules, matched)
     batch_tree, token = _batch_leaves(config, batch, batch_shape)
     loss_fn = resolve_loss(config, loss_fn, token)
 
     seed = config.train.seed
     with nnx.use_eager_sharding(False):
-        abstract_model = nnx.eval_shape(lambda: factory(nnx.Rngs(seed)))
-    if not isinstance(abstract_model, nnx.Module):
-        raise ConfigError(
-            f"the model factory returned a {type(abstract_model).__name__}, not a Flax NNX module; for a "
-            "Linen module wrap it with shardmem.models.linen.from_linen"
-        )
+        abstract_model = nnx.eval_shape(lambda: _checked_model(factory(nnx.Rngs(seed))))
     graphdef, abstract_params_state, abstract_rest_state = nnx.split(abstract_model, nnx.Param, ...)
     param_logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params_state))
     abstract_params = nnx.to_pure_dict(abstract_params_state)
@@ -267,7 +296,8 @@ def build_program(
 
     def loss_of_params(params, rest, batch):
         model = nnx.merge(graphdef, params, keys.wrap(rest)) if has_rest else nnx.merge(graphdef, params)
-        out = loss_fn(model, batch)
+        with remat_calls(modules, matched) if modules else contextlib.nullcontext():  # Linen modules inside.
+            out = loss_fn(model, batch)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         if not isinstance(metrics, dict):
             raise ConfigError(f"the loss returned metrics of type {type(metrics).__name__}; return "
@@ -338,11 +368,29 @@ def build_program(
     init = jax.jit(init_state, out_shardings=state_shardings)
     return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
                    batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
-                   custom_model=custom, remat_plan=config.remat_plan() if takes_remat else None,
+                   custom_model=custom, remat_plan=config.remat_plan(custom) if takes_remat else None,
+                   module_plan=modules, module_matches=matched,
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
                    pipeline=pipeline,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
+
+
+def _checked_model(model: Any) -> nnx.Module:
+    """Returns ``model`` if it is an NNX module, else raises the ConfigError that says how to make one.
+    Called inside ``nnx.eval_shape``, before JAX refuses a non-NNX return value with a TypeError."""
+    if isinstance(model, nn.Module):
+        name = type(model).__name__
+        raise ConfigError(
+            f"the model factory returned the Flax Linen module {name}, not a Flax NNX module; wrap it with "
+            f"shardmem.models.linen.from_linen: return from_linen({name}(...), example_input, rngs=rngs)"
+        )
+    if not isinstance(model, nnx.Module):
+        raise ConfigError(
+            f"the model factory returned a {type(model).__name__}, not a Flax NNX module; return an "
+            "nnx.Module (a Linen module: shardmem.models.linen.from_linen(module, example_input, rngs=rngs))"
+        )
+    return model
 
 
 def _context_shards(config: Config, mesh: Mesh, rules: Rules, custom: bool, batch_shape) -> int:

@@ -6,7 +6,7 @@ from flax import nnx
 
 from shardmem.errors import ConfigError
 from shardmem.models.llama import CHECKPOINT_TAGS, Llama, ModelConfig
-from shardmem.remat import PRESETS, LayerPlan, RematPolicy
+from shardmem.remat import PRESETS, LayerPlan, ModulePlan, RematPolicy, remat_modules
 
 CFG = ModelConfig.preset("tiny")
 
@@ -92,3 +92,53 @@ def test_custom_policy_needs_tags_and_valid_actions():
         RematPolicy.parse("custom", {})
     with pytest.raises(ConfigError, match="use save, offload or recompute"):
         RematPolicy.parse("custom", {"query_proj": "keep"}, tags=CHECKPOINT_TAGS)
+
+
+def test_module_plan_matches_path_name_or_class_outermost_first():
+    plan = ModulePlan.parse({"blocks_*": "full", "decoder/head": "dots", "Attention": "none"})
+    assert plan.describe() == "modules blocks_*: full, decoder/head: dots, Attention: none"
+    assert plan.match(("decoder", "blocks_3"), "Block") == ("blocks_*", PRESETS["full"])  # its name
+    assert plan.match(("decoder", "head"), "Dense") == ("decoder/head", PRESETS["dots"])  # its path
+    assert plan.match(("mlp",), "Attention")[0] == "Attention"  # its class
+    assert plan.match((), "blocks_root") is None  # the root is the model, not one of its layers
+    assert plan.match(("decoder", "head_2"), "Dense") is None
+    with pytest.raises(ConfigError, match=r"blocks_0 \(Attention\) matches 'blocks_\*' and 'Attention'"):
+        plan.match(("decoder", "blocks_0"), "Attention")
+    with pytest.raises(ConfigError, match=r"remat.modules.x='fulll' is not a remat policy \(did you mean"):
+        ModulePlan.parse({"x": "fulll"})
+    assert not ModulePlan() and not ModulePlan.parse({})
+
+
+def test_remat_modules_wraps_matched_nnx_calls_and_keeps_the_gradients():
+    class Inner(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x, scale: float = 1.0):  # A Python argument stays static under nnx.remat.
+            return jnp.tanh(self.linear(x)) * scale
+
+    class Outer(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Inner(rngs) for _ in range(3)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x, scale=0.5)
+            return (x**2).sum()
+
+    def grads(model):
+        graphdef, params = nnx.split(model)
+        x = jnp.arange(16.0).reshape(2, 8) / 16
+        loss = lambda params: nnx.merge(graphdef, params)(x)
+        params = nnx.to_pure_dict(params)
+        return jax.grad(loss)(params), jax.make_jaxpr(jax.grad(loss))(params)
+
+    want, plain = grads(Outer(nnx.Rngs(0)))
+    matched = set()
+    plan = ModulePlan.parse({"blocks/*": "full", "linear": "dots"})
+    model = remat_modules(Outer(nnx.Rngs(0)), plan, matched)
+    assert matched == {"blocks/*"}  # blocks/0/linear is inside a wrapped block: not wrapped again.
+    assert [type(b).__name__ for b in model.blocks] == ["Inner"] * 3 and isinstance(model.blocks[0], Inner)
+    got, rematted = grads(model)
+    assert "prevent_cse" not in str(plain) and str(rematted).count("prevent_cse=True") == 3  # one per block
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)

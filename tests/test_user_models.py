@@ -5,6 +5,7 @@ layers or says why not; config lint for user code."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -12,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import third_party
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from rich.console import Console
+from strategies import trained
 
 import shardmem
 from shardmem.config import config_from_dict, load_config
@@ -139,32 +142,40 @@ def test_nnx_variables_beyond_params_are_carried_not_trained():
     assert report.cross_check["matches"]
 
 
+class Stack(nnx.Module):
+    """Three stacked layers run by shardmem.remat_scan with the plan it is given; each tags ``my_proj``."""
+
+    def __init__(self, rngs, remat):
+        self.remat = remat
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def layers(rngs):
+            return Layer(rngs)
+
+        self.layers = layers(rngs)
+
+    def __call__(self, x):
+        return shardmem.remat_scan(self.layers, x, self.remat).sum()
+
+
+class Layer(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (16, 16)))
+
+    def __call__(self, x):
+        return jnp.tanh(checkpoint_name(x @ self.w[...], "my_proj"))
+
+
+def _stack_loss(model, x):
+    return model(x)
+
+
+STACK_BATCH = {"shape": ["global_batch", 16], "dtype": "float32"}
+
+
 def test_user_remat_plan_reaches_layers_and_unmatched_tags_warn():
-    class Stack(nnx.Module):
-        def __init__(self, rngs, remat):
-            self.remat = remat
-
-            @nnx.split_rngs(splits=3)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def layers(rngs):
-                return Layer(rngs)
-
-            self.layers = layers(rngs)
-
-        def __call__(self, x):
-            return shardmem.remat_scan(self.layers, x, self.remat).sum()
-
-    class Layer(nnx.Module):
-        def __init__(self, rngs):
-            self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (16, 16)))
-
-        def __call__(self, x):
-            return jnp.tanh(checkpoint_name(x @ self.w[...], "my_proj"))
-
-    batch = {"shape": ["global_batch", 16], "dtype": "float32"}
-
-    def loss(model, x):
-        return model(x)
+    batch, loss = STACK_BATCH, _stack_loss
 
     def planned(**remat):
         config = config_from_dict({"mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8},
@@ -188,6 +199,25 @@ def test_user_remat_plan_reaches_layers_and_unmatched_tags_warn():
     report = shardmem.plan(config, model_factory=fixed, loss_fn=loss, batch=batch)
     assert report.remat == "the model's own"
     assert any("remat.policy='full' is not applied" in w for w in report.warnings)
+
+
+def test_model_passed_in_code_gets_its_tags_whatever_the_yaml_model_section():
+    # The YAML still names a preset (e.g. for seq_len), the model comes from Python: remat.tags are its.
+    sections = {"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8}}
+    tagged = config_from_dict({**sections, "remat": {"policy": "minimal", "tags": ["my_proj"]}})
+    report = shardmem.plan(tagged, model_factory=Stack, loss_fn=_stack_loss, batch=STACK_BATCH)
+    assert not any("keeps the tags" in w for w in report.warnings)
+    assert report.remat == "every layer: minimal" and report.recompute_overhead == 0  # my_proj is saved.
+    no_section = config_from_dict({k: v for k, v in tagged.to_dict().items() if k != "model"})
+    alone = shardmem.plan(no_section, model_factory=Stack, loss_fn=_stack_loss, batch=STACK_BATCH)
+    assert report.per_device["temp"] == alone.per_device["temp"]
+    custom = tagged.replace("remat.policy=custom", "remat.custom={my_proj: save}")  # Loads: tags are mine.
+    assert shardmem.plan(custom, model_factory=Stack, loss_fn=_stack_loss, batch=STACK_BATCH).fits
+    # A preset's depth does not bind a code model of another depth unless remat.layers needs one.
+    assert config_from_dict(sections).remat_plan(user_model=True).any_depth
+    # The reference model has its own tags: remat.tags beside it would be dropped, so they are an error.
+    with pytest.raises(ConfigError, match=r"remat.tags=\['my_proj'\] lists the checkpoint_name tags of"):
+        build_program(tagged, build_mesh(tagged.mesh.axes, jax.devices()))
 
 
 def test_deviceless_compile_failure_retries_without_triton_gemm(monkeypatch):
@@ -278,3 +308,86 @@ def test_linen_batch_statistics_update_and_are_not_trained():
     new, _ = program.step(jax.tree.map(lambda x: x.copy(), state), _batch(program))
     before, after = state["model_state"]["BatchNorm_0"]["mean"], new["model_state"]["BatchNorm_0"]["mean"]
     assert not np.allclose(np.asarray(after), np.asarray(before))
+
+
+def test_a_linen_module_returned_directly_is_a_config_error_naming_from_linen(tmp_path):
+    import flax.linen as nn
+
+    class Decoder(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x)
+
+    (tmp_path / "linen_mine.py").write_text(  # Not mine.py: another test imports one (sys.modules).
+        "import flax.linen as nn\n\nclass Decoder(nn.Module):\n    @nn.compact\n    def __call__(self, x):\n"
+        "        return nn.Dense(4)(x)\n\ndef build(rngs):\n    return Decoder()\n"
+    )
+    (tmp_path / "run.yaml").write_text("model: {factory: linen_mine:build}\ntrain: {global_batch: 16}\n")
+    config = load_config(tmp_path / "run.yaml")
+    mesh = build_mesh({"data": 8}, jax.devices())
+    linen = (
+        "returned the Flax Linen module Decoder, not a Flax NNX module; wrap it with "
+        "shardmem.models.linen.from_linen: return from_linen(Decoder(...), example_input, rngs=rngs)"
+    )
+    with pytest.raises(ConfigError, match=re.escape(linen)) as raised:  # From the YAML's model.factory ...
+        build_program(config, mesh, loss_fn=_classify, batch=BATCH)
+    assert "\n" not in str(raised.value)  # One line for the CLI, no JAX traceback note in it.
+    with pytest.raises(ConfigError, match=re.escape(linen)):  # ... and from Python.
+        build_program(config, mesh, model_factory=lambda rngs: Decoder(), loss_fn=_classify, batch=BATCH)
+
+
+TOKENS = {"shape": ["global_batch", third_party.SEQ_LEN + 1], "dtype": "int32", "axes": ["batch", None]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("build", "pattern"), [(third_party.build_linen, "blocks_*"), (third_party.build_nnx, "DecoderBlock")]
+)
+def test_remat_modules_reach_the_layers_of_a_third_party_model(build, pattern):
+    """Blocks that take no remat argument get jax.checkpoint from the config alone: by name (Linen,
+    through nn.intercept_methods) or by class (NNX, through nnx.remat)."""
+
+    def config(policy, devices):
+        return config_from_dict({
+            "mesh": {"axes": {"data": devices}, "devices_per_host": devices}, "train": {"global_batch": 8},
+            "precision": {"compute": "float32"}, "remat": {"modules": {pattern: policy}},
+        })  # fmt: skip
+
+    # One H100, deviceless: XLA:CPU expands remat's barriers and merges the recomputation back into the
+    # forward pass, so a cpu plan of unscanned blocks shows no saving (a scanned stack's does).
+    def planned(policy):
+        return shardmem.plan(config(policy, 1), target="h100-sxm", model_factory=build,
+                             loss_fn=shardmem.step.next_token_loss, batch=TOKENS)  # fmt: skip
+
+    none, full = planned("none"), planned("full")
+    assert full.per_device["temp"] <= 0.5 * none.per_device["temp"], (none.per_device, full.per_device)
+    assert full.remat == f"modules {pattern}: full" and full.recompute_overhead > 0
+    assert none.remat == f"modules {pattern}: none" and none.recompute_overhead == 0
+    assert not any("remat.modules" in w for w in full.warnings), full.warnings
+
+    mesh = build_mesh({"data": 8}, jax.devices())
+    runs = {
+        policy: trained(build_program(config(policy, 8), mesh, model_factory=build,
+                                      loss_fn=shardmem.step.next_token_loss, batch=TOKENS))
+        for policy in ("none", "full")
+    }  # fmt: skip
+    (_, losses, params), (_, want_losses, want_params) = runs["full"], runs["none"]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, want_params)
+
+
+def test_remat_modules_patterns_are_checked_and_unmatched_ones_warn():
+    with pytest.raises(ConfigError, match=r"remat.modules.blocks_\*='ful' is not a remat policy \(did you"):
+        config_from_dict({"remat": {"modules": {"blocks_*": "ful"}}})
+    with pytest.raises(ConfigError, match="remat.modules=.* wraps layers of a model of your own"):
+        config = config_from_dict({"model": {"preset": "tiny"}, "remat": {"modules": {"layers": "full"}}})
+        build_program(config, build_mesh({"data": 8}, jax.devices()))
+    sections = {"mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8}}
+    config = config_from_dict({**sections, "remat": {"modules": {"blocks_*": "full", "Blok": "dots"}}})
+    report = shardmem.plan(config, model_factory=third_party.build_linen, batch=TOKENS,
+                           loss_fn=shardmem.step.next_token_loss, count_remat_overhead=False)  # fmt: skip
+    assert report.remat == "modules blocks_*: full, Blok: dots"
+    assert [w for w in report.warnings if "remat.modules" in w] == [
+        "remat.modules.Blok: no module of the model matches 'Blok', so nothing is rematerialized for it; "
+        "match a submodule's path (decoder/blocks_0), name (blocks_0) or class name (DecoderBlock)"
+    ]

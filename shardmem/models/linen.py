@@ -10,10 +10,14 @@ Linen's ``nn.with_logical_partitioning`` names become the NNX sharding metadata 
 is carried through the step like any NNX variable. :class:`RematLayers` runs a stack of Linen blocks as
 one ``nn.scan`` per segment of the per-layer plan, each under ``nn.remat`` with that segment's policy,
 so ``remat.policy`` and ``remat.layers`` from YAML reach a Linen model as they reach the reference one.
+A model whose blocks take no plan (a third party's) gets ``remat.modules`` through :func:`remat_calls`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -21,7 +25,7 @@ from flax import nnx
 from flax.nnx import bridge
 from flax.nnx.bridge import variables as bridge_variables
 
-from shardmem.remat import LayerPlan
+from shardmem.remat import LayerPlan, ModulePlan, checkpointed_call
 
 
 def from_linen(module: nn.Module, *example_args: Any, rngs: nnx.Rngs, **example_kwargs: Any) -> nnx.Module:
@@ -85,3 +89,43 @@ class RematLayers(nn.Module):
             name = f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"
             x, _ = scanned(self.block, dict(self.options or {}), name=name)(x, None)
         return x
+
+
+_INSIDE = threading.local()  # Set while a matched module runs: its submodules are not wrapped again.
+
+
+@contextlib.contextmanager
+def remat_calls(plan: ModulePlan, matched: set[str] | None = None) -> Iterator[None]:
+    """While open, each Linen module ``plan`` names (by path, name or class, see
+    :class:`~shardmem.remat.ModulePlan`) runs its ``__call__`` under ``nn.checkpoint`` with its policy,
+    through ``nn.intercept_methods``: the model's code is not edited. The patterns that named a module
+    are added to ``matched``."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name != "__call__" or getattr(_INSIDE, "active", False) or module.scope is None:
+            return next_fun(*args, **kwargs)
+        found = plan.match(module.path, type(module).__name__)
+        if found is None:
+            return next_fun(*args, **kwargs)
+        pattern, policy = found
+        if matched is not None:
+            matched.add(pattern)
+        if not policy.remats:
+            return _outermost(lambda: next_fun(*args, **kwargs))
+
+        def call(clone, *args, **kwargs):  # The lifted transform calls a clone bound to its scope.
+            return _outermost(lambda: clone(*args, **kwargs))
+
+        return checkpointed_call(nn.checkpoint, call, policy, module, args, kwargs)
+
+    with nn.intercept_methods(interceptor):
+        yield
+
+
+def _outermost(run):
+    _INSIDE.active, before = True, getattr(_INSIDE, "active", False)
+    try:
+        return run()
+    finally:
+        _INSIDE.active = before

@@ -229,26 +229,32 @@ def plan_program(
                                             name=config.name)  # fmt: skip
     rows = program.sharding_table()
     warnings = rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
-    layer_plan = program.remat_plan
-    warnings += _remat_warnings(config, layer_plan, hlo.checkpoint_tags(traced.jaxpr)) + report.warnings
+    layer_plan, modules = program.remat_plan, program.module_plan
+    tags = hlo.checkpoint_tags(traced.jaxpr)
+    warnings += _remat_warnings(config, layer_plan, tags)
+    warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
                                  sharding=rows, attention=attention, pipeline=pipeline)  # fmt: skip
-    if layer_plan is None:  # A model that remats itself: no plan of ours to compare with.
+    if layer_plan is None and not modules:  # A model that remats itself: no plan of ours to compare with.
         report = dataclasses.replace(report, remat="the model's own")
     else:
         baseline = report.flops_per_step  # Without remat the step is its own baseline.
-        if any(p.remats for p in layer_plan.policies):
+        policies = (layer_plan.policies if layer_plan else ()) + tuple(p for _, p in modules.rules)
+        if any(p.remats for p in policies):
             baseline = None
             if count_remat_overhead:  # Tracing the step without remat costs no compile.
-                plain = build_program(config.replace("remat.policy=none", "remat.layers={}"), program.mesh,
-                                      **program.build_args)  # fmt: skip
+                plain = build_program(config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}"),
+                                      program.mesh, **program.build_args)  # fmt: skip
                 baseline = hlo.matmul_flops(
                     plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
                 )
-        report = dataclasses.replace(report, flops_no_remat=baseline, remat=layer_plan.describe())
+        label = "; ".join(
+            part for part in (layer_plan.describe() if layer_plan else "", modules.describe()) if part
+        )
+        report = dataclasses.replace(report, flops_no_remat=baseline, remat=label)
     tokens = None
     if program.token_batch:  # [batch, length + 1]: each row predicts its last `length` tokens.
         rows, width = jax.tree.leaves(program.abstract_batch)[0].shape[:2]
@@ -296,7 +302,8 @@ def _remat_warnings(config: Config, layer_plan, traced_tags: set[str]) -> list[s
         if remat.policy != "none" or remat.layers or remat.custom:
             return [
                 f"remat.policy={remat.policy!r} is not applied: the model factory takes no remat argument; "
-                "give it one (factory(rngs, remat=plan)) and run its layers with shardmem.remat_scan"
+                "give it one (factory(rngs, remat=plan)) and run its layers with shardmem.remat_scan, or "
+                "name its layers in remat.modules (e.g. {'blocks_*': full})"
             ]
         return []
     warnings = []
@@ -308,6 +315,27 @@ def _remat_warnings(config: Config, layer_plan, traced_tags: set[str]) -> list[s
                 f"remat policy {policy.name!r} keeps the tags {', '.join(named)}, but the step tags none of "
                 f"them (its checkpoint_name tags: {yours}), so those layers recompute everything as 'full' "
                 "would; list your tags in remat.tags or use remat.policy=custom"
+            )
+    return warnings
+
+
+def _module_warnings(modules, matched: set[str], traced_tags: set[str]) -> list[str]:
+    """A ``remat.modules`` pattern that named no module, or whose policy keeps tags the step lacks."""
+    warnings = []
+    for pattern, policy in modules.rules:
+        if pattern not in matched:
+            warnings.append(
+                f"remat.modules.{pattern}: no module of the model matches {pattern!r}, so nothing is "
+                "rematerialized for it; match a submodule's path (decoder/blocks_0), name (blocks_0) or "
+                "class name (DecoderBlock)"
+            )
+        named = policy.named_tags()
+        if named and not traced_tags & set(named):
+            yours = ", ".join(sorted(traced_tags)) or "none"
+            warnings.append(
+                f"remat.modules.{pattern}={policy.name!r} keeps the tags {', '.join(named)}, but the step "
+                f"tags none of them (its checkpoint_name tags: {yours}), so those modules recompute "
+                "everything as 'full' would; list your tags in remat.tags or use another policy"
             )
     return warnings
 
