@@ -235,11 +235,13 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 
     Files over ``CONFIG_MAX_BYTES``, not in UTF-8, nested deeper than ``CONFIG_MAX_DEPTH`` or whose
     aliases expand to more than ``CONFIG_MAX_VALUES`` values are ConfigErrors, found before anything
-    is expanded."""
+    is expanded; so is a key written twice in one mapping (YAML would keep the last silently)."""
     path = Path(path)
     text = _read_config_text(path)
     try:
-        _check_yaml_size(yaml.compose(text, Loader=yaml.SafeLoader), path)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        _check_yaml_size(root, path)
+        _check_unique_keys(root, path)
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
@@ -312,6 +314,36 @@ def _check_yaml_size(root: yaml.Node | None, path: Path) -> None:
         open_nodes.add(id(node))
         stack.append((node, depth, True))
         stack.extend((child, depth + 1, False) for child in children if id(child) not in expanded)
+
+
+def _check_unique_keys(root: yaml.Node | None, path: Path) -> None:
+    """Raises ConfigError naming the key path and both lines when a mapping repeats a key: PyYAML keeps
+    the last value and drops the first without a word. Runs after :func:`_check_yaml_size`, so the
+    graph is bounded and acyclic; a node shared by aliases is checked once."""
+    seen_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")] if root is not None else []
+    while stack:
+        node, where = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(node.value))
+            continue
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first_line: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            if key.tag == "tag:yaml.org,2002:merge" or not isinstance(key, yaml.ScalarNode):
+                continue  # `<<: *base` may be overridden by the keys after it, by design.
+            name, line = _join(where, key.value), key.start_mark.line + 1
+            if (key.tag, key.value) in first_line:
+                raise ConfigError(
+                    f"{path}: key {name!r} is given twice, at lines {first_line[key.tag, key.value]} and "
+                    f"{line}; YAML would keep only the second: delete one"
+                )
+            first_line[key.tag, key.value] = line
+            stack.append((value, name))
 
 
 def _yaml_children(node: yaml.Node) -> list[yaml.Node]:

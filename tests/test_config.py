@@ -169,3 +169,21 @@ def test_aliases_within_the_limits_still_load(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("model: {preset: tiny}\nrules: {heads: &t tensor, mlp: *t}\n")
     assert load_config(path).to_dict()["rules"]["mlp"] == "tensor"
+
+
+def test_a_key_given_twice_is_an_error_naming_it_and_both_lines(tmp_path):
+    # Issue 20, item 10: YAML kept the second `model` and dropped the first without a word.
+    path = tmp_path / "twice.yaml"
+    path.write_text("name: x\nmodel: {preset: tiny}\nmodel: {preset: gpt2-124m}\n")
+    with pytest.raises(ConfigError, match=r"key 'model' is given twice, at lines 2 and 3"):
+        load_config(path)
+    path.write_text("model: {preset: tiny}\nmesh:\n  axes: {data: 2,\n    data: 4}\n")
+    with pytest.raises(ConfigError, match=r"key 'mesh.axes.data' is given twice, at lines 3 and 4"):
+        load_config(path)
+    # A merge key may be overridden after it (that is what it is for), and an alias is no repeat.
+    path.write_text(
+        "model: {preset: tiny}\nrules:\n  <<: &b {embed: fsdp, heads: fsdp}\n  heads: tensor\n"
+        "param_rules: {x: [*b, *b]}\n"
+    )
+    config = load_config(path)
+    assert config.rules == {"embed": "fsdp", "heads": "tensor"} and len(config.param_rules["x"]) == 2
