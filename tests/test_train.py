@@ -433,3 +433,21 @@ def test_a_sigterm_while_starting_stops_the_run_saved_before_its_first_step(chil
     assert "stopped by SIGTERM at step 0" in output and "Traceback" not in output, output
     with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
         assert checkpointer.latest_step() == 0
+
+
+def test_a_save_a_killed_run_left_unfinished_is_deleted_at_the_start_with_a_note(reference, tmp_path):
+    # Issue 20, item 11: kill -9 during a save left checkpoints/<step>.orbax-checkpoint-tmp, a partial
+    # checkpoint as large as a whole one, on disk forever.
+    config, result = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(result.run_dir, run_dir)
+    unfinished = run_dir / "checkpoints" / "22.orbax-checkpoint-tmp-1764600000"
+    (unfinished / "default").mkdir(parents=True)
+    (unfinished / "default" / "data").write_bytes(b"half a checkpoint")
+    console = Console(record=True, width=400)
+    again = train(config, run_dir, console=console)
+    assert again.start_step == STEPS and not unfinished.exists()
+    (note,) = [line for line in console.export_text().splitlines() if "unfinished" in line]
+    assert note == (f"note: deleted the unfinished checkpoint save 22.orbax-checkpoint-tmp-1764600000 that a "
+                    f"stopped run left in {run_dir / 'checkpoints'}")  # fmt: skip
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["16", "20", "24"]

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from shardmem.parallel.rules import path_str
 __all__ = ["CheckpointError", "Checkpointer", "MovedAside"]
 
 PyTree = Any
+_UNFINISHED = re.compile(r"^\d+\.orbax-checkpoint-tmp")  # Orbax's suffix (atomicity_types.TMP_DIR_SUFFIX).
 
 
 class CheckpointError(ShardmemError):
@@ -126,6 +128,20 @@ class Checkpointer:
             f"writing a checkpoint to {self.directory!r} failed: {reason}; stopped at once, "
             f"{kept}. Free space or fix the file system (or pick a --run-dir elsewhere), then rerun to resume"
         )
+
+    def remove_unfinished(self) -> list[str]:
+        """Deletes the temporary directories of saves that never finished (``<step>.orbax-checkpoint-tmp*``:
+        a run killed mid-save leaves one, as large as a checkpoint, that nothing reads or removes) and
+        returns their paths. Call it only while holding the run directory's lock
+        (:class:`~shardmem.run.lock.RunDirLock`), from one process: another run's save in progress
+        looks the same."""
+        removed = []
+        for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []:
+            path = os.path.join(self.directory, name)
+            if _UNFINISHED.match(name) and os.path.isdir(path):
+                shutil.rmtree(path)
+                removed.append(path)
+        return removed
 
     def _committed_steps(self) -> list[int]:
         """The steps whose directories Orbax finished, read from the disk (no Orbax state involved)."""

@@ -162,6 +162,7 @@ def train(
         lock.release()
         raise
     try:
+        _remove_unfinished_saves(checkpointer, console)
         start, state, moved = checkpointer.restore_newest(program.abstract_state)
         for corrupt in moved:
             resumed = f"resuming from step {start}" if start is not None else "starting again from step 0"
@@ -400,6 +401,17 @@ def _lock_run_dir(run_dir: Path, console: Console) -> RunDirLock:
     if lock.stale:
         _say(console, f"note: took over the lock of {lock.stale}, which no longer runs")
     return lock
+
+
+def _remove_unfinished_saves(checkpointer: Checkpointer, console: Console) -> None:
+    """Process 0, holding the run lock, deletes the temporary directories of saves a killed run never
+    finished (no other run writes here); every process waits for it, then one line says what went."""
+    removed = checkpointer.remove_unfinished() if jax.process_index() == 0 else []
+    text = _from_process_0(", ".join(os.path.basename(path) for path in removed))
+    if text:
+        what = f"saves {text}" if ", " in text else f"save {text}"
+        _say(console, f"note: deleted the unfinished checkpoint {what} that a stopped run left in "
+                      f"{checkpointer.directory}")  # fmt: skip
 
 
 def _from_process_0(text: str) -> str:
