@@ -66,6 +66,7 @@ class SweepRow:
     step_seconds: float | None = None
     measured_peak_bytes: int | None = None
     bubble_fraction: float | None = None  # The pipeline's idle share of each stage (None: no stage axis).
+    config_error: bool = False  # The error is the candidate's config (ConfigError): the sweep exits 2.
 
     @property
     def candidate(self) -> str:
@@ -153,7 +154,7 @@ def plan_candidate(
         program = build_program(candidate, build_mesh(candidate.mesh.axes, resolved.devices))
         report, compiled = plan_program(program, resolved, top=3)
     except Exception as e:
-        return SweepRow(overrides, error=_error_text(e))
+        return SweepRow(overrides, error=_error_text(e), config_error=isinstance(e, ConfigError))
     row = SweepRow(
         overrides, peak_bytes=report.per_device["peak"], budget_bytes=report.budget_bytes, fits=report.fits,
         margin_bytes=report.margin_bytes, flops_per_step=report.flops_per_step,
