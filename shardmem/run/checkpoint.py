@@ -278,9 +278,11 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
 
 class _QuietFailures(logging.Filter):
     """Drops the echoes of a failed restore or save that the error raised already says: asyncio's "Task
-    exception was never retrieved" for the sibling reads, Orbax's warning about unreadable metadata and
-    its ERROR log (with traceback) of a failed background save, and the "Event loop is closed" that
-    TensorStore's late callbacks raise once Orbax's loop is gone (printed as unraisable exceptions)."""
+    exception was never retrieved" for the sibling reads (and "_GatheringFuture exception ...", with a
+    page of TensorStore traceback, for a gather of them that failed after the restore had given up),
+    Orbax's warning about unreadable metadata and its ERROR log (with traceback) of a failed background
+    save, and the "Event loop is closed" that TensorStore's late callbacks raise once Orbax's loop is
+    gone (printed as unraisable exceptions)."""
 
     installed = False
 
@@ -305,7 +307,8 @@ class _QuietFailures(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if text.startswith("Task exception was never retrieved") or "but could not be restored" in text:
+        never_retrieved = re.match(r"\w+ exception was never retrieved", text)  # Task, _GatheringFuture, ...
+        if never_retrieved or "but could not be restored" in text:
             return False  # The second: item_metadata of a checkpoint whose _METADATA is gone.
         # A failed background save, logged (by several of Orbax's threads) with its traceback: the
         # Checkpointer raises it as a CheckpointError with the gist, so the log would only bury that.
