@@ -57,6 +57,14 @@ def test_a_preset_override_replaces_the_model_section_alike_everywhere(tmp_path)
 def test_reserve_accepts_units():
     config = config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "512MiB"}})
     assert config.memory.reserve == 512 * 2**20
+    assert (
+        config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "2PiB"}}).memory.reserve == 2**51
+    )
+    # Issue 20, item 14: "cannot read '99999999999PiB' as a byte size" hid that it is only too large.
+    with pytest.raises(
+        ConfigError, match=r"memory.reserve: '99999999999PiB' is too large: 1.13e\+26 bytes, over"
+    ):
+        config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "99999999999PiB"}})
 
 
 @pytest.mark.parametrize(
