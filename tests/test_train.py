@@ -451,3 +451,15 @@ def test_a_save_a_killed_run_left_unfinished_is_deleted_at_the_start_with_a_note
     assert note == (f"note: deleted the unfinished checkpoint save 22.orbax-checkpoint-tmp-1764600000 that a "
                     f"stopped run left in {run_dir / 'checkpoints'}")  # fmt: skip
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["16", "20", "24"]
+
+
+def test_a_run_dir_on_a_read_only_file_system_says_so(small_disk, capsys, monkeypatch):
+    # Issue 20, item 14: it said "permission denied", which sends a user to chmod.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # start_runtime sets it otherwise
+    disk = small_disk("1m")
+    done = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {done.stderr.strip()}")
+    for run_dir in (disk, disk / "run"):
+        assert main(["train", TINY, "--run-dir", str(run_dir)]) == 2
+        assert "(read-only file system); choose another --run-dir" in capsys.readouterr().err

@@ -439,10 +439,19 @@ def _check_run_dir(run_dir: Path) -> None:
             )
         if not os.access(path, os.W_OK | os.X_OK):
             what = "write to it" if path == run_dir else f"create it in {str(path)!r}"
+            why = "read-only file system" if _read_only(path) else "permission denied"
             raise ConfigError(
-                f"run directory {str(run_dir)!r}: cannot {what} (permission denied); choose another --run-dir"
+                f"run directory {str(run_dir)!r}: cannot {what} ({why}); choose another --run-dir"
             )
         return
+
+
+def _read_only(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is on a file system mounted read-only (then no permission would help)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _any_process(flag: bool) -> bool:
