@@ -162,3 +162,15 @@ def test_a_block_that_ends_normally_prints_nothing_of_what_it_silenced(capfd):
     for watcher in _watchers:
         assert watcher.wait(timeout=30) == 0
     assert capfd.readouterr().err == "after\n"
+
+
+def test_mu_dtype_with_sgd_is_warned_about():
+    # Issue 20, item 14: sgd keeps no first moment, so optimizer.mu_dtype silently did nothing.
+    sgd = load_config(TINY, ["optimizer.name=sgd", "optimizer.mu_dtype=bfloat16", "model.n_layers=2",
+                             "remat.layers={}"])  # fmt: skip
+    report = shardmem.plan(sgd, target="cpu", count_remat_overhead=False)
+    assert "optimizer.mu_dtype=bfloat16 does nothing with optimizer.name=sgd (no first moment is kept)" in (
+        "\n".join(report.warnings)
+    )
+    adam = shardmem.plan(sgd.replace("optimizer.name=adamw"), target="cpu", count_remat_overhead=False)
+    assert not any("mu_dtype" in w for w in adam.warnings)

@@ -463,3 +463,24 @@ def test_a_run_dir_on_a_read_only_file_system_says_so(small_disk, capsys, monkey
     for run_dir in (disk, disk / "run"):
         assert main(["train", TINY, "--run-dir", str(run_dir)]) == 2
         assert "(read-only file system); choose another --run-dir" in capsys.readouterr().err
+
+
+def test_resuming_with_another_mu_dtype_says_the_state_is_cast(reference, tmp_path):
+    # Issue 20, item 14: the optimizer state was cast to the new optimizer.mu_dtype without a word.
+    config, result = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(result.run_dir, run_dir)
+    console = Console(record=True, width=400)
+    again = train(config.replace("optimizer.mu_dtype=bfloat16"), run_dir, console=console)
+    assert again.start_step == STEPS
+    (note,) = [line for line in console.export_text().splitlines() if "casts" in line]
+    assert (
+        note.startswith(f"note: checkpoint {STEPS} casts ")
+        and "(float32 -> bfloat16; e.g. opt_state/" in note
+    )
+    assert "mu" in note and note.endswith(
+        "optimizer.mu_dtype or precision.params differ from the run that saved it"
+    )
+    quiet = Console(record=True, width=400)
+    train(config, run_dir, console=quiet)  # The same dtypes: nothing to say.
+    assert "casts" not in quiet.export_text()

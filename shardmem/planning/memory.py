@@ -224,6 +224,7 @@ def plan_program(
     warnings = rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
     layer_plan = program.remat_plan
     warnings += _remat_warnings(config, layer_plan, hlo.checkpoint_tags(traced.jaxpr)) + report.warnings
+    warnings += _optimizer_warnings(config)
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
@@ -239,6 +240,15 @@ def plan_program(
                                   **program.build_args)  # fmt: skip
             baseline = hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
     return dataclasses.replace(report, flops_no_remat=baseline, remat=layer_plan.describe()), compiled
+
+
+def _optimizer_warnings(config: Config) -> list[str]:
+    """A setting the chosen optimizer has no use for: sgd keeps no first moment for mu_dtype to narrow."""
+    opt = config.optimizer
+    if opt.name == "sgd" and opt.mu_dtype:
+        return [f"optimizer.mu_dtype={opt.mu_dtype} does nothing with optimizer.name=sgd (no first moment "
+                "is kept); remove it, or use adam/adamw"]  # fmt: skip
+    return []
 
 
 def _remat_warnings(config: Config, layer_plan, traced_tags: set[str]) -> list[str]:

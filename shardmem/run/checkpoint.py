@@ -241,6 +241,21 @@ class Checkpointer:
     ) -> None:
         self.close()
 
+    def casts(self, abstract_state: PyTree, step: int) -> dict[str, tuple[str, str]]:
+        """Returns ``{path: (saved dtype, restored dtype)}`` for the leaves that :meth:`restore` of
+        ``step`` casts (say, after ``optimizer.mu_dtype`` changed); empty when none does, or when the
+        checkpoint has no metadata to tell."""
+        metadata = self._manager.item_metadata(step)
+        saved_tree = getattr(metadata, "tree", metadata)
+        if saved_tree is None:
+            return {}
+        saved = dict(_dtypes_by_path(saved_tree))
+        return {
+            path: (saved[path], dtype)
+            for path, dtype in _dtypes_by_path(abstract_state)
+            if saved.get(path) not in (None, dtype)
+        }
+
     def _check_matches(self, abstract_state: PyTree, step: int) -> None:
         """Raises ConfigError when the saved tree's keys or shapes differ from the target's."""
         metadata = self._manager.item_metadata(step)
@@ -341,3 +356,10 @@ def _shapes_by_path(tree: PyTree) -> Iterator[tuple[str, tuple[int, ...]]]:
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         yield path_str(path), tuple(getattr(leaf, "shape", ()))
+
+
+def _dtypes_by_path(tree: PyTree) -> Iterator[tuple[str, str]]:
+    """Yields ("a/b/0/mu", "bfloat16") per leaf that has a dtype, named as :func:`_shapes_by_path` does."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if getattr(leaf, "dtype", None) is not None:
+            yield path_str(path), str(jax.numpy.dtype(leaf.dtype))

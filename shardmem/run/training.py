@@ -140,6 +140,8 @@ def train(
             raise DoesNotFitError(message, report)
         _say(console, f"[yellow]warning:[/yellow] {message.split('; make')[0]}; running anyway (--force)")
 
+    for warning in report.warnings:  # What `plan` would warn about (a rule sharding nothing, ...).
+        _say(console, f"[yellow]warning:[/yellow] {warning}")
     preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower()
     if preallocate in ("false", "0") and not report.approximate:
         _say(
@@ -168,6 +170,8 @@ def train(
             resumed = f"resuming from step {start}" if start is not None else "starting again from step 0"
             _say(console, f"[yellow]warning:[/yellow] checkpoint {corrupt.step} does not restore "
                           f"({corrupt.reason}); moved it to {corrupt.path}; {resumed}")  # fmt: skip
+        if start is not None:
+            _say_casts(checkpointer.casts(program.abstract_state, start), start, console)
         if start is None:
             start, state = 0, program.init()
         if lead:  # Only now: a resume that cannot restore leaves the run's files as they were.
@@ -401,6 +405,18 @@ def _lock_run_dir(run_dir: Path, console: Console) -> RunDirLock:
     if lock.stale:
         _say(console, f"note: took over the lock of {lock.stale}, which no longer runs")
     return lock
+
+
+def _say_casts(casts: dict[str, tuple[str, str]], step: int, console: Console) -> None:
+    """One line when the resumed state is cast from the checkpoint's dtypes (optimizer.mu_dtype or
+    precision.params changed since it was saved): values are rounded, the run goes on otherwise."""
+    if not casts:
+        return
+    changes = sorted({f"{saved} -> {wanted}" for saved, wanted in casts.values()})
+    example = next(iter(sorted(casts)))
+    _say(console, f"note: checkpoint {step} casts {len(casts)} arrays on restore ({', '.join(changes)}; "
+                  f"e.g. {example}): optimizer.mu_dtype or precision.params differ from the run that saved "
+                  "it")  # fmt: skip
 
 
 def _remove_unfinished_saves(checkpointer: Checkpointer, console: Console) -> None:
