@@ -1,23 +1,96 @@
-"""Keeps expected native (C++) log lines off the terminal."""
+"""Keeps expected native (C++) log lines off the terminal, without hiding a native crash."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import subprocess
+import sys
+import tempfile
+import threading
 from collections.abc import Iterator
+
+# Runs in a small process of its own: it waits on a pipe that the block closes after writing one byte
+# when it ends. End of file without that byte means the process died inside the block (XLA aborts on a
+# failed check with SIGABRT, and nothing of Python runs after that), so the watcher prints the gist of
+# what the native code wrote to the captured stderr, on the real one.
+_WATCHER = r"""
+import os, re, sys
+if os.read(0, 1):
+    sys.exit(0)
+fd = int(sys.argv[1])
+size = os.fstat(fd).st_size
+lines = [l.strip() for l in os.pread(fd, 1 << 16, max(0, size - (1 << 16))).decode("utf-8", "replace")
+         .splitlines() if l.strip()]
+if not lines:
+    sys.exit(0)
+telling = [l for l in lines if re.search(r"what\(\):|Check failed|^[FE]\d{4} |FATAL|Fatal|error", l)]
+line = re.sub(r"^.*what\(\):\s*", "", (telling or lines)[-1])
+line = line if len(line) <= 400 else line[:397] + "..."
+os.write(2, ("shardmem: error: the process died in native code (XLA) while compiling or starting "
+             "devices; its last message: " + line + "\n").encode())
+"""
+
+_lock = threading.Lock()
+_depth = 0
+_watchers: list[subprocess.Popen] = []
 
 
 @contextlib.contextmanager
 def native_stderr_silenced() -> Iterator[None]:
-    """Sends file descriptor 2 to /dev/null while the block runs. On machines without an NVIDIA
+    """Sends file descriptor 2 to a temporary file while the block runs. On machines without an NVIDIA
     driver, loading the CUDA plugin (for deviceless GPU compiles) prints "Could not find cuda drivers"
-    from C++; that is expected there. Python exceptions still propagate normally."""
+    from C++; that is expected there, as are XLA's remat warnings on a plan that does not fit. Python
+    exceptions still propagate normally. Should the process die inside the block (XLA aborting on a
+    shape it cannot handle, exit status 134), a watcher process prints one line with the last message
+    the native code wrote, instead of leaving the user with no output at all. Nested blocks (and a
+    second thread's) share the outer one."""
+    global _depth
+    with _lock:
+        _depth += 1
+        outer = _depth == 1
+    if not outer:
+        try:
+            yield
+        finally:
+            with _lock:
+                _depth -= 1
+        return
+    _reap()
     saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
+    capture = tempfile.TemporaryFile(prefix="shardmem-stderr-")
+    read_end, write_end = os.pipe()
+    try:
+        watcher = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHER, str(capture.fileno())],
+            stdin=read_end, stdout=subprocess.DEVNULL, stderr=saved, pass_fds=(capture.fileno(),),
+        )  # fmt: skip
+        _watchers.append(watcher)
+    except OSError:
+        pass  # No watcher (no processes left?): the block is only silenced, as it always was.
+    finally:
+        os.close(read_end)
+    os.dup2(capture.fileno(), 2)
     try:
         yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-        os.close(devnull)
+        os.write(write_end, b"k")  # Ended alive: the watcher exits without a word.
+        os.close(write_end)
+        capture.close()
+        with _lock:
+            _depth -= 1
+
+
+def _reap() -> None:
+    """Collects watchers that have exited (each one does at once once its block ends)."""
+    _watchers[:] = [w for w in _watchers if w.poll() is None]
+
+
+@atexit.register
+def _wait_for_watchers() -> None:
+    for watcher in _watchers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            watcher.wait(timeout=5)

@@ -264,6 +264,12 @@ def cmd_sweep(args) -> int:
     if rows and all(row.error for row in rows):
         print(f"shardmem: error: all {len(rows)} candidates failed; see their errors", file=sys.stderr)
         return EXIT_USAGE
+    invalid = [row for row in rows if row.config_error]
+    if invalid:  # A mistyped grid value must not pass unnoticed in a script: exit 2, like plan.
+        first = invalid[0]
+        print(f"shardmem: error: {len(invalid)} of {len(rows)} candidates are not valid configs; first "
+              f"{first.candidate}: {first.error.splitlines()[0]}", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
     return EXIT_OK
 
 
@@ -305,7 +311,7 @@ def _add_explore_commands(commands) -> None:
         "tabulates peak memory per device, fit and margin, FLOPs per step, recomputation, host-offloaded "
         "bytes and collective traffic. Writes sweep.csv, sweep.json and sweep.png (peak memory against "
         "FLOPs or step time, budget line, Pareto front) to --out. A candidate that fails is a row with "
-        "its error. Exit 2: config or usage error, or every candidate failed.",
+        "its error. Exit 2: config or usage error (in any candidate too), or every candidate failed.",
     )
     _config_args(p)
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", required=True,

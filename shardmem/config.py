@@ -29,6 +29,15 @@ from shardmem.remat import LayerPlan, ModulePlan
 from shardmem.units import parse_bandwidth, parse_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Sizes past these are typos (or attacks), not models, and cost a crash or a hang instead of a plan that
+# says "does not fit": JAX passes Python ints into traced code as int32 (x64 is off), XLA aborts the
+# process when a shape's extent overflows int64, and Python loops over layers. The bounds leave a
+# thousandfold room over the largest models trained (16M-token batches, 256k vocabularies, 126 layers).
+MAX_DIMENSION = 2**31 - 1  # One model or batch dimension.
+MAX_ARRAY_ELEMENTS = 2**50  # One array (4 PiB of float32: over the memory of the largest machines).
+MAX_SCORE_ELEMENTS = 2**60  # Attention scores, L x L per head (XLA counts elements and bytes in int64).
+MAX_LAYERS = 10_000
+MAX_DEVICES = 2**20  # Devices in one mesh.
 Bytes = Annotated[int, "bytes"]  # An int in the config that also accepts "1GiB"-style strings.
 Bandwidth = Annotated[float, "bytes/s"]  # Bytes per second; also "450GB/s" or "400Gb/s" (bits).
 
@@ -276,11 +285,13 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 
     Files over ``CONFIG_MAX_BYTES``, not in UTF-8, nested deeper than ``CONFIG_MAX_DEPTH`` or whose
     aliases expand to more than ``CONFIG_MAX_VALUES`` values are ConfigErrors, found before anything
-    is expanded."""
+    is expanded; so is a key written twice in one mapping (YAML would keep the last silently)."""
     path = Path(path)
     text = _read_config_text(path)
     try:
-        _check_yaml_size(yaml.compose(text, Loader=yaml.SafeLoader), path)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        _check_yaml_size(root, path)
+        _check_unique_keys(root, path)
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
@@ -353,6 +364,36 @@ def _check_yaml_size(root: yaml.Node | None, path: Path) -> None:
         open_nodes.add(id(node))
         stack.append((node, depth, True))
         stack.extend((child, depth + 1, False) for child in children if id(child) not in expanded)
+
+
+def _check_unique_keys(root: yaml.Node | None, path: Path) -> None:
+    """Raises ConfigError naming the key path and both lines when a mapping repeats a key: PyYAML keeps
+    the last value and drops the first without a word. Runs after :func:`_check_yaml_size`, so the
+    graph is bounded and acyclic; a node shared by aliases is checked once."""
+    seen_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")] if root is not None else []
+    while stack:
+        node, where = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(node.value))
+            continue
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first_line: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            if key.tag == "tag:yaml.org,2002:merge" or not isinstance(key, yaml.ScalarNode):
+                continue  # `<<: *base` may be overridden by the keys after it, by design.
+            name, line = _join(where, key.value), key.start_mark.line + 1
+            if (key.tag, key.value) in first_line:
+                raise ConfigError(
+                    f"{path}: key {name!r} is given twice, at lines {first_line[key.tag, key.value]} and "
+                    f"{line}; YAML would keep only the second: delete one"
+                )
+            first_line[key.tag, key.value] = line
+            stack.append((value, name))
 
 
 def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
@@ -565,7 +606,88 @@ def _validate(config: Config) -> None:
         _import_path("model.factory", config.model.factory)
         if config.model.n_layers is not None:
             _positive("model.n_layers", config.model.n_layers)
+    _validate_sizes(config)
     _validate_rest(config)
+
+
+def _validate_sizes(config: Config) -> None:
+    """Raises ConfigError naming the keys when a dimension, a layer count or an array the step would
+    build is past the bounds above; products are exact Python ints, so nothing here can overflow."""
+    batch = config.train.global_batch
+    dims = {"train.global_batch": batch}
+    arrays: list[tuple[str, int]] = []  # (the keys that multiply, elements)
+    scores = 0
+    m = config.model
+    if isinstance(m, ModelConfig):
+        names = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "d_ff", "seq_len", "n_experts")
+        dims |= {f"model.{name}": getattr(m, name) for name in names}
+        dims["model.head_dim"] = m.head_size
+        _at_most("model.n_layers", m.n_layers, MAX_LAYERS, "the deepest models have a few hundred")
+        tokens = batch * m.seq_len
+        experts = max(m.n_experts, 1)
+        arrays = [
+            ("model.vocab_size x model.d_model", m.vocab_size * m.d_model),
+            ("model.n_layers x model.n_experts x model.d_model x model.d_ff",
+             m.n_layers * experts * m.d_model * m.d_ff),
+            ("model.n_layers x model.d_model x model.n_heads x model.head_dim",
+             m.n_layers * m.d_model * m.n_heads * m.head_size),
+            ("model.n_layers x train.global_batch x model.seq_len x model.d_model",
+             m.n_layers * tokens * m.d_model),
+            ("train.global_batch x model.seq_len x model.d_ff", tokens * m.d_ff),
+            ("train.global_batch x model.seq_len x model.vocab_size", tokens * m.vocab_size),
+        ]  # fmt: skip
+        scores = batch * m.n_heads * m.seq_len**2
+    elif isinstance(m, UserModelConfig) and m.n_layers is not None:
+        _at_most("model.n_layers", m.n_layers, MAX_LAYERS, "the deepest models have a few hundred")
+    for name, leaf in _batch_leaves(config.data.batch or {}, "data.batch"):
+        shape = leaf.get("shape") if isinstance(leaf.get("shape"), list) else []
+        shape = [batch if size == "global_batch" else size for size in shape]
+        if shape and all(isinstance(size, int) for size in shape):
+            arrays.append((f"{name}.shape={leaf['shape']}", math.prod(shape)))
+            dims |= {f"{name}.shape": max(shape, default=1)}
+    for key, value in dims.items():
+        _at_most(key, value, MAX_DIMENSION, "JAX computes with 32-bit integers")
+    for keys, elements in arrays:
+        if elements > MAX_ARRAY_ELEMENTS:
+            if " x " in keys:
+                keys = ", ".join(f"{key}={_value_of(config, key)}" for key in keys.split(" x "))
+            raise ConfigError(
+                f"{keys}: an array of that shape would have {elements:.3g} elements, over the "
+                f"{MAX_ARRAY_ELEMENTS:.3g} (4 PiB of float32) any machine could hold; is a value mistyped?"
+            )
+    # Query-chunked attention's scores, stacked over the chunks, have L x L extent (others only
+    # blocks of it): bounded by what XLA can describe at all, a shape of 2**63 elements.
+    if scores > MAX_SCORE_ELEMENTS:
+        raise ConfigError(
+            f"train.global_batch={batch}, model.n_heads={m.n_heads}, model.seq_len={m.seq_len}: the "
+            f"attention scores (batch x heads x seq_len x seq_len) would have {scores:.3g} elements, "
+            f"over the {MAX_SCORE_ELEMENTS:.3g} XLA can describe; is a value mistyped?"
+        )
+
+
+def _at_most(key: str, value: int, limit: int, why: str) -> None:
+    if value > limit:
+        raise ConfigError(f"{key}={value}: at most {limit:,} ({why}); is the value mistyped?")
+
+
+def _value_of(config: Config, key: str):
+    if key == "model.head_dim":
+        return config.model.head_size
+    if key == "model.n_experts":
+        return max(config.model.n_experts, 1)
+    section, _, name = key.partition(".")
+    return getattr(getattr(config, section), name)
+
+
+def _batch_leaves(batch: Mapping[str, Any], key: str):
+    """Yields ``(key, {shape, dtype, axes})`` for each array a declared ``data.batch`` names."""
+    if not isinstance(batch, Mapping):
+        return
+    if "shape" in batch:
+        yield key, batch
+        return
+    for name, leaf in batch.items():
+        yield from _batch_leaves(leaf, f"{key}.{name}") if isinstance(leaf, Mapping) else ()
 
 
 def _import_path(key: str, value: str) -> None:
@@ -708,11 +830,19 @@ def _validate_rest(config: Config) -> None:
     for axis, size in axes.items():
         if size != -1 and size < 1:
             raise ConfigError(f"mesh.axes.{axis}={size}: use a positive size, or -1 for the rest")
+        _at_most(f"mesh.axes.{axis}", size, MAX_DEVICES, "devices in one mesh")
     if list(axes.values()).count(-1) > 1:
         raise ConfigError("mesh.axes: at most one axis may be -1 (it takes the remaining devices)")
     _positive("mesh.hosts", config.mesh.hosts)
     if config.mesh.devices_per_host is not None:
         _positive("mesh.devices_per_host", config.mesh.devices_per_host)
+    devices = config.mesh.device_count()
+    if devices > MAX_DEVICES:
+        sizes = ", ".join(f"{axis}: {size}" for axis, size in axes.items())
+        raise ConfigError(
+            f"mesh.axes {{{sizes}}} (with mesh.hosts={config.mesh.hosts}) make a mesh of {devices:,} "
+            f"devices, over {MAX_DEVICES:,}; is a value mistyped?"
+        )
 
     for key, dtype in (("precision.params", config.precision.params),
                        ("precision.compute", config.precision.compute)):  # fmt: skip

@@ -7,22 +7,24 @@ import re
 
 _UNITS = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
 }  # fmt: skip
+MAX_BYTES = 2**63 - 1  # XLA and the memory statistics count bytes in int64.
+_HINT = "write e.g. 1GiB, 512MiB, 2GB or 1073741824"
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: int | float | str) -> int:
     """Returns a byte count from an int or a string such as "1GiB", "512 MiB" or "2e9".
 
-    Raises ValueError with the accepted units when the value cannot be read or is not finite.
+    Raises ValueError with the accepted units when the value cannot be read or is not finite, and
+    says so when it is larger than :data:`MAX_BYTES` (8 EiB).
     """
-    hint = "write e.g. 1GiB, 512MiB, 2GB or 1073741824"
     if isinstance(value, bool):
-        raise ValueError(f"expected a byte size, got {value!r}; {hint}")
+        raise ValueError(f"expected a byte size, got {value!r}; {_HINT}")
     if isinstance(value, int):
-        return value
+        return _at_most_max(value, value)
     match = _PATTERN.match(str(value))
     unit = match.group(2).lower() if match else ""
     try:
@@ -31,10 +33,18 @@ def parse_bytes(value: int | float | str) -> int:
         else:
             number = float(value)  # "2e9", "inf", ...
     except ValueError:
-        raise ValueError(f"cannot read {value!r} as a byte size; {hint}") from None
+        raise ValueError(f"cannot read {value!r} as a byte size; {_HINT}") from None
     if not math.isfinite(number):
-        raise ValueError(f"{value!r} is not a finite byte size; {hint}")
-    return int(number)
+        raise ValueError(f"{value!r} is not a finite byte size; {_HINT}")
+    return _at_most_max(int(number), value)
+
+
+def _at_most_max(number: int, value: int | float | str) -> int:
+    if number > MAX_BYTES:
+        raise ValueError(
+            f"{value!r} is too large: {number:.3g} bytes, over the 8 EiB a byte count can hold; {_HINT}"
+        )
+    return number
 
 
 def format_bytes(n: float) -> str:

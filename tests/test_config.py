@@ -57,6 +57,14 @@ def test_a_preset_override_replaces_the_model_section_alike_everywhere(tmp_path)
 def test_reserve_accepts_units():
     config = config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "512MiB"}})
     assert config.memory.reserve == 512 * 2**20
+    assert (
+        config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "2PiB"}}).memory.reserve == 2**51
+    )
+    # Issue 20, item 14: "cannot read '99999999999PiB' as a byte size" hid that it is only too large.
+    with pytest.raises(
+        ConfigError, match=r"memory.reserve: '99999999999PiB' is too large: 1.13e\+26 bytes, over"
+    ):
+        config_from_dict({"model": {"preset": "tiny"}, "memory": {"reserve": "99999999999PiB"}})
 
 
 @pytest.mark.parametrize(
@@ -169,3 +177,21 @@ def test_aliases_within_the_limits_still_load(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("model: {preset: tiny}\nrules: {heads: &t tensor, mlp: *t}\n")
     assert load_config(path).to_dict()["rules"]["mlp"] == "tensor"
+
+
+def test_a_key_given_twice_is_an_error_naming_it_and_both_lines(tmp_path):
+    # Issue 20, item 10: YAML kept the second `model` and dropped the first without a word.
+    path = tmp_path / "twice.yaml"
+    path.write_text("name: x\nmodel: {preset: tiny}\nmodel: {preset: gpt2-124m}\n")
+    with pytest.raises(ConfigError, match=r"key 'model' is given twice, at lines 2 and 3"):
+        load_config(path)
+    path.write_text("model: {preset: tiny}\nmesh:\n  axes: {data: 2,\n    data: 4}\n")
+    with pytest.raises(ConfigError, match=r"key 'mesh.axes.data' is given twice, at lines 3 and 4"):
+        load_config(path)
+    # A merge key may be overridden after it (that is what it is for), and an alias is no repeat.
+    path.write_text(
+        "model: {preset: tiny}\nrules:\n  <<: &b {embed: fsdp, heads: fsdp}\n  heads: tensor\n"
+        "param_rules: {x: [*b, *b]}\n"
+    )
+    config = load_config(path)
+    assert config.rules == {"embed": "fsdp", "heads": "tensor"} and len(config.param_rules["x"]) == 2

@@ -1,5 +1,7 @@
 """Rough edges a new user met (issue 12): each message or figure says what it means."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -80,3 +82,95 @@ def test_cpu_report_says_what_its_budget_is(capsys):
     assert "this machine's RAM / 8 simulated devices" in text and "not a GPU prediction" in text
     assert np.isclose(report.per_device["peak"] / report.device_memory_bytes, float(
         text.split("% of its RAM share")[0].split()[-1]) / 100, atol=1e-3)  # fmt: skip
+
+
+# Issue 20, item 9: absurd sizes crashed XLA (exit 134, no output), raised tracebacks or hung.
+ABSURD = {
+    "train.global_batch=1000000000000000000": "train.global_batch=1000000000000000000: at most 2,147,483,647",
+    "model.seq_len=1000000000000": "model.seq_len=1000000000000: at most",
+    "model.d_model=1000000000000": "model.d_model=1000000000000: at most",
+    "model.vocab_size=1000000000000": "model.vocab_size=1000000000000: at most",
+    "mesh.axes.fsdp=1099511627776": "mesh.axes.fsdp=1099511627776: at most 1,048,576",
+    "model.n_layers=100000000": "model.n_layers=100000000: at most 10,000",
+    # Each dimension within bounds, their products not: XLA aborted on the L x L scores' extent.
+    "model.seq_len=2000000000": r"model.seq_len=2000000000: the attention scores .* would have 2.56e\+20",
+    "model.d_model=2000000000": r"model.d_model=2000000000, model.n_heads=4, .*would have 1.6e\+19 elements",
+    "mesh.axes.fsdp=8192": "a mesh of 16,384 devices, more than the 4096 simulated CPU devices",
+}
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+@pytest.mark.parametrize("override", list(ABSURD))
+def test_absurd_sizes_are_one_line_config_errors(command, override, capsys, monkeypatch, tmp_path):
+    import re
+
+    from shardmem.cli import main
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # train sets it otherwise
+    args = ["--target", "cpu"] if command == "plan" else ["--run-dir", str(tmp_path / "run")]
+    assert main([command, TINY, *args, "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardmem: error: ") and re.search(ABSURD[override], err)
+
+
+def test_large_but_possible_sizes_still_load():
+    config = load_config(TINY, ["model.seq_len=131072", "model.vocab_size=262144", "model.n_layers=200",
+                                "train.global_batch=4096", "mesh.axes.fsdp=4096"])  # fmt: skip
+    assert config.model.seq_len == 131072
+    from shardmem.config import config_from_dict
+
+    with pytest.raises(ConfigError, match=r"data.batch.x.shape=\['global_batch', 2000000000, 2000000\]: an"):
+        config_from_dict({"data": {"batch": {"x": {"shape": ["global_batch", 2_000_000_000, 2_000_000]}}}})
+
+
+def test_a_native_abort_while_stderr_is_silenced_still_leaves_one_line(tmp_path):
+    # XLA aborts the process (SIGABRT) on a shape whose extent overflows int64; with stderr pointed
+    # at /dev/null for the compile, the user saw nothing at all, only exit status 134.
+    import subprocess
+    import sys
+
+    script = tmp_path / "abort.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from shardmem._quiet import native_stderr_silenced\n"
+        "f = jax.jit(lambda x: jnp.broadcast_to(x, (2**31 - 1,) * 3).sum())\n"
+        "lowered = f.lower(jnp.float32(1))\n"
+        "with native_stderr_silenced():\n"
+        "    import os; os.write(2, b'expected native noise\\n')\n"
+        "    lowered.compile()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    assert done.returncode == -6  # SIGABRT, as before: only the silence changes.
+    ours = [line for line in done.stderr.splitlines() if line.startswith("shardmem:")]
+    assert ours == [
+        "shardmem: error: the process died in native code (XLA) while compiling or starting devices; its "
+        "last message: Bad StatusOr access: INVALID_ARGUMENT: overflow in static extent product: "
+        "dimensions=[2147483647, 2147483647, 2147483647]."
+    ]
+    assert "expected native noise" not in done.stderr
+
+
+def test_a_block_that_ends_normally_prints_nothing_of_what_it_silenced(capfd):
+    from shardmem._quiet import _watchers, native_stderr_silenced
+
+    with native_stderr_silenced():
+        os.write(2, b"Could not find cuda drivers\n")
+        with native_stderr_silenced():  # Nested blocks share the outer one.
+            os.write(2, b"inner noise\n")
+    os.write(2, b"after\n")
+    for watcher in _watchers:
+        assert watcher.wait(timeout=30) == 0
+    assert capfd.readouterr().err == "after\n"
+
+
+def test_mu_dtype_with_sgd_is_warned_about():
+    # Issue 20, item 14: sgd keeps no first moment, so optimizer.mu_dtype silently did nothing.
+    sgd = load_config(TINY, ["optimizer.name=sgd", "optimizer.mu_dtype=bfloat16", "model.n_layers=2",
+                             "remat.layers={}"])  # fmt: skip
+    report = shardmem.plan(sgd, target="cpu", count_remat_overhead=False)
+    assert "optimizer.mu_dtype=bfloat16 does nothing with optimizer.name=sgd (no first moment is kept)" in (
+        "\n".join(report.warnings)
+    )
+    adam = shardmem.plan(sgd.replace("optimizer.name=adamw"), target="cpu", count_remat_overhead=False)
+    assert not any("mu_dtype" in w for w in adam.warnings)

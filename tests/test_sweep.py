@@ -326,3 +326,20 @@ def test_measured_sweep_plot_picks_units_for_small_figures():
     (front,) = [line for line in ax.get_lines() if line.get_label().startswith("Pareto")]
     assert front.get_marker() == "o"  # Visible in the legend and on the chart even as a single point.
     assert min(front.get_ydata()) > 2  # 3.05 MiB, not 0.003 GiB
+
+
+def test_cli_exits_2_when_a_grid_value_is_not_a_valid_config(monkeypatch, tmp_path, capsys):
+    # Issue 20, item 12: `--grid model.attention=chunked,flash` exited 0, so scripts never noticed.
+    def fake_plan(program, target, **kwargs):
+        if program.config.model.attention == "xla":
+            raise RuntimeError("XLA fell over")  # Not the config's fault: the sweep still succeeds.
+        return _fake_report(), None
+
+    monkeypatch.setattr("shardmem.planning.memory.plan_program", fake_plan)
+    args = ["sweep", TINY, "--target", "cpu", "--jobs", "1", "--out", str(tmp_path)]
+    assert main([*args, "--grid", "model.attention=chunked,flash"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("shardmem: error: 1 of 2 candidates are not valid configs; first "
+                           "model.attention=flash: model.attention='flash'"), last  # fmt: skip
+    assert (tmp_path / "sweep.csv").exists()  # The valid candidates are still reported.
+    assert main([*args, "--grid", "model.attention=chunked,xla"]) == 0

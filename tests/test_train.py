@@ -433,3 +433,54 @@ def test_a_sigterm_while_starting_stops_the_run_saved_before_its_first_step(chil
     assert "stopped by SIGTERM at step 0" in output and "Traceback" not in output, output
     with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
         assert checkpointer.latest_step() == 0
+
+
+def test_a_save_a_killed_run_left_unfinished_is_deleted_at_the_start_with_a_note(reference, tmp_path):
+    # Issue 20, item 11: kill -9 during a save left checkpoints/<step>.orbax-checkpoint-tmp, a partial
+    # checkpoint as large as a whole one, on disk forever.
+    config, result = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(result.run_dir, run_dir)
+    unfinished = run_dir / "checkpoints" / "22.orbax-checkpoint-tmp-1764600000"
+    (unfinished / "default").mkdir(parents=True)
+    (unfinished / "default" / "data").write_bytes(b"half a checkpoint")
+    console = Console(record=True, width=400)
+    again = train(config, run_dir, console=console)
+    assert again.start_step == STEPS and not unfinished.exists()
+    (note,) = [line for line in console.export_text().splitlines() if "unfinished" in line]
+    assert note == (f"note: deleted the unfinished checkpoint save 22.orbax-checkpoint-tmp-1764600000 that a "
+                    f"stopped run left in {run_dir / 'checkpoints'}")  # fmt: skip
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["16", "20", "24"]
+
+
+def test_a_run_dir_on_a_read_only_file_system_says_so(small_disk, capsys, monkeypatch):
+    # Issue 20, item 14: it said "permission denied", which sends a user to chmod.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # start_runtime sets it otherwise
+    disk = small_disk("1m")
+    done = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {done.stderr.strip()}")
+    for run_dir in (disk, disk / "run"):
+        assert main(["train", TINY, "--run-dir", str(run_dir)]) == 2
+        assert "(read-only file system); choose another --run-dir" in capsys.readouterr().err
+
+
+def test_resuming_with_another_mu_dtype_says_the_state_is_cast(reference, tmp_path):
+    # Issue 20, item 14: the optimizer state was cast to the new optimizer.mu_dtype without a word.
+    config, result = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(result.run_dir, run_dir)
+    console = Console(record=True, width=400)
+    again = train(config.replace("optimizer.mu_dtype=bfloat16"), run_dir, console=console)
+    assert again.start_step == STEPS
+    (note,) = [line for line in console.export_text().splitlines() if "casts" in line]
+    assert (
+        note.startswith(f"note: checkpoint {STEPS} casts ")
+        and "(float32 -> bfloat16; e.g. opt_state/" in note
+    )
+    assert "mu" in note and note.endswith(
+        "optimizer.mu_dtype or precision.params differ from the run that saved it"
+    )
+    quiet = Console(record=True, width=400)
+    train(config, run_dir, console=quiet)  # The same dtypes: nothing to say.
+    assert "casts" not in quiet.export_text()

@@ -69,6 +69,7 @@ class SweepRow:
     measured_peak_bytes: int | None = None
     bubble_fraction: float | None = None  # The pipeline's idle share of each stage (None: no stage axis).
     step_time: dict[str, Any] | None = None  # The plan's predicted step time (StepTime.to_json()).
+    config_error: bool = False  # The error is the candidate's config (ConfigError): the sweep exits 2.
 
     def predicted(self, key: str) -> Any:
         """A figure of the predicted step time ("seconds", "mfu", ...), None without an estimate."""
@@ -166,7 +167,7 @@ def plan_candidate(
         program = build_program(candidate, build_mesh(candidate.mesh.axes, resolved.devices))
         report, compiled = plan_program(program, resolved, top=3)
     except Exception as e:
-        return SweepRow(overrides, error=_error_text(e))
+        return SweepRow(overrides, error=_error_text(e), config_error=isinstance(e, ConfigError))
     row = SweepRow(
         overrides, peak_bytes=report.per_device["peak"], budget_bytes=report.budget_bytes, fits=report.fits,
         margin_bytes=report.margin_bytes, flops_per_step=report.flops_per_step,

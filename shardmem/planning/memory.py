@@ -233,6 +233,7 @@ def plan_program(
     tags = hlo.checkpoint_tags(traced.jaxpr)
     warnings += _remat_warnings(config, layer_plan, tags)
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
+    warnings += _optimizer_warnings(config)
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
@@ -292,6 +293,15 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
     elif target.deviceless:
         note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
     return dataclasses.replace(report, step_time=estimate, step_time_note=note)
+
+
+def _optimizer_warnings(config: Config) -> list[str]:
+    """A setting the chosen optimizer has no use for: sgd keeps no first moment for mu_dtype to narrow."""
+    opt = config.optimizer
+    if opt.name == "sgd" and opt.mu_dtype:
+        return [f"optimizer.mu_dtype={opt.mu_dtype} does nothing with optimizer.name=sgd (no first moment "
+                "is kept); remove it, or use adam/adamw"]  # fmt: skip
+    return []
 
 
 def _remat_warnings(config: Config, layer_plan, traced_tags: set[str]) -> list[str]:

@@ -137,8 +137,19 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+#: Simulated CPU devices a plan or run may ask for: starting 4096 takes seconds, 16384 many minutes.
+MAX_CPU_DEVICES = 4096
+
+
 def ensure_cpu_devices(n: int) -> None:
-    """Asks JAX for ``n`` simulated CPU devices; only possible before JAX's backends start."""
+    """Asks JAX for ``n`` simulated CPU devices; only possible before JAX's backends start. More than
+    :data:`MAX_CPU_DEVICES` is a ConfigError (the mesh's)."""
+    if n > MAX_CPU_DEVICES:
+        raise ConfigError(
+            f"mesh.axes make a mesh of {n:,} devices, more than the {MAX_CPU_DEVICES} simulated CPU devices "
+            "JAX can start in reasonable time; plan it for a GPU target (e.g. --target h100-sxm) or use "
+            "fewer devices"
+        )
     try:
         jax.config.update("jax_num_cpu_devices", max(n, 1))
     except RuntimeError:

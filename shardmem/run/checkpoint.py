@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from shardmem.parallel.rules import path_str
 __all__ = ["CheckpointError", "Checkpointer", "MovedAside"]
 
 PyTree = Any
+_UNFINISHED = re.compile(r"^\d+\.orbax-checkpoint-tmp")  # Orbax's suffix (atomicity_types.TMP_DIR_SUFFIX).
 
 
 class CheckpointError(ShardmemError):
@@ -126,6 +128,20 @@ class Checkpointer:
             f"writing a checkpoint to {self.directory!r} failed: {reason}; stopped at once, "
             f"{kept}. Free space or fix the file system (or pick a --run-dir elsewhere), then rerun to resume"
         )
+
+    def remove_unfinished(self) -> list[str]:
+        """Deletes the temporary directories of saves that never finished (``<step>.orbax-checkpoint-tmp*``:
+        a run killed mid-save leaves one, as large as a checkpoint, that nothing reads or removes) and
+        returns their paths. Call it only while holding the run directory's lock
+        (:class:`~shardmem.run.lock.RunDirLock`), from one process: another run's save in progress
+        looks the same."""
+        removed = []
+        for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []:
+            path = os.path.join(self.directory, name)
+            if _UNFINISHED.match(name) and os.path.isdir(path):
+                shutil.rmtree(path)
+                removed.append(path)
+        return removed
 
     def _committed_steps(self) -> list[int]:
         """The steps whose directories Orbax finished, read from the disk (no Orbax state involved)."""
@@ -225,6 +241,21 @@ class Checkpointer:
     ) -> None:
         self.close()
 
+    def casts(self, abstract_state: PyTree, step: int) -> dict[str, tuple[str, str]]:
+        """Returns ``{path: (saved dtype, restored dtype)}`` for the leaves that :meth:`restore` of
+        ``step`` casts (say, after ``optimizer.mu_dtype`` changed); empty when none does, or when the
+        checkpoint has no metadata to tell."""
+        metadata = self._manager.item_metadata(step)
+        saved_tree = getattr(metadata, "tree", metadata)
+        if saved_tree is None:
+            return {}
+        saved = dict(_dtypes_by_path(saved_tree))
+        return {
+            path: (saved[path], dtype)
+            for path, dtype in _dtypes_by_path(abstract_state)
+            if saved.get(path) not in (None, dtype)
+        }
+
     def _check_matches(self, abstract_state: PyTree, step: int) -> None:
         """Raises ConfigError when the saved tree's keys or shapes differ from the target's."""
         metadata = self._manager.item_metadata(step)
@@ -262,9 +293,11 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
 
 class _QuietFailures(logging.Filter):
     """Drops the echoes of a failed restore or save that the error raised already says: asyncio's "Task
-    exception was never retrieved" for the sibling reads, Orbax's warning about unreadable metadata and
-    its ERROR log (with traceback) of a failed background save, and the "Event loop is closed" that
-    TensorStore's late callbacks raise once Orbax's loop is gone (printed as unraisable exceptions)."""
+    exception was never retrieved" for the sibling reads (and "_GatheringFuture exception ...", with a
+    page of TensorStore traceback, for a gather of them that failed after the restore had given up),
+    Orbax's warning about unreadable metadata and its ERROR log (with traceback) of a failed background
+    save, and the "Event loop is closed" that TensorStore's late callbacks raise once Orbax's loop is
+    gone (printed as unraisable exceptions)."""
 
     installed = False
 
@@ -289,7 +322,8 @@ class _QuietFailures(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if text.startswith("Task exception was never retrieved") or "but could not be restored" in text:
+        never_retrieved = re.match(r"\w+ exception was never retrieved", text)  # Task, _GatheringFuture, ...
+        if never_retrieved or "but could not be restored" in text:
             return False  # The second: item_metadata of a checkpoint whose _METADATA is gone.
         # A failed background save, logged (by several of Orbax's threads) with its traceback: the
         # Checkpointer raises it as a CheckpointError with the gist, so the log would only bury that.
@@ -322,3 +356,10 @@ def _shapes_by_path(tree: PyTree) -> Iterator[tuple[str, tuple[int, ...]]]:
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         yield path_str(path), tuple(getattr(leaf, "shape", ()))
+
+
+def _dtypes_by_path(tree: PyTree) -> Iterator[tuple[str, str]]:
+    """Yields ("a/b/0/mu", "bfloat16") per leaf that has a dtype, named as :func:`_shapes_by_path` does."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if getattr(leaf, "dtype", None) is not None:
+            yield path_str(path), str(jax.numpy.dtype(leaf.dtype))

@@ -140,6 +140,8 @@ def train(
             raise DoesNotFitError(message, report)
         _say(console, f"[yellow]warning:[/yellow] {message.split('; make')[0]}; running anyway (--force)")
 
+    for warning in report.warnings:  # What `plan` would warn about (a rule sharding nothing, ...).
+        _say(console, f"[yellow]warning:[/yellow] {warning}")
     preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower()
     if preallocate in ("false", "0") and not report.approximate:
         _say(
@@ -162,11 +164,14 @@ def train(
         lock.release()
         raise
     try:
+        _remove_unfinished_saves(checkpointer, console)
         start, state, moved = checkpointer.restore_newest(program.abstract_state)
         for corrupt in moved:
             resumed = f"resuming from step {start}" if start is not None else "starting again from step 0"
             _say(console, f"[yellow]warning:[/yellow] checkpoint {corrupt.step} does not restore "
                           f"({corrupt.reason}); moved it to {corrupt.path}; {resumed}")  # fmt: skip
+        if start is not None:
+            _say_casts(checkpointer.casts(program.abstract_state, start), start, console)
         if start is None:
             start, state = 0, program.init()
         if lead:  # Only now: a resume that cannot restore leaves the run's files as they were.
@@ -402,6 +407,29 @@ def _lock_run_dir(run_dir: Path, console: Console) -> RunDirLock:
     return lock
 
 
+def _say_casts(casts: dict[str, tuple[str, str]], step: int, console: Console) -> None:
+    """One line when the resumed state is cast from the checkpoint's dtypes (optimizer.mu_dtype or
+    precision.params changed since it was saved): values are rounded, the run goes on otherwise."""
+    if not casts:
+        return
+    changes = sorted({f"{saved} -> {wanted}" for saved, wanted in casts.values()})
+    example = next(iter(sorted(casts)))
+    _say(console, f"note: checkpoint {step} casts {len(casts)} arrays on restore ({', '.join(changes)}; "
+                  f"e.g. {example}): optimizer.mu_dtype or precision.params differ from the run that saved "
+                  "it")  # fmt: skip
+
+
+def _remove_unfinished_saves(checkpointer: Checkpointer, console: Console) -> None:
+    """Process 0, holding the run lock, deletes the temporary directories of saves a killed run never
+    finished (no other run writes here); every process waits for it, then one line says what went."""
+    removed = checkpointer.remove_unfinished() if jax.process_index() == 0 else []
+    text = _from_process_0(", ".join(os.path.basename(path) for path in removed))
+    if text:
+        what = f"saves {text}" if ", " in text else f"save {text}"
+        _say(console, f"note: deleted the unfinished checkpoint {what} that a stopped run left in "
+                      f"{checkpointer.directory}")  # fmt: skip
+
+
 def _from_process_0(text: str) -> str:
     """Returns process 0's ``text`` on every process (all of them must call this together)."""
     if jax.process_count() == 1:
@@ -427,10 +455,19 @@ def _check_run_dir(run_dir: Path) -> None:
             )
         if not os.access(path, os.W_OK | os.X_OK):
             what = "write to it" if path == run_dir else f"create it in {str(path)!r}"
+            why = "read-only file system" if _read_only(path) else "permission denied"
             raise ConfigError(
-                f"run directory {str(run_dir)!r}: cannot {what} (permission denied); choose another --run-dir"
+                f"run directory {str(run_dir)!r}: cannot {what} ({why}); choose another --run-dir"
             )
         return
+
+
+def _read_only(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is on a file system mounted read-only (then no permission would help)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _any_process(flag: bool) -> bool:
