@@ -247,8 +247,8 @@ def plan_program(
         if any(p.remats for p in policies):
             baseline = None
             if count_remat_overhead:  # Tracing the step without remat costs no compile.
-                plain = build_program(config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}"),
-                                      program.mesh, **program.build_args)  # fmt: skip
+                plain = config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}")
+                plain = build_program(plain, program.mesh, **program.build_args)
                 baseline = hlo.matmul_flops(
                     plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
                 )
@@ -316,17 +316,21 @@ def _remat_warnings(config: Config, layer_plan, traced_tags: set[str]) -> list[s
                 "name its layers in remat.modules (e.g. {'blocks_*': full})"
             ]
         return []
-    warnings = []
-    for policy in dict.fromkeys(layer_plan.policies):
-        named = policy.named_tags()
-        if named and not traced_tags & set(named):
-            yours = ", ".join(sorted(traced_tags)) or "none"
-            warnings.append(
-                f"remat policy {policy.name!r} keeps the tags {', '.join(named)}, but the step tags none of "
-                f"them (its checkpoint_name tags: {yours}), so those layers recompute everything as 'full' "
-                "would; list your tags in remat.tags or use remat.policy=custom"
-            )
-    return warnings
+    warnings = [_missing_tags(f"remat policy {policy.name!r}", policy, traced_tags, "layers",
+                              "use remat.policy=custom")
+                for policy in dict.fromkeys(layer_plan.policies)]  # fmt: skip
+    return [w for w in warnings if w]
+
+
+def _missing_tags(what: str, policy, traced_tags: set[str], where: str, fix: str) -> str | None:
+    """The warning for a policy that keeps tags by name when the step has none of them, or None."""
+    named = policy.named_tags()
+    if not named or traced_tags & set(named):
+        return None
+    yours = ", ".join(sorted(traced_tags)) or "none"
+    return (f"{what} keeps the tags {', '.join(named)}, but the step tags none of them (its checkpoint_name "
+            f"tags: {yours}), so those {where} recompute everything as 'full' would; list your tags in "
+            f"remat.tags or {fix}")  # fmt: skip
 
 
 def _module_warnings(modules, matched: set[str], traced_tags: set[str]) -> list[str]:
@@ -339,14 +343,9 @@ def _module_warnings(modules, matched: set[str], traced_tags: set[str]) -> list[
                 "rematerialized for it; match a submodule's path (decoder/blocks_0), name (blocks_0) or "
                 "class name (DecoderBlock)"
             )
-        named = policy.named_tags()
-        if named and not traced_tags & set(named):
-            yours = ", ".join(sorted(traced_tags)) or "none"
-            warnings.append(
-                f"remat.modules.{pattern}={policy.name!r} keeps the tags {', '.join(named)}, but the step "
-                f"tags none of them (its checkpoint_name tags: {yours}), so those modules recompute "
-                "everything as 'full' would; list your tags in remat.tags or use another policy"
-            )
+        missing = _missing_tags(f"remat.modules.{pattern}={policy.name!r}", policy, traced_tags, "modules",
+                                "use another policy")  # fmt: skip
+        warnings += [missing] if missing else []
     return warnings
 
 
