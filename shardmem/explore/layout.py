@@ -373,10 +373,15 @@ def search_layouts(
             estimates = {layout: estimator(layout) for layout in layouts if layout not in compiled}
             fitting = [lay for lay, est in estimates.items() if est.peak_bytes <= budget * _ESTIMATE_REJECT]
             best_mesh: dict[tuple, Layout] = {}
-            for layout in sorted(fitting, key=lambda lay: (estimates[lay].seconds, lay.zero1)):
+
+            # Estimated to fit before estimated near the budget, then the fastest-looking.
+            def rank(lay: Layout, estimates=estimates) -> tuple:
+                return estimates[lay].peak_bytes > budget, estimates[lay].seconds, lay.zero1
+
+            for layout in sorted(fitting, key=rank):
                 best_mesh.setdefault(layout.sizes, layout)  # The fastest-looking variant of each mesh.
             tried = {lay.sizes for lay, r in compiled.items() if r.fits}
-            order = [lay for lay in best_mesh.values() if lay.sizes not in tried]
+            order = sorted((lay for lay in best_mesh.values() if lay.sizes not in tried), key=rank)
             if not order:
                 break
             best = min((r.seconds for r in compiled.values() if r.fits), default=math.inf)
