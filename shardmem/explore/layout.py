@@ -448,7 +448,3 @@ def why_winner(first: Ranked, second: Ranked | None) -> str:
     return (f"it beats the runner-up ({second.layout.describe()}) by {format_seconds(faster)} per step "
             f"({faster / second.seconds:.0%}), most of it in {term.replace('_', ' ')} "
             f"({format_seconds(gain)} less)")  # fmt: skip
-
-
-def margin_text(ranked: Ranked) -> str:
-    return f"{format_bytes(abs(ranked.margin_bytes))} {'to spare' if ranked.margin_bytes >= 0 else 'over'}"

@@ -458,11 +458,14 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
 def _tune_layout(
     planner: _Planner, target, allow_offload: bool, objective: str, jobs: int | None
 ) -> TuneResult:
-    from shardmem.explore.layout import margin_text, search_layouts, why_winner
+    from shardmem.explore.layout import search_layouts, why_winner
 
     config = planner.base
+    # Compiles kept back: the winner's full report, and a per-layer remat search on its mesh.
+    kept = 1 + min(6, planner.max_compiles // 4)
     ranked, compiles, notes = search_layouts(
-        config, planner.target, target, max_compiles=planner.max_compiles, jobs=jobs, objective=objective,
+        config, planner.target, target, max_compiles=max(planner.max_compiles - kept, 1), jobs=jobs,
+        objective=objective,
         allow_offload=allow_offload, progress=planner.progress, note=planner.note,
     )  # fmt: skip
     planner.compiles = compiles
@@ -475,17 +478,41 @@ def _tune_layout(
     best = ranked[0]
     tuned = config.replace(*best.overrides)
     report = plan(tuned, planner.target, top=5)  # The winner's full report (one more compile).
-    st = best.step_time
+    compiles += 1
+    refined = None
+    left = planner.max_compiles - compiles
+    if best.layout.policy != "none" and left >= 3:
+        # Per-layer remat on the winning mesh: the cheapest mix that fits, kept if it is faster.
+        planner.progress(f"per-layer remat for {best.layout.describe()} ({left} compiles left)")
+        mixed = tune(tuned, planner.target, search="remat", allow_offload=allow_offload, max_compiles=left)
+        compiles += mixed.compiles
+        if (
+            mixed.found
+            and mixed.report.step_time
+            and mixed.report.step_time.seconds < report.step_time.seconds
+        ):
+            refined = (f"per-layer remat {mixed.config.remat_plan().describe()} instead of uniform "
+                       f"{best.layout.policy}: {format_seconds(report.step_time.seconds)} -> "
+                       f"{format_seconds(mixed.report.step_time.seconds)} per step "
+                       f"({mixed.compiles} compiles)")  # fmt: skip
+            tuned, report = mixed.config, mixed.report
+    planner.compiles = compiles
+    st = report.step_time.to_json() if refined else best.step_time
     explanation = [
         f"budget {format_bytes(budget)} per device on {target.label}",
         f"chose {best.layout.describe()}: predicted {format_seconds(st['seconds'])} per step"
         + (f", {st['tokens_per_second']:,.0f} tokens/s" if st.get("tokens_per_second") else "")
         + (f", MFU {st['mfu']:.1%}" if st.get("mfu") is not None else "")
-        + f"; peak {format_bytes(best.peak_bytes)}, {margin_text(best)}",
+        + f"; peak {format_bytes(report.per_device['peak'])}, {_margin(report.margin_bytes)}",
         why_winner(best, ranked[1] if len(ranked) > 1 else None),
-        *notes,
+        *([refined] if refined else []),
+        *notes[:-1],
+        f"{compiles} compiles in all ({notes[-1]})",
     ]
     chosen = next(t for t in reversed(planner.trials) if t.overrides == best.overrides)
+    if refined:
+        chosen = mixed.chosen
+        planner.trials.extend(mixed.trials)
     return TuneResult("layout", tuned, report, chosen, planner.trials, compiles, budget, target.label,
                       explanation, ranked=[dataclasses.asdict(r) | {"describe": r.layout.describe()}
                                            for r in ranked])  # fmt: skip
