@@ -188,7 +188,7 @@ class Estimator:
         static = 2 * param_bytes + optimizer
         key = (layout.policy, s > 1)
         scales = self.activation_scale
-        scale = scales.get(key, scales.get((layout.policy, not key[1]), max(scales.values(), default=1.0)))
+        scale = scales.get(key, 1.0)  # Unscaled until a compile of the same kind says otherwise.
         activations = residual * scale
 
         # Time.
