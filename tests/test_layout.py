@@ -68,3 +68,14 @@ def test_cli_tune_layout_writes_a_config_plan_accepts(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["tune", TINY, "--search", "layout", "--objective", "fastest"])
     assert exit_.value.code == 2
+
+
+@pytest.mark.slow
+def test_throughput_grows_the_top_layouts_batches_and_ranks_by_tokens_per_second():
+    config = load_config(TINY, ["remat.layers={}", "remat.policy=full"])
+    result = tune(config, "cpu", search="layout", objective="throughput", max_compiles=6, jobs=1)
+    assert result.found and result.compiles <= 6
+    rates = [row["step_time"]["tokens_per_second"] for row in result.ranked]
+    assert rates == sorted(rates, reverse=True)
+    grown = [row for row in result.ranked if row["layout"]["global_batch"]]
+    assert grown and all(row["layout"]["global_batch"] > 16 for row in grown)
