@@ -491,7 +491,8 @@ def _tune_layout(
             mixed = None
             notes.insert(
                 -1,
-                f"per-layer remat search stopped by a compile failure (its compiles are not counted): {str(e)[:120]}",
+                "per-layer remat search stopped by a compile failure (its compiles are not counted): "
+                + str(e)[:120],
             )
         compiles += mixed.compiles if mixed else 0
         if (
