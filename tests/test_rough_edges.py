@@ -174,3 +174,23 @@ def test_mu_dtype_with_sgd_is_warned_about():
     )
     adam = shardmem.plan(sgd.replace("optimizer.name=adamw"), target="cpu", count_remat_overhead=False)
     assert not any("mu_dtype" in w for w in adam.warnings)
+
+
+def test_the_tune_summary_keeps_each_figure_on_one_line():
+    # Issue 20, item 14: in a narrow terminal the figures wrapped, "0 B" into "0" over "B".
+    import io
+
+    from rich.console import Console
+
+    from shardmem.explore.tune import Trial, TuneResult, render_tune
+
+    why = "the cheapest plan that fits: it recomputes the attention only, keeping the MLP's projections"
+    trials = [
+        Trial("remat.policy=minimal remat.layers={0-3: full}", (), 2**30, 0, 0.123, True, "compiled", why)
+    ]
+    result = TuneResult("remat", None, None, trials[0], trials, 1, 2**31, "cpu", ["searched 1", "chose it"])
+    out = Console(file=io.StringIO(), width=60)
+    out.print(render_tune(result))
+    lines = out.file.getvalue().splitlines()
+    row = next((line for line in lines if "fits" in line), "")
+    assert all(figure in row for figure in ("1.00 GiB", "0 B", "+12.3%")), "\n".join(lines)
