@@ -194,3 +194,16 @@ def test_the_tune_summary_keeps_each_figure_on_one_line():
     lines = out.file.getvalue().splitlines()
     row = next((line for line in lines if "fits" in line), "")
     assert all(figure in row for figure in ("1.00 GiB", "0 B", "+12.3%")), "\n".join(lines)
+
+
+def test_the_default_sweep_output_folder_is_ignored_by_git():
+    # Issue 20, item 14: `sweep` without --out writes sweep-<config name>/ into the checkout.
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "check-ignore", "-q", "sweep-tiny/sweep.csv"], cwd=root)
+    assert done.returncode == 0, "sweep-*/ is missing from .gitignore"
