@@ -48,3 +48,21 @@ def test_python_example_runs(tmp_path, name, code):
         assert "Could not find cuda drivers" not in result.stderr
     for html in re.findall(r'save_html\("([^"]+)"\)', code):
         assert "peak" in (tmp_path / html).read_text()
+
+
+@pytest.mark.slow
+def test_readme_figures_for_the_shipped_llama_70b_config_are_its_plan():
+    # Issue 20, item 14: the pipeline table labelled a global-batch-32, 1-micro-batch row (38.27 GiB) as
+    # llama-70b.yaml, which trains 64 sequences in 2 micro-batches (42.31 GiB).
+    import shardmem
+    from shardmem.units import format_bytes
+
+    text = (ROOT / "docs" / "guides" / "pipeline-parallelism.md").read_text()
+    assert not re.search(r"\| [^|]*\(`llama-70b\.yaml`\) \|", text), "a table row still names llama-70b.yaml"
+    claim = re.search(r"shipped `llama-70b\.yaml` trains global batch (\d+) in (\d+) micro-batches of \d+: "
+                      r"([\d.]+ GiB) peak", text)  # fmt: skip
+    assert claim, "the pipeline guide no longer says what the shipped llama-70b.yaml plans at"
+    config = shardmem.load_config(ROOT / "configs" / "llama-70b.yaml")
+    assert (config.train.global_batch, config.train.micro_batches) == (int(claim[1]), int(claim[2]))
+    report = shardmem.plan(config, count_remat_overhead=False)
+    assert format_bytes(report.per_device["peak"]) == claim[3]

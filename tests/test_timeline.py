@@ -209,3 +209,28 @@ def test_plan_html_to_an_unwritable_place_is_a_usage_error_before_compiling(tmp_
     result = _cli(*args)
     assert result.returncode == 2 and "--html" in result.stderr and "cannot write there" in result.stderr
     assert "Traceback" not in result.stderr and not result.stdout
+
+
+def test_html_ticks_are_round_and_the_png_title_has_the_verdict(gpt2_report):
+    # Issue 20, item 14: the HTML's y ticks were fifths of the axis (13.3, 26.6, ...), the PNG's round;
+    # the PNG's title did not say whether the step fits.
+    import re
+
+    import numpy as np
+
+    figure = timeline(gpt2_report)
+    ticks = [float(t) for t in re.findall(r'text-anchor="end">([0-9.e+-]+)</text>', figure.to_svg())]
+    step = ticks[1] - ticks[0]
+    mantissa = step / 10 ** np.floor(np.log10(step))
+    assert ticks[0] == 0 and any(np.isclose(mantissa, m) for m in (1, 2, 2.5, 5)), ticks
+    assert np.allclose(np.diff(ticks), step) and 3 <= len(ticks) <= 6, ticks
+    title = figure.figure().axes[0].get_title(loc="left")
+    peak, budget = (
+        shardmem.units.format_bytes(b) for b in (gpt2_report.per_device["peak"], gpt2_report.budget_bytes)
+    )
+    assert title.endswith(
+        f"memory timeline; peak {peak} of {budget}: {'fits' if gpt2_report.fits else 'DOES NOT FIT'}"
+    )
+    from shardmem.planning.timeline import _round_ticks
+
+    assert _round_ticks(66.6) == [0, 20, 40, 60] and _round_ticks(0.3) == [0, 0.1, 0.2, 0.3]

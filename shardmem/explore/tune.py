@@ -657,9 +657,8 @@ def render_tune(result: TuneResult):
         return _render_layout(result)
     table = Table(title=f"shardmem tune --search {result.search}", title_justify="left", show_edge=False)
     for column in ("candidate", "peak / device", "host", "recompute", "verdict", "how", "why"):
-        table.add_column(
-            column, justify="right" if column in ("peak / device", "host", "recompute") else "left"
-        )
+        figure = column in ("peak / device", "host", "recompute")  # Never "0" over "B": the why wraps.
+        table.add_column(column, justify="right" if figure else "left", no_wrap=figure)
     for t in result.trials:
         peak = (
             "-"

@@ -16,6 +16,7 @@ temporaries) and both are drawn.
 from __future__ import annotations
 
 import html
+import math
 from pathlib import Path
 
 from shardmem.errors import PlanError
@@ -120,11 +121,11 @@ class Timeline:
             f"<title>{html.escape(self._summary())}</title>",
         ]
         unit, scale = _unit(y_max)
-        for i in range(6):  # Axis and grid.
-            v = y_max * i / 5
+        for tick in _round_ticks(y_max / scale):  # Axis and grid, at round values as the PNG's.
+            v = tick * scale
             out.append(
                 f'<line x1="{left}" x2="{left + plot_w}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>'
-                f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v / scale:.3g}</text>'
+                f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{tick:g}</text>'
             )
         out.append(
             f'<text x="16" y="{top + plot_h / 2}" transform="rotate(-90 16 {top + plot_h / 2})" '
@@ -296,7 +297,10 @@ each buffer is counted once however many values XLA aliases into it. Hover a ban
         ax.set_xlim(0, max(self.schedule.length - 1, 1))
         ax.set_xlabel("position in the compiled step's schedule")
         ax.set_ylabel(f"live bytes per device ({unit})")
-        ax.set_title(f"{r.name} · {r.target}: memory timeline", loc="left")
+        verdict = "fits" if r.fits else "DOES NOT FIT"
+        peak, budget = format_bytes(self.report_peak_bytes), format_bytes(r.budget_bytes)
+        title = f"{r.name} · {r.target}: memory timeline; peak {peak} of {budget}: {verdict}"
+        ax.set_title(title, loc="left", color="black" if r.fits else "#D55E00")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
         ax.grid(alpha=0.3)
         figure.tight_layout()
@@ -321,6 +325,16 @@ def _columns(live: list[int], limit: int) -> list[int]:
         return list(range(len(live)))
     size = -(-len(live) // limit)
     return [max(range(i, min(i + size, len(live))), key=live.__getitem__) for i in range(0, len(live), size)]
+
+
+def _round_ticks(top: float, most: int = 6) -> list[float]:
+    """Returns 0, step, 2 step, ... up to ``top``: at most ``most`` ticks, the step 1, 2, 2.5 or 5 times a
+    power of ten (13.3, 26.6, ... tell a reader nothing)."""
+    if top <= 0:
+        return [0.0]
+    power = 10 ** math.floor(math.log10(top / most))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10, 20) if round(top / (m * power), 9) < most)
+    return [round(i * step, 10) for i in range(int(top / step + 1e-9) + 1)]
 
 
 def _unit(value: float) -> tuple[str, int]:
