@@ -18,6 +18,8 @@ every child so far, not this one's). The median of the repeats is compared with 
   attention, the lean layer) and compiles in under 15 s; Llama-3.2-1B (vocabulary 128,256), sequences of
   2,048, global batch 16, FSDP over 8 H100s, no remat: the chunked loss lowers the peak by at least the
   fp32 logits (2 sequences x 2,048 x 128,256 x 4 bytes per device).
+- issue 20: llama-70b over 64 H100s under 5 s idle; llama-405b widths over 1,024 H100s under 10 s (measured,
+  not a bar here: see BENCHMARKS.md for what the machine allows);
 - issue 13: llama-70b over 64 H100s with ``stage: 8`` (``configs/llama-70b-pipeline.yaml``) plans in under
   30 s and 3 GB resident, and its bubble is (stages - 1) / (micro-batches + stages - 1).
 
@@ -79,6 +81,11 @@ CASES = (
          (*LLAMA_1B, "model.loss_chunk=auto")),
     Case("llama-70b / 64 x H100, stage 8", "configs/llama-70b-pipeline.yaml", "h100-sxm"),
 )  # fmt: skip
+# Llama-3.1-405B widths over 128 hosts x 8 H100s (1,024 devices), from the 70B config's layout (issue 20).
+LLAMA_405B = ("model.d_model=16384", "model.n_layers=126", "model.n_heads=128", "model.n_kv_heads=8",
+              "model.d_ff=53248", "model.vocab_size=128256", "mesh.hosts=128",
+              "train.global_batch=1024")  # fmt: skip
+CASES += (Case("llama-405b widths / 1,024 x H100", "configs/llama-70b.yaml", "h100-sxm", LLAMA_405B),)
 LOGITS_1B = 2 * 2048 * 128256 * 4  # fp32 logits per device: 16 sequences over fsdp 8.
 
 

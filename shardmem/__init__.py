@@ -33,7 +33,6 @@ from shardmem.planning.report import render  # noqa: E402
 from shardmem.planning.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
 from shardmem.planning.timeline import Timeline, timeline  # noqa: E402
 from shardmem.remat import LayerPlan, ModulePlan, RematPolicy, remat_modules, remat_scan  # noqa: E402
-from shardmem.run.training import TrainResult, train  # noqa: E402
 from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
 
 __all__ = [
@@ -76,3 +75,17 @@ __all__ = [
     "train",
 ]
 __version__ = "0.1.0"
+
+# Training needs Orbax and the run machinery, which planning never uses: imported on first use, so that
+# `import shardmem` (and `shardmem plan`) does not pay for them.
+_LAZY = {"TrainResult": "shardmem.run.training", "train": "shardmem.run.training"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardmem' has no attribute {name!r}")

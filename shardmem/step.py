@@ -40,6 +40,7 @@ from shardmem.models.linen import remat_calls
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig
 from shardmem.models.user import import_object, search_from, takes
 from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
+from shardmem.parallel.mesh import auto_axes
 from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
 from shardmem.remat import LayerPlan, ModulePlan, remat_modules
@@ -217,8 +218,11 @@ def build_program(
     returns a scalar loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
     :mod:`shardmem.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
     (``batch_shape`` changes its shape). ``attention`` overrides the reference model's kernel, resolved
-    by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`).
+    by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`). A mesh with
+    Explicit or Manual axes (``jax.make_mesh``'s default) is planned with Auto axes, as :func:`build_mesh`
+    makes them (:func:`shardmem.parallel.mesh.auto_axes`), so it builds the same program.
     """
+    mesh = auto_axes(mesh)
     train = config.train
     custom = model_factory is not None or config.user_model
     rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)

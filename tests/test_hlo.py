@@ -40,6 +40,41 @@ def test_readable_scopes():
     assert hlo.readable_scope("state['params']['layers']['wq']") == "state/params/layers/wq (argument)"
 
 
+STACKED = """\
+%fused_dynamic_update_slice.10 (param_0.531: bf16[4,2,64,192], param_1.524: s32[], param_2.400: bf16[2,64,192]) -> bf16[4,2,64,192] {
+  %param_0.531 = bf16[4,2,64,192]{3,2,1,0} parameter(0), metadata={scheduling_name="param_0.531"}
+  %param_2.400 = bf16[2,64,192]{2,1,0} parameter(2), metadata={scheduling_name="param_2.400"}
+  %bitcast.33.1 = bf16[1,2,64,192]{3,2,1,0} bitcast(%param_2.400), metadata={op_name="jit(train_step)/jvp(layers_0-3)/while/body/jit(dynamic_update_index_in_dim)/broadcast_in_dim"}
+  %copy.208 = bf16[1,2,64,192]{3,2,1,0} copy(%bitcast.33.1)
+  %param_1.524 = s32[] parameter(1), metadata={scheduling_name="param_1.524"}
+  %constant_15 = s32[] constant(0)
+  ROOT %dynamic-update-slice.21.1 = bf16[4,2,64,192]{3,2,1,0} dynamic-update-slice(%param_0.531, %copy.208, %param_1.524, %constant_15, %constant_15, /*index=5*/%constant_15), metadata={op_name="jit(train_step)/jvp(layers_0-3)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice"}
+}
+
+%body (param.59: (s32[], bf16[2,64,64], bf16[4,2,64,192], bf16[4,2,64,64])) -> (s32[], bf16[2,64,64], bf16[4,2,64,192], bf16[4,2,64,64]) {
+  %param.59 = (s32[], bf16[2,64,64], bf16[4,2,64,192], bf16[4,2,64,64]) parameter(0)
+  %get-tuple-element.629 = bf16[2,64,64]{2,1,0} get-tuple-element(%param.59), index=1
+  %get-tuple-element.634 = bf16[4,2,64,192]{3,2,1,0} get-tuple-element(%param.59), index=2
+  %get-tuple-element.636 = bf16[4,2,64,64]{3,2,1,0} get-tuple-element(%param.59), index=3
+  %copy.63 = s32[] copy(%i)
+  %gate.1 = bf16[2,64,192]{2,1,0} fusion(%get-tuple-element.629, %w), kind=kCustom, calls=%gemm, metadata={op_name="jit(train_step)/jvp(layers_0-3)/while/body/closed_call/mlp/remat2"}
+  %loop_dynamic_update_slice_fusion.11 = bf16[4,2,64,192]{3,2,1,0} fusion(%get-tuple-element.634, %copy.63, %gate.1), kind=kCustom, calls=%fused_dynamic_update_slice.10, metadata={op_name="jit(train_step)/jvp(layers_0-3)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice"}
+  %dynamic-update-slice.5 = bf16[4,2,64,64]{3,2,1,0} dynamic-update-slice(%get-tuple-element.636, %get-tuple-element.629, %copy.63, %copy.63, %copy.63), metadata={op_name="jit(train_step)/jvp(layers_0-3)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice"}
+}
+"""
+
+
+def test_stacked_residuals_are_named_by_the_op_that_made_them():
+    # A scan stores each layer's residual into its stack with a dynamic_update_slice (fused or not); the
+    # buffer is named by what the stored value is: the MLP's output here, the layer's input (the carry).
+    table = hlo._instructions(STACKED)
+    mlp = hlo._scope_of(table, "loop_dynamic_update_slice_fusion.11")
+    carry = hlo._scope_of(table, "dynamic-update-slice.5")
+    assert mlp == "layers_0-3/mlp (stacked for the backward pass)"
+    assert carry == "layers_0-3/layer input (stacked for the backward pass)"
+    assert (hlo.category(mlp), hlo.category(carry)) == ("mlp", "layers (other)")
+
+
 def test_matmul_flops_count_scan_trips():
     def f(ws, x):
         return jax.lax.scan(lambda x, w: (x @ w, None), x, ws)[0].sum()

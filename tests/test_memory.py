@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -155,6 +159,19 @@ def test_public_api_exports_the_headline_functions():
         "ConfigError",
     ):
         assert hasattr(shardmem, name) and getattr(shardmem, name).__doc__
+
+
+def test_planning_does_not_import_the_training_machinery():
+    # Orbax and the run loop cost a plan about a tenth of its start-up (python -X importtime):
+    # `import shardmem` and the CLI leave them to the first use of shardmem.train.
+    code = ("import sys, shardmem, shardmem.cli, shardmem.planning.memory\n"
+            "heavy = ('orbax.checkpoint', 'shardmem.run.training', 'matplotlib')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n"
+            "from shardmem import train, TrainResult\n"
+            "print(train.__module__, 'orbax.checkpoint' in sys.modules)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    assert done.stdout.split("\n")[:2] == ["[]", "shardmem.run.training True"], done.stdout
 
 
 def test_a_deviceless_mesh_that_does_not_match_the_devices_names_devices_per_host():

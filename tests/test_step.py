@@ -111,3 +111,22 @@ def test_mesh_errors_name_the_axes_and_the_device_count():
     with pytest.raises(ConfigError, match=r"does not divide the 8 devices"):
         build_mesh({"data": 3, "fsdp": -1}, jax.devices())
     assert dict(build_mesh({"data": 2, "fsdp": -1}, jax.devices()).shape) == {"data": 2, "fsdp": 4}
+
+
+def test_the_same_config_builds_the_same_program_on_a_jax_make_mesh_mesh():
+    # jax.make_mesh makes Explicit axes by default (sharding in types): the rules' specs then fail, or
+    # lower to another program. build_mesh pins Auto axes and build_program plans any mesh with them.
+    from jax.sharding import AxisType
+
+    config = config_from_dict({"model": {"preset": "tiny", "n_layers": 2}, "train": {"global_batch": 8},
+                               "mesh": {"axes": {"data": 2, "fsdp": 4}}})  # fmt: skip
+    ours = build_mesh(config.mesh.axes, jax.devices()[:8])
+    assert ours.axis_types == (AxisType.Auto, AxisType.Auto)
+    theirs = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2,
+                           devices=jax.devices()[:8])  # fmt: skip
+
+    def lowered(mesh):
+        program = build_program(config, mesh)
+        return program.step.trace(program.abstract_state, program.abstract_batch).lower().as_text()
+
+    assert lowered(theirs) == lowered(ours)

@@ -4,6 +4,10 @@
 
 Devices are ordered host by host, so the last mesh axes vary within a host (fast interconnect) and the
 first ones across hosts (the data-centre network): put ``tensor`` last and ``data`` first.
+
+Every axis is ``AxisType.Auto`` (the compiler propagates shardings from the rules' constraints), pinned
+rather than left to JAX's default: ``jax.make_mesh`` makes Explicit axes (sharding in types), under which
+the same config would build another program, or none. :func:`auto_axes` converts a mesh made elsewhere.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from shardmem.errors import ConfigError
 
@@ -43,4 +47,12 @@ def build_mesh(axes: Mapping[str, int], devices: Sequence) -> Mesh:
     sizes = resolve_axes(axes, len(devices))
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     grid = np.array(ordered, dtype=object).reshape(tuple(sizes.values()))
-    return Mesh(grid, tuple(sizes))
+    return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """Returns ``mesh`` with every axis ``AxisType.Auto`` (itself when they already are): the axis type
+    :func:`build_mesh` gives and shardmem's rules are written for, e.g. for a ``jax.make_mesh`` mesh."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

@@ -150,7 +150,7 @@ class LiveBuffer:
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<rest>.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_NOISE = {"while", "body", "closed_call", "checkpoint", "remat", "rematted_computation", "pjit",
+_NOISE = {"while", "body", "closed_call", "checkpoint", "remat", "remat2", "rematted_computation", "pjit",
           "cond", "branch_0", "branch_1", "core_call", "custom_jvp_call", "custom_vjp_call"}  # fmt: skip
 
 
@@ -220,10 +220,15 @@ def _instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
 
     Instructions XLA created without metadata borrow it: a fusion from the computation it calls, a
     loop's parameter is named as the loop's carried state, anything else from its first operand that
-    has a name (shown as "from ...")."""
+    has a name (shown as "from ..."). A scan's stacked residual (the ``dynamic_update_slice`` that stores
+    one layer's value into the stack) is named by the op that made the stored value, marked "stacked "."""
     table: dict[str, tuple[str, str]] = {}
     calls: dict[str, str] = {}
     operands: dict[str, list[str]] = {}
+    opcodes: dict[str, str] = {}
+    parameters: dict[str, int] = {}  # parameter instruction -> its index
+    roots: dict[str, str] = {}  # computation -> its ROOT instruction
+    unnamed: list[str] = []
     first_op: dict[str, str] = {}
     current = ""
     for line in hlo_text.splitlines():
@@ -238,26 +243,67 @@ def _instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
         shape, remainder = _split_shape(match.group("rest"))
         op = _OP_NAME.search(remainder)
         op_name = op.group(1) if op else ""
+        opcode, _, args = remainder.strip().partition("(")
+        opcodes[name] = opcode
+        operands[name] = _OPERAND.findall(re.sub(r"/\*.*?\*/", "", args.split(")", 1)[0]))
+        called = _CALLED.search(remainder)
+        if called:
+            calls[name] = called.group(1)
+        if opcode == "parameter":
+            parameters[name] = int(args.split(")", 1)[0] or 0)
+        if line.lstrip().startswith("ROOT"):
+            roots[current] = name
         if op_name and current:
             first_op.setdefault(current, op_name)
         if not op_name:
-            opcode, _, args = remainder.strip().partition("(")
-            called = _CALLED.search(remainder)
-            if called:
-                calls[name] = called.group(1)
-            elif opcode == "parameter" and not current.startswith("main"):
+            if opcode == "parameter" and not current.startswith("main"):
                 op_name = "loop or call carried state"
-            operands[name] = _OPERAND.findall(args.split(")", 1)[0])
+            elif not called:
+                unnamed.append(name)
         table[name] = (shape, op_name)
     for name, computation in calls.items():
-        table[name] = (table[name][0], first_op.get(computation, ""))
-    for name, args in operands.items():  # Still unnamed: borrow from an operand.
-        if table[name][1]:
-            continue
-        near = next((table[a][1] for a in args if a in table and table[a][1]), "")
+        if not table[name][1]:
+            table[name] = (table[name][0], first_op.get(computation, ""))
+    for name in unnamed:  # Still unnamed: borrow from an operand.
+        near = next((table[a][1] for a in operands[name] if a in table and table[a][1]), "")
         near = "" if near.startswith("near ") else near
         table[name] = (table[name][0], f"near {near}" if near else "")
+    for name, (shape, op_name) in table.items():
+        if op_name.endswith(_STACKING):
+            made_by = _stored_value(name, opcodes, operands, calls, roots, parameters, table)
+            if made_by:
+                table[name] = (shape, f"stacked {made_by}")
     return table
+
+
+#: The op_name ending of the update that stacks one scan iteration's value (a residual) into its output.
+_STACKING = "jit(dynamic_update_index_in_dim)/dynamic_update_slice"
+#: Ops that pass a value through unchanged in content, followed back to the op that made it.
+_PASS_THROUGH = {"bitcast", "copy", "reshape", "convert", "transpose", "broadcast"}
+
+
+def _stored_value(name, opcodes, operands, calls, roots, parameters, table) -> str:
+    """Returns the op_name of the instruction that made the value a (fused) dynamic-update-slice stores,
+    following it through bitcasts and copies and out of the fusion; "" when it cannot be told."""
+    fusion = name if opcodes.get(name) == "fusion" else None
+    update = roots.get(calls.get(name, ""), "") if fusion else name
+    if opcodes.get(update) != "dynamic-update-slice" or len(operands.get(update, ())) < 2:
+        return ""
+    value = operands[update][1]
+    for _ in range(16):
+        opcode = opcodes.get(value)
+        if opcode == "parameter" and fusion and parameters.get(value, -1) < len(operands[fusion]):
+            value, fusion = operands[fusion][parameters[value]], None  # Out of the fusion, to its operand.
+        elif opcode in _PASS_THROUGH and operands.get(value):
+            value = operands[value][0]
+        else:
+            break
+    if opcodes.get(value) == "get-tuple-element" and opcodes.get(operands[value][0]) == "parameter":
+        # A value the loop carries into the iteration: the scan's carry, i.e. the layer's input.
+        return table[name][1].removesuffix(_STACKING) + "layer input"
+    op_name = table.get(value, ("", ""))[1]
+    stacked = op_name.endswith(_STACKING) or op_name.startswith("near ") or not op_name.startswith("jit(")
+    return "" if stacked else op_name
 
 
 # Scope -> the category a timeline stacks it under, first match wins.
@@ -344,6 +390,8 @@ _SEQUENCE = re.compile(r"^    (\d+):([\w.\-]+)$", re.M)
 
 def _scope_of(table: dict[str, tuple[str, str]], instruction: str) -> str:
     op_name = table.get(instruction, ("", ""))[1]
+    if op_name.startswith("stacked "):  # One layer's value stored per scan iteration for the backward pass.
+        return readable_scope(op_name.removeprefix("stacked ")) + " (stacked for the backward pass)"
     if op_name.startswith("near "):
         return "from " + readable_scope(op_name.removeprefix("near "))
     return readable_scope(op_name) if op_name else f"{instruction} (made by XLA)"
