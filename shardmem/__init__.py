@@ -8,6 +8,7 @@ JAX/Flax training.
 """
 
 import os as _os
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # The CUDA plugin ships with shardmem so that planning for GPUs works anywhere; on a machine without
 # an NVIDIA driver it must not try to start a GPU client. Users can still set JAX_PLATFORMS themselves.
@@ -79,6 +80,8 @@ __version__ = "0.1.0"
 # Training needs Orbax and the run machinery, which planning never uses: imported on first use, so that
 # `import shardmem` (and `shardmem plan`) does not pay for them.
 _LAZY = {"TrainResult": "shardmem.run.training", "train": "shardmem.run.training"}
+if _TYPE_CHECKING:  # Seen by type checkers and the API docs (griffe), not at run time.
+    from shardmem.run.training import TrainResult, train
 
 
 def __getattr__(name: str):
