@@ -62,7 +62,10 @@ def test_sharded_training_matches_one_device(axes, single_device):
 def test_adamw_losses_match_one_device():
     losses, _, _ = _run(_config({"data": 2, "fsdp": 2, "tensor": 2}, optimizer="adamw"), jax.devices())
     want, _, _ = _run(_config({"data": 1}, optimizer="adamw"), jax.devices()[:1])
-    np.testing.assert_allclose(losses, want, rtol=1e-4)
+    # Adam at lr 0.1 turns rounding-level differences of the sharded reductions into lr-sized steps of
+    # rarely-updated entries: the third loss differed by 1.5e-4 (relative) with numpy 2.4 and flax 0.12.8,
+    # where earlier package versions stayed under 1e-4. A sharding bug moves it by percents.
+    np.testing.assert_allclose(losses, want, rtol=5e-4)
 
 
 def test_fsdp_shards_parameters_and_optimizer_state():
