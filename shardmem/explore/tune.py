@@ -492,7 +492,7 @@ def _tune_layout(
             notes.insert(
                 -1,
                 "per-layer remat search stopped by a compile failure (its compiles are not counted): "
-                + str(e)[:120],
+                + str(e)[:150].rsplit(" ", 1)[0] + " ...",
             )
         compiles += mixed.compiles if mixed else 0
         if (
