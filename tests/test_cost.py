@@ -172,3 +172,18 @@ def test_cpu_plans_rank_layouts_with_this_machines_measured_rates():
     assert hardware.peak("f32") == pytest.approx(
         cost.Hardware.host(1).peak("f32") / 8
     )  # the cores are shared
+
+
+def test_a_slow_compile_of_a_program_without_loops_says_to_scan_the_layers():
+    from shardmem.planning.memory import SLOW_COMPILE_SECONDS, MemoryReport, _slow_compile_warnings
+
+    unrolled = _module("  %d = f32[8]{0} add(%a, %a)")
+    looped = _module('  %w = f32[8]{0} while(%a), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"4"}}')
+    fields = {f.name: None for f in dataclasses.fields(MemoryReport)}
+
+    def report(module, seconds):
+        return MemoryReport(**{**fields, "module": module, "compile_seconds": seconds})
+
+    assert "scan them" in _slow_compile_warnings(report(unrolled, SLOW_COMPILE_SECONDS + 1))[0]
+    assert not _slow_compile_warnings(report(unrolled, 1.0))
+    assert not _slow_compile_warnings(report(looped, SLOW_COMPILE_SECONDS + 1))

@@ -233,7 +233,7 @@ def plan_program(
     tags = hlo.checkpoint_tags(traced.jaxpr)
     warnings += _remat_warnings(config, layer_plan, tags)
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
-    warnings += _optimizer_warnings(config)
+    warnings += _optimizer_warnings(config) + _slow_compile_warnings(report)
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
@@ -302,6 +302,25 @@ def _optimizer_warnings(config: Config) -> list[str]:
         return [f"optimizer.mu_dtype={opt.mu_dtype} does nothing with optimizer.name=sgd (no first moment "
                 "is kept); remove it, or use adam/adamw"]  # fmt: skip
     return []
+
+
+#: A compile this slow, with no loop in the program, is worth a line on what makes it slow.
+SLOW_COMPILE_SECONDS = 20.0
+
+
+def _slow_compile_warnings(report: MemoryReport) -> list[str]:
+    """A slow compile of a program without loops: its layers are unrolled, and XLA compiles each one."""
+    module = report.module
+    if report.compile_seconds < SLOW_COMPILE_SECONDS or module is None:
+        return []
+    if any(ins.opcode == "while" for instructions in module.computations.values() for ins in instructions):
+        return []
+    return [
+        f"the compile took {report.compile_seconds:.0f} s and the step has no loop: the model's layers are "
+        "unrolled, so XLA optimizes every one of them (about 1 s of CPU per layer at Gemma-3-4B widths, "
+        "BENCHMARKS.md); scan them (nn.scan in Linen, shardmem.remat_scan or nnx.scan in NNX) to compile "
+        "one layer once"
+    ]
 
 
 def _remat_warnings(config: Config, layer_plan, traced_tags: set[str]) -> list[str]:
