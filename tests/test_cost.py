@@ -187,3 +187,10 @@ def test_a_slow_compile_of_a_program_without_loops_says_to_scan_the_layers():
     assert "scan them" in _slow_compile_warnings(report(unrolled, SLOW_COMPILE_SECONDS + 1))[0]
     assert not _slow_compile_warnings(report(unrolled, 1.0))
     assert not _slow_compile_warnings(report(looped, SLOW_COMPILE_SECONDS + 1))
+
+
+def test_the_timeline_says_what_the_step_it_draws_costs_in_time(pipelined):
+    from shardmem.planning.timeline import timeline
+
+    page = timeline(pipelined).to_html()
+    assert "predicted step time" in page and "tokens/s" in page

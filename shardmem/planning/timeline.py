@@ -84,6 +84,8 @@ class Timeline:
             f"position {self.peak_position} of {self.schedule.length} ({self._phase(self.peak_position)}); "
             f"budget {format_bytes(r.budget_bytes)}: {'FITS' if r.fits else 'DOES NOT FIT'}"
         )
+        if getattr(r, "step_time", None) is not None:  # What the schedule drawn costs in time.
+            text += f"; predicted step time {r.step_time.summary()}"
         if r.approximate:
             text += (
                 f". cpu target: the report's peak {format_bytes(self.report_peak_bytes)} is an upper bound "
