@@ -33,6 +33,16 @@ def test_collective_bytes_counts_results_and_loop_trips():
     assert totals["reduce-scatter"] == 128 * 4
 
 
+def test_a_loops_body_is_found_after_its_condition():
+    # XLA writes condition= before body=: both are called computations, the body once per trip.
+    text = HLO.replace("condition=%cond, body=%body", "condition=%wide.cond.clone, body=%wide.body.clone")
+    text = text.replace("%body (p:", "%wide.body.clone (p:")
+    module = hlo.parse_module(text)
+    assert module.by_name["w"].called == ("wide.cond.clone", "wide.body.clone")
+    assert module.executions()["wide.body.clone"] == 4
+    assert hlo.collective_bytes(module)["all-gather"] == 4 * 256 * 256 * 4
+
+
 def test_readable_scopes():
     assert hlo.readable_scope("jit(step)/while/body/transpose(jvp(layers_0-7))/attention/dot_general") == (
         "layers_0-7/attention/dot_general (backward)"

@@ -525,8 +525,8 @@ class Instruction:
     def called(self) -> tuple[str, ...]:
         """The computations this instruction calls (a loop's body and condition, a fusion's, ...)."""
         names = []
-        for group in _CALLS.findall(self.attributes):
-            names += [n.strip() for n in group.replace("%", "").split(",") if n.strip()]
+        for braced, single in _CALLS.findall(self.attributes):
+            names += [n.strip() for n in (braced or single).replace("%", "").split(",") if n.strip()]
         return tuple(names)
 
     @property
@@ -604,9 +604,8 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-_CALLS = re.compile(
-    r"(?:body|condition|to_apply|calls|branch_computations)=\{?(%?[\w.\-]+(?:, ?%?[\w.\-]+)*)\}?"
-)
+# One computation (calls=%f) or a braced list (branch_computations={%a, %b}).
+_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=(?:\{([^}]*)\}|%?([\w.\-]+))")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
