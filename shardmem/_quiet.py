@@ -38,14 +38,18 @@ _watchers: list[subprocess.Popen] = []
 
 
 @contextlib.contextmanager
-def native_stderr_silenced() -> Iterator[None]:
+def native_stderr_silenced(*, watch: bool = False) -> Iterator[None]:
     """Sends file descriptor 2 to a temporary file while the block runs. On machines without an NVIDIA
     driver, loading the CUDA plugin (for deviceless GPU compiles) prints "Could not find cuda drivers"
     from C++; that is expected there, as are XLA's remat warnings on a plan that does not fit. Python
     exceptions still propagate normally. Should the process die inside the block (XLA aborting on a
     shape it cannot handle, exit status 134), a watcher process prints one line with the last message
     the native code wrote, instead of leaving the user with no output at all. Nested blocks (and a
-    second thread's) share the outer one."""
+    second thread's) share the outer one.
+
+    The watcher is a process of its own, so only blocks that may abort ask for it (``watch=True``: the
+    step's compile); the others (imports, device start-up) are only silenced, and leave no process
+    behind that a launcher or a test would count as a child."""
     global _depth
     with _lock:
         _depth += 1
@@ -61,12 +65,14 @@ def native_stderr_silenced() -> Iterator[None]:
     saved = os.dup(2)
     capture = tempfile.TemporaryFile(prefix="shardmem-stderr-")
     read_end, write_end = os.pipe()
+    watcher = None
     try:
-        watcher = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _WATCHER, str(capture.fileno())],
-            stdin=read_end, stdout=subprocess.DEVNULL, stderr=saved, pass_fds=(capture.fileno(),),
-        )  # fmt: skip
-        _watchers.append(watcher)
+        if watch:
+            watcher = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHER, str(capture.fileno())],
+                stdin=read_end, stdout=subprocess.DEVNULL, stderr=saved, pass_fds=(capture.fileno(),),
+            )  # fmt: skip
+            _watchers.append(watcher)
     except OSError:
         pass  # No watcher (no processes left?): the block is only silenced, as it always was.
     finally:
@@ -77,9 +83,14 @@ def native_stderr_silenced() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-        os.write(write_end, b"k")  # Ended alive: the watcher exits without a word.
+        if watcher is not None:
+            os.write(write_end, b"k")  # Ended alive: the watcher exits without a word.
         os.close(write_end)
         capture.close()
+        if watcher is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                watcher.wait(timeout=2)  # Gone at once: no child left behind.
+            _reap()
         with _lock:
             _depth -= 1
 

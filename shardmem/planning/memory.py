@@ -519,7 +519,7 @@ TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 
 def _compile(traced, options: Mapping[str, Any], dump: str):
     # XLA's own remat pass logs to stderr when a plan exceeds the device; the report says it.
-    with native_stderr_silenced():
+    with native_stderr_silenced(watch=True):
         return traced.lower().compile(
             compiler_options={**options, "xla_dump_to": dump, "xla_dump_hlo_as_text": True}
         )
