@@ -27,6 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from shardmem.planning import hlo
 from shardmem.units import format_seconds
 
@@ -436,8 +438,6 @@ def replica_groups(ins: hlo.Instruction, devices: int) -> list[list[int]]:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
     iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
     if iota:
-        import numpy as np
-
         shape = [int(d) for d in iota.group(1).split(",")]
         ids = np.arange(math.prod(int(d) for d in iota.group(2).split(","))).reshape(
             [int(d) for d in iota.group(2).split(",")])  # fmt: skip
@@ -446,8 +446,6 @@ def replica_groups(ins: hlo.Instruction, devices: int) -> list[list[int]]:
         return ids.reshape(shape[0], -1).tolist()
     mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
     if mesh:
-        import numpy as np
-
         axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         chosen = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in names]
@@ -460,7 +458,7 @@ def replica_groups(ins: hlo.Instruction, devices: int) -> list[list[int]]:
     return [list(range(devices))]
 
 
-def _collective_cost(ins, kind: str, kernels: _Kernels, hardware: Hardware,
+def _collective_cost(ins, kind: str, hardware: Hardware,
                      hosts_of: Sequence[int]) -> tuple[float, CollectiveCost]:  # fmt: skip
     groups = replica_groups(ins, len(hosts_of))
     n = max(len(g) for g in groups) if groups else 1
@@ -631,7 +629,7 @@ class _Replay:
         if ins.opcode == "async-start":  # The collective is the wrapped computation's.
             target = next(i for name in ins.called for i in self.module.computations.get(name, ())
                           if hlo.collective_kind(i))  # fmt: skip
-        seconds, cost = _collective_cost(target, kind, self.kernels, self.hardware, self.hosts_of)
+        seconds, cost = _collective_cost(target, kind, self.hardware, self.hosts_of)
         key = (kind, cost.group_size, cost.link)
         entry = self.collectives.setdefault(key, [0, 0, 0.0])
         entry[0] += self.multiplier

@@ -71,8 +71,7 @@ def fused_attention_flops(eqn) -> float | None:
     it is causal when its body compares query and key positions."""
     name = eqn.primitive.name
     if name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
-        body = eqn.params["jaxpr"]
-        matmuls, causal = _count_primitive(body, "dot_general"), _count_primitive(body, "ge") > 0
+        matmuls, causal = _pallas_kernel(eqn)
         q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, L, heads, head_dim]
     elif name in _CUDNN_ATTENTION:
         matmuls = _CUDNN_ATTENTION[name]
@@ -91,12 +90,17 @@ def fused_attention_kernels(jaxpr) -> dict[str, tuple[int, bool]]:
     kernels = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
-            body = eqn.params["jaxpr"]
-            kernels[eqn.params["name"]] = (_count_primitive(body, "dot_general"),
-                                           _count_primitive(body, "ge") > 0)  # fmt: skip
+            kernels[eqn.params["name"]] = _pallas_kernel(eqn)
         for sub in _sub_jaxprs(eqn.params):
             kernels.update(fused_attention_kernels(sub))
     return kernels
+
+
+def _pallas_kernel(eqn) -> tuple[int, bool]:
+    """(matmuls per query-key pair, causal) of a Pallas attention kernel: the ``dot_general``s of its body,
+    and whether the body compares query and key positions."""
+    body = eqn.params["jaxpr"]
+    return _count_primitive(body, "dot_general"), _count_primitive(body, "ge") > 0
 
 
 def _count_primitive(jaxpr, primitive: str) -> int:
