@@ -29,7 +29,7 @@ from shardmem.errors import ConfigError, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
 from shardmem.planning import cost, hlo
-from shardmem.planning.targets import Target, ensure_cpu_devices, resolve_target
+from shardmem.planning.targets import Target, ensure_cpu_devices, link_domains, resolve_target, tpu_slice
 from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
@@ -164,6 +164,8 @@ def make_target(config: Config, target: str | None = None) -> Target:
             ensure_cpu_devices(config.mesh.device_count())  # CPU-only: simulate the mesh's devices.
         with native_stderr_silenced():
             return resolve_target("local", n_devices=len(jax.devices()))
+    if tpu_slice(name):  # The slice gives the chips and hosts; mesh.hosts and devices_per_host do not apply.
+        return resolve_target(name)
     n_devices = config.mesh.device_count()
     mesh = config.mesh
     fixed = math.prod(mesh.axes.values())
@@ -271,7 +273,7 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
     useful = 1.0 - idle  # The flops count idle stages' work on placeholders; MFU counts the model's.
     model_flops = report.flops_no_remat if report.flops_no_remat is not None else None
     estimate = cost.estimate_step_time(
-        report.module, hardware, [d.process_index for d in mesh.devices.flat],
+        report.module, hardware, link_domains(mesh.devices.flat),
         attention=hlo.fused_attention_kernels(jaxpr), bubble_fraction=idle, tokens_per_step=tokens_per_step,
         model_flops=model_flops * useful if model_flops else None,
         hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
@@ -381,7 +383,7 @@ def _compile_and_analyze(
             compiled = _compile(traced, options, dump)
         except Exception as e:  # XLA raises plain runtime errors for programs it cannot compile.
             first = _first_line(e)
-            if not (target.deviceless and TRITON_GEMM not in options):
+            if not (target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options):
                 raise PlanError(_compile_failure(target, first, options)) from None
             # Deviceless GPU compiles can fail to tile a Triton GEMM fusion that autotuning on a real GPU
             # would have replaced; cuBLAS calls compile anywhere.
