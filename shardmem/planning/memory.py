@@ -29,7 +29,14 @@ from shardmem.errors import ConfigError, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
 from shardmem.planning import cost, hlo
-from shardmem.planning.targets import Target, ensure_cpu_devices, link_domains, resolve_target, tpu_slice
+from shardmem.planning.targets import (
+    Target,
+    ensure_cpu_devices,
+    link_domains,
+    resolve_target,
+    tpu_notes,
+    tpu_slice,
+)
 from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
@@ -233,6 +240,7 @@ def plan_program(
     warnings = rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
     layer_plan = program.remat_plan
     warnings += _remat_warnings(config, layer_plan, hlo.checkpoint_tags(traced.jaxpr)) + report.warnings
+    warnings += tpu_notes(target, config.memory)
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
@@ -278,13 +286,17 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         model_flops=model_flops * useful if model_flops else None,
         hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
     )  # fmt: skip
-    if target.platform != "cpu":
+    if target.platform not in ("cpu", "tpu"):  # Calibrated on an H200; no TPU measurement backs it.
         estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
     note = cost.ASSUMPTIONS
     if target.platform == "cpu":
         note = ("approximate: simulated CPU devices share this machine's cores, so the estimate ranks CPU "
                 "layouts (check with shardmem sweep --measure) and is no GPU prediction; "
                 + note)  # fmt: skip
+    elif target.platform == "tpu":
+        note += ("; TPU: not calibrated (the efficiencies were measured on an H200); \"nvlink\" is ICI, "
+                 "all of a chip's links, so a collective along one torus axis is predicted fast; \"network\" "
+                 "is DCN, between slices")  # fmt: skip
     elif target.deviceless:
         note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
     return dataclasses.replace(report, step_time=estimate, step_time_note=note)
@@ -397,7 +409,8 @@ def _compile_and_analyze(
         schedule = hlo.buffer_schedule(dump)
         top_buffers = hlo.peak_buffers(schedule, top) if schedule else []
         live_peak = schedule.peak_bytes if schedule else None
-        module = hlo.parse_module(compiled.as_text() or "")
+        text = compiled.as_text() or ""
+        module = hlo.parse_module(text)
         collectives = hlo.collective_bytes(module)
     stats = compiled.memory_analysis()
     if stats is None:
@@ -435,6 +448,10 @@ def _compile_and_analyze(
         "matches": not groups or accounted == arguments,
         "live_range_peak_bytes": live_peak,
     }
+    tiled = hlo.entry_argument_bytes(text) if target.platform == "tpu" else None
+    if tiled and groups and accounted != arguments and tiled == (accounted, arguments):
+        # TPU layouts pad to whole tiles: the shapes' bytes match, and padded they are XLA's exactly.
+        cross_check.update(matches=True, tile_padding_bytes=arguments - accounted)
     warnings = []
     if retried:
         warnings.append(
@@ -443,7 +460,7 @@ def _compile_and_analyze(
             "trials of BENCHMARKS.md this setting raised deviceless peaks by 0-23% over the default, so "
             "the verdict errs on the safe side"
         )
-    if groups and accounted != arguments:
+    if groups and not cross_check["matches"]:
         warnings.append(
             f"analytic argument bytes ({accounted}) differ from XLA's ({arguments}): some "
             "arguments are laid out or sharded differently than their shardings say"

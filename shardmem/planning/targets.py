@@ -414,3 +414,17 @@ def resolve_target(name: str, *, n_devices: int | None = None, hosts: int = 1) -
     raise ConfigError(
         f"target {name!r} is not known{did_you_mean(name, TARGET_NAMES)}; use {one_of(TARGET_NAMES)}"
     )
+
+
+def tpu_notes(target: Target, memory) -> list[str]:
+    """What a deviceless TPU plan cannot see, for the report (``memory`` is the config's
+    :class:`~shardmem.config.MemoryConfig`); empty for other targets."""
+    if not isinstance(target.spec, TpuSpec) or not target.deviceless:
+        return []
+    reserve = memory.reserve / GiB
+    return [
+        f"TPU, deviceless: libtpu compiled the program the slice would run, but not the HBM its runtime "
+        f"keeps for itself (memory.reserve={reserve:.2g} GiB budgets it), nor the host's input pipeline; "
+        f"memory.deviceless_margin={memory.deviceless_margin:g} was measured for GPU autotuning and is "
+        "applied unchanged (no TPU measurement backs it; 0 budgets the whole usable HBM)"
+    ]
