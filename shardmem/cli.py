@@ -349,7 +349,7 @@ def _add_explore_commands(commands) -> None:
 
 def cmd_policies(args) -> int:
     from shardmem.models.llama import PRESETS
-    from shardmem.planning.targets import GPU_TARGETS
+    from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS
 
     out = console()
     out.print("[bold]remat policies[/bold]")
@@ -364,6 +364,10 @@ def cmd_policies(args) -> int:
     out.print("  local          the attached accelerators")
     for name, spec in GPU_TARGETS.items():
         out.print(f"  {name:<14} {spec.description}, deviceless")
+    for name, tpu in TPU_TARGETS.items():
+        example = f"{tpu.generation}-{8 * tpu.cores_per_chip}"
+        out.print(f"  {name:<14} Cloud {tpu.description}, deviceless (libtpu); slices such as {example}, "
+                  f"2x{example}")  # fmt: skip
     return EXIT_OK
 
 
