@@ -100,6 +100,27 @@ def test_plan_on_a_v5e_slice_gives_exact_per_chip_bytes_and_the_same_api_as_gpus
     json.dumps(report.to_json())
 
 
+def test_a_step_over_the_chips_hbm_is_compiled_again_to_show_what_it_needs(monkeypatch):
+    # XLA's TPU compiler refuses a program over the chip's HBM (RESOURCE_EXHAUSTED); the plan compiles it
+    # for a larger HBM and reports "does not fit" with the peak the step needs. Simulated: a real one takes
+    # minutes to compile here.
+    from shardmem.planning import memory
+
+    real, calls = memory._compile, []
+
+    def compile_(traced, options, dump):
+        calls.append(dict(options))
+        if memory.TPU_HBM not in options:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required ...")
+        return real(traced, options, dump)
+
+    monkeypatch.setattr(memory, "_compile", compile_)
+    report = shardmem.plan(_config("v5e-4"))
+    assert calls == [{}, {memory.TPU_HBM: 16 * 16 << 10}]
+    assert not report.fits
+    assert any("compiled again with xla_tpu_max_hbm_size_mib" in w for w in report.warnings)
+
+
 def test_two_slices_put_the_data_axis_across_them():
     config = _config("2xv5e-4", mesh={"axes": {"data": 2, "fsdp": 4}}, rules={"batch": ["data", "fsdp"]})
     report = shardmem.plan(config)

@@ -322,6 +322,9 @@ def _tpu_topology(key: str, shape: tuple[int, ...], slices: int):
     per_host = shape if chips <= 8 and len(shape) == 2 else (2, 2) + (1,) * (len(shape) - 2)
     bounds = tuple(min(a, b) for a, b in zip(per_host, shape, strict=True)) + (1,) * (3 - len(shape))
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # No metadata server to ask on a machine without TPUs.
+    # Compile-only: several processes (sweep's workers, parallel plans) may load libtpu at once; without
+    # this the second one fails on libtpu's lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         with native_stderr_silenced():  # libtpu warns in C++ that it runs on no TPU VM; expected here.
             topology = topologies.get_topology_desc(
