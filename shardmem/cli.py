@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except ShardmemError as e:
         print(f"shardmem: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return getattr(e, "exit_code", EXIT_USAGE)  # DoesNotFit is a verdict: 3.
     except KeyboardInterrupt:
         print("shardmem: interrupted", file=sys.stderr)
         return 130

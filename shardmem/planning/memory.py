@@ -25,7 +25,7 @@ import jax
 
 from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
-from shardmem.errors import ConfigError, PlanError
+from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
 from shardmem.planning import cost, hlo
@@ -393,31 +393,28 @@ def _compile_and_analyze(
     start = time.perf_counter()
     options = dict(memory.compiler_options)
     with _persistent_cache_off(), tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump:
-        retried = out_of_hbm = None
+        retried = None
         try:
             compiled = _compile(traced, options, dump)
         except Exception as e:  # XLA raises plain runtime errors for programs it cannot compile.
             first = _first_line(e)
-            if target.platform == "tpu" and "Ran out of memory" in first and TPU_HBM not in options:
-                # XLA's TPU compiler refuses a program over the chip's HBM; compiled for a larger one, the
-                # report shows what the step needs (over the budget: the verdict is "does not fit").
-                options[TPU_HBM] = 16 * target.memory_bytes >> 20
-                try:
-                    compiled = _compile(traced, options, dump)
-                except Exception as e2:
-                    raise PlanError(_compile_failure(target, _first_line(e2), options)) from None
-                out_of_hbm = first
-            elif not (target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options):
+            if target.platform == "tpu" and "Ran out of memory" in first:
+                # XLA's TPU compiler refuses a program over the chip's HBM: a verdict, not a failure.
+                raise DoesNotFit(
+                    f"does not fit on {target.label}: libtpu's compiler says {first[:240]} Shard more "
+                    "(mesh.axes.fsdp over more chips), recompute more (remat.policy), or lower "
+                    "train.global_batch; shardmem tune searches these"
+                ) from None
+            if not (target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options):
                 raise PlanError(_compile_failure(target, first, options)) from None
-            else:
-                # Deviceless GPU compiles can fail to tile a Triton GEMM fusion that autotuning on a real
-                # GPU would have replaced; cuBLAS calls compile anywhere.
-                options[TRITON_GEMM] = False
-                try:
-                    compiled = _compile(traced, options, dump)
-                except Exception as e2:
-                    raise PlanError(_compile_failure(target, _first_line(e2), options)) from None
-                retried = first
+            # Deviceless GPU compiles can fail to tile a Triton GEMM fusion that autotuning on a real GPU
+            # would have replaced; cuBLAS calls compile anywhere.
+            options[TRITON_GEMM] = False
+            try:
+                compiled = _compile(traced, options, dump)
+            except Exception as e2:
+                raise PlanError(_compile_failure(target, _first_line(e2), options)) from None
+            retried = first
         seconds = time.perf_counter() - start
         schedule = hlo.buffer_schedule(dump)
         top_buffers = hlo.peak_buffers(schedule, top) if schedule else []
@@ -473,11 +470,6 @@ def _compile_and_analyze(
             "trials of BENCHMARKS.md this setting raised deviceless peaks by 0-23% over the default, so "
             "the verdict errs on the safe side"
         )
-    if out_of_hbm:
-        warnings.append(
-            f"libtpu's compile for the chip's HBM failed ({out_of_hbm[:160]}); compiled again with "
-            f"{TPU_HBM}={options[TPU_HBM]} to show what the step needs: it does not fit"
-        )
     if groups and not cross_check["matches"]:
         warnings.append(
             f"analytic argument bytes ({accounted}) differ from XLA's ({arguments}): some "
@@ -487,7 +479,7 @@ def _compile_and_analyze(
     return MemoryReport(
         name=name, target=target.name, target_label=target.label, approximate=target.approximate,
         devices=len(target.devices), mesh=mesh, per_device=per_device,
-        device_memory_bytes=target.memory_bytes, budget_bytes=limit, fits=peak <= limit and not out_of_hbm,
+        device_memory_bytes=target.memory_bytes, budget_bytes=limit, fits=peak <= limit,
         deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
@@ -496,8 +488,6 @@ def _compile_and_analyze(
 
 
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
-#: The HBM (MiB) XLA's TPU compiler fits a program into; it rematerializes to fit and fails beyond it.
-TPU_HBM = "xla_tpu_max_hbm_size_mib"
 
 
 def _compile(traced, options: Mapping[str, Any], dump: str):
