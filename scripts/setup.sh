@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (if needed) and installs shardmem with its test and docs tools. Safe to run again.
+# Creates .venv (if needed) and installs shardmem with its test and docs tools and libtpu (deviceless TPU
+# plans). Safe to run again.
 #
 #   bash scripts/setup.sh            # .venv on python3 (3.11+), the versions pip resolves
 #   bash scripts/setup.sh --newest   # .venv-newest on the newest Python >= 3.12 on this machine,
@@ -29,7 +30,7 @@ if [ "${1:-}" = "--newest" ]; then
   [ -x "$venv/bin/python" ] || "$(newest_python)" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   # Compat mode puts the checkout on sys.path: a folder named shardmem next to a script cannot shadow it.
-  "$venv/bin/python" -m pip install --quiet --upgrade -e ".[dev]" jax jaxlib flax optax orbax-checkpoint \
+  "$venv/bin/python" -m pip install --quiet --upgrade -e ".[dev,tpu]" jax jaxlib flax optax orbax-checkpoint \
     --config-settings editable_mode=compat
   exit 0
 fi
@@ -39,4 +40,4 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # Compat mode puts the checkout on sys.path, so a folder named shardmem next to a script (a clone) cannot
 # shadow the package as an empty namespace package.
-.venv/bin/python -m pip install --quiet -e ".[dev,docs]" --config-settings editable_mode=compat
+.venv/bin/python -m pip install --quiet -e ".[dev,docs,tpu]" --config-settings editable_mode=compat

@@ -31,7 +31,7 @@ from shardmem.parallel.rules import Rules, constrain  # noqa: E402
 from shardmem.planning.cost import StepTime  # noqa: E402
 from shardmem.planning.memory import MemoryReport, analyze, make_target, plan, plan_function, plan_program  # noqa: E402
 from shardmem.planning.report import render  # noqa: E402
-from shardmem.planning.targets import GPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
+from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
 from shardmem.planning.timeline import Timeline, timeline  # noqa: E402
 from shardmem.remat import LayerPlan, ModulePlan, RematPolicy, remat_modules, remat_scan  # noqa: E402
 from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
@@ -39,6 +39,7 @@ from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
 __all__ = [
     "CHECKPOINT_TAGS",
     "GPU_TARGETS",
+    "TPU_TARGETS",
     "PRESETS",
     "Config",
     "ConfigError",

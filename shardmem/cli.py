@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from shardmem.errors import ConfigError, ShardmemError
-from shardmem.planning.targets import TARGET_NAMES
+from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
 
 EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -39,12 +39,14 @@ def console(fit=None) -> Console:
 
 def _target(name: str) -> str:
     """An argparse type for --target: a known target, or an error that suggests the nearest ones."""
-    if name in TARGET_NAMES:
+    if is_target_name(name):
         return name
     near = [t for t in TARGET_NAMES if name and t.startswith(name)]  # h100 -> h100-sxm, h100-pcie
     near += [t for t in difflib.get_close_matches(name, TARGET_NAMES, n=2, cutoff=0.5) if t not in near]
     hint = f"did you mean {' or '.join(near[:2])}? " if near else ""
-    raise argparse.ArgumentTypeError(f"unknown target {name!r}: {hint}choose from {', '.join(TARGET_NAMES)}")
+    raise argparse.ArgumentTypeError(
+        f"unknown target {name!r}: {hint}choose from {', '.join(TARGET_NAMES)} or a TPU slice such as v5p-64"
+    )
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -353,7 +355,7 @@ def _add_explore_commands(commands) -> None:
 
 def cmd_policies(args) -> int:
     from shardmem.models.llama import PRESETS
-    from shardmem.planning.targets import GPU_TARGETS
+    from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS
 
     out = console()
     out.print("[bold]remat policies[/bold]")
@@ -368,6 +370,10 @@ def cmd_policies(args) -> int:
     out.print("  local          the attached accelerators")
     for name, spec in GPU_TARGETS.items():
         out.print(f"  {name:<14} {spec.description}, deviceless")
+    for name, tpu in TPU_TARGETS.items():
+        example = f"{tpu.generation}-{8 * tpu.cores_per_chip}"
+        out.print(f"  {name:<14} Cloud {tpu.description}, deviceless (libtpu); slices such as {example}, "
+                  f"2x{example}")  # fmt: skip
     return EXIT_OK
 
 
@@ -378,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except ShardmemError as e:
         print(f"shardmem: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return getattr(e, "exit_code", EXIT_USAGE)  # DoesNotFit is a verdict: 3.
     except KeyboardInterrupt:
         print("shardmem: interrupted", file=sys.stderr)
         return 130

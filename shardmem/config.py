@@ -24,7 +24,7 @@ import yaml
 from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, ModelConfig
-from shardmem.planning.targets import TARGET_NAMES
+from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import LayerPlan, ModulePlan
 from shardmem.units import parse_bandwidth, parse_bytes
 
@@ -879,10 +879,10 @@ def _validate_rest(config: Config) -> None:
         )
     _validate_pipeline(config)
     mem = config.memory
-    if mem.target not in TARGET_NAMES:
+    if not is_target_name(mem.target):
         raise ConfigError(
             f"memory.target={mem.target!r}{did_you_mean(mem.target, TARGET_NAMES)}; "
-            f"use {one_of(TARGET_NAMES)}"
+            f"use {one_of(TARGET_NAMES)} or a TPU slice such as v5p-64"
         )
     if not 0 < mem.usable_fraction <= 1:
         raise ConfigError(f"memory.usable_fraction={mem.usable_fraction}: use a value in (0, 1]")

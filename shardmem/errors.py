@@ -22,6 +22,14 @@ class PlanError(ShardmemError):
     """A configuration could not be planned (lowered or compiled) for the requested target."""
 
 
+class DoesNotFit(PlanError):
+    """The compiler itself refused the step as too big for the device: XLA's TPU compiler fails on a
+    program over the chip's HBM, so there is no report, only its figures. The CLI exits 3, as for a plan
+    that does not fit."""
+
+    exit_code = 3
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Returns " (did you mean 'x'?)" for the closest choice, or "" when none is close."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)

@@ -249,10 +249,10 @@ def check_options(
     if measure_steps < 1:
         raise ConfigError(f"--steps {measure_steps}: time at least 1 step per candidate")
     if measure:
-        from shardmem.planning.targets import GPU_TARGETS
+        from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS, tpu_slice
 
         name = target or config.memory.target
-        if name in GPU_TARGETS:
+        if name in GPU_TARGETS or name in TPU_TARGETS or tpu_slice(name):
             raise ConfigError(
                 f"--measure runs real steps, but target {name!r} is compiled deviceless; use --target "
                 "local (the attached devices) or --target cpu"

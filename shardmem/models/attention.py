@@ -7,7 +7,8 @@ table of what each does (:data:`KERNELS`).
 ``model.attention: auto`` runs cuDNN flash attention on an attached NVIDIA GPU and query-chunked
 attention on CPU. cuDNN kernels cannot be compiled without a GPU ("cuDNN not found"), so a deviceless GPU
 plan compiles JAX's Pallas Triton flash kernel in its place: the same O(L) memory (no L x L scores, the
-output and its log-sum-exp kept for the backward), and the report says what it stands for.
+output and its log-sum-exp kept for the backward), and the report says what it stands for. On TPUs
+(attached or deviceless) ``auto`` is query-chunked attention: the Pallas kernel here is the GPU's Triton one.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ DEFAULT_CHUNK = 512
 #: Sequence block of the Pallas flash kernel (``BlockSizes.get_default().block_q``): a shorter sequence
 #: is one block, a longer one must be a multiple of it.
 PALLAS_BLOCK = 128
-#: Where a model is built for: an attached NVIDIA GPU, one compiled deviceless, or CPU devices.
-DEVICE_CLASSES = ("gpu", "deviceless-gpu", "cpu")
+#: Where a model is built for: an attached NVIDIA GPU, one compiled deviceless, CPU devices or TPUs.
+DEVICE_CLASSES = ("gpu", "deviceless-gpu", "cpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +92,11 @@ class AttentionKernel:
 
 
 def device_class(devices) -> str:
-    """Returns ``"gpu"`` (attached NVIDIA GPUs), ``"deviceless-gpu"`` (compile-only) or ``"cpu"``."""
+    """Returns ``"gpu"`` (attached NVIDIA GPUs), ``"deviceless-gpu"`` (compile-only), ``"cpu"`` or
+    ``"tpu"`` (attached or compile-only)."""
     device = next(iter(devices))
-    if device.platform == "cpu":
-        return "cpu"
+    if device.platform in ("cpu", "tpu"):
+        return device.platform
     try:
         attached = device in jax.devices(device.platform)
     except RuntimeError:  # The platform's backend is not running: compile-only devices.
@@ -118,7 +120,7 @@ def resolve_attention(
                 f"model.attention=cudnn has no context-parallel form (mesh.axes.context={context}); use "
                 "model.attention=auto or pallas (flash attention in blocks merged by log-sum-exp), or chunked"
             )
-        if requested == "auto" and where != "cpu" and jnp.dtype(dtype).itemsize <= 2:
+        if requested == "auto" and where not in ("cpu", "tpu") and jnp.dtype(dtype).itemsize <= 2:
             requested = "pallas"
         kernel = resolve_attention(requested, chunk=chunk, where=where, dtype=dtype)
         return dataclasses.replace(kernel, context=context)
@@ -137,10 +139,15 @@ def resolve_attention(
             return AttentionKernel("pallas", stands_for="cudnn")
         if requested == "cudnn":
             raise ConfigError(
-                "model.attention=cudnn needs an NVIDIA GPU (attached, or a deviceless GPU target); on CPU "
-                "use model.attention=auto or chunked"
+                "model.attention=cudnn needs an NVIDIA GPU (attached, or a deviceless GPU target); on "
+                f"{where} use model.attention=auto or chunked"
             )
         return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
+    if requested == "pallas" and where == "tpu":
+        raise ConfigError(
+            "model.attention=pallas is JAX's Pallas Triton (GPU) kernel and does not compile for TPUs; use "
+            "model.attention=auto or chunked (query blocks, no L x L scores) or xla"
+        )
     if requested == "pallas":
         return AttentionKernel("pallas", interpret=where == "cpu")
     if requested == "chunked":

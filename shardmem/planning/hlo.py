@@ -519,6 +519,7 @@ class Instruction:
     operands: tuple[str, ...]
     attributes: str
     arguments: str = ""  # The operand list as written ("0" for parameter(0)).
+    inferred_trips: int | None = None  # A loop's trips read from its condition, where XLA states none.
 
     @property
     def op_name(self) -> str:
@@ -536,7 +537,9 @@ class Instruction:
     @property
     def trip_count(self) -> int | None:
         trips = _TRIPS.search(self.attributes)
-        return int(trips.group(1)) if trips and self.opcode == "while" else None
+        if self.opcode != "while":
+            return None
+        return int(trips.group(1)) if trips else self.inferred_trips
 
 
 @dataclasses.dataclass(frozen=True)
@@ -599,7 +602,69 @@ def parse_module(hlo_text: str) -> HloModule:
         ins = Instruction(match.group("name"), shape, opcode.strip(), operands, rest[end + 1 :], rest[:end])
         computations[current].append(ins)
         by_name[ins.name] = ins
+    for instructions in computations.values():  # XLA's TPU compiler writes no known_trip_count.
+        for i, ins in enumerate(instructions):
+            if ins.opcode == "while" and not _TRIPS.search(ins.attributes):
+                trips = _condition_trips(ins, computations, by_name)
+                if trips is not None:
+                    instructions[i] = by_name[ins.name] = dataclasses.replace(ins, inferred_trips=trips)
     return HloModule(entry, {k: tuple(v) for k, v in computations.items()}, by_name)
+
+
+def entry_argument_bytes(hlo_text: str) -> tuple[int, int] | None:
+    """Returns (bytes of the entry computation's parameters by their shapes, the same laid out in their
+    tiles), or None where the module states no tiled layout. XLA's TPU layouts pad arrays to whole
+    tiles: ``f32[64]{0:T(128)}`` takes 128 floats, a scalar ``s32[]{:T(128)}`` 512 bytes."""
+    entry = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo_text)
+    if not entry or ":T(" not in entry.group(1):
+        return None
+    logical = padded = 0
+    for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\]\{([^}]*)\}", entry.group(1)):
+        shape = [int(d) for d in dims.split(",") if d]
+        itemsize = _ITEMSIZE.get(dtype, 1)
+        logical += itemsize * math.prod(shape)
+        order, _, tiling = layout.partition(":")
+        tile = re.match(r"T\(([\d,]+)\)", tiling)
+        if not tile:
+            padded += itemsize * math.prod(shape)
+            continue
+        tile = [int(t) for t in tile.group(1).split(",")]
+        minor_to_major = [int(d) for d in order.split(",") if d]
+        tiled = list(shape)
+        # The tile covers the most minor dimensions; a tile of more dimensions than the array has
+        # pads the missing (outer) ones to the tile too.
+        sizes = tile[-len(minor_to_major) :] if shape else []
+        for dim, size in zip(reversed(minor_to_major[: len(tile)]), sizes, strict=False):
+            tiled[dim] = -(-tiled[dim] // size) * size
+        outer = math.prod(tile[: max(len(tile) - len(shape), 0)])
+        padded += itemsize * math.prod(tiled) * outer
+    return logical, padded
+
+
+def _condition_trips(loop: Instruction, computations, by_name) -> int | None:
+    """The trips of a counted loop (a scan) whose condition is ``counter < N`` on a constant N and whose
+    counter starts at a constant (JAX's scans and fori_loops), or None."""
+    condition = re.search(r"condition=%?([\w.\-]+)", loop.attributes)
+    body = computations.get(condition.group(1), ()) if condition else ()
+    compares = [i for i in body if i.opcode == "compare" and "direction=LT" in i.attributes]
+    if len(compares) != 1 or len(compares[0].operands) != 2:
+        return None
+    counter, limit = (by_name.get(name) for name in compares[0].operands)
+    if not (counter and limit and limit.opcode == "constant" and counter.opcode == "get-tuple-element"):
+        return None
+    index = re.search(r"index=(\d+)", counter.attributes)
+    start = by_name.get(loop.operands[0]) if loop.operands else None
+    if not index or start is None or start.opcode != "tuple" or int(index.group(1)) >= len(start.operands):
+        return None
+    initial = by_name.get(start.operands[int(index.group(1))])
+    while initial is not None and initial.opcode in ("copy", "bitcast") and initial.operands:
+        initial = by_name.get(initial.operands[0])
+    if initial is None or initial.opcode != "constant":
+        return None
+    try:
+        return max(int(limit.arguments) - int(initial.arguments), 0)
+    except ValueError:
+        return None
 
 
 # --- Collective traffic ----------------------------------------------------------------------------

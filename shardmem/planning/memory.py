@@ -25,11 +25,18 @@ import jax
 
 from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
-from shardmem.errors import ConfigError, PlanError
+from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
 from shardmem.planning import cost, hlo
-from shardmem.planning.targets import Target, ensure_cpu_devices, resolve_target
+from shardmem.planning.targets import (
+    Target,
+    ensure_cpu_devices,
+    link_domains,
+    resolve_target,
+    tpu_notes,
+    tpu_slice,
+)
 from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
@@ -164,6 +171,8 @@ def make_target(config: Config, target: str | None = None) -> Target:
             ensure_cpu_devices(config.mesh.device_count())  # CPU-only: simulate the mesh's devices.
         with native_stderr_silenced():
             return resolve_target("local", n_devices=len(jax.devices()))
+    if tpu_slice(name):  # The slice gives the chips and hosts; mesh.hosts and devices_per_host do not apply.
+        return resolve_target(name)
     n_devices = config.mesh.device_count()
     mesh = config.mesh
     fixed = math.prod(mesh.axes.values())
@@ -234,6 +243,7 @@ def plan_program(
     warnings += _remat_warnings(config, layer_plan, tags)
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
     warnings += _optimizer_warnings(config) + _slow_compile_warnings(report)
+    warnings += tpu_notes(target, config.memory)
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
@@ -278,18 +288,25 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
     useful = 1.0 - idle  # The flops count idle stages' work on placeholders; MFU counts the model's.
     model_flops = report.flops_no_remat if report.flops_no_remat is not None else None
     estimate = cost.estimate_step_time(
-        report.module, hardware, [d.process_index for d in mesh.devices.flat],
+        report.module, hardware, link_domains(mesh.devices.flat),
         attention=hlo.fused_attention_kernels(jaxpr), bubble_fraction=idle, tokens_per_step=tokens_per_step,
         model_flops=model_flops * useful if model_flops else None,
         hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
     )  # fmt: skip
-    if target.platform != "cpu":
+    if target.platform not in ("cpu", "tpu"):  # Calibrated on an H200; no TPU measurement backs it.
         estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
     note = cost.ASSUMPTIONS
     if target.platform == "cpu":
         note = ("approximate: simulated CPU devices share this machine's cores, so the estimate ranks CPU "
                 "layouts (check with shardmem sweep --measure) and is no GPU prediction; "
                 + note)  # fmt: skip
+    elif target.platform == "tpu":
+        note += ("; TPU: not calibrated (the efficiencies were measured on an H200); \"nvlink\" is ICI, "
+                 "all of a chip's links, so a collective along one torus axis is predicted fast; \"network\" "
+                 "is DCN, between slices")  # fmt: skip
+        if len(set(link_domains(mesh.devices.flat))) > 1:
+            note += ("; libtpu lowers the collectives between slices to MegaScale sends and receives, which "
+                     "the model does not cost yet: DCN time is left out")  # fmt: skip
     elif target.deviceless:
         note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
     return dataclasses.replace(report, step_time=estimate, step_time_note=note)
@@ -437,7 +454,14 @@ def _compile_and_analyze(
             compiled = _compile(traced, options, dump)
         except Exception as e:  # XLA raises plain runtime errors for programs it cannot compile.
             first = _first_line(e)
-            if not (target.deviceless and TRITON_GEMM not in options):
+            if target.platform == "tpu" and "Ran out of memory" in first:
+                # XLA's TPU compiler refuses a program over the chip's HBM: a verdict, not a failure.
+                raise DoesNotFit(
+                    f"does not fit on {target.label}: libtpu's compiler says {first[:240]} Shard more "
+                    "(mesh.axes.fsdp over more chips), recompute more (remat.policy), or lower "
+                    "train.global_batch; shardmem tune searches these"
+                ) from None
+            if not (target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options):
                 raise PlanError(_compile_failure(target, first, options)) from None
             # Deviceless GPU compiles can fail to tile a Triton GEMM fusion that autotuning on a real GPU
             # would have replaced; cuBLAS calls compile anywhere.
@@ -451,7 +475,8 @@ def _compile_and_analyze(
         schedule = hlo.buffer_schedule(dump)
         top_buffers = hlo.peak_buffers(schedule, top) if schedule else []
         live_peak = schedule.peak_bytes if schedule else None
-        module = hlo.parse_module(compiled.as_text() or "")
+        text = compiled.as_text() or ""
+        module = hlo.parse_module(text)
         collectives = hlo.collective_bytes(module)
     stats = compiled.memory_analysis()
     if stats is None:
@@ -489,6 +514,10 @@ def _compile_and_analyze(
         "matches": not groups or accounted == arguments,
         "live_range_peak_bytes": live_peak,
     }
+    tiled = hlo.entry_argument_bytes(text) if target.platform == "tpu" else None
+    if tiled and groups and accounted != arguments and tiled == (accounted, arguments):
+        # TPU layouts pad to whole tiles: the shapes' bytes match, and padded they are XLA's exactly.
+        cross_check.update(matches=True, tile_padding_bytes=arguments - accounted)
     warnings = []
     if retried:
         warnings.append(
@@ -497,7 +526,7 @@ def _compile_and_analyze(
             "trials of BENCHMARKS.md this setting raised deviceless peaks by 0-23% over the default, so "
             "the verdict errs on the safe side"
         )
-    if groups and accounted != arguments:
+    if groups and not cross_check["matches"]:
         warnings.append(
             f"analytic argument bytes ({accounted}) differ from XLA's ({arguments}): some "
             "arguments are laid out or sharded differently than their shardings say"

@@ -92,6 +92,8 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     check = report.cross_check
     if "analytic_argument_bytes" in check:
         ok = "matches" if check["matches"] else "DIFFERS FROM"
+        if check.get("tile_padding_bytes"):
+            ok += f", padded to TPU tiles (+{format_bytes(check['tile_padding_bytes'])}),"
         parts.append(Text(
             f"cross-check: parameters + optimizer + batch from shapes and shardings "
             f"({format_bytes(check['analytic_argument_bytes'])}) {ok} XLA's arguments "

@@ -1,18 +1,23 @@
-"""Where a plan is compiled: simulated CPU devices, the attached accelerators, or a named NVIDIA GPU
-compiled deviceless with XLA's GPU compiler.
+"""Where a plan is compiled: simulated CPU devices, the attached accelerators, or a named NVIDIA GPU or
+Cloud TPU slice compiled deviceless with XLA's GPU or TPU compiler.
 
     target = resolve_target("h100-sxm", n_devices=64, hosts=8)   # compile-only H100s, 8 per host
+    target = resolve_target("v5p-64")                            # a v5p slice: 32 chips on 8 hosts
     target.devices, target.memory_bytes, target.peak_flops
 
-Deviceless compilation needs the ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` wheels at jaxlib's
-version, but no GPU and no CUDA libraries.
+Deviceless GPU compilation needs the ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` wheels at jaxlib's
+version, deviceless TPU compilation the ``libtpu`` wheel that ``jax[tpu]`` pins (``pip install -e
+".[tpu]"``); neither needs the accelerator.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import math
 import os
+import re
 
 import jax
 
@@ -110,7 +115,107 @@ GPU_TARGETS: dict[str, GpuSpec] = {
                     7672320000000, 132644864, 233472, 232448, _BLACKWELL, 900 * GB, 50 * GB, 64 * GB),
 }  # fmt: skip
 
-TARGET_NAMES = ("cpu", "local", *GPU_TARGETS)
+
+@dataclasses.dataclass(frozen=True)
+class TpuSpec:
+    """Published facts about one Cloud TPU chip and the slices it comes in (Cloud TPU documentation,
+    "System architecture" pages for v4, v5e, v5p and v6e; ``shared/reference/step-time-and-tpu.md``).
+
+    Rates are per chip and per direction: ``ici_bandwidth`` is all of a chip's inter-chip links together
+    (half the documented bidirectional figure), ``dcn_bandwidth`` its share of its host's data-centre
+    NICs (between slices), ``host_bandwidth`` its PCIe link to host memory. ``interconnect.nvlink`` and
+    ``interconnect.network`` in a config override ICI and DCN (the step-time model's fast and slow link).
+    """
+
+    description: str  # The chips' ``device_kind`` in JAX.
+    generation: str  # libtpu's name for the chip in a topology ("v5e:2x2").
+    memory_bytes: int
+    memory_bandwidth: int
+    peak_flops: dict[str, float]
+    ici_bandwidth: float
+    dcn_bandwidth: float
+    host_bandwidth: float
+    slice_shapes: dict[int, tuple[int, ...]]  # Chips -> the slice's chip grid (Cloud TPU's shapes).
+    cores_per_chip: int  # TensorCores a chip has; v4 and v5p slice names count them (v5p-8 is 4 chips).
+    hosts_of_one: int = 4  # Chips per host in multi-host slices; smaller slices are one host.
+
+    @property
+    def peak_bf16_flops(self) -> float:
+        """The dense bf16 peak, the rate MFU is quoted against."""
+        return self.peak_flops["bf16"]
+
+    @property
+    def nvlink_bandwidth(self) -> float:
+        """The fast link, under the name the step-time model reads: ICI, inside a slice."""
+        return self.ici_bandwidth
+
+    @property
+    def network_bandwidth(self) -> float:
+        """The slow link, under the name the step-time model reads: DCN, between slices."""
+        return self.dcn_bandwidth
+
+
+GiB = 1 << 30
+# Standard slice shapes (Cloud TPU docs, "Supported configurations"): 3D tori for v4/v5p, 2D for v5e/v6e.
+_SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
+              256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16),
+              4096: (16, 16, 16)}  # fmt: skip
+_SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
+              256: (16, 16)}  # fmt: skip
+# TPU matmuls take f32 operands at bf16 rate (JAX's default precision is one bf16 pass); "f8" is the int8
+# rate where the chip has one. ICI each way: v5e 1,600 Gb/s, v6e 3,584 Gb/s, v5p 4,800 Gb/s per chip (docs);
+# v4 six links of 50 GB/s each way (Jouppi et al., ISCA 2023). DCN per chip: v5p 50 Gb/s (docs); v5e and
+# v6e the pod's data-centre bandwidth over its 256 chips (6.4 and 25.6 Tb/s); v4 publishes none (v5p's
+# figure assumed). Host links: v4 PCIe Gen3 x16 (16 GB/s); the others assumed PCIe Gen4 x16 (32 GB/s).
+TPU_TARGETS: dict[str, TpuSpec] = {
+    "tpu-v4": TpuSpec("TPU v4", "v4", 32 * GiB, 1200 * GB, {"bf16": 275e12, "f16": 275e12, "f32": 275e12,
+                      "f8": 275e12}, 300 * GB, 6.25 * GB, 16 * GB, _SHAPES_3D, 2),
+    "tpu-v5e": TpuSpec("TPU v5 lite", "v5e", 16 * GiB, 819 * GB, {"bf16": 197e12, "f16": 197e12,
+                       "f32": 197e12, "f8": 393e12}, 200 * GB, 3.125 * GB, 32 * GB, _SHAPES_2D, 1),
+    "tpu-v5p": TpuSpec("TPU v5", "v5p", 95 * GiB, 2765 * GB, {"bf16": 459e12, "f16": 459e12, "f32": 459e12,
+                       "f8": 459e12}, 600 * GB, 6.25 * GB, 32 * GB, {**_SHAPES_3D, 6144: (16, 16, 24)}, 2),
+    "tpu-v6e": TpuSpec("TPU v6 lite", "v6e", 32 * GiB, 1640 * GB, {"bf16": 918e12, "f16": 918e12,
+                       "f32": 918e12, "f8": 1836e12}, 448 * GB, 12.5 * GB, 32 * GB, _SHAPES_2D, 1),
+}  # fmt: skip
+#: Cloud TPU's accelerator types: ``v5p-128`` (a count of TensorCores on v4/v5p, of chips on v5e/v6e),
+#: ``v5litepod-16`` for v5e; ``tpu-`` in front is accepted, and ``2xv5p-128`` is two such slices joined
+#: over DCN (multislice).
+_SLICE = re.compile(r"^(?:(\d+)x)?(?:tpu-)?(v4|v5e|v5p|v6e|v5litepod)-(\d+)$")
+#: The libtpu that ``jax[tpu]`` pins for the JAX versions shardmem is tested with.
+LIBTPU_FOR_JAX = {"0.10.2": "0.0.42.*", "0.12.0.1": "0.0.50.*"}
+
+TARGET_NAMES = ("cpu", "local", *GPU_TARGETS, *TPU_TARGETS)
+
+
+def is_target_name(name: str) -> bool:
+    """Whether ``name`` is a target: one of :data:`TARGET_NAMES` or a TPU slice such as ``v5p-64``."""
+    return name in TARGET_NAMES or bool(_SLICE.match(name))
+
+
+def tpu_slice(name: str) -> tuple[str, int, int] | None:
+    """Returns (the key of :data:`TPU_TARGETS`, chips per slice, slices) of a slice name such as
+    ``v5p-8`` (4 chips, 1 slice) or ``2xv5e-16`` (16 chips, 2 slices), or None when ``name`` is none."""
+    match = _SLICE.match(name)
+    if not match:
+        return None
+    slices, generation, count = match.groups()
+    if slices is not None and int(slices) < 1:
+        raise ConfigError(f"target {name!r}: join 1 or more slices, e.g. 2x{generation}-{count}")
+    key = "tpu-v5e" if generation == "v5litepod" else f"tpu-{generation}"
+    cores = TPU_TARGETS[key].cores_per_chip
+    if int(count) % cores:
+        raise ConfigError(
+            f"target {name!r}: {generation} slice names count TensorCores, {cores} per chip, so the "
+            f"number must be even; e.g. {generation}-8 is 4 chips"
+        )
+    return key, int(count) // cores, int(slices or 1)
+
+
+def link_domains(devices) -> list[int]:
+    """Returns, for each device, the domain its fast link reaches: its host (process) for GPUs and CPUs,
+    its slice for TPUs (every chip of a slice is on ICI, whichever host it hangs off). A collective
+    whose group spans two domains runs over the slow link (the network, DCN)."""
+    return [(getattr(d, "slice_index", 0) or 0) if d.platform == "tpu" else d.process_index for d in devices]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +230,11 @@ class Target:
     deviceless: bool
     approximate: bool
     allocator_limit: int | None = None  # What JAX's allocator may take on an attached GPU.
-    spec: GpuSpec | None = None  # The GPU's published facts, where it is one shardmem knows.
+    spec: GpuSpec | TpuSpec | None = None  # The chip's published facts, where it is one shardmem knows.
 
     @property
     def platform(self) -> str:
-        """JAX platform of the devices: "cpu", "cuda" (deviceless GPUs included) or "gpu"."""
+        """JAX platform of the devices: "cpu", "cuda" (deviceless GPUs included), "gpu" or "tpu"."""
         return self.devices[0].platform
 
 
@@ -209,8 +314,74 @@ def _gpu_topology(name: str, hosts: int, per_host: int):
     return tuple(topology.devices)
 
 
-def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
-    """Returns the devices (and their memory) to compile a mesh of ``n_devices`` for."""
+def _libtpu_hint() -> str:
+    pin = LIBTPU_FOR_JAX.get(jax.__version__)
+    version = f"libtpu=={pin}, which jax[tpu] {jax.__version__} pins" if pin else "the libtpu jax[tpu] pins"
+    return f'pip install -e ".[tpu]" (or pip install "jax[tpu]=={jax.__version__}") installs {version}'
+
+
+@functools.cache
+def _tpu_topology(key: str, shape: tuple[int, ...], slices: int):
+    spec = TPU_TARGETS[key]
+    if importlib.util.find_spec("libtpu") is None:
+        raise PlanError(f"target {key!r} is compiled deviceless by libtpu, which is not installed: "
+                        f"{_libtpu_hint()}")  # fmt: skip
+    from jax.experimental import topologies
+
+    chips = math.prod(shape)
+    # Slices of up to 8 chips hang off one host (v5e/v6e-8 too); larger ones off hosts of 2x2 chips.
+    per_host = shape if chips <= 8 and len(shape) == 2 else (2, 2) + (1,) * (len(shape) - 2)
+    bounds = tuple(min(a, b) for a, b in zip(per_host, shape, strict=True)) + (1,) * (3 - len(shape))
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # No metadata server to ask on a machine without TPUs.
+    # Compile-only: several processes (sweep's workers, parallel plans) may load libtpu at once; without
+    # this the second one fails on libtpu's lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        with native_stderr_silenced():  # libtpu warns in C++ that it runs on no TPU VM; expected here.
+            topology = topologies.get_topology_desc(
+                topology_name=f"{spec.generation}:{'x'.join(map(str, shape))}", platform="tpu",
+                chip_config_name="megacore" if spec.cores_per_chip > 1 else "default",
+                chips_per_host_bounds=bounds, num_slices=slices,
+            )  # fmt: skip
+    except Exception as e:  # libtpu raises plain runtime errors for a version it does not match.
+        raise PlanError(
+            f"libtpu could not describe a {spec.generation} slice of {chips} chips: "
+            f"{str(e).splitlines()[0][:200]}. Its version must match jaxlib's: {_libtpu_hint()}"
+        ) from None
+    return tuple(topology.devices)
+
+
+def _resolve_tpu(name: str, n_devices: int | None) -> Target:
+    named = tpu_slice(name)
+    key, per_slice, slices = named if named else (name, n_devices, 1)
+    spec = TPU_TARGETS[key]
+    if per_slice is None:
+        raise ConfigError(f"target {name!r} needs a chip count (n_devices), or name a slice such as "
+                          f"{spec.generation}-{8 * spec.cores_per_chip}")  # fmt: skip
+    if per_slice not in spec.slice_shapes:
+        sizes = ", ".join(str(n * spec.cores_per_chip) for n in spec.slice_shapes)
+        raise ConfigError(
+            f"target {name!r}: {per_slice} chips per slice is no {spec.generation} slice shape; Cloud TPU "
+            f"offers {spec.generation}-{{{sizes}}}"
+            + (" (TensorCores, 2 per chip)" if spec.cores_per_chip > 1 else "")
+        )
+    shape = spec.slice_shapes[per_slice]
+    devices = _tpu_topology(key, shape, slices)
+    hosts = len({d.process_index for d in devices})  # One process per TPU VM, across all slices.
+    grid = "x".join(map(str, shape))
+    where = f"{slices} slices of {grid} over DCN" if slices > 1 else grid
+    label = f"{len(devices)} x {spec.description} ({where}, {hosts} TPU VM{'s' * (hosts > 1)}), deviceless"
+    return Target(key, label, devices, spec.memory_bytes, spec.peak_bf16_flops, True, False, spec=spec)
+
+
+def resolve_target(name: str, *, n_devices: int | None = None, hosts: int = 1) -> Target:
+    """Returns the devices (and their memory) to compile a mesh of ``n_devices`` for. A TPU slice name
+    (``v5p-64``, ``2xv5p-64``) gives its own chips and hosts; ``tpu-v5p`` with ``n_devices`` takes the
+    one slice of that many chips."""
+    if name in TPU_TARGETS or _SLICE.match(name):
+        return _resolve_tpu(name, n_devices)
+    if n_devices is None:
+        raise ConfigError(f"target {name!r} needs n_devices, the number of devices to plan for")
     if name in GPU_TARGETS:
         if n_devices % hosts:
             raise ConfigError(
@@ -257,3 +428,17 @@ def resolve_target(name: str, *, n_devices: int, hosts: int = 1) -> Target:
     raise ConfigError(
         f"target {name!r} is not known{did_you_mean(name, TARGET_NAMES)}; use {one_of(TARGET_NAMES)}"
     )
+
+
+def tpu_notes(target: Target, memory) -> list[str]:
+    """What a deviceless TPU plan cannot see, for the report (``memory`` is the config's
+    :class:`~shardmem.config.MemoryConfig`); empty for other targets."""
+    if not isinstance(target.spec, TpuSpec) or not target.deviceless:
+        return []
+    reserve = memory.reserve / GiB
+    return [
+        f"TPU, deviceless: libtpu compiled the program the slice would run, but not the HBM its runtime "
+        f"keeps for itself (memory.reserve={reserve:.2g} GiB budgets it), nor the host's input pipeline; "
+        f"memory.deviceless_margin={memory.deviceless_margin:g} was measured for GPU autotuning and is "
+        "applied unchanged (no TPU measurement backs it; 0 budgets the whole usable HBM)"
+    ]

@@ -1,0 +1,157 @@
+"""Deviceless Cloud TPU targets: slices from their names, plans compiled by libtpu on this CPU machine
+(CI installs the ``tpu`` extra), exact per-chip bytes, the verdict around a v5e chip's 16 GiB."""
+
+import collections
+import importlib.util
+import json
+
+import pytest
+
+import shardmem
+from shardmem.cli import main
+from shardmem.config import config_from_dict
+from shardmem.errors import ConfigError, DoesNotFit, PlanError
+from shardmem.models.llama import ModelConfig
+from shardmem.planning import targets
+from shardmem.planning.targets import TPU_TARGETS, link_domains, resolve_target, tpu_slice
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason='libtpu is not installed: pip install -e ".[tpu]"'
+)
+
+# Dimensions in whole TPU tiles (128 lanes), so that the only padding is the scalars'.
+_MODEL = {"vocab_size": 512, "d_model": 256, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "d_ff": 512,
+          "seq_len": 128}  # fmt: skip
+
+
+def _config(target: str, model=None, **sections):
+    return config_from_dict({
+        "model": model or _MODEL,
+        "mesh": {"axes": {"fsdp": -1}},
+        "train": {"global_batch": 8},
+        "precision": {"params": "float32", "compute": "bfloat16"},
+        "memory": {"target": target},
+        **sections,
+    })  # fmt: skip
+
+
+def test_slice_names_count_tensorcores_on_v4_and_v5p_and_chips_on_v5e_and_v6e():
+    assert tpu_slice("v5p-8") == ("tpu-v5p", 4, 1)
+    assert tpu_slice("v4-16") == ("tpu-v4", 8, 1)
+    assert tpu_slice("v6e-8") == ("tpu-v6e", 8, 1)
+    assert tpu_slice("v5litepod-16") == ("tpu-v5e", 16, 1)
+    assert tpu_slice("2xv5e-16") == ("tpu-v5e", 16, 2)
+    assert tpu_slice("h100-sxm") is None
+    with pytest.raises(ConfigError, match=r"'v5p-7'.*count TensorCores, 2 per chip.*v5p-8 is 4 chips"):
+        tpu_slice("v5p-7")
+    with pytest.raises(ConfigError, match=r"12 chips per slice is no v5e slice shape.*v5e-\{1, 4, 8, 16"):
+        resolve_target("v5e-12")
+    with pytest.raises(ConfigError, match=r"'tpu-v6e' needs a chip count"):
+        resolve_target("tpu-v6e")
+
+
+def test_a_multi_host_slice_is_one_ici_domain_and_slices_meet_over_dcn():
+    # v5p-64: 32 chips in a 2x4x4 torus, on 8 TPU VMs of 4 chips each, every chip on ICI.
+    v5p = resolve_target("v5p-64")
+    assert len(v5p.devices) == 32 and v5p.devices[0].device_kind == "TPU v5"
+    assert collections.Counter(d.process_index for d in v5p.devices) == {i: 4 for i in range(8)}
+    assert set(link_domains(v5p.devices)) == {0}
+    assert v5p.label == "32 x TPU v5 (2x4x4, 8 TPU VMs), deviceless"
+    assert v5p.memory_bytes == 95 << 30 and v5p.peak_flops == 459e12
+    # A v6e-8 is one host of 8 chips; a v5e-16 four VMs of 4.
+    assert len({d.process_index for d in resolve_target("v6e-8").devices}) == 1
+    assert len({d.process_index for d in resolve_target("v5e-16").devices}) == 4
+    # Two v5e-16 slices: 32 chips, two link domains of 16 (the step-time model's slow link is DCN).
+    two = resolve_target("2xv5e-16")
+    assert collections.Counter(link_domains(two.devices)) == {0: 16, 1: 16}
+
+
+def test_without_libtpu_a_tpu_target_is_one_line_saying_what_to_install(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda n: None if n == "libtpu" else real(n))
+    targets._tpu_topology.cache_clear()
+    try:
+        with pytest.raises(PlanError, match=r"not installed: pip install -e \"\.\[tpu\]\""):
+            resolve_target("v5e-4")
+        assert main(["plan", "configs/tiny.yaml", "--target", "v5e-4"]) == 2
+    finally:
+        targets._tpu_topology.cache_clear()
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "libtpu" in err and "jax[tpu]" in err
+
+
+def test_plan_on_a_v5e_slice_gives_exact_per_chip_bytes_and_the_same_api_as_gpus():
+    report = shardmem.plan(_config("v5e-4"))
+    assert report.devices == 4 and report.target == "tpu-v5e" and not report.approximate
+    # float32, FSDP over 4 chips; the RMSNorm scales (two a layer and the final one) are replicated.
+    norms = (2 * _MODEL["n_layers"] + 1) * _MODEL["d_model"]
+    per_chip = (ModelConfig(**_MODEL).param_count() - norms) * 4 // 4 + norms * 4
+    assert report.per_device["params"] == per_chip
+    # Adam's mu and nu, and three int32 scalars: Adam's and the learning-rate schedule's counts, the step.
+    assert report.per_device["optimizer"] == 2 * per_chip + 3 * 4
+    # XLA's arguments are the same bytes padded to TPU tiles (the batch and the two scalars here).
+    assert report.cross_check["matches"] and report.cross_check["tile_padding_bytes"] > 0
+    assert report.device_memory_bytes == 16 << 30 and report.fits
+    assert any("TPU, deviceless" in w and "memory.reserve" in w for w in report.warnings)
+    # The step-time model reads the TPU's spec, and counts every trip of the layer scan.
+    assert report.step_time is not None and report.step_time.uncertainty is None
+    assert any(loop.trips == _MODEL["n_layers"] for loop in report.step_time.loops)
+    assert {c.link for c in report.step_time.collectives} == {"nvlink"}  # One slice: all ICI.
+    json.dumps(report.to_json())
+
+
+def test_a_step_libtpu_refuses_as_over_the_chips_hbm_is_a_verdict_exit_3(monkeypatch, capsys):
+    # XLA's TPU compiler fails on a program over the chip's HBM (RESOURCE_EXHAUSTED), as llama-7b does on a
+    # v5e-16 (23.52G of temporaries over 15.75G); simulated here, the real one takes a minute to fail.
+    from shardmem.planning import memory
+
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+               "(23.52G) exceeds available HBM (15.75G).")  # fmt: skip
+
+    def compile_(traced, options, dump):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(memory, "_compile", compile_)
+    with pytest.raises(
+        DoesNotFit, match=r"does not fit on 4 x TPU v5 lite.*exceeds available HBM \(15.75G\)"
+    ):
+        shardmem.plan(_config("v5e-4"))
+    args = ["plan", "configs/tiny.yaml", "--target", "v5e-4", "--set", "precision.compute=bfloat16"]
+    assert main(args) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not fit" in err and "shardmem tune" in err
+
+
+def test_two_slices_put_the_data_axis_across_them():
+    config = _config("2xv5e-4", mesh={"axes": {"data": 2, "fsdp": 4}}, rules={"batch": ["data", "fsdp"]})
+    report = shardmem.plan(config)
+    assert report.devices == 8 and "2 slices of 2x2 over DCN" in report.target_label
+    mesh = shardmem.build_mesh({"data": 2, "fsdp": 4}, resolve_target("2xv5e-4").devices)
+    assert [sorted(set(link_domains(row))) for row in mesh.devices] == [[0], [1]]  # data: across slices
+    # Inside a slice the collectives are XLA's (over ICI); between slices libtpu lowers them to MegaScale
+    # sends and receives, which the step-time model does not cost: the note says so.
+    assert {c.link for c in report.step_time.collectives} == {"nvlink"}
+    assert "DCN time is left out" in report.step_time_note
+
+
+@pytest.mark.slow  # About 30 s each on the 2-core machine: libtpu's compile time grows with the arrays.
+@pytest.mark.parametrize("vocab_size, fits", [(262144, True), (393216, False)])
+def test_verdict_around_a_v5e_chips_16_gib(vocab_size, fits):
+    # One v5e chip, float32 with Adam (16 bytes a parameter), the parameters mostly in the two embedding
+    # tables: 562M of them (8.4 GiB) fit the 11.55 GiB budget, 830M (12.4 GiB) do not.
+    model = {**_MODEL, "vocab_size": vocab_size, "d_model": 1024, "n_layers": 1, "n_heads": 8,
+             "n_kv_heads": 8, "d_ff": 2048}  # fmt: skip
+    config = _config("tpu-v5e", model=model, mesh={"axes": {"fsdp": 1}}, train={"global_batch": 1})
+    report = shardmem.plan(config)
+    assert report.devices == 1 and report.target_label.startswith("1 x TPU v5 lite (1x1")
+    assert abs(report.budget_bytes - (16 * 0.9 - 1) * (1 << 30) / 1.16) < 2  # float rounding
+    assert report.per_device["params"] == ModelConfig(**model).param_count() * 4
+    assert report.fits is fits
+
+
+def test_plan_cli_on_a_tpu_slice_exits_by_the_verdict(capsys):
+    args = ["plan", "configs/tiny.yaml", "--target", "v6e-4", "--set", "precision.compute=bfloat16"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "tpu-v6e: 4 x TPU v6 lite (2x2, 1 TPU VM), deviceless" in out and "FITS" in out
+    assert set(TPU_TARGETS) <= set(shardmem.planning.targets.TARGET_NAMES)
