@@ -153,6 +153,13 @@ def test_every_gpu_plan_predicts_its_step_time(pipelined):
     assert data["bounds"]["no_overlap"] >= data["seconds"]
 
 
+def test_the_replayed_kernels_do_the_programs_flops():
+    from shardmem.planning.memory import plan
+
+    report = plan(load_config("configs/tiny.yaml", ["precision.compute=bfloat16"]), "h100-sxm")
+    assert report.step_time.kernel_flops == pytest.approx(report.flops_per_step / report.devices, rel=1e-9)
+
+
 def test_the_bubble_is_the_schedules_idle_share_of_the_pipeline_loop(pipelined):
     st, schedule = pipelined.step_time, pipelined.pipeline
     assert schedule["bubble_fraction"] == pytest.approx((2 - 1) / (4 + 2 - 1))

@@ -61,7 +61,7 @@ ASSUMPTIONS = ("roofline per kernel at documented efficiencies; collectives over
 
 #: Instructions that run no kernel.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
-         "after-all", "add-dependency", "opt-barrier", "domain", "get-dimension-size"}  # fmt: skip
+         "after-all", "add-dependency", "recv", "opt-barrier", "domain", "get-dimension-size"}  # fmt: skip
 _FREE_CUSTOM_CALLS = ("AllocateBuffer", "MoveToHost", "MoveToDevice", "Sharding", "SPMDFullToShardShape",
                       "SPMDShardToFullShape", "annotate_device_placement")  # fmt: skip
 #: The factor of a collective's bytes that crosses each device's link, for a group of n (ring algorithms).
@@ -190,6 +190,7 @@ class StepTime:
     bubble: float
     host_transfer_bytes: int  # Bytes copied between device and host memory per step (offload).
     kernels: int  # kernel launches per step
+    kernel_flops: float  # FLOPs per device the replayed kernels do (the HLO's matmuls, every trip counted).
     collectives: tuple[CollectiveCost, ...]
     loops: tuple[LoopCost, ...]
     hardware: str
@@ -250,6 +251,7 @@ class StepTime:
             "mfu": self.mfu,
             "hfu": self.hfu,
             "kernels": self.kernels,
+            "kernel_flops": self.kernel_flops,
             "collectives": [dataclasses.asdict(c) for c in self.collectives],
             "loops": [dataclasses.asdict(loop) for loop in self.loops],
             "hardware": self.hardware,
@@ -286,6 +288,28 @@ def _attr_dims(attributes: str, key: str) -> list[int]:
     return [int(d) for d in match.group(1).split(",") if d] if match else []
 
 
+@functools.lru_cache(maxsize=1024)
+def _valid_taps(n_in: int, n_out: int, window: int, stride: int, pad: int, lhs_dilate: int,
+                rhs_dilate: int) -> int:
+    """The (output position, window tap) pairs of one spatial dimension whose input position is a real
+    input element: inside the (dilated) input, not in its padding nor between dilated elements. Output
+    ``o`` and tap ``w`` read position ``o * stride + w * rhs_dilate - pad``; counted per tap in closed form."""
+    last = (n_in - 1) * lhs_dilate
+    g = math.gcd(stride, lhs_dilate)
+    period = lhs_dilate // g
+    inverse = pow(stride // g, -1, period) if period > 1 else 0
+    pairs = 0
+    for w in range(window):
+        offset = w * rhs_dilate - pad
+        first = max(0, -(offset // stride))  # ceil(-offset / stride)
+        final = min(n_out - 1, (last - offset) // stride)
+        if final < first or (-offset) % g:
+            continue
+        o0 = ((-offset) // g * inverse) % period if period > 1 else 0  # o * stride = -offset (mod dilate)
+        pairs += (final - o0) // period - (first - 1 - o0) // period
+    return pairs
+
+
 class _Kernels:
     """Costs the kernels of one module on one piece of hardware (each distinct kernel once)."""
 
@@ -304,10 +328,36 @@ class _Kernels:
         return 2.0 * math.prod(_dims(ins.shape)) * k, _dtype(lhs)
 
     def conv_flops(self, ins: hlo.Instruction) -> tuple[float, str]:
-        rhs = _dims(self.shape(ins.operands[1])) if len(ins.operands) > 1 else []
-        labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attributes)
-        out_features = rhs[labels.group(1).index("o")] if labels and rhs and "o" in labels.group(1) else 1
-        return 2.0 * math.prod(_dims(ins.shape)) * math.prod(rhs) / max(out_features, 1), _dtype(ins.shape)
+        """FLOPs of a convolution: each output element sums the kernel's input features over the window
+        taps that land on real input, not on padding or between dilated inputs. XLA's TPU compiler writes
+        dot products as such convolutions (a head dimension as a padded window, a batch as a dilation), so
+        counting every tap overstates them by the window size."""
+        labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attributes)
+        if not labels or len(ins.operands) < 2:
+            return 0.0, _dtype(ins.shape)
+        lhs_labels, rhs_labels, out_labels = labels.groups()
+        lhs, rhs = _dims(self.shape(ins.operands[0])), _dims(self.shape(ins.operands[1]))
+        out = _dims(ins.shape)
+        if "i" not in rhs_labels or len(rhs) != len(rhs_labels) or len(out) != len(out_labels):
+            return 0.0, _dtype(ins.shape)
+        window = re.search(r"window=\{([^}]*)\}", ins.attributes)
+        fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
+        spatial = [c for c in out_labels if c.isdigit()]
+
+        def per_dim(key: str, default: int) -> list[int]:
+            values = fields.get(key)
+            return [int(v) for v in values.split("x")] if values else [default] * len(spatial)
+
+        size, stride = per_dim("size", 1), per_dim("stride", 1)
+        lhs_dilate, rhs_dilate = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+        pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * len(spatial)
+        taps = 1.0  # Valid (output position, window tap) pairs per output position, over the spatial dims.
+        for k, label in enumerate(sorted(spatial)):
+            n_in, n_out = lhs[lhs_labels.index(label)], out[out_labels.index(label)]
+            pairs = _valid_taps(n_in, n_out, size[k], stride[k], pads[k], lhs_dilate[k], rhs_dilate[k])
+            taps *= pairs / max(n_out, 1)
+        features = rhs[rhs_labels.index("i")]
+        return 2.0 * math.prod(out) * features * taps, _dtype(self.shape(ins.operands[0]))
 
     def flops(self, ins: hlo.Instruction) -> tuple[float, str, bool]:
         """(FLOPs, operand dtype, whether a fused-attention kernel) of one kernel."""
@@ -460,13 +510,19 @@ def replica_groups(ins: hlo.Instruction, devices: int) -> list[list[int]]:
 
 def _collective_cost(ins, kind: str, hardware: Hardware,
                      hosts_of: Sequence[int]) -> tuple[float, CollectiveCost]:  # fmt: skip
-    groups = replica_groups(ins, len(hosts_of))
-    n = max(len(g) for g in groups) if groups else 1
-    spans = any(len({hosts_of[d] for d in g if d < len(hosts_of)}) > 1 for g in groups)
-    link = "network" if spans else "nvlink"
     moved = hlo.collective_result_bytes(ins)
-    if kind == "reduce-scatter":
-        moved *= n  # The ring moves (n-1)/n of the operand, n times the result.
+    if hlo.is_megascale(ins):
+        # Between TPU slices: each chip exchanges its data with its peers in the other slices, over DCN.
+        n, link = len(set(hosts_of)), "network"
+        if kind == "all-gather":
+            moved *= n  # It sends its piece; the ring's factor is of the gathered result.
+    else:
+        groups = replica_groups(ins, len(hosts_of))
+        n = max(len(g) for g in groups) if groups else 1
+        spans = any(len({hosts_of[d] for d in g if d < len(hosts_of)}) > 1 for g in groups)
+        link = "network" if spans else "nvlink"
+        if kind == "reduce-scatter":
+            moved *= n  # The ring moves (n-1)/n of the operand, n times the result.
     if n <= 1 and kind != "collective-permute":
         return 0.0, CollectiveCost(kind, n, link, 1, moved, 0.0)
     seconds = COLLECTIVE_LATENCY[link] + _ALGORITHM[kind](n) * moved / hardware.link(link)
@@ -509,6 +565,7 @@ class _Totals:
     exposed_host_transfers: float = 0.0
     host_bytes: float = 0.0
     kernels: int = 0
+    flops: float = 0.0
 
     def add(self, other: _Totals, times: float = 1.0) -> None:
         for field in dataclasses.fields(self):
@@ -549,7 +606,7 @@ class _Replay:
                 totals.communication += seconds
                 start = max(clock, streams["comm"])
                 streams["comm"] = start + seconds
-                if op.endswith("-start"):
+                if op.endswith("-start") or op == "send":  # A MegaScale send ends at its send-done.
                     pending[ins.name] = ("comm", streams["comm"])
                 else:  # Synchronous: the compute stream waits for it.
                     totals.exposed_communication += streams["comm"] - clock
@@ -575,8 +632,9 @@ class _Replay:
                 if op == "async-start":
                     pending[ins.name] = ("compute", clock)
                 continue
-            seconds, category, _ = self.kernels.seconds(ins)
+            seconds, category, flops = self.kernels.seconds(ins)
             setattr(totals, category, getattr(totals, category) + seconds)
+            totals.flops += flops
             totals.launch += KERNEL_GAP
             totals.kernels += 1
             clock += seconds + KERNEL_GAP
@@ -676,7 +734,7 @@ def estimate_step_time(
         launch=totals.launch, communication=totals.communication,
         exposed_communication=totals.exposed_communication, host_transfers=totals.host_transfers,
         exposed_host_transfers=totals.exposed_host_transfers, bubble=bubble,
-        host_transfer_bytes=round(totals.host_bytes), kernels=round(totals.kernels),
+        host_transfer_bytes=round(totals.host_bytes), kernels=round(totals.kernels), kernel_flops=totals.flops,
         collectives=collectives, loops=tuple(loops), hardware=hardware.name,
         tokens_per_step=tokens_per_step, model_flops=model_flops, hardware_flops=hardware_flops,
         devices=len(hosts_of), peak_flops=hardware.peak("bf16"),

@@ -686,18 +686,36 @@ def shape_bytes(shape: str) -> int:
     )
 
 
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+                    "ALL_TO_ALL": "all-to-all"}  # fmt: skip
+
+
 def collective_kind(ins: Instruction) -> str | None:
-    """The collective an instruction starts or runs ("all-gather" for ``all-gather-start``), or None."""
+    """The collective an instruction starts or runs ("all-gather" for ``all-gather-start``), or None.
+    Between TPU slices libtpu lowers a collective to a MegaScale ``send`` (and a ``recv``) over DCN,
+    named by its ``_xla_megascale_transfer_type``; the send stands for the collective."""
+    if ins.opcode == "send":
+        megascale = _MEGASCALE.search(ins.attributes)
+        return _MEGASCALE_KINDS.get(megascale.group(1), "collective-permute") if megascale else None
     if ins.opcode.endswith("-done"):
         return None
     base = ins.opcode.removesuffix("-start")
     return base if base in COLLECTIVES else None
 
 
+def is_megascale(ins: Instruction) -> bool:
+    """Whether ``ins`` is a collective between TPU slices (a MegaScale send over DCN)."""
+    return ins.opcode == "send" and collective_kind(ins) is not None
+
+
 def collective_result_bytes(ins: Instruction) -> int:
-    """Bytes a collective produces per device: an async start's shape is (operands, results)."""
+    """Bytes a collective produces per device: an async start's shape is (operands, results). A
+    MegaScale send's shape is (data, context, token): the bytes it sends."""
     shape = ins.shape
-    if ins.opcode.endswith("-start") and shape.startswith("("):
+    if ins.opcode == "send" and shape.startswith("("):
+        shape = _tuple_element(shape, "0")
+    elif ins.opcode.endswith("-start") and shape.startswith("("):
         shape = _tuple_element(shape, "-1")
     return shape_bytes(shape)
 

@@ -305,8 +305,8 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
                  "all of a chip's links, so a collective along one torus axis is predicted fast; \"network\" "
                  "is DCN, between slices")  # fmt: skip
         if len(set(link_domains(mesh.devices.flat))) > 1:
-            note += ("; libtpu lowers the collectives between slices to MegaScale sends and receives, which "
-                     "the model does not cost yet: DCN time is left out")  # fmt: skip
+            note += ("; libtpu lowers the collectives between slices to MegaScale sends over DCN, costed as "
+                     "ring collectives over the slices at the DCN rate")  # fmt: skip
     elif target.deviceless:
         note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
     return dataclasses.replace(report, step_time=estimate, step_time_note=note)
