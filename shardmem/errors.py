@@ -24,10 +24,15 @@ class PlanError(ShardmemError):
 
 class DoesNotFit(PlanError):
     """The compiler itself refused the step as too big for the device: XLA's TPU compiler fails on a
-    program over the chip's HBM, so there is no report, only its figures. The CLI exits 3, as for a plan
-    that does not fit."""
+    program over the chip's HBM, so there is no report, only its figures: ``required_bytes`` (what it
+    needed, a lower bound of the peak) and ``available_bytes`` (the HBM it had), None where its message
+    gives none. The CLI exits 3, as for a plan that does not fit."""
 
     exit_code = 3
+
+    def __init__(self, message: str, required_bytes: int | None = None, available_bytes: int | None = None):
+        super().__init__(message)
+        self.required_bytes, self.available_bytes = required_bytes, available_bytes
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -211,3 +211,37 @@ def test_a_megascale_send_is_a_collective_over_dcn_between_the_slices():
     # A ring over 2 slices moves 2 (n - 1) / n of the bytes at DCN's achieved rate; nothing hides it.
     dcn = kernels.hardware.link("network")
     assert estimate.exposed_communication == pytest.approx(cost.COLLECTIVE_LATENCY["network"] + (32 << 20) / dcn)
+
+
+def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypatch):
+    # libtpu refuses a step over the chip's HBM instead of compiling it (simulated for remat "none"; a real
+    # refusal needs a model that takes minutes to compile here): tune goes on to the policies that compile.
+    from shardmem.explore import tune as tuning
+
+    real = tuning.plan
+
+    refusal = DoesNotFit("does not fit: libtpu's compiler says ... (23.52G) exceeds available HBM (15.75G).",
+                         required_bytes=round(23.52 * (1 << 30)), available_bytes=round(15.75 * (1 << 30)))
+
+    def plan(config, target=None, **kwargs):
+        if config.remat.policy == "none":
+            raise refusal
+        return real(config, target, **kwargs)
+
+    monkeypatch.setattr(tuning, "plan", plan)
+    result = tuning.tune(_config("v5e-4", remat={"policy": "none"}), search="remat")
+    assert result.found and result.config.remat.policy != "none" and result.report.fits
+    refused = next(t for t in result.trials if t.candidate == "none")
+    assert (refused.how, refused.fits, refused.peak_bytes) == ("compiled", False, round(23.52 * (1 << 30)))
+    assert "libtpu refused it: 23.52 GiB needed" in refused.reason
+    assert result.compiles <= 12
+    # A sweep's row for it says the same, and does not count as a config error.
+    from shardmem.explore.sweep import plan_candidate
+
+    def plan_program(*args, **kwargs):
+        raise refusal
+
+    monkeypatch.setattr("shardmem.planning.memory.plan_program", plan_program)
+    row = plan_candidate(_config("v5e-4"), ("remat.policy=none",), None)
+    assert (row.fits, row.peak_bytes, row.config_error) == (False, refusal.required_bytes, False)
+    assert "libtpu's compiler says" in row.error

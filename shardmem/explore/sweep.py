@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from shardmem.config import Config
-from shardmem.errors import ConfigError, ShardmemError
+from shardmem.errors import ConfigError, DoesNotFit, ShardmemError
 from shardmem.units import format_bytes, format_flops, format_seconds
 
 if TYPE_CHECKING:
@@ -166,6 +166,8 @@ def plan_candidate(
         resolved = make_target(candidate, target)
         program = build_program(candidate, build_mesh(candidate.mesh.axes, resolved.devices))
         report, compiled = plan_program(program, resolved, top=3)
+    except DoesNotFit as e:  # XLA's TPU compiler refused it as over the chip's HBM: a verdict, no figures.
+        return SweepRow(overrides, error=_error_text(e), fits=False, peak_bytes=e.required_bytes)
     except Exception as e:
         return SweepRow(overrides, error=_error_text(e), config_error=isinstance(e, ConfigError))
     row = SweepRow(

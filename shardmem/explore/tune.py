@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from shardmem.config import Config
-from shardmem.errors import ConfigError, PlanError, one_of
+from shardmem.errors import ConfigError, DoesNotFit, PlanError, one_of
 from shardmem.models.attention import AttentionKernel
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import STAGE_AXIS
@@ -107,6 +107,30 @@ class TuneResult:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A candidate XLA's TPU compiler refused to compile as over the chip's HBM: no report, only the
+    compiler's figure of what it needed, which the searches read as the peak of a plan that does not
+    fit (a lower bound: the compiler stopped at its first shortfall)."""
+
+    per_device: dict[str, int]
+    budget_bytes: int
+    message: str
+    fits: bool = False
+    recompute_overhead: float | None = None
+
+    @classmethod
+    def of(cls, error: DoesNotFit, config: Config, target: str | None) -> Refused:
+        resolved = make_target(config, target)
+        budget = plan_budget(config, resolved)
+        needed = error.required_bytes or resolved.memory_bytes  # At least the chip's, or it would fit.
+        return cls({"peak": max(needed, budget + 1), "host": 0}, budget, str(error))
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.budget_bytes - self.per_device["peak"]
+
+
 class _Planner:
     """Compiles candidates (each at most once), counts compiles and keeps every trial."""
 
@@ -124,17 +148,22 @@ class _Planner:
     def exhausted(self) -> bool:
         return self.compiles >= self.max_compiles
 
-    def compile(self, candidate: str, overrides: tuple[str, ...]) -> MemoryReport:
+    def compile(self, candidate: str, overrides: tuple[str, ...]) -> MemoryReport | Refused:
         if overrides not in self.reports:
             self.progress(f"compiling {candidate}")
             baseline = self.flops_no_remat
-            report = plan(self.base.replace(*overrides), self.target, top=5,
-                          count_remat_overhead=baseline is None)  # fmt: skip
-            if baseline is not None:
+            config = self.base.replace(*overrides)
+            try:
+                report = plan(config, self.target, top=5, count_remat_overhead=baseline is None)
+            except DoesNotFit as e:  # XLA's TPU compiler refused it as over the chip's HBM.
+                report = Refused.of(e, config, self.target)
+            if baseline is not None and isinstance(report, MemoryReport):
                 report = dataclasses.replace(report, flops_no_remat=baseline)
             self.reports[overrides] = report
             self.compiles += 1
             verdict = "fits" if report.fits else "does not fit"
+            if isinstance(report, Refused):
+                verdict = f"does not fit (libtpu refused it: {format_bytes(report.per_device['peak'])} needed)"
             self.note(candidate, overrides, report.per_device["peak"], report.per_device["host"],
                       report.recompute_overhead or 0.0, report.fits, "compiled",
                       f"{verdict}: {_margin(report.margin_bytes)}")  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import os
 import tempfile
 import time
@@ -442,6 +443,15 @@ def analyze(
     return _compile_and_analyze(traced, target, memory, groups=groups, top=top, name=name)[0]
 
 
+def _libtpu_figures(message: str) -> tuple[int | None, int | None]:
+    """(required, available) bytes from libtpu's "... required for HLO temporaries (23.52G) exceeds
+    available HBM (15.75G)", in GiB as it prints them; None for a figure it does not give."""
+    figures = [float(x) for x in re.findall(r"\(([\d.]+)G\)", message)]
+    if len(figures) != 2:
+        return None, None
+    return round(figures[0] * (1 << 30)), round(figures[1] * (1 << 30))
+
+
 def _compile_and_analyze(
     traced, target: Target, memory: MemoryConfig, *, groups: Mapping[str, Any], top: int, name: str
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
@@ -459,7 +469,8 @@ def _compile_and_analyze(
                 raise DoesNotFit(
                     f"does not fit on {target.label}: libtpu's compiler says {first[:240]} Shard more "
                     "(mesh.axes.fsdp over more chips), recompute more (remat.policy), or lower "
-                    "train.global_batch; shardmem tune searches these"
+                    "train.global_batch; shardmem tune searches these",
+                    *_libtpu_figures(first),
                 ) from None
             if not (target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options):
                 raise PlanError(_compile_failure(target, first, options)) from None
