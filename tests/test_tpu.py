@@ -245,3 +245,11 @@ def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypa
     row = plan_candidate(_config("v5e-4"), ("remat.policy=none",), None)
     assert (row.fits, row.peak_bytes, row.config_error) == (False, refusal.required_bytes, False)
     assert "libtpu's compiler says" in row.error
+
+
+def test_a_peak_at_the_chips_hbm_says_the_compiler_fitted_it_itself():
+    target, memory = resolve_target("v5e-4"), _config("v5e-4").memory
+    assert len(targets.tpu_notes(target, memory, target.memory_bytes // 2)) == 1
+    [_, at_hbm] = targets.tpu_notes(target, memory, int(target.memory_bytes * 0.9999))
+    assert "at the chip's HBM (100.0%)" in at_hbm and "rematerializes and reschedules on its own" in at_hbm
+    assert targets.tpu_notes(resolve_target("h100-sxm", n_devices=1), memory, 1 << 40) == []

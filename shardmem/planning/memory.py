@@ -244,7 +244,7 @@ def plan_program(
     warnings += _remat_warnings(config, layer_plan, tags)
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
     warnings += _optimizer_warnings(config) + _slow_compile_warnings(report)
-    warnings += tpu_notes(target, config.memory)
+    warnings += tpu_notes(target, config.memory, report.per_device["peak"])
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}

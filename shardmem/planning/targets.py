@@ -430,15 +430,23 @@ def resolve_target(name: str, *, n_devices: int | None = None, hosts: int = 1) -
     )
 
 
-def tpu_notes(target: Target, memory) -> list[str]:
+def tpu_notes(target: Target, memory, peak_bytes: int = 0) -> list[str]:
     """What a deviceless TPU plan cannot see, for the report (``memory`` is the config's
-    :class:`~shardmem.config.MemoryConfig`); empty for other targets."""
+    :class:`~shardmem.config.MemoryConfig`, ``peak_bytes`` the plan's peak); empty for other targets."""
     if not isinstance(target.spec, TpuSpec) or not target.deviceless:
         return []
     reserve = memory.reserve / GiB
-    return [
+    notes = [
         f"TPU, deviceless: libtpu compiled the program the slice would run, but not the HBM its runtime "
         f"keeps for itself (memory.reserve={reserve:.2g} GiB budgets it), nor the host's input pipeline; "
         f"memory.deviceless_margin={memory.deviceless_margin:g} was measured for GPU autotuning and is "
         "applied unchanged (no TPU measurement backs it; 0 budgets the whole usable HBM)"
     ]
+    if peak_bytes >= 0.99 * target.memory_bytes:
+        notes.append(
+            f"the peak is at the chip's HBM ({peak_bytes / target.memory_bytes:.1%}): XLA's TPU compiler "
+            "rematerializes and reschedules on its own to fit the HBM it has, so this program may recompute "
+            "more than remat.policy asks (the predicted step time replays it as compiled); a remat policy "
+            "that fits the budget leaves it room"
+        )
+    return notes
