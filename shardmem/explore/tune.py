@@ -464,8 +464,8 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
     explanation = [
         f"budget {format_bytes(budget)} per device on {target.label}",
         f"chose {chosen_name}: peak {format_bytes(report.per_device['peak'])}, "
-        f"{_margin(report.margin_bytes)}; recomputation +{(report.recompute_overhead or 0):.1%} over no "
-        f"remat (uniform full: +{overhead['full']:.1%}); "
+        f"{_margin(report.margin_bytes)}; recomputation {(report.recompute_overhead or 0):+.1%} over no "
+        f"remat (uniform full: {overhead['full']:+.1%}); "
         f"host offload {format_bytes(report.per_device['host'])}",
     ]
     state = [(key, getattr_path(tuned, key)) for key in _STATE_KEYS if getattr_path(tuned, key)]
@@ -475,7 +475,7 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
                and t.recompute_overhead < (report.recompute_overhead or 0) - 1e-9]  # fmt: skip
     if cheaper:
         explanation.append("rejected as over budget although they recompute less: " + ", ".join(
-            f"{t.candidate} (+{t.recompute_overhead:.1%}, {t.how})" for t in cheaper))  # fmt: skip
+            f"{t.candidate} ({t.recompute_overhead:+.1%}, {t.how})" for t in cheaper))  # fmt: skip
     explanation.append(f"{planner.compiles} compiles")
     return TuneResult("remat", tuned, report, chosen, planner.trials, planner.compiles, budget,
                       target.label, explanation)  # fmt: skip
@@ -696,7 +696,7 @@ def render_tune(result: TuneResult):
         )
         table.add_row(
             t.candidate, peak, "-" if t.host_bytes is None else format_bytes(t.host_bytes),
-            "-" if t.recompute_overhead is None else f"+{t.recompute_overhead:.1%}",
+            "-" if t.recompute_overhead is None else f"{t.recompute_overhead:+.1%}",
             Text("fits", style="green") if t.fits else Text("over", style="red"), t.how, t.reason,
         )  # fmt: skip
     style = "bold green" if result.found else "bold red"
