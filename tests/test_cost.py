@@ -185,7 +185,9 @@ def test_a_slow_compile_of_a_program_without_loops_says_to_scan_the_layers():
     from shardmem.planning.memory import SLOW_COMPILE_SECONDS, MemoryReport, _slow_compile_warnings
 
     unrolled = _module("  %d = f32[8]{0} add(%a, %a)")
-    looped = _module('  %w = f32[8]{0} while(%a), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"4"}}')
+    looped = _module(
+        '  %w = f32[8]{0} while(%a), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"4"}}'
+    )
     fields = {f.name: None for f in dataclasses.fields(MemoryReport)}
 
     def report(module, seconds):

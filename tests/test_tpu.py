@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (HLO text is copied as XLA writes it)
 """Deviceless Cloud TPU targets: slices from their names, plans compiled by libtpu on this CPU machine
 (CI installs the ``tpu`` extra), exact per-chip bytes, the verdict around a v5e chip's 16 GiB."""
 
@@ -204,13 +205,18 @@ def test_a_megascale_send_is_a_collective_over_dcn_between_the_slices():
             f"  %sd = token[] send-done(%c), channel_id=2, is_host_transfer=true\n"
             f"  %rd = (f32[8388608]{{0}}, token[]) recv-done(%r), channel_id=1, is_host_transfer=true")  # fmt: skip
     kernels, send = _kernel(body)
-    assert hlo.collective_kind(send) == "all-reduce" and hlo.collective_bytes(kernels.module)["all-reduce"] == 32 << 20
+    assert (
+        hlo.collective_kind(send) == "all-reduce"
+        and hlo.collective_bytes(kernels.module)["all-reduce"] == 32 << 20
+    )
     estimate = cost.estimate_step_time(kernels.module, kernels.hardware, [0, 0, 0, 0, 1, 1, 1, 1])
     [collective] = estimate.collectives
     assert (collective.kind, collective.group_size, collective.link) == ("all-reduce", 2, "network")
     # A ring over 2 slices moves 2 (n - 1) / n of the bytes at DCN's achieved rate; nothing hides it.
     dcn = kernels.hardware.link("network")
-    assert estimate.exposed_communication == pytest.approx(cost.COLLECTIVE_LATENCY["network"] + (32 << 20) / dcn)
+    assert estimate.exposed_communication == pytest.approx(
+        cost.COLLECTIVE_LATENCY["network"] + (32 << 20) / dcn
+    )
 
 
 def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypatch):
@@ -220,8 +226,11 @@ def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypa
 
     real = tuning.plan
 
-    refusal = DoesNotFit("does not fit: libtpu's compiler says ... (23.52G) exceeds available HBM (15.75G).",
-                         required_bytes=round(23.52 * (1 << 30)), available_bytes=round(15.75 * (1 << 30)))
+    refusal = DoesNotFit(
+        "does not fit: libtpu's compiler says ... (23.52G) exceeds available HBM (15.75G).",
+        required_bytes=round(23.52 * (1 << 30)),
+        available_bytes=round(15.75 * (1 << 30)),
+    )
 
     def plan(config, target=None, **kwargs):
         if config.remat.policy == "none":

@@ -163,7 +163,8 @@ class _Planner:
             self.compiles += 1
             verdict = "fits" if report.fits else "does not fit"
             if isinstance(report, Refused):
-                verdict = f"does not fit (libtpu refused it: {format_bytes(report.per_device['peak'])} needed)"
+                needed = format_bytes(report.per_device["peak"])
+                verdict = f"does not fit (libtpu refused it: {needed} needed)"
             self.note(candidate, overrides, report.per_device["peak"], report.per_device["host"],
                       report.recompute_overhead or 0.0, report.fits, "compiled",
                       f"{verdict}: {_margin(report.margin_bytes)}")  # fmt: skip
@@ -521,7 +522,8 @@ def _tune_layout(
             notes.insert(
                 -1,
                 "per-layer remat search stopped by a compile failure (its compiles are not counted): "
-                + str(e)[:150].rsplit(" ", 1)[0] + " ...",
+                + str(e)[:150].rsplit(" ", 1)[0]
+                + " ...",
             )
         compiles += mixed.compiles if mixed else 0
         if (

@@ -289,11 +289,13 @@ def _attr_dims(attributes: str, key: str) -> list[int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _valid_taps(n_in: int, n_out: int, window: int, stride: int, pad: int, lhs_dilate: int,
-                rhs_dilate: int) -> int:
+def _valid_taps(
+    n_in: int, n_out: int, window: int, stride: int, pad: int, lhs_dilate: int, rhs_dilate: int
+) -> int:
     """The (output position, window tap) pairs of one spatial dimension whose input position is a real
     input element: inside the (dilated) input, not in its padding nor between dilated elements. Output
-    ``o`` and tap ``w`` read position ``o * stride + w * rhs_dilate - pad``; counted per tap in closed form."""
+    ``o`` and tap ``w`` read position ``o * stride + w * rhs_dilate - pad``; counted per tap, in closed
+    form."""
     last = (n_in - 1) * lhs_dilate
     g = math.gcd(stride, lhs_dilate)
     period = lhs_dilate // g
@@ -350,7 +352,7 @@ class _Kernels:
 
         size, stride = per_dim("size", 1), per_dim("stride", 1)
         lhs_dilate, rhs_dilate = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
-        pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * len(spatial)
+        pads = [int(p.split("_")[0]) for p in fields.get("pad", "").split("x") if p] or [0] * len(size)
         taps = 1.0  # Valid (output position, window tap) pairs per output position, over the spatial dims.
         for k, label in enumerate(sorted(spatial)):
             n_in, n_out = lhs[lhs_labels.index(label)], out[out_labels.index(label)]
@@ -734,7 +736,8 @@ def estimate_step_time(
         launch=totals.launch, communication=totals.communication,
         exposed_communication=totals.exposed_communication, host_transfers=totals.host_transfers,
         exposed_host_transfers=totals.exposed_host_transfers, bubble=bubble,
-        host_transfer_bytes=round(totals.host_bytes), kernels=round(totals.kernels), kernel_flops=totals.flops,
+        host_transfer_bytes=round(totals.host_bytes), kernels=round(totals.kernels),
+        kernel_flops=totals.flops,
         collectives=collectives, loops=tuple(loops), hardware=hardware.name,
         tokens_per_step=tokens_per_step, model_flops=model_flops, hardware_flops=hardware_flops,
         devices=len(hosts_of), peak_flops=hardware.peak("bf16"),

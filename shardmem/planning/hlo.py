@@ -687,8 +687,8 @@ def shape_bytes(shape: str) -> int:
 
 
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
-_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
-                    "ALL_TO_ALL": "all-to-all"}  # fmt: skip
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
+                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all"}  # fmt: skip
 
 
 def collective_kind(ins: Instruction) -> str | None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Mapping
