@@ -4,6 +4,7 @@ plan (issue 20).
     python bench/plan_speed.py phases configs/llama-70b.yaml --repeats 3
     python bench/plan_speed.py phases configs/llama-70b.yaml --405b        # Llama-3.1-405B widths
     python bench/plan_speed.py options --option xla_backend_optimization_level=0 --repeats 2
+    python bench/plan_speed.py options --kernel-cache --repeats 2    # the cache changes no figure
 
 ``phases`` runs the steps of a plan one by one in a fresh process per repeat (imports, mesh, building the
 program, tracing the step, tracing the no-remat baseline, lowering, XLA's compile) and prints, for each,
@@ -13,6 +14,9 @@ CPU time in its children (XLA runs one ``ptxas`` process per GPU kernel), and XL
 its backend (scheduling, buffer assignment, then LLVM and ptxas code generation, which change neither the
 buffers nor the HLO), with the number of kernels it compiled.
 
+Like a plan, ``phases`` compiles with shardmem's kernel cache (shardmem/planning/kernel_cache.py):
+``SHARDMEM_KERNEL_CACHE=off`` measures a first plan, a warm folder a repeated one.
+
 ``options`` plans every shipped config (``configs/*.yaml``, each for its own ``memory.target``; plus the
 405B case of bench/plan_bench.py) with the CLI in a fresh process, once with the config's options and
 once with ``--option`` ones added (``--set memory.compiler_options=...``), alternating, and compares
@@ -21,6 +25,9 @@ temporaries, aliases, host), the collective bytes, the largest buffers, the live
 the step-time estimate (on the ``cpu`` target only its kernel count: its rates are this machine's,
 measured at each plan). Any difference is printed and the exit status is 1. CPU time is the child's own
 (``os.wait4``, ptxas included); the machine may be shared, so the 1-minute load is printed beside it.
+The default runs without the kernel cache; ``--kernel-cache`` gives the variant a fresh one (its first
+run fills it, the next ones read it), so ``options --kernel-cache --repeats 2`` checks that a plan from
+cached kernels reports what a plan without them does.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_bench import LLAMA_405B  # noqa: E402  (one definition of the 405B case)
 
 # XLA's scoped timers, logged at VLOG(1) by the GPU compiler, one line each (the kernel ones per kernel).
+KERNEL_CACHE_ENV = "SHARDMEM_KERNEL_CACHE"
 XLA_VMODULE = "gpu_compiler=1,nvptx_compiler=1,compile_module_to_llvm_ir=1"
 _TIMER = re.compile(
     r"^[IWE]\d{4} (?P<clock>\d\d:\d\d:\d\d\.\d+) .*?\] (?P<what>.*?) for \S+ time: [^(]*\((?P<us>\d+) us\)",
@@ -95,7 +103,7 @@ def child_phases(config_path: str, overrides: list[str]) -> dict:
     import shardmem  # noqa: F401
     from shardmem.config import load_config
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.planning import hlo
+    from shardmem.planning import hlo, kernel_cache
     from shardmem.planning.memory import make_target
     from shardmem.step import build_program
 
@@ -118,7 +126,14 @@ def child_phases(config_path: str, overrides: list[str]) -> dict:
     lowered = traced.lower()
     mark("lower")
     options = dict(config.memory.compiler_options)
-    with tempfile.TemporaryDirectory() as dump, tempfile.TemporaryFile() as log:
+    shared = None if kernel_cache.OPTION in options else kernel_cache.cache_file(target)
+    with (
+        tempfile.TemporaryDirectory() as dump,
+        tempfile.TemporaryFile() as log,
+        kernel_cache.private_copy(shared) as cache,  # As a plan compiles (shardmem.planning.memory).
+    ):
+        if cache is not None:
+            options[kernel_cache.OPTION] = cache
         saved = os.dup(2)
         os.dup2(log.fileno(), 2)  # XLA's timers; shardmem's own compile silences them.
         try:
@@ -139,7 +154,7 @@ def child_phases(config_path: str, overrides: list[str]) -> dict:
     for (_, wall0, own0, kids0), (name, wall1, own1, kids1) in zip(marks, marks[1:], strict=False):
         phases.append({"phase": name, "wall_s": round(wall1 - wall0, 3), "cpu_s": round(own1 - own0, 3),
                        "children_cpu_s": round(kids1 - kids0, 3)})  # fmt: skip
-    return {"phases": phases, "xla": timers, "options": options}
+    return {"phases": phases, "xla": timers, "kernel_cache": str(shared) if shared else None}
 
 
 def run_child(argv: list[str], env: dict | None = None) -> tuple[dict, float, float, float, str]:
@@ -174,7 +189,8 @@ def cmd_phases(args) -> int:
     label = shlex.join([args.config, *(f"--set {o}" for o in args.set)]) + (
         " (405B widths)" * args.llama_405b
     )
-    print(f"`{label}`, {args.repeats} fresh processes; median, in seconds\n")
+    cached = runs[0]["kernel_cache"]
+    print(f"`{label}`, {args.repeats} fresh processes, kernel cache {cached or 'off'}; median, in seconds\n")
     print("| phase | wall | CPU in process | CPU in children (ptxas) |")
     print("|---|---|---|---|")
     for i, phase in enumerate(runs[0]["phases"]):
@@ -231,34 +247,47 @@ def cmd_options(args) -> int:
     cases.append(("configs/llama-70b.yaml", LLAMA_405B))
     if args.only:
         cases = [c for c in cases if any(o in c[0] + " ".join(c[1]) for o in args.only)]
+    if not options and not args.kernel_cache:
+        print("give --option XLA_FLAG=VALUE, --kernel-cache, or both", file=sys.stderr)
+        return 2
     changed = 0
-    print(f"options: {options}\n")
-    print("| config | CPU s, default | CPU s, with options | load | figures |")
+    # The default runs without shardmem's kernel cache; --kernel-cache gives the variant a fresh one,
+    # so that its first run fills it and the next ones read it.
+    cache = tempfile.TemporaryDirectory(prefix="plan-speed-kernels-") if args.kernel_cache else None
+    variant_env = {KERNEL_CACHE_ENV: cache.name if cache else "off"}
+    print(f"options: {options}; variant's kernel cache: {'fresh folder' if cache else 'off'}\n")
+    print("| config | CPU s, default | CPU s, variant | load | figures |")
     print("|---|---|---|---|---|")
     for config, overrides in cases:
-        from_yaml = _config_options(config)
-        merged = {**from_yaml, **options}
+        merged = {**_config_options(config), **options}
         base = ["-m", "shardmem", "plan", config, "--json", *[a for o in overrides for a in ("--set", o)]]
-        variant = [*base, "--set", f"memory.compiler_options={json.dumps(merged)}"]
-        cpu = {"default": [], "options": []}
-        figures, loads = {}, []
+        variant = [*base, "--set", f"memory.compiler_options={json.dumps(merged)}"] if options else base
+        cpu = {"default": [], "variant": []}
+        figures, loads, differences = None, [], []
         for _ in range(args.repeats):
-            for name, argv in (("default", base), ("options", variant)):
-                report, _, seconds, load, error = run_child(argv)
+            for name, argv, env in (
+                ("default", base, {KERNEL_CACHE_ENV: "off"}),
+                ("variant", variant, variant_env),
+            ):
+                report, _, seconds, load, error = run_child(argv, env)
                 if not report:
                     print(f"{config}: the plan failed ({name}): {error}", file=sys.stderr)
                     return 1
                 cpu[name].append(seconds)
                 loads.append(load)
-                figures.setdefault(name, _figures(report))
-        differences = _diff(figures["default"], figures["options"])
+                if figures is None:
+                    figures = _figures(report)  # Every run is compared with the first default one.
+                else:
+                    differences += [f"{name}: {d}" for d in _diff(figures, _figures(report))]
         changed += bool(differences)
         label = config + (" (405B widths)" if overrides else "")
         print(f"| {label} | {', '.join(f'{s:.1f}' for s in cpu['default'])} | "
-              f"{', '.join(f'{s:.1f}' for s in cpu['options'])} | {min(loads):.1f}-{max(loads):.1f} | "
+              f"{', '.join(f'{s:.1f}' for s in cpu['variant'])} | {min(loads):.1f}-{max(loads):.1f} | "
               f"{'identical' if not differences else f'{len(differences)} differ'} |")  # fmt: skip
         for line in differences[:20]:
             print(f"    {line}")
+    if cache:
+        cache.cleanup()
     return 1 if changed else 0
 
 
@@ -287,7 +316,12 @@ def main() -> int:
     phases.add_argument("--repeats", type=int, default=3)
     phases.add_argument("--json", help="write the runs here")
     options = sub.add_parser("options", help="do XLA options change the plan's figures or its CPU time?")
-    options.add_argument("--option", action="append", required=True, metavar="XLA_FLAG=VALUE")
+    options.add_argument("--option", action="append", default=[], metavar="XLA_FLAG=VALUE")
+    options.add_argument(
+        "--kernel-cache",
+        action="store_true",
+        help="the variant plans with shardmem's kernel cache (a fresh folder), the default without",
+    )
     options.add_argument("--only", action="append", help="cases whose config or overrides contain this")
     options.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
