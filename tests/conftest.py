@@ -1,6 +1,10 @@
 """Test setup: 8 simulated CPU devices, before JAX starts its backends."""
 
+import atexit
+import os
+import shutil
 import subprocess
+import tempfile
 
 import jax
 import numpy as np
@@ -9,6 +13,12 @@ import pytest
 import shardmem  # noqa: F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# Deviceless GPU plans keep XLA's kernels (shardmem.planning.kernel_cache): in a folder of the test run's
+# own (CLI tests' processes inherit it), never the user's ~/.cache; SHARDMEM_KERNEL_CACHE=off tests without.
+if "SHARDMEM_KERNEL_CACHE" not in os.environ:
+    os.environ["SHARDMEM_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="shardmem-test-kernels-")
+    atexit.register(shutil.rmtree, os.environ["SHARDMEM_KERNEL_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture

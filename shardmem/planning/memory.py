@@ -29,7 +29,7 @@ from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
-from shardmem.planning import cost, hlo
+from shardmem.planning import cost, hlo, kernel_cache
 from shardmem.planning.targets import (
     Target,
     ensure_cpu_devices,
@@ -458,10 +458,16 @@ def _compile_and_analyze(
     limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
     start = time.perf_counter()
     options = dict(memory.compiler_options)
-    with _persistent_cache_off(), tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump:
+    # Kernels a deviceless compile generated before: skipped again (kernel_cache.py). A user's own wins.
+    shared = None if kernel_cache.OPTION in options else kernel_cache.cache_file(target)
+    with (
+        _persistent_cache_off(),
+        tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump,
+        kernel_cache.private_copy(shared) as cache,
+    ):
         retried = None
         try:
-            compiled = _compile(traced, options, dump)
+            compiled, cache = _compile_cached(traced, options, dump, cache, shared)
         except Exception as e:  # XLA raises plain runtime errors for programs it cannot compile.
             first = _first_line(e)
             if target.platform == "tpu" and "Ran out of memory" in first:
@@ -557,12 +563,30 @@ def _compile_and_analyze(
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 
 
-def _compile(traced, options: Mapping[str, Any], dump: str):
+def _compile(traced, options: Mapping[str, Any], dump: str, cache: str | None = None):
     # XLA's own remat pass logs to stderr when a plan exceeds the device; the report says it.
+    extra = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+    if cache is not None:
+        extra[kernel_cache.OPTION] = cache
     with native_stderr_silenced(watch=True):
-        return traced.lower().compile(
-            compiler_options={**options, "xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-        )
+        return traced.lower().compile(compiler_options={**options, **extra})
+
+
+def _compile_cached(traced, options: Mapping[str, Any], dump: str, cache: str | None, shared):
+    """Compiles with the kernel cache and returns ``(compiled, cache)``. Where that fails, compiles
+    without it, so a cache never fails a plan: if that succeeds, the cache was what XLA refused (a damaged
+    file, another version's format, a jaxlib without the option) and is discarded; if not, the program
+    is at fault and its error is raised. The cache returned is None once it is not to be used again."""
+    if cache is not None:
+        try:
+            return _compile(traced, options, dump, cache), cache
+        except Exception:
+            with contextlib.suppress(OSError):
+                os.unlink(cache)  # Never published: the block publishes only a file XLA wrote.
+    compiled = _compile(traced, options, dump)
+    if cache is not None:
+        kernel_cache.discard(shared)
+    return compiled, None
 
 
 def _first_line(error: BaseException) -> str:
