@@ -24,6 +24,7 @@ import shardmem
 from shardmem.planning import hlo
 
 GIB = 2**30
+OTHER = "other activations and temporaries"
 
 
 def _dims(shape: str) -> tuple[str, list[int]]:
@@ -49,8 +50,8 @@ def kind(buffer, n_layers: int, seq_len: int) -> str:
     if dtype == "f32" and dims[:1] == [n_layers] and len(dims) >= 3:
         return "weight gradients, float32, stacked over the layers"
     if dtype == "bf16" and dims[:1] == [n_layers] and seq_len in dims:
-        return "layer inputs saved by remat (bf16, one per layer)"
-    return "other activations and temporaries"
+        return "activations saved for the backward (bf16, stacked over the layers)"
+    return OTHER
 
 
 def at_peak(schedule, n_layers: int, seq_len: int) -> dict[str, list[int]]:
@@ -120,6 +121,12 @@ def main() -> None:
         print(f"{name:64}{na:5} {a / GIB:9.3f}{nb:6} {b / GIB:9.3f}{(b - a) / GIB:+12.3f}")
     a, b = ours["live_peak"], theirs["live_peak"]
     print(f"{'sum':64}{a / GIB:15.3f}{b / GIB:16.3f}{(b - a) / GIB:+12.3f}")
+    for side, schedule in (("shardmem", report.schedule), ("MaxText", theirs_schedule)):
+        print(f"\n{side}: the largest of its other activations and temporaries at the peak")
+        live = schedule.live_at(schedule.peak_position)
+        others = [b for b in live if kind(b, model.n_layers, model.seq_len) == OTHER]
+        for buffer in others[:8]:
+            print(f"  {buffer.bytes / 2**20:9.1f} MiB  {buffer.shape:28} {buffer.scope[:90]}")
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 policy=${1:-full}
-maxtext_py=${MAXTEXT_PY:?set MAXTEXT_PY to the python of MaxText's venv}
+maxtext_py=${MAXTEXT_PY:?set MAXTEXT_PY to the python of the MaxText venv}
 shardmem_venv=${SHARDMEM_VENV:-.venv-newest}
 out=${OUT:-$(mktemp -d -t shardmem-maxtext-XXXX)}
 config=bench/maxtext/llama2-7b-v5p-8.yaml
