@@ -112,15 +112,15 @@ def main() -> None:
     ours_groups = at_peak(report.schedule, model.n_layers, model.seq_len)
     theirs_groups = at_peak(theirs_schedule, model.n_layers, model.seq_len)
     print("\nlive at each program's peak (buffers, GiB):")
-    print(f"{'':64}{'shardmem':>16}{'MaxText':>16}{'difference':>12}")
+    print(f"{'':68}{'shardmem':>16}{'MaxText':>16}{'difference':>12}")
     for name in sorted(
         {*ours_groups, *theirs_groups},
         key=lambda n: -max(ours_groups.get(n, [0])[0], theirs_groups.get(n, [0])[0]),
     ):
         (a, na), (b, nb) = ours_groups.get(name, [0, 0]), theirs_groups.get(name, [0, 0])
-        print(f"{name:64}{na:5} {a / GIB:9.3f}{nb:6} {b / GIB:9.3f}{(b - a) / GIB:+12.3f}")
+        print(f"{name:68}{na:5} {a / GIB:9.3f}{nb:6} {b / GIB:9.3f}{(b - a) / GIB:+12.3f}")
     a, b = ours["live_peak"], theirs["live_peak"]
-    print(f"{'sum':64}{a / GIB:15.3f}{b / GIB:16.3f}{(b - a) / GIB:+12.3f}")
+    print(f"{'sum':68}{a / GIB:15.3f}{b / GIB:16.3f}{(b - a) / GIB:+12.3f}")
     for side, schedule in (("shardmem", report.schedule), ("MaxText", theirs_schedule)):
         print(f"\n{side}: the largest of its other activations and temporaries at the peak")
         live = schedule.live_at(schedule.peak_position)
