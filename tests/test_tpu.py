@@ -262,3 +262,14 @@ def test_a_peak_at_the_chips_hbm_says_the_compiler_fitted_it_itself():
     [_, at_hbm] = targets.tpu_notes(target, memory, int(target.memory_bytes * 0.9999))
     assert "at the chip's HBM (100.0%)" in at_hbm and "rematerializes and reschedules on its own" in at_hbm
     assert targets.tpu_notes(resolve_target("h100-sxm", n_devices=1), memory, 1 << 40) == []
+
+
+def test_host_offload_compiles_to_the_tpu_hosts_pinned_memory():
+    report = shardmem.plan(_config("v5e-4", memory={"target": "v5e-4", "offload_optimizer": True}))
+    # Adam's mu and nu leave the chip for its host: two float32 copies of each chip's parameter shard.
+    norms = (2 * _MODEL["n_layers"] + 1) * _MODEL["d_model"]
+    per_chip = (ModelConfig(**_MODEL).param_count() - norms) * 4 // 4 + norms * 4
+    assert report.per_device["host"] >= 2 * per_chip and report.fits
+    assert report.step_time.host_transfer_bytes > 0  # TPU layouts write host memory after the tiles
+    # This small step's weight gathers are libtpu's own collectives, which the estimate cannot cost.
+    assert "AsyncCollectiveStart" in report.step_time_note

@@ -531,13 +531,17 @@ def _collective_cost(ins, kind: str, hardware: Hardware,
     return seconds, CollectiveCost(kind, n, link, 1, hlo.collective_result_bytes(ins), seconds)
 
 
+#: Host memory in a layout: ``{1,0:S(5)}`` on GPUs, after the tiles on TPUs (``{1,0:T(8,128)S(5)}``).
+_HOST_SPACE = re.compile(r"[:)]S\(5\)")
+
+
 def _host_copy(ins: hlo.Instruction, module: hlo.HloModule) -> int | None:
     """Bytes an asynchronous copy moves between device and host memory (layout memory space S(5)), or
     None when it is not one."""
     touched = [ins.shape] + [module.by_name[o].shape for o in ins.operands if o in module.by_name]
     for name in ins.called:
         touched += [i.shape for i in module.computations.get(name, ())]
-    if not any(":S(5)" in shape for shape in touched):
+    if not any(_HOST_SPACE.search(shape) for shape in touched):
         return None
     for name in ins.called:
         inner = module.computations.get(name, ())

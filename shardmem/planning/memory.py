@@ -308,6 +308,11 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         if len(set(link_domains(mesh.devices.flat))) > 1:
             note += ("; libtpu lowers the collectives between slices to MegaScale sends over DCN, costed as "
                      "ring collectives over the slices at the DCN rate")  # fmt: skip
+        if report.module is not None and any(
+            '"AsyncCollectiveStart"' in ins.attributes for ins in report.module.by_name.values()
+        ):
+            note += ("; libtpu's own asynchronous collectives (AsyncCollectiveStart calls, which state "
+                     "neither kind nor group) are costed as memory traffic only")  # fmt: skip
     elif target.deviceless:
         note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
     return dataclasses.replace(report, step_time=estimate, step_time_note=note)
