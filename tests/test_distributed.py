@@ -360,7 +360,12 @@ def test_training_workers_save_and_end_when_the_launcher_is_killed(clean_env, tm
     assert not any(map(_alive, workers)), "a worker outlived the launcher by 60 s"
     with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
         saved = checkpointer.latest_step()
-    assert saved is not None and saved >= 3, f"stopped without saving: {sorted(os.listdir(run_dir))}"
+    # Seen once in three full runs on 2026-12-02: metrics to step 4, no stop record, nothing under
+    # checkpoints/; the launcher's echo (workers' output until it died) is in the message for next time.
+    assert saved is not None and saved >= 3, (
+        f"stopped without saving: {sorted(os.listdir(run_dir))}; metrics tail "
+        f"{(run_dir / 'metrics.jsonl').read_text()[-400:]!r}; launcher echoed:\n{start_up[-3000:]}"
+    )
 
 
 @pytest.mark.slow
