@@ -115,7 +115,6 @@ class Refused:
 
     per_device: dict[str, int]
     budget_bytes: int
-    message: str
     fits: bool = False
     recompute_overhead: float | None = None
 
@@ -124,7 +123,7 @@ class Refused:
         resolved = make_target(config, target)
         budget = plan_budget(config, resolved)
         needed = error.required_bytes or resolved.memory_bytes  # At least the chip's, or it would fit.
-        return cls({"peak": max(needed, budget + 1), "host": 0}, budget, str(error))
+        return cls({"peak": max(needed, budget + 1), "host": 0}, budget)
 
     @property
     def margin_bytes(self) -> int:

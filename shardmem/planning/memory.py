@@ -288,8 +288,9 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
     idle = report.pipeline.get("bubble_fraction", 0.0) if report.pipeline else 0.0
     useful = 1.0 - idle  # The flops count idle stages' work on placeholders; MFU counts the model's.
     model_flops = report.flops_no_remat if report.flops_no_remat is not None else None
+    domains = link_domains(mesh.devices.flat)
     estimate = cost.estimate_step_time(
-        report.module, hardware, link_domains(mesh.devices.flat),
+        report.module, hardware, domains,
         attention=hlo.fused_attention_kernels(jaxpr), bubble_fraction=idle, tokens_per_step=tokens_per_step,
         model_flops=model_flops * useful if model_flops else None,
         hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
@@ -305,7 +306,7 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         note += ("; TPU: not calibrated (the efficiencies were measured on an H200); \"nvlink\" is ICI, "
                  "all of a chip's links, so a collective along one torus axis is predicted fast; \"network\" "
                  "is DCN, between slices")  # fmt: skip
-        if len(set(link_domains(mesh.devices.flat))) > 1:
+        if len(set(domains)) > 1:
             note += ("; libtpu lowers the collectives between slices to MegaScale sends over DCN, costed as "
                      "ring collectives over the slices at the DCN rate")  # fmt: skip
         if report.module is not None and any(
