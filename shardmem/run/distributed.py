@@ -268,17 +268,26 @@ def _how_it_ended(code: int) -> str:
 def _watch_launcher() -> None:
     """In a process started by :func:`launch`: make sure it ends when the launcher is gone.
 
-    The kernel's parent-death signal (set by the ``_DIE_WITH_PARENT`` shim, renewed here) sends SIGTERM
-    the moment the launcher dies, even by kill -9, so a training run stops like a preempted one: it
-    saves and exits. Should it not get that far (say, stuck in a collective with a dead peer), a watch
-    thread ends the process ``ORPHAN_GRACE_S`` later."""
+    The kernel's parent-death signal (armed by the ``_DIE_WITH_PARENT`` shim, renewed here) arrives the
+    moment the launcher dies, even by kill -9, and becomes one SIGTERM, so a training run stops like a
+    preempted one: it saves and exits. Should it not get that far (say, stuck in a collective with a
+    dead peer), a watch thread ends the process ``ORPHAN_GRACE_S`` later.
+
+    The kernel sends the parent-death signal each time it reparents the process, and a dying launcher
+    can reparent it twice: to one of its threads still alive, then to init. Two SIGTERMs would end a run
+    in the middle of its save (a second SIGTERM means "now"), so from here the death signal is SIGHUP,
+    whose handler sends SIGTERM once. Before this runs, the shim's SIGTERM simply ends the process."""
     text = os.environ.pop(ENV_LAUNCHER_PID, "")  # Not for this process's own children.
     if not text.isdigit():
         return
     launcher = int(text)
-    _set_parent_death_signal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, _launcher_gone)
+        _set_parent_death_signal(signal.SIGHUP)
+    else:  # Python handlers are installed from the main thread only: keep the shim's SIGTERM.
+        _set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != launcher:  # Died before the signal was armed.
-        os.kill(os.getpid(), signal.SIGTERM)
+        _launcher_gone(signal.SIGHUP, None)
 
     def watch() -> None:
         while os.getppid() == launcher:
@@ -287,6 +296,17 @@ def _watch_launcher() -> None:
         os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="shardmem-launcher-watch", daemon=True).start()
+
+
+_launcher_gone_seen = False
+
+
+def _launcher_gone(signum: int, frame) -> None:
+    """The parent-death signal's handler: the first one sends this process SIGTERM, later ones nothing."""
+    global _launcher_gone_seen
+    if not _launcher_gone_seen:
+        _launcher_gone_seen = True
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _set_parent_death_signal(signum: int) -> None:
