@@ -242,6 +242,24 @@ def test_deviceless_compile_failure_retries_without_triton_gemm(monkeypatch):
         shardmem.plan(config, target="h100-sxm")
 
 
+def test_a_machine_without_ptxas_is_told_how_to_get_it_after_one_compile(monkeypatch):
+    calls = []
+
+    def no_ptxas(*args):  # What XLA 0.10 says where neither ptxas nor nvJitLink is found.
+        calls.append(args)
+        raise RuntimeError(
+            "UNAVAILABLE: No PTX compilation provider is available. Neither ptxas/nvlink nor nvjtlink is "
+            "available. As a fallback you can enable JIT compilation in the CUDA driver via the flag "
+            "`--xla_gpu_unsafe_fallback_to_driver_on_ptxas_not_found`."
+        )
+
+    monkeypatch.setattr(memory, "_compile", no_ptxas)
+    config = config_from_dict({"model": {"preset": "tiny", "n_layers": 1}, "mesh": {"axes": {"fsdp": 8}}})
+    with pytest.raises(PlanError, match=r"found no ptxas .* `pip install nvidia-cuda-nvcc-cu12`"):
+        shardmem.plan(config, target="h100-sxm", count_remat_overhead=False)
+    assert len(calls) == 1, "neither the kernel cache nor Triton GEMMs are to blame: no second compile"
+
+
 def test_user_code_and_batch_errors_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"param_rules.'\(\[': not a valid regular expression"):
         config_from_dict({"model": {"preset": "tiny"}, "param_rules": {"([": [None]}})

@@ -484,7 +484,8 @@ def _compile_and_analyze(
                     "train.global_batch; shardmem tune searches these",
                     *_libtpu_figures(first),
                 ) from None
-            if not (target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options):
+            retry = target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options
+            if not retry or NO_PTXAS in first:
                 raise PlanError(_compile_failure(target, first, options)) from None
             # Deviceless GPU compiles can fail to tile a Triton GEMM fusion that autotuning on a real GPU
             # would have replaced; cuBLAS calls compile anywhere.
@@ -567,6 +568,8 @@ def _compile_and_analyze(
 
 
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
+# XLA's GPU compiler with no ptxas (nor nvJitLink) to assemble its kernels, even deviceless.
+NO_PTXAS = "No PTX compilation provider"
 
 
 def _compile(traced, options: Mapping[str, Any], dump: str, cache: str | None = None):
@@ -586,9 +589,11 @@ def _compile_cached(traced, options: Mapping[str, Any], dump: str, cache: str | 
     if cache is not None:
         try:
             return _compile(traced, options, dump, cache), cache
-        except Exception:
+        except Exception as error:
             with contextlib.suppress(OSError):
                 os.unlink(cache)  # Never published: the block publishes only a file XLA wrote.
+            if NO_PTXAS in str(error):
+                raise  # Not the cache's doing: compiling again without it would fail the same way.
     compiled = _compile(traced, options, dump)
     if cache is not None:
         kernel_cache.discard(shared)
@@ -601,6 +606,13 @@ def _first_line(error: BaseException) -> str:
 
 
 def _compile_failure(target: Target, what: str, options: Mapping[str, Any]) -> str:
+    if NO_PTXAS in what:
+        return (
+            f"XLA's GPU compiler found no ptxas to assemble the kernels of the step for {target.label}; "
+            "it needs one even though these kernels never run. Install it with "
+            "`pip install nvidia-cuda-nvcc-cu12` (shardmem's Linux install includes it), or name a CUDA "
+            "toolkit with memory.compiler_options={xla_gpu_cuda_data_dir: /usr/local/cuda}"
+        )
     used = f" with {', '.join(f'{k}={v}' for k, v in options.items())}" if options else ""
     return (
         f"XLA could not compile the step for {target.label}{used}: {what[:300]}. This is a compiler "
