@@ -15,7 +15,10 @@ its backend (scheduling, buffer assignment, then LLVM and ptxas code generation,
 buffers nor the HLO), with the number of kernels it compiled.
 
 Like a plan, ``phases`` compiles with shardmem's kernel cache (shardmem/planning/kernel_cache.py):
-``SHARDMEM_KERNEL_CACHE=off`` measures a first plan, a warm folder a repeated one.
+``SHARDMEM_KERNEL_CACHE=off`` measures a first plan, a warm folder a repeated one. Like a plan, it
+generates the kernels cheaply (a stand-in ptxas, LLVM without optimization: shardmem/planning/codegen.py);
+``--real-codegen`` compiles them as XLA does by default, with the ptxas of the ``nvidia-cuda-nvcc-cu12``
+wheel, here and in ``options`` (against the cheap code generation, which is then the default).
 
 ``options`` plans every shipped config (``configs/*.yaml``, each for its own ``memory.target``; plus the
 405B case of bench/plan_bench.py) with the CLI in a fresh process, once with the config's options and
@@ -91,6 +94,26 @@ def _xla_timers(log: str) -> dict:
     return {"seconds": {k: round(v, 3) for k, v in seconds.items()}, "kernels": kernels, "spans": spans}
 
 
+def real_codegen_options() -> dict:
+    """XLA's default code generation, which a plan replaces with a cheap one (shardmem/planning/codegen.py):
+    LLVM at its default optimization and the real ptxas of the ``nvidia-cuda-nvcc-cu12`` wheel."""
+    import importlib.util
+
+    from shardmem.planning import codegen
+
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "--real-codegen needs the nvidia-cuda-nvcc-cu12 wheel (pip install nvidia-cuda-nvcc-cu12)"
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    return {
+        codegen.CUDA_DIR: folder,
+        "xla_backend_optimization_level": 2,
+        "xla_llvm_disable_expensive_passes": False,
+    }
+
+
 def child_phases(config_path: str, overrides: list[str]) -> dict:
     """The steps of ``shardmem.plan``, timed one by one (run in a fresh process: imports count)."""
     marks: list[tuple[str, float, float, float]] = []
@@ -103,7 +126,7 @@ def child_phases(config_path: str, overrides: list[str]) -> dict:
     import shardmem  # noqa: F401
     from shardmem.config import load_config
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.planning import hlo, kernel_cache
+    from shardmem.planning import codegen, hlo, kernel_cache
     from shardmem.planning.memory import make_target
     from shardmem.step import build_program
 
@@ -127,6 +150,7 @@ def child_phases(config_path: str, overrides: list[str]) -> dict:
     mark("lower")
     options = dict(config.memory.compiler_options)
     shared = None if kernel_cache.OPTION in options else kernel_cache.cache_file(target)
+    options.update(codegen.deviceless_options(target, options))  # As a plan: kernels generated cheaply.
     with (
         tempfile.TemporaryDirectory() as dump,
         tempfile.TemporaryFile() as log,
@@ -176,6 +200,10 @@ def run_child(argv: list[str], env: dict | None = None) -> tuple[dict, float, fl
 
 def cmd_phases(args) -> int:
     overrides = [*args.set, *(LLAMA_405B if args.llama_405b else ())]
+    if args.real_codegen:
+        overrides += [
+            f"memory.compiler_options.{k}={json.dumps(v)}" for k, v in real_codegen_options().items()
+        ]
     env = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": XLA_VMODULE, "JAX_PLATFORMS": "cpu"}
     runs = []
     for _ in range(args.repeats):
@@ -239,7 +267,7 @@ def _diff(a, b, path="") -> list[str]:
 
 
 def cmd_options(args) -> int:
-    options = {}
+    options = real_codegen_options() if args.real_codegen else {}
     for item in args.option:
         key, _, value = item.partition("=")
         options[key] = json.loads(value) if value.strip()[:1] in '0123456789-tf[{"' else value
@@ -314,6 +342,9 @@ def main() -> int:
         help="Llama-3.1-405B widths over 1,024 H100s (bench/plan_bench.py's case)",
     )
     phases.add_argument("--repeats", type=int, default=3)
+    phases.add_argument(
+        "--real-codegen", action="store_true", help="XLA's own code generation (ptxas, LLVM -O2)"
+    )
     phases.add_argument("--json", help="write the runs here")
     options = sub.add_parser("options", help="do XLA options change the plan's figures or its CPU time?")
     options.add_argument("--option", action="append", default=[], metavar="XLA_FLAG=VALUE")
@@ -321,6 +352,11 @@ def main() -> int:
         "--kernel-cache",
         action="store_true",
         help="the variant plans with shardmem's kernel cache (a fresh folder), the default without",
+    )
+    options.add_argument(
+        "--real-codegen",
+        action="store_true",
+        help="the variant generates code as XLA does by default (ptxas, LLVM -O2)",
     )
     options.add_argument("--only", action="append", help="cases whose config or overrides contain this")
     options.add_argument("--repeats", type=int, default=2)

@@ -29,7 +29,7 @@ from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
-from shardmem.planning import cost, hlo, kernel_cache
+from shardmem.planning import codegen, cost, hlo, kernel_cache
 from shardmem.planning.targets import (
     Target,
     ensure_cpu_devices,
@@ -466,6 +466,8 @@ def _compile_and_analyze(
     options = dict(memory.compiler_options)
     # Kernels a deviceless compile generated before: skipped again (kernel_cache.py). A user's own wins.
     shared = None if kernel_cache.OPTION in options else kernel_cache.cache_file(target)
+    # Kernels it generates now are generated cheaply (codegen.py): XLA's options, not the user's to report.
+    internal = codegen.deviceless_options(target, options)
     with (
         _persistent_cache_off(),
         tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump,
@@ -473,7 +475,7 @@ def _compile_and_analyze(
     ):
         retried = None
         try:
-            compiled, cache = _compile_cached(traced, options, dump, cache, shared)
+            compiled, cache = _compile_cached(traced, {**options, **internal}, dump, cache, shared)
         except Exception as e:  # XLA raises plain runtime errors for programs it cannot compile.
             first = _first_line(e)
             if target.platform == "tpu" and "Ran out of memory" in first:
@@ -491,7 +493,7 @@ def _compile_and_analyze(
             # would have replaced; cuBLAS calls compile anywhere.
             options[TRITON_GEMM] = False
             try:
-                compiled = _compile(traced, options, dump)
+                compiled = _compile(traced, {**options, **internal}, dump)
             except Exception as e2:
                 raise PlanError(_compile_failure(target, _first_line(e2), options)) from None
             retried = first
