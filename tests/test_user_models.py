@@ -258,6 +258,10 @@ def test_a_machine_without_ptxas_is_told_how_to_get_it_after_one_compile(monkeyp
     with pytest.raises(PlanError, match=r"found no ptxas .* `pip install nvidia-cuda-nvcc-cu12`"):
         shardmem.plan(config, target="h100-sxm", count_remat_overhead=False)
     assert len(calls) == 1, "neither the kernel cache nor Triton GEMMs are to blame: no second compile"
+    mine = {"xla_gpu_cuda_data_dir": "/opt/cuda-without-ptxas"}  # The user's folder, not the stand-in.
+    with pytest.raises(PlanError, match=r"in memory.compiler_options.xla_gpu_cuda_data_dir='/opt/cuda-wi.*"
+                                        r"or remove the option"):  # fmt: skip
+        shardmem.plan(config, target="h100-sxm", count_remat_overhead=False, compiler_options=mine)
 
 
 def test_user_code_and_batch_errors_are_config_errors(tmp_path):

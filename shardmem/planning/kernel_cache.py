@@ -1,13 +1,13 @@
 """XLA's cache of compiled GPU kernels for deviceless plans: a second plan of a model skips most of the code
 generation that the memory report never reads.
 
-A deviceless GPU compile spends most of its time after buffer assignment, generating and assembling one
-kernel at a time (LLVM, then a ``ptxas`` process per kernel; ``bench/plan_speed.py`` shows the split).
-None of that changes the buffers, the optimized HLO or the schedule the report reads, and XLA can keep
-the kernels in a file (``xla_gpu_kernel_cache_file``), keyed by each fused computation's fingerprint, so
-that the next compile that meets the same kernel reuses it. Every plan still runs XLA's HLO passes and
-buffer assignment and writes the dump the report reads: unlike JAX's persistent compilation cache, this
-cache cannot return a stale report, and a first plan is as slow as before.
+A deviceless GPU compile spends much of its time after buffer assignment, generating one kernel at a time
+(LLVM IR, PTX, then a ``ptxas`` process each, cheap ones in a plan: codegen.py; ``bench/plan_speed.py``
+shows the split). None of that changes the buffers, the optimized HLO or the schedule the report reads,
+and XLA can keep the kernels in a file (``xla_gpu_kernel_cache_file``), keyed by each fused computation's
+fingerprint, so that the next compile that meets the same kernel reuses it. Every plan still runs XLA's
+HLO passes and buffer assignment and writes the dump the report reads: unlike JAX's persistent
+compilation cache, this cache cannot return a stale report; it only speeds up the plans after the first.
 
 One file per jaxlib version and GPU generation lives in ``$SHARDMEM_KERNEL_CACHE`` (default
 ``$XDG_CACHE_HOME/shardmem/xla-kernels``, or ``~/.cache/shardmem/xla-kernels``; ``SHARDMEM_KERNEL_CACHE=off``

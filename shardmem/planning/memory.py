@@ -608,10 +608,16 @@ def _first_line(error: BaseException) -> str:
 
 
 def _compile_failure(target: Target, what: str, options: Mapping[str, Any]) -> str:
+    if NO_PTXAS in what and codegen.CUDA_DIR in options:
+        return (
+            f"XLA's GPU compiler found no ptxas to assemble the kernels of the step for {target.label} in "
+            f"memory.compiler_options.{codegen.CUDA_DIR}={options[codegen.CUDA_DIR]!r}: name a CUDA "
+            "toolkit with bin/ptxas there, or remove the option (deviceless plans need no real ptxas)"
+        )
     if NO_PTXAS in what:
         return (
-            f"XLA's GPU compiler found no ptxas to assemble the kernels of the step for {target.label}; "
-            "it needs one even though these kernels never run. Install it with "
+            f"XLA's GPU compiler found no ptxas to assemble the kernels of the step for {target.label} "
+            "(shardmem's stand-in could not run: is the temporary folder mounted noexec?). Install it with "
             "`pip install nvidia-cuda-nvcc-cu12` (shardmem's Linux install includes it), or name a CUDA "
             "toolkit with memory.compiler_options={xla_gpu_cuda_data_dir: /usr/local/cuda}"
         )
