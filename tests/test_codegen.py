@@ -20,7 +20,7 @@ TINY_GPU = {
 
 
 @pytest.fixture
-def fresh_stand_in(monkeypatch):
+def fresh_stand_in():
     codegen.stand_in_cuda_dir.cache_clear()
     yield
     codegen.stand_in_cuda_dir.cache_clear()

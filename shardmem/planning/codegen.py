@@ -12,8 +12,8 @@ half of a first plan of ``configs/llama-70b.yaml`` on a 2-core machine (152 kern
 - ``xla_backend_optimization_level=0`` and ``xla_llvm_disable_expensive_passes``: LLVM without
   optimization.
 
-``python bench/plan_speed.py options --option xla_gpu_cuda_data_dir=DIR`` (a real ptxas) checks that every
-shipped config reports the same figures either way.
+``python bench/plan_speed.py options --real-codegen`` (the wheel's ptxas, LLVM -O2) checks that every
+shipped config reports the same figures either way; tests/test_codegen.py checks it on a small model.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 CUDA_DIR = "xla_gpu_cuda_data_dir"
 #: LLVM without optimization: the kernels are never run, so nothing is gained by making them fast.
 UNOPTIMIZED = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-#: What the stand-in says it is: XLA picks the PTX version it emits from the assembler's version.
+#: What the stand-in says it is: XLA asks the assembler its version and emits PTX that version reads.
 VERSION = "Cuda compilation tools, release 12.9, V12.9.86"
 SCRIPT = f"""#!/bin/sh
 # shardmem's stand-in ptxas for deviceless plans, whose kernels never run: an empty cubin for each.
@@ -62,10 +62,10 @@ def stand_in_cuda_dir() -> str | None:
     """Returns a folder holding only ``bin/ptxas``, the stand-in, made once per process and removed at
     exit; None where it cannot run (a temporary folder mounted noexec, no ``/bin/sh``): XLA's own ptxas
     is used then, which is only slower."""
-    root = Path(tempfile.mkdtemp(prefix="shardmem-ptxas-"))
-    atexit.register(shutil.rmtree, root, True)
-    script = root / "bin" / "ptxas"
     try:
+        root = Path(tempfile.mkdtemp(prefix="shardmem-ptxas-"))
+        atexit.register(shutil.rmtree, root, True)
+        script = root / "bin" / "ptxas"
         script.parent.mkdir()
         script.write_text(SCRIPT)
         script.chmod(0o755)
