@@ -19,7 +19,8 @@ every child so far, not this one's). The median of the repeats is compared with 
   2,048, global batch 16, FSDP over 8 H100s, no remat: the chunked loss lowers the peak by at least the
   fp32 logits (2 sequences x 2,048 x 128,256 x 4 bytes per device).
 - issue 20: llama-70b over 64 H100s under 5 s idle; llama-405b widths over 1,024 H100s under 10 s (measured,
-  not a bar here: see BENCHMARKS.md for what the machine allows);
+  not a bar here, since they hold only on an idle machine: BENCHMARKS.md, "Planning speed", has the idle
+  runs with ``SHARDMEM_KERNEL_CACHE=off``, 4.8 s and 7.3 s);
 - issue 13: llama-70b over 64 H100s with ``stage: 8`` (``configs/llama-70b-pipeline.yaml``) plans in under
   30 s and 3 GB resident, and its bubble is (stages - 1) / (micro-batches + stages - 1).
 
