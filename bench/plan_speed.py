@@ -97,21 +97,14 @@ def _xla_timers(log: str) -> dict:
 def real_codegen_options() -> dict:
     """XLA's default code generation, which a plan replaces with a cheap one (shardmem/planning/codegen.py):
     LLVM at its default optimization and the real ptxas of the ``nvidia-cuda-nvcc-cu12`` wheel."""
-    import importlib.util
-
     from shardmem.planning import codegen
 
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    if spec is None or not spec.submodule_search_locations:
+    folder = codegen.wheel_cuda_dir()
+    if folder is None:
         raise SystemExit(
             "--real-codegen needs the nvidia-cuda-nvcc-cu12 wheel (pip install nvidia-cuda-nvcc-cu12)"
         )
-    folder = list(spec.submodule_search_locations)[0]
-    return {
-        codegen.CUDA_DIR: folder,
-        "xla_backend_optimization_level": 2,
-        "xla_llvm_disable_expensive_passes": False,
-    }
+    return {codegen.CUDA_DIR: folder, **codegen.OPTIMIZED}
 
 
 def child_phases(config_path: str, overrides: list[str]) -> dict:

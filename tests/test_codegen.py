@@ -1,7 +1,6 @@
 """shardmem.planning.codegen: deviceless GPU plans generate their kernels cheaply (a stand-in ptxas, LLVM
 without optimization) and report exactly what XLA's own code generation gives."""
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -27,10 +26,10 @@ def fresh_stand_in():
 
 
 def _wheel_cuda_dir() -> str:
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    if spec is None or not spec.submodule_search_locations:
+    folder = codegen.wheel_cuda_dir()
+    if folder is None:
         pytest.skip("no nvidia-cuda-nvcc-cu12 wheel: no real ptxas to compare the stand-in with")
-    return list(spec.submodule_search_locations)[0]
+    return folder
 
 
 def test_the_stand_in_answers_its_version_and_writes_an_empty_cubin(fresh_stand_in, tmp_path):
@@ -58,8 +57,7 @@ def test_a_deviceless_plan_runs_the_stand_in_and_reports_what_real_code_generati
     assembled = calls.read_text().splitlines()
     calls.unlink()
     assert "--version" in assembled and sum(" -o " in line for line in assembled) >= 5  # One per kernel.
-    real = {codegen.CUDA_DIR: _wheel_cuda_dir(), "xla_backend_optimization_level": 2,
-            "xla_llvm_disable_expensive_passes": False}  # fmt: skip
+    real = {codegen.CUDA_DIR: _wheel_cuda_dir(), **codegen.OPTIMIZED}
     default = plan(config, compiler_options=real)  # The user's options win: XLA's own ptxas and LLVM -O2.
     assert not calls.exists(), "a user's xla_gpu_cuda_data_dir is used, not the stand-in"
     ours, theirs = cheap.to_json(), default.to_json()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import shutil
 import subprocess
 import tempfile
@@ -30,6 +31,8 @@ from typing import Any
 CUDA_DIR = "xla_gpu_cuda_data_dir"
 #: LLVM without optimization: the kernels are never run, so nothing is gained by making them fast.
 UNOPTIMIZED = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+#: XLA's own defaults for the same options, for comparing with them (bench/plan_speed.py --real-codegen).
+OPTIMIZED = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
 #: What the stand-in says it is: XLA asks the assembler its version and emits PTX that version reads.
 VERSION = "Cuda compilation tools, release 12.9, V12.9.86"
 SCRIPT = f"""#!/bin/sh
@@ -50,11 +53,17 @@ def deviceless_options(target, options: Mapping[str, Any]) -> dict[str, Any]:
     take none of these)."""
     if not target.deviceless or target.platform in ("cpu", "tpu"):
         return {}
-    ours = dict(UNOPTIMIZED)
-    stand_in = stand_in_cuda_dir()
-    if stand_in is not None:
-        ours[CUDA_DIR] = stand_in
-    return {key: value for key, value in ours.items() if key not in options}
+    ours = {key: value for key, value in UNOPTIMIZED.items() if key not in options}
+    stand_in = None if CUDA_DIR in options else stand_in_cuda_dir()
+    return ours if stand_in is None else {**ours, CUDA_DIR: stand_in}
+
+
+def wheel_cuda_dir() -> str | None:
+    """The CUDA folder of the ``nvidia-cuda-nvcc-cu12`` wheel (a real ptxas), or None without the wheel."""
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
 
 
 @functools.cache
