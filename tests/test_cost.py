@@ -34,6 +34,113 @@ def test_replica_groups_in_every_form_xla_writes():
     assert groups("to_apply=%add") == [list(range(8))]
 
 
+def test_replica_groups_of_the_mesh_form_with_device_ids_and_sub_axes():
+    def groups(attributes, devices=8):
+        return cost.replica_groups(hlo.Instruction("x", "f32[2]", "all-gather", (), attributes), devices)
+
+    # XLA 0.10 on data=8 x fsdp=16 GPUs: the mesh's device array is the iota [8,16] transposed, so the
+    # groups along 'axis_0' are 16 neighbours (one fsdp group over 2 hosts), not one group of all 128.
+    fsdp = groups("replica_groups=mesh['axis_0'=16,'axis_1'=1,'axis_2'=8], device_ids=([8,16]T(1,0)) "
+                  "{'axis_0'}, dimensions={0}", 128)  # fmt: skip
+    assert fsdp == [list(range(16 * j, 16 * j + 16)) for j in range(8)]
+    assert groups("replica_groups=mesh['a'=2,'b'=4], device_ids=(0,2,4,6,1,3,5,7) {'b'}") == [
+        [0, 2, 4, 6], [1, 3, 5, 7]]  # fmt: skip
+    # Sub-axes (later XLA, bare names): a:(pre)size splits axis a into [pre, size, rest].
+    assert groups("replica_groups=mesh[a=8] {a:(1)2}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups("replica_groups=mesh[a=8] {a:(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups("replica_groups=mesh[a=8] {a:(4)2,a:(1)2}") == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    assert groups("replica_groups=maximal_mesh[device_id=3] {}") == [[3]]
+    assert groups("replica_groups={}, to_apply=%add") == [list(range(8))]  # XLA's "every device"
+    with pytest.raises(cost.UnreadGroups, match="replica_groups=somehow"):
+        groups("replica_groups=somehow[8]")
+
+
+def _axis_groups(mesh) -> dict[tuple[str, ...], list[list[int]]]:
+    """Every subset of a mesh's axes -> its device groups (by the devices' position in the mesh, which is
+    the partition id XLA's groups name)."""
+    import itertools
+
+    import numpy as np
+
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    names = list(mesh.axis_names)
+    table = {}
+    for k in range(len(names) + 1):
+        for axes in itertools.combinations(range(len(names)), k):
+            rest = [i for i in range(len(names)) if i not in axes]
+            size = int(np.prod([ids.shape[i] for i in axes]))
+            table[tuple(names[i] for i in axes)] = sorted(
+                ids.transpose(rest + list(axes)).reshape(-1, size).tolist()
+            )
+    return table
+
+
+def _compiled_collectives(devices, shape, names, specs):
+    """The collectives of one small sharded training step (an MLP, its gradient and an update), compiled for
+    ``devices`` laid out as a mesh: (instruction, mesh)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    mesh = Mesh(np.array(devices).reshape(shape), names)
+    shard = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+
+    def step(w, x):
+        grads = jax.grad(lambda w: jnp.mean((jax.nn.relu(x @ w["a"]) @ w["b"]) ** 2))(w)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, w, grads)
+
+    w = {"a": jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=shard["a"]),
+         "b": jax.ShapeDtypeStruct((512, 1024), jnp.float32, sharding=shard["b"])}  # fmt: skip
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32, sharding=shard["x"])
+    text = jax.jit(step, out_shardings={"a": shard["a"], "b": shard["b"]}).lower(w, x).compile().as_text()
+    module = hlo.parse_module(text)
+    found = [i for i in module.by_name.values() if hlo.collective_kind(i)]
+    assert found
+    return found, mesh
+
+
+@pytest.mark.parametrize("where", ["cpu 2x2x2", "h100 16 hosts: data 8 x fsdp 16", "h100 16 hosts: 2x8x8"])
+def test_the_groups_of_real_compiled_collectives_are_mesh_axes(where):
+    """Whatever form this JAX's XLA prints, the groups read are those of a set of mesh axes; the FSDP
+    all-gathers of a data x fsdp mesh over 16 hosts are groups of 16 (2 hosts), not all 128 devices."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from shardmem.planning.targets import resolve_target
+
+    if where.startswith("cpu"):
+        devices, shape, names = jax.devices("cpu")[:8], (2, 2, 2), ("data", "fsdp", "tensor")
+    elif "fsdp 16" in where:
+        devices, shape, names = (
+            resolve_target("h100-sxm", n_devices=128, hosts=16).devices,
+            (8, 16),
+            ("data", "fsdp"),
+        )
+    else:
+        devices, shape, names = (
+            resolve_target("h100-sxm", n_devices=128, hosts=16).devices,
+            (2, 8, 8),
+            ("data", "fsdp", "tensor"),
+        )
+    if names == ("data", "fsdp"):
+        specs = {"a": P("fsdp", None), "b": P(None, "fsdp"), "x": P(("data", "fsdp"), None)}
+    else:
+        specs = {"a": P("fsdp", "tensor"), "b": P("tensor", "fsdp"), "x": P(("data", "fsdp"), None)}
+    collectives, mesh = _compiled_collectives(devices, shape, names, specs)
+    table = _axis_groups(mesh)
+    read = {}
+    for ins in collectives:
+        groups = sorted(cost.replica_groups(ins, mesh.devices.size))
+        axes = [a for a, g in table.items() if g == groups]
+        assert axes, f"{ins.name}: {ins.attributes[:160]} read as groups no mesh axes make"
+        read.setdefault(hlo.collective_kind(ins), set()).add(axes[0])
+    if names == ("data", "fsdp"):
+        assert read["all-gather"] == {("fsdp",)}  # the weights' gathers: 16 GPUs on 2 hosts
+        hosts = [d.process_index for d in mesh.devices.flat]
+        assert all(len({hosts[d] for d in g}) == 2 for g in table[("fsdp",)])
+
+
 def test_a_collective_across_hosts_costs_more_than_the_same_inside_one():
     inside = cost.estimate_step_time(_module(_all_reduce("{{0,1},{2,3},{4,5},{6,7}}")), H100, TWO_HOSTS)
     across = cost.estimate_step_time(_module(_all_reduce("{{0,4},{1,5},{2,6},{3,7}}")), H100, TWO_HOSTS)

@@ -200,6 +200,9 @@ class StepTime:
     devices: int = 1
     peak_flops: float | None = None  # bf16 dense peak per device, for MFU and HFU.
     uncertainty: float | None = None  # Relative error the calibration measured (median), see BENCHMARKS.
+    # Collectives whose replica groups were written in a form the model cannot read (costed as one group
+    # of every device, the worst case); a plan warns when there are any.
+    unread_groups: tuple[str, ...] = ()
 
     @property
     def no_overlap_seconds(self) -> float:
@@ -256,6 +259,7 @@ class StepTime:
             "loops": [dataclasses.asdict(loop) for loop in self.loops],
             "hardware": self.hardware,
             "uncertainty": self.uncertainty,
+            "unread_groups": list(self.unread_groups),
         }
 
     def summary(self) -> str:
@@ -480,38 +484,103 @@ class _Kernels:
 # --- Collectives -----------------------------------------------------------------------------------
 
 
+class UnreadGroups(ValueError):
+    """A collective's device groups are written in a form :func:`replica_groups` cannot read."""
+
+
+#: ``[4,2]<=[2,4]T(1,0)``: an iota tile (XLA's ``IotaReplicaGroupList``/``TileAssignment``).
+_IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+#: ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}`` or ``mesh[a=4,b=2] {a:(1)2}`` (Shardy's
+#: ``MeshAxesReplicaGroupList``: axis names quoted in XLA 0.10-0.12, bare in later XLA; the device ids
+#: as an iota tile or a list, absent when they are 0..n-1; a sub-axis ``a:(pre)size``).
+_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?\s*\{([^}]*)\}"
+)
+_MESH_AXIS = re.compile(r"'?([\w.\-]+)'?=(\d+)")
+_GROUP_AXIS = re.compile(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?")
+
+
+def _iota(shape: str, dims: str, perm: str | None) -> np.ndarray:
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    if perm:
+        ids = ids.transpose([int(d) for d in perm.split(",")])
+    return ids.reshape([int(d) for d in shape.split(",")])
+
+
+def _mesh_groups(mesh: str, device_ids: str | None, axes: str) -> list[list[int]]:
+    """The groups of a mesh form: the mesh's device array, with the named (sub-)axes varying in a group.
+    A sub-axis ``a:(pre)size`` splits axis ``a`` into [pre, size, rest] and varies the middle, as XLA's
+    ``MeshAxesReplicaGroupList::flattened_replica_groups`` does."""
+    named = _MESH_AXIS.findall(mesh)
+    names, sizes = [a for a, _ in named], [int(s) for _, s in named]
+    total = math.prod(sizes)
+    if not device_ids:
+        devices = np.arange(total)
+    elif iota := re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", device_ids):
+        devices = _iota(",".join(map(str, sizes)), iota.group(1), iota.group(2))
+    else:
+        devices = np.array([int(d) for d in device_ids.split(",")])
+    if devices.size != total:
+        raise UnreadGroups(f"device_ids=({device_ids}) do not fill mesh[{mesh}]")
+    chosen = [(a, (int(pre), int(size)) if pre else None) for a, pre, size in _GROUP_AXIS.findall(axes) if a]
+    pieces, index = [], {}  # The mesh's axes split at the sub-axes; (axis, sub-axis) -> its piece.
+    for name, size in zip(names, sizes, strict=True):
+        if (name, None) in chosen:
+            index[(name, None)] = len(pieces)
+            pieces.append(size)
+            continue
+        covered = 1
+        for pre, sub in sorted(s for a, s in chosen if a == name):
+            if pre > covered:
+                pieces.append(pre // covered)
+                covered = pre
+            index[(name, (pre, sub))] = len(pieces)
+            pieces.append(sub)
+            covered *= sub
+        if covered < size:
+            pieces.append(size // covered)
+    missing = [a for a in chosen if a not in index]
+    if missing or math.prod(pieces) != total:
+        raise UnreadGroups(f"group axes {{{axes}}} do not fit mesh[{mesh}]")
+    varying = [index[a] for a in chosen]
+    rest = [i for i in range(len(pieces)) if i not in varying]
+    group_size = math.prod(pieces[i] for i in varying)
+    return devices.reshape(pieces).transpose(rest + varying).reshape(-1, group_size).tolist()
+
+
 def replica_groups(ins: hlo.Instruction, devices: int) -> list[list[int]]:
-    """The device groups of a collective, from any of the forms XLA writes: ``{{0,1},{2,3}}``, the iota
-    form ``[2,2]<=[4]`` (with ``T(...)`` transposes), the mesh form ``mesh['a'=2,'b'=2] {'a'}``, and a
-    collective-permute's ``source_target_pairs``. No groups: one group of every device."""
+    """The device groups of a collective, from every form XLA 0.10-0.12 writes: ``{{0,1},{2,3}}``, the iota
+    form ``[2,2]<=[4]`` (with ``T(...)`` transposes), the mesh form ``mesh['a'=2,'b'=2] {'a'}`` (with
+    ``device_ids=(...)`` and sub-axes), and a collective-permute's ``source_target_pairs`` (one group per
+    pair). No ``replica_groups`` at all, or ``{}``, is XLA's "every device": one group of all ``devices``.
+    Raises :class:`UnreadGroups` for any other form rather than guess."""
     text = ins.attributes
     pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", text)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if "replica_groups=" not in text:
+        return [list(range(devices))]
+    iota = re.search("replica_groups=" + _IOTA, text)
     if iota:
-        shape = [int(d) for d in iota.group(1).split(",")]
-        ids = np.arange(math.prod(int(d) for d in iota.group(2).split(","))).reshape(
-            [int(d) for d in iota.group(2).split(",")])  # fmt: skip
-        if iota.group(3):
-            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
-        return ids.reshape(shape[0], -1).tolist()
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+        return _iota(iota.group(1), iota.group(2), iota.group(3)).tolist()
+    mesh = _MESH.search(text)
     if mesh:
-        axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
-        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in names]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
-        rest = [i for i in range(len(sizes)) if i not in chosen]
-        return ids.transpose(rest + chosen).reshape(-1, math.prod(sizes[i] for i in chosen)).tolist()
-    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", text)
-    if explicit and explicit.group(1):
-        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
-    return [list(range(devices))]
+        return _mesh_groups(*mesh.groups())
+    maximal = re.search(r"replica_groups=maximal_mesh\[device_id=(\d+)\]", text)
+    if maximal:
+        return [[int(maximal.group(1))]]
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}(?=[,\s]|$)", text)
+    if explicit:
+        groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+        return groups or [list(range(devices))]
+    shown = re.search(r"replica_groups=(\S{0,80})", text)
+    raise UnreadGroups(f"cannot read the device groups of {ins.name}: replica_groups={shown.group(1)}")
 
 
-def _collective_cost(ins, kind: str, hardware: Hardware,
-                     hosts_of: Sequence[int]) -> tuple[float, CollectiveCost]:  # fmt: skip
+def _collective_cost(ins, kind: str, hardware: Hardware, hosts_of: Sequence[int],
+                     unread: list[str]) -> tuple[float, CollectiveCost]:  # fmt: skip
+    """The seconds of one collective and its cost entry. Groups it cannot read are costed as one group of
+    every device, and its name is appended to ``unread`` (the step time says so: never silently)."""
     moved = hlo.collective_result_bytes(ins)
     if hlo.is_megascale(ins):
         # Between TPU slices: each chip exchanges its data with its peers in the other slices, over DCN.
@@ -519,7 +588,11 @@ def _collective_cost(ins, kind: str, hardware: Hardware,
         if kind == "all-gather":
             moved *= n  # It sends its piece; the ring's factor is of the gathered result.
     else:
-        groups = replica_groups(ins, len(hosts_of))
+        try:
+            groups = replica_groups(ins, len(hosts_of))
+        except UnreadGroups:
+            unread.append(ins.name)
+            groups = [list(range(len(hosts_of)))]
         n = max(len(g) for g in groups) if groups else 1
         spans = any(len({hosts_of[d] for d in g if d < len(hosts_of)}) > 1 for g in groups)
         link = "network" if spans else "nvlink"
@@ -584,6 +657,7 @@ class _Replay:
         self.kernels = _Kernels(module, hardware, attention)
         self.memo: dict[str, _Totals] = {}
         self.collectives: dict[tuple[str, int, str], list] = {}
+        self.unread: list[str] = []  # Collectives whose device groups were in a form not read.
         self.loops: list[tuple[str, int, _Totals]] = []
         self.multiplier = 1
 
@@ -693,7 +767,7 @@ class _Replay:
         if ins.opcode == "async-start":  # The collective is the wrapped computation's.
             target = next(i for name in ins.called for i in self.module.computations.get(name, ())
                           if hlo.collective_kind(i))  # fmt: skip
-        seconds, cost = _collective_cost(target, kind, self.hardware, self.hosts_of)
+        seconds, cost = _collective_cost(target, kind, self.hardware, self.hosts_of, self.unread)
         key = (kind, cost.group_size, cost.link)
         entry = self.collectives.setdefault(key, [0, 0, 0.0])
         entry[0] += self.multiplier
@@ -744,5 +818,5 @@ def estimate_step_time(
         kernel_flops=totals.flops,
         collectives=collectives, loops=tuple(loops), hardware=hardware.name,
         tokens_per_step=tokens_per_step, model_flops=model_flops, hardware_flops=hardware_flops,
-        devices=len(hosts_of), peak_flops=hardware.peak("bf16"),
+        devices=len(hosts_of), peak_flops=hardware.peak("bf16"), unread_groups=tuple(replay.unread),
     )  # fmt: skip
