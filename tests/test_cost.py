@@ -7,7 +7,8 @@ import json
 import pytest
 
 from shardmem.config import load_config
-from shardmem.planning import cost, hlo
+from shardmem.planning import collectives, cost, hlo
+from shardmem.planning.collectives import Cluster, Group
 from shardmem.planning.targets import GPU_TARGETS
 
 H100 = cost.Hardware("h100-sxm", GPU_TARGETS["h100-sxm"].peak_flops, 3.35e12, 450e9, 50e9, 64e9)
@@ -233,6 +234,96 @@ def test_interconnect_overrides_the_targets_links():
         load_config("configs/llama-70b.yaml", ["interconnect.network=fast"])
 
 
+DGX_H100 = Cluster.of(GPU_TARGETS["h100-sxm"])
+
+
+def _on(cluster: Cluster, name: str = "h100-sxm") -> cost.Hardware:
+    spec = GPU_TARGETS[name]
+    return cost.Hardware(name, spec.peak_flops, spec.memory_bandwidth, cluster.nvlink_bandwidth,
+                         cluster.nic_bandwidth, spec.host_bandwidth, cluster)  # fmt: skip
+
+
+def _all_gather(groups: str, result_bytes: int) -> hlo.HloModule:
+    return _module(f"  %ag = bf16[{result_bytes // 2}]{{0}} all-gather(%a), channel_id=1, "
+                   f"replica_groups={groups}, dimensions={{0}}, use_global_device_ids=true")  # fmt: skip
+
+
+def test_an_fsdp_all_gather_over_8_nodes_costs_an_eighth_of_a_ring_through_each_gpus_own_nic():
+    gathered = 8 << 30  # 8 GiB gathered over 64 GPUs: 128 MiB each (the latency is 1%)
+    hosts = [d // 8 for d in range(64)]
+    nccl = cost.estimate_step_time(_all_gather("[1,64]<=[64]", gathered), _on(DGX_H100), hosts)
+    # The naive charge: every GPU pushes (n-1)/n of the gathered bytes through its own 400 Gb/s NIC.
+    naive = 63 / 64 * gathered / (50e9 * collectives.NIC_EFFICIENCY)
+    assert nccl.collectives[0].link == "network" and nccl.collectives[0].algorithm.startswith("ring")
+    assert 1 / 9 < nccl.communication / naive < 1 / 7
+    # NCCL's rail-aligned rings: the node's 8 NICs carry its share, NVLink (450 GB/s at 0.80) is the bound.
+    assert nccl.communication == pytest.approx(63 / 64 * gathered / (450e9 * 0.80), rel=0.02)
+    plain = cost.estimate_step_time(_all_gather("[1,64]<=[64]", gathered), H100, hosts)  # no cluster
+    assert plain.communication > 6 * nccl.communication
+
+
+def test_a_group_inside_one_node_never_touches_the_network():
+    module = _module(_all_reduce("[2,8]<=[16]"))
+    hosts = [d // 8 for d in range(16)]
+    fast = cost.estimate_step_time(module, _on(DGX_H100), hosts)
+    slow_nics = dataclasses.replace(DGX_H100, nic_bandwidth=1e8, nics_per_node=1)
+    assert cost.estimate_step_time(module, _on(slow_nics), hosts).communication == fast.communication
+    assert [(c.link, c.algorithm) for c in fast.collectives] == [("nvlink", "nvls/Simple")]
+    across = cost.estimate_step_time(_module(_all_reduce("[8,2]<=[2,8]T(1,0)")), _on(slow_nics), hosts)
+    assert across.collectives[0].link == "network" and across.communication > 100 * fast.communication
+
+
+@pytest.mark.parametrize(
+    ("name", "nodes", "published", "source"),
+    [
+        ("h100-sxm", 1, 476e9, "NVLS all-reduce on 8 x H100, NVIDIA/nccl-tests#290"),
+        ("a100-80g", 1, 235e9, "8 x A100 all-reduce, NCCL tuning.cc's cap; ~240 in NVIDIA/nccl#1712"),
+        ("h100-sxm", 2, 8 * 47e9, "46-48 GB/s per NDR NIC, 8 per node (NVIDIA/nccl-tests#290)"),
+        ("h100-sxm", 248, 350e9, "248 x 8 H200 at 512 MB, ~350 GB/s (NVIDIA/nccl-tests#283)"),
+    ],
+)
+def test_bus_bandwidth_reaches_published_nccl_tests_figures(name, nodes, published, source):
+    cluster = Cluster.of(GPU_TARGETS[name])
+    size = 512 << 20 if nodes > 100 else 8 << 30
+    assert collectives.bus_bandwidth(
+        "all-reduce", size, Group(8 * nodes, nodes, 8), cluster
+    ) == pytest.approx(published, rel=0.1), source
+
+
+def test_small_messages_are_latency_bound_and_bus_bandwidth_grows_with_size():
+    for nodes in (1, 2, 16):
+        group = Group(8 * nodes, nodes, 8)
+        sizes = [8 << (2 * i) for i in range(16)]
+        busbw = [collectives.bus_bandwidth("all-reduce", s, group, DGX_H100) for s in sizes]
+        assert busbw == sorted(busbw)
+        tiny, _ = collectives.collective_seconds("all-reduce", 8, group, DGX_H100)
+        double, _ = collectives.collective_seconds("all-reduce", 16, group, DGX_H100)
+        assert double == pytest.approx(tiny, rel=1e-3) and tiny > 10e-6  # a latency, not bytes / rate
+    # Published small-message latencies: 8 x H20 (NVLink 4 as H100) 12.5 us at 8 B (deepseek-ai/DeepEP#303);
+    # 16 x 8 H100 62 us (NVIDIA/nccl#1469).
+    one, _ = collectives.collective_seconds("all-reduce", 8, Group(8), DGX_H100)
+    sixteen, _ = collectives.collective_seconds("all-reduce", 8, Group(128, 16, 8), DGX_H100)
+    assert one == pytest.approx(12.5e-6, rel=0.25) and sixteen == pytest.approx(62e-6, rel=0.25)
+
+
+def test_in_network_reduction_speeds_up_an_all_reduce_across_nodes():
+    group, size = Group(64, 8, 8), 1 << 30
+    plain, _ = collectives.collective_seconds("all-reduce", size, group, DGX_H100)
+    sharp, algorithm = collectives.collective_seconds(
+        "all-reduce", size, group, dataclasses.replace(DGX_H100, sharp=True)
+    )
+    assert algorithm == "collnet/Simple" and sharp < 0.8 * plain
+
+
+def test_fewer_nics_per_node_slow_only_the_collectives_that_cross_nodes():
+    four = dataclasses.replace(DGX_H100, nics_per_node=4, nic_bandwidth=25e9)  # 4 x 200 Gb/s
+    busbw = collectives.bus_bandwidth("all-reduce", 8 << 30, Group(16, 2, 8), four)
+    assert busbw == pytest.approx(95e9, rel=0.05)  # NVIDIA/nccl-tests#252: 95 GB/s, ~24 GB/s per NIC
+    assert collectives.bus_bandwidth("all-reduce", 8 << 30, Group(8), four) == collectives.bus_bandwidth(
+        "all-reduce", 8 << 30, Group(8), DGX_H100
+    )
+
+
 @pytest.fixture(scope="module")
 def pipelined():
     """tiny in 2 stages x 4 micro-batches over 2 hosts, planned deviceless for H100s."""
@@ -254,6 +345,7 @@ def test_every_gpu_plan_predicts_its_step_time(pipelined):
     assert st.tokens_per_second == pytest.approx(16 * 64 / st.seconds)  # global_batch x seq_len
     assert 0 < st.mfu <= st.hfu  # full remat recomputes: hardware FLOPs exceed the model's
     assert {c.link for c in st.collectives} == {"nvlink", "network"}  # stage spans the hosts
+    assert all(c.algorithm for c in st.collectives)  # costed as NCCL runs them
     data = json.loads(json.dumps(pipelined.to_json()))["step_time"]
     assert set(data["breakdown"]) == {"compute", "memory_bound", "launch", "exposed_communication",
                                       "exposed_host_transfers"}  # fmt: skip

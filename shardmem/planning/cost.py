@@ -7,11 +7,14 @@
 Every kernel of the compiled step is costed on the target by a roofline: matmuls (dots, cuBLAS calls,
 Triton GEMM fusions, convolutions, fused-attention kernels) at the dense peak for their dtype times an
 achievable efficiency, everything else at its bytes accessed over the HBM bandwidth, plus a launch gap.
-Each collective costs a latency plus its bytes times the algorithm's factor (ring all-reduce moves
-2(n-1)/n of them) over NVLink inside a host or the network when its group spans hosts; host-offload
-copies cost their bytes over PCIe. The schedule is then replayed: XLA's asynchronous collectives and
-copies run on their own streams beside the compute between their start and done, so only the wait at a
-``done`` is exposed. Loops run their bodies once per known trip; recomputation is simply more kernels.
+On a GPU cluster each collective is costed as NCCL runs it (:mod:`shardmem.planning.collectives`: ring,
+tree, NVLS or SHARP, in the fastest protocol for its size; NVLink inside a node, the node's NICs shared
+by its GPUs between nodes); on TPUs and simulated CPUs as a ring: a latency plus its bytes times the
+ring's factor (all-reduce moves 2(n-1)/n of them) over the fast link, or the slow one when its group
+spans hosts or slices. Host-offload copies cost their bytes over PCIe. The schedule is then replayed:
+XLA's asynchronous collectives and copies run on their own streams beside the compute between their
+start and done, so only the wait at a ``done`` is exposed. Loops run their bodies once per known trip;
+recomputation is simply more kernels.
 
 The efficiencies are documented constants below, each with its source; BENCHMARKS.md compares the model
 with measured H200 step times ("Step time").
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from shardmem.planning import hlo
+from shardmem.planning.collectives import Cluster, Group, collective_seconds
 from shardmem.units import format_seconds
 
 #: Fraction of the dense tensor-core peak a large matmul reaches: a lent H200 ran an 8192^3 bf16 matmul
@@ -77,8 +81,9 @@ _DTYPE_CLASS = {"bf16": "bf16", "f16": "f16", "f32": "f32", "f64": "f32", "s8": 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """What the time model reads of a target: peaks per dtype, HBM bandwidth, and links per GPU per
-    direction (bytes per second)."""
+    """What the time model reads of a target: peaks per dtype, HBM bandwidth, links per direction (bytes
+    per second: ``network_bandwidth`` is one NIC's on a GPU cluster) and, for GPUs, the cluster's wiring
+    that the NCCL model reads (None: collectives are costed as plain rings, as on TPUs and CPUs)."""
 
     name: str
     peak_flops: Mapping[str, float]
@@ -86,11 +91,13 @@ class Hardware:
     nvlink_bandwidth: float
     network_bandwidth: float
     host_bandwidth: float
+    cluster: Cluster | None = None
 
     @classmethod
     def of(cls, target, interconnect=None) -> Hardware | None:
-        """The hardware of a :class:`~shardmem.planning.targets.Target` with a GPU spec (None without
-        one), its links overridden by a config's ``interconnect`` section."""
+        """The hardware of a :class:`~shardmem.planning.targets.Target` with a GPU or TPU spec (None
+        without one), its links and cluster overridden by a config's ``interconnect`` section. A GPU
+        target's nodes hold as many GPUs as its hosts do (the server's NICs scale with them)."""
         spec = getattr(target, "spec", None)
         if spec is None:
             return None
@@ -98,8 +105,16 @@ class Hardware:
                  "host": spec.host_bandwidth}  # fmt: skip
         for key in links:
             links[key] = getattr(interconnect, key, None) or links[key]
+        cluster = None
+        if hasattr(spec, "nics_per_node"):  # A GPU: NCCL on NVLink and NICs.
+            hosts = [d.process_index for d in getattr(target, "devices", ())]
+            per_node = max(hosts.count(h) for h in set(hosts)) if hosts else None
+            cluster = Cluster.of(
+                spec, per_node, nvlink_bandwidth=links["nvlink"], nic_bandwidth=links["network"],
+                **{key: getattr(interconnect, key, None) for key in ("nics_per_node", "nvls", "sharp")},
+            )  # fmt: skip
         return cls(target.name, dict(spec.peak_flops), float(spec.memory_bandwidth), links["nvlink"],
-                   links["network"], links["host"])  # fmt: skip
+                   links["network"], links["host"], cluster)  # fmt: skip
 
     @classmethod
     def host(cls, n_devices: int) -> Hardware:
@@ -111,12 +126,33 @@ class Hardware:
         rate = bandwidth / n_devices
         return cls(f"cpu (this machine's rates / {n_devices} devices)", per_device, rate, rate, rate, rate)
 
+    def describe_links(self, nodes: int) -> dict[str, Any]:
+        """The links and cluster the estimate reads, for the report: rates in bytes per second each way,
+        and a line for people ("2 nodes x 8 GPUs; per node 8 x 400 Gb/s NICs ...")."""
+        links: dict[str, Any] = {"nodes": nodes, "nvlink_bandwidth": self.nvlink_bandwidth,
+                                 "network_bandwidth": self.network_bandwidth,
+                                 "host_bandwidth": self.host_bandwidth}  # fmt: skip
+        if self.cluster is not None:
+            c = self.cluster
+            links.update(gpus_per_node=c.gpus_per_node, nics_per_node=c.nics_per_node, nvls=c.nvls,
+                         sharp=c.sharp, description=c.describe(nodes))  # fmt: skip
+        else:
+            links["description"] = (f"{nodes} host{'s' * (nodes > 1)}; fast link "
+                                    f"{_gbs(self.nvlink_bandwidth)}, slow link "
+                                    f"{_gbs(self.network_bandwidth)} each way")  # fmt: skip
+        links["description"] += f"; host (PCIe) {_gbs(self.host_bandwidth)}"
+        return links
+
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(_DTYPE_CLASS.get(dtype, "bf16"), self.peak_flops["bf16"])
 
     def link(self, kind: str) -> float:
         return {"nvlink": self.nvlink_bandwidth, "network": self.network_bandwidth,
                 "host": self.host_bandwidth}[kind] * LINK_EFFICIENCY[kind]  # fmt: skip
+
+
+def _gbs(rate: float) -> str:
+    return f"{rate / 1e9:.3g} GB/s"
 
 
 @functools.cache
@@ -156,6 +192,7 @@ class CollectiveCost:
     count: int
     bytes: int
     seconds: float
+    algorithm: str = ""  # How NCCL runs it ("ring/Simple", "nvls/Simple", ...); "" for a plain ring.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +240,8 @@ class StepTime:
     # Collectives whose replica groups were written in a form the model cannot read (costed as one group
     # of every device, the worst case); a plan warns when there are any.
     unread_groups: tuple[str, ...] = ()
+    # The link rates (bytes/s each way) and cluster shape the estimate used: see Hardware.describe_links.
+    links: Mapping[str, Any] | None = None
 
     @property
     def no_overlap_seconds(self) -> float:
@@ -260,6 +299,7 @@ class StepTime:
             "hardware": self.hardware,
             "uncertainty": self.uncertainty,
             "unread_groups": list(self.unread_groups),
+            "links": dict(self.links) if self.links else None,
         }
 
     def summary(self) -> str:
@@ -598,6 +638,15 @@ def _collective_cost(ins, kind: str, hardware: Hardware, hosts_of: Sequence[int]
         link = "network" if spans else "nvlink"
         if kind == "reduce-scatter":
             moved *= n  # The ring moves (n-1)/n of the operand, n times the result.
+        if hardware.cluster is not None and groups:
+            # Every group runs at once; the slowest (the one over most nodes) sets the time.
+            widest = max((Group.of([d for d in g if d < len(hosts_of)], hosts_of) for g in groups),
+                         key=lambda group: (group.nodes, group.gpus))  # fmt: skip
+            if kind == "collective-permute":
+                widest = Group(2, 2 if spans else 1, 1 if spans else 2)
+            seconds, algorithm = collective_seconds(kind, moved, widest, hardware.cluster)
+            cost = CollectiveCost(kind, n, link, 1, hlo.collective_result_bytes(ins), seconds, algorithm)
+            return seconds, cost
     if n <= 1 and kind != "collective-permute":
         return 0.0, CollectiveCost(kind, n, link, 1, moved, 0.0)
     seconds = COLLECTIVE_LATENCY[link] + _ALGORITHM[kind](n) * moved / hardware.link(link)
@@ -656,7 +705,7 @@ class _Replay:
         self.module, self.hardware, self.hosts_of = module, hardware, hosts_of
         self.kernels = _Kernels(module, hardware, attention)
         self.memo: dict[str, _Totals] = {}
-        self.collectives: dict[tuple[str, int, str], list] = {}
+        self.collectives: dict[tuple[str, int, str, str], list] = {}
         self.unread: list[str] = []  # Collectives whose device groups were in a form not read.
         self.loops: list[tuple[str, int, _Totals]] = []
         self.multiplier = 1
@@ -768,7 +817,7 @@ class _Replay:
             target = next(i for name in ins.called for i in self.module.computations.get(name, ())
                           if hlo.collective_kind(i))  # fmt: skip
         seconds, cost = _collective_cost(target, kind, self.hardware, self.hosts_of, self.unread)
-        key = (kind, cost.group_size, cost.link)
+        key = (kind, cost.group_size, cost.link, cost.algorithm)
         entry = self.collectives.setdefault(key, [0, 0, 0.0])
         entry[0] += self.multiplier
         entry[1] += cost.bytes * self.multiplier
@@ -801,8 +850,8 @@ def estimate_step_time(
         ticks = [trips * t.seconds for scope, trips, t in replay.loops if "pipeline" in scope]
         bubble = bubble_fraction * (max(ticks) if ticks else totals.seconds)
     collectives = tuple(
-        CollectiveCost(kind, size, link, count, moved, seconds)
-        for (kind, size, link), (count, moved, seconds) in sorted(replay.collectives.items())
+        CollectiveCost(kind, size, link, count, moved, seconds, algorithm)
+        for (kind, size, link, algorithm), (count, moved, seconds) in sorted(replay.collectives.items())
     )
     seen, loops = set(), []
     for scope, trips, per_trip in replay.loops:
@@ -819,4 +868,5 @@ def estimate_step_time(
         collectives=collectives, loops=tuple(loops), hardware=hardware.name,
         tokens_per_step=tokens_per_step, model_flops=model_flops, hardware_flops=hardware_flops,
         devices=len(hosts_of), peak_flops=hardware.peak("bf16"), unread_groups=tuple(replay.unread),
+        links=hardware.describe_links(len(set(hosts_of))),
     )  # fmt: skip
