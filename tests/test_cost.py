@@ -324,6 +324,47 @@ def test_fewer_nics_per_node_slow_only_the_collectives_that_cross_nodes():
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "rate"),
+    [("400Gb/s", 50e9), ("400 Gbit/s", 50e9), ("400GBIT/s", 50e9), ("400Gbps", 50e9), ("400 gbits/s", 50e9),
+     ("50GB/s", 50e9), ("50 GBps", 50e9), ("50 GByte/s", 50e9), ("1.8TB/s", 1.8e12), ("5e10B/s", 50e9)],
+)  # fmt: skip
+def test_interconnect_rates_carry_an_unambiguous_unit(text, rate):
+    assert load_config("configs/tiny.yaml", [f"interconnect.network={text}"]).interconnect.network == rate
+
+
+@pytest.mark.parametrize("value", ["400", "400.0", "'400'", "400GB", "0Gb/s", "-5Gb/s", "1e-300GB/s",
+                                   "infGB/s", "nanGB/s", "1e30GB/s", "true"])  # fmt: skip
+def test_a_unitless_or_absurd_rate_is_an_error_naming_the_key_the_value_and_the_fix(value):
+    from shardmem.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        load_config("configs/tiny.yaml", [f"interconnect.network={value}"])
+    message = str(error.value)
+    assert message.startswith("interconnect.network:") and "400Gb/s" in message and "50GB/s" in message
+    assert "\n" not in message
+
+
+def test_a_config_with_rates_round_trips_and_its_cluster_reaches_the_estimate():
+    from shardmem.config import config_from_dict
+    from shardmem.errors import ConfigError
+
+    config = load_config("configs/tiny.yaml", ["interconnect.network=200Gb/s", "interconnect.nics_per_node=4",
+                                               "interconnect.sharp=true", "interconnect.host=31.5GB/s"])  # fmt: skip
+    assert config_from_dict(config.to_dict(), config.name) == config
+    assert config.to_dict()["interconnect"]["network"] == "25GB/s"
+    target = dataclasses.make_dataclass("T", ["name", "spec"])("h100-sxm", GPU_TARGETS["h100-sxm"])
+    cluster = cost.Hardware.of(target, config.interconnect).cluster
+    assert (cluster.nics_per_node, cluster.nic_bandwidth, cluster.sharp, cluster.nvls) == (
+        4,
+        25e9,
+        True,
+        True,
+    )
+    with pytest.raises(ConfigError, match="interconnect.nics_per_node=0"):
+        load_config("configs/tiny.yaml", ["interconnect.nics_per_node=0"])
+
+
 @pytest.fixture(scope="module")
 def pipelined():
     """tiny in 2 stages x 4 micro-batches over 2 hosts, planned deviceless for H100s."""
@@ -350,6 +391,20 @@ def test_every_gpu_plan_predicts_its_step_time(pipelined):
     assert set(data["breakdown"]) == {"compute", "memory_bound", "launch", "exposed_communication",
                                       "exposed_host_transfers"}  # fmt: skip
     assert data["bounds"]["no_overlap"] >= data["seconds"]
+
+
+def test_the_plan_reports_the_links_and_cluster_it_used_in_finite_json(pipelined):
+    from shardmem.planning.report import render
+
+    links = pipelined.step_time.to_json()["links"]
+    assert links["description"].startswith("2 nodes x 4 GPUs; per node 4 x 400 Gb/s NICs")
+    assert (links["nics_per_node"], links["network_bandwidth"], links["nvls"]) == (4, 50e9, True)
+    json.dumps(pipelined.to_json(), allow_nan=False)  # finite: no Infinity or NaN
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render(pipelined))
+    assert "links: 2 nodes x 4 GPUs" in console.export_text()
 
 
 def test_the_replayed_kernels_do_the_programs_flops():
