@@ -102,11 +102,6 @@ def parse_bandwidth(value: int | float | str) -> float:
     return rate
 
 
-def format_rate(bytes_per_second: float) -> str:
-    """Formats a link rate in the unit it is sold in: 5e10 -> "400 Gb/s (50 GB/s)"."""
-    return f"{bytes_per_second * 8 / 1e9:.4g} Gb/s ({bytes_per_second / 1e9:.4g} GB/s)"
-
-
 def format_seconds(seconds: float) -> str:
     """Formats a duration for people: 0.0123 -> "12.3 ms"."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
