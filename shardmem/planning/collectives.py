@@ -144,6 +144,13 @@ def _links(group: Group, cluster: Cluster) -> tuple[float, float]:
     return nvlink, share * cluster.nic_bandwidth * NIC_EFFICIENCY
 
 
+def ring_bandwidth(group: Group, cluster: Cluster) -> float:
+    """The bus bandwidth a large ring collective over ``group`` reaches, bytes/s: the lesser of a GPU's
+    NVLink and the group's share of its node's NICs (what a layout's estimate divides its bytes by)."""
+    nvlink, network = _links(group, cluster)
+    return min(nvlink if group.gpus_on_a_node > 1 else math.inf, network if group.nodes > 1 else math.inf)
+
+
 def _candidates(kind: str, size: float, group: Group, cluster: Cluster):
     """(algorithm/protocol, seconds) of every way NCCL could run the collective."""
     n, nodes, g = group.gpus, group.nodes, group.gpus_on_a_node
@@ -155,7 +162,7 @@ def _candidates(kind: str, size: float, group: Group, cluster: Cluster):
         return min(bandwidth, ll_cap) if _PROTOCOLS[p] == "LL" else bandwidth
 
     if kind in ("all-reduce", "all-gather", "reduce-scatter"):
-        ring = min(nvlink if g > 1 else math.inf, network if nodes > 1 else math.inf)
+        ring = ring_bandwidth(group, cluster)
         steps = (2 if kind == "all-reduce" else 1) * (n - 1)
         inter = (2 if kind == "all-reduce" else 1) * (nodes - 1)
         for p, protocol in enumerate(_PROTOCOLS):
