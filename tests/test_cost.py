@@ -457,3 +457,14 @@ def test_the_timeline_says_what_the_step_it_draws_costs_in_time(pipelined):
 
     page = timeline(pipelined).to_html()
     assert "predicted step time" in page and "tokens/s" in page
+
+
+def test_plan_refuses_a_bare_number_for_a_rate_in_one_line(capsys):
+    from shardmem.cli import main
+
+    code = main(
+        ["plan", "configs/tiny.yaml", "--target", "h100-sxm", "--json", "--set", "interconnect.network=400"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "interconnect.network: 400 has no unit" in err and "400Gb/s" in err
