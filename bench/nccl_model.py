@@ -24,6 +24,8 @@ DGX_H100 = Cluster.of(GPU_TARGETS["h100-sxm"])
 DGX_A100 = Cluster.of(GPU_TARGETS["a100-80g"])
 #: Four 200 Gb/s NICs per 8-GPU node (NVIDIA/nccl-tests#252: 95 GB/s busbw, "~24 GB/s per NIC").
 FOUR_HDR = dataclasses.replace(DGX_H100, nics_per_node=4, nic_bandwidth=25e9)
+#: 8 x A100 80GB with two 200 Gb/s NICs per node (NVIDIA/nccl#837).
+TWO_HDR_A100 = dataclasses.replace(DGX_A100, nics_per_node=2)
 
 #: (what, cluster, nodes, collective, size in bytes, published busbw GB/s or None, published us or None,
 #: source). "used" marks the rows an efficiency constant was read from.
@@ -36,6 +38,8 @@ PUBLISHED = [
      "NVIDIA/nccl-tests#290: 46-48 GB/s per NDR NIC; used: NIC_EFFICIENCY"),
     ("2 x 8 GPUs, 4 x 200 Gb/s per node, ring", FOUR_HDR, 2, "all-reduce", 8 << 30, 95, None,
      "NVIDIA/nccl-tests#252 (NCCL_ALGO=RING, 8 GiB)"),
+    ("2 x 8 A100, 2 x 200 Gb/s per node", TWO_HDR_A100, 2, "all-reduce", 1 << 30, 55, None,
+     "NVIDIA/nccl#837 (54-57 GB/s, NCCL 2.9-2.10: a 2-node tree beats the network bound)"),
     ("248 x 8 H200, 8 x NDR per node", DGX_H100, 248, "all-reduce", 512 << 20, 350, None,
      "NVIDIA/nccl-tests#283 ('typically around 350', default algorithm, 512 MB)"),
     ("8 x H20 (NVLink 4, NVSwitch), 8 B", DGX_H100, 1, "all-reduce", 8, None, 12.5,
