@@ -46,12 +46,13 @@ ATTENTION_EFFICIENCY = 0.45
 #: Fraction of the HBM bandwidth a streaming kernel reaches: the lent H200 copied device to device at
 #: 4.3 of its 4.8 TB/s.
 MEMORY_EFFICIENCY = 0.90
-#: Fraction of a link's rate NCCL reaches: all-reduce bus bandwidth on 8 x H100 (NVLink 4, 450 GB/s each
-#: way) is reported at 350-480 GB/s, and 40-45 GB/s per GPU across hosts on 400 Gb/s NDR
-#: (shared/reference/step-time-and-tpu.md).
+#: Fraction of a link's rate a plain ring reaches, for the targets without a GPU cluster (TPU ICI and DCN,
+#: simulated CPUs) and for host copies over PCIe; GPU collectives use the NCCL model's own
+#: (:mod:`shardmem.planning.collectives`). All-reduce bus bandwidth on 8 x H100 (NVLink 4, 450 GB/s each
+#: way) is reported at 350-480 GB/s (shared/reference/step-time-and-tpu.md).
 LINK_EFFICIENCY = {"nvlink": 0.80, "network": 0.85, "host": 0.80}
-#: Fixed cost of one collective: NCCL's launch and the first chunk's trip, about 10 us inside a host and
-#: 25 us across (the defaults of XLA's analytical collective model are of this order).
+#: Fixed cost of one plain-ring collective (TPUs, CPUs): about 10 us on the fast link and 25 us across
+#: (the defaults of XLA's analytical collective model are of this order).
 COLLECTIVE_LATENCY = {"nvlink": 10e-6, "network": 25e-6}
 #: Gap between two kernels on the GPU (launch and tail), about 2 us with XLA's command buffers.
 KERNEL_GAP = 2e-6
