@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
-from shardmem.models.losses import resolve_loss_chunk
+from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
 from shardmem.parallel import context
 from shardmem.parallel.pipeline import Pipeline
@@ -298,6 +298,25 @@ class Llama(nnx.Module):
             if shards == 1
             else constrain(context.from_zigzag(h_BxLxD, shards), ("batch", "seq", None))
         )
+
+    def pipelined_loss(self, tokens_BxL, targets_BxL):
+        """Returns the mean next-token cross-entropy of ``targets`` with the layers, the final norm and
+        the loss run by the pipeline's 1F1B schedule (:meth:`shardmem.parallel.pipeline.Pipeline.loss`),
+        which computes their gradients as it goes."""
+        table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
+        shards = context.shards()  # Context parallelism: the loss sums over positions in zigzag order.
+        x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], ("batch", "seq", None))
+        targets_BxL = context.to_zigzag(targets_BxL, shards)
+        cfg, dtype, chunk = self.cfg, self.compute_dtype, self.loss_chunk
+        head_params = {"norm": self.final_norm.scale[...],
+                       "head": self.embedding[...] if cfg.tie_embeddings else self.lm_head[...]}  # fmt: skip
+
+        def head_loss(params, x_bxLxD, targets_bxL):
+            h_bxLxD = _rms_norm(x_bxLxD, params["norm"], cfg.norm_eps, dtype)
+            head_DxV = params["head"].astype(dtype)
+            return cross_entropy(h_bxLxD, head_DxV.T if cfg.tie_embeddings else head_DxV, targets_bxL, chunk)
+
+        return self.pipeline.loss(self.layers, x_BxLxD, self.remat, head_params, targets_BxL, head_loss)
 
     def unembedding(self):
         """Returns the output projection ``head_DxV`` in the compute dtype (the embedding when tied)."""
