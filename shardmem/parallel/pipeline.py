@@ -363,8 +363,8 @@ class Pipeline:
         # One copy per stage of the micro-batch buffer, sharded over stage: only stage 0's is read, but a
         # replicated buffer would need a broadcast from the last stage every tick.
         buffer_SxMxBxLxD = constrain(jnp.broadcast_to(micro_MxBxLxD, (s, *micro_MxBxLxD.shape)),
-                                     ("layers", None, "batch", "seq", None))  # fmt: skip
-        state_SxBxLxD = constrain(jnp.zeros_like(buffer_SxMxBxLxD[:, 0]), ("layers", "batch", "seq", None))
+                                     ("layers", None, "batch", "residual_seq", None))  # fmt: skip
+        state_SxBxLxD = constrain(jnp.zeros_like(buffer_SxMxBxLxD[:, 0]), ("layers", "batch", "residual_seq", None))
         at_stage0 = (stage_ids_S == 0).reshape(s, *(1,) * (state_SxBxLxD.ndim - 1))
 
         def tick(carry, t):
@@ -375,7 +375,7 @@ class Pipeline:
             repeat_S = jnp.clip((t - stage_ids_S) // m, 0, r - 1)
             out_SxBxLxD = run_stages(stages.weights_S, inputs_SxBxLxD, repeat_S, stages.valid_SxK)
             # Stage s's output moves to stage s + 1, the last stage's to stage 0: a collective-permute.
-            shifted_SxBxLxD = constrain(jnp.roll(out_SxBxLxD, 1, axis=0), ("layers", "batch", "seq", None))
+            shifted_SxBxLxD = constrain(jnp.roll(out_SxBxLxD, 1, axis=0), ("layers", "batch", "residual_seq", None))
             slot = (t - (s - 1)) % m  # The micro-batch the last stage just finished (from tick S - 1 on).
             old_SxBxLxD = jax.lax.dynamic_index_in_dim(buffer_SxMxBxLxD, slot, 1, keepdims=False)
             written = jnp.where(t >= s - 1, shifted_SxBxLxD, old_SxBxLxD)
@@ -389,7 +389,7 @@ class Pipeline:
             # batch's activations (taking index 0 of a stage-sharded axis would gather all S copies).
             out_MxBxLxD = jnp.sum(jnp.where(at_stage0[:, None], buffer_SxMxBxLxD, 0), axis=0)
         out_BxLxD = out_MxBxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape)
-        return constrain(out_BxLxD, ("batch", "seq", None))
+        return constrain(out_BxLxD, ("batch", "residual_seq", None))
 
     def loss(self, layers: nnx.Module, x_BxLxD: jax.Array, plan: LayerPlan, head_params,
              targets_BxA: jax.Array, head_loss: Callable) -> jax.Array:  # fmt: skip
@@ -402,7 +402,7 @@ class Pipeline:
         chunks, slots = r * s, self.in_flight
         stage_ids_S = jnp.arange(s)
         is_first, is_last = stage_ids_S == 0, stage_ids_S == s - 1
-        spec = ("layers", "batch", "seq", None)
+        spec = ("layers", "batch", "residual_seq", None)
         pullback_layout: dict = {}  # The forward pullback's structure, recorded when it is traced.
 
         def forward(weights, x_bxLxD, repeat, valid_K):
@@ -456,7 +456,7 @@ class Pipeline:
             """Runs every tick; returns the loss and the gradients of the three differentiable inputs."""
             # One copy per stage of the inputs and of their gradients, sharded over stage (as in run).
             inputs_SxMxbxLxD = constrain(jnp.broadcast_to(micro_MxbxLxD, (s, *micro_MxbxLxD.shape)),
-                                         ("layers", None, "batch", "seq", None))  # fmt: skip
+                                         ("layers", None, "batch", "residual_seq", None))  # fmt: skip
             zeros_SxbxLxD = constrain(jnp.zeros_like(inputs_SxMxbxLxD[:, 0]), spec)
             _, residual_shapes = jax.eval_shape(forward_S, weights_S, zeros_SxbxLxD, stage_ids_S,
                                                 stages.valid_SxK)  # fmt: skip
