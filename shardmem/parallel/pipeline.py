@@ -502,10 +502,11 @@ class Pipeline:
                     if dy_head_S is not None:
                         dy_SxbxLxD = where_S(is_last & (repeat_S == r - 1), dy_head_S, dy_SxbxLxD)
                     residuals = [load_S(ring, forward_order_S % slots) for ring in carry["rings"]]
+                    # An idle stage's pass gets a zero output gradient, so zero weight gradients: added
+                    # unmasked, so XLA may move their data-parallel all-reduce out of the loop.
+                    dy_SxbxLxD = where_S(valid_S, dy_SxbxLxD, jnp.zeros_like(dy_SxbxLxD))
                     d_weights_S, dx_SxbxLxD = backward_S(weights_S, residuals, constrain(dy_SxbxLxD, spec))
-                    carry["d_weights"] = jax.tree.map(jnp.add, carry["d_weights"],
-                                                      where_S(valid_S, d_weights_S, jax.tree.map(
-                                                          jnp.zeros_like, d_weights_S)))  # fmt: skip
+                    carry["d_weights"] = jax.tree.map(jnp.add, carry["d_weights"], d_weights_S)
                     # Stage 0's first chunk gives the gradient of the layers' input.
                     at = position(t - (chunks - 1) - (s - 1))[0]
                     old = jax.lax.dynamic_index_in_dim(carry["d_inputs"], at, 1, keepdims=False)
