@@ -315,7 +315,7 @@ class Llama(nnx.Module):
         x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], RESIDUAL)
         run_layers = self.pipeline.run if self.pipeline else remat_scan
         x_BxLxD = run_layers(self.layers, x_BxLxD, self.remat)
-        h_BxLxD = constrain(self.final_norm(x_BxLxD), ("batch", "seq", None))  # Gathered: see Block.
+        h_BxLxD = _whole_seq(self.final_norm(x_BxLxD), ("batch", "seq", None))  # For the head: see Block.
         return (
             h_BxLxD
             if shards == 1
@@ -336,7 +336,7 @@ class Llama(nnx.Module):
 
         def head_loss(params, x_bxLxD, targets_bxL):
             h_bxLxD = _rms_norm(x_bxLxD, params["norm"], cfg.norm_eps, dtype)
-            h_bxLxD = constrain(h_bxLxD, ("batch", "seq", None))
+            h_bxLxD = _whole_seq(h_bxLxD, ("batch", "seq", None))
             head_DxV = params["head"].astype(dtype)
             return cross_entropy(h_bxLxD, head_DxV.T if cfg.tie_embeddings else head_DxV, targets_bxL, chunk)
 
