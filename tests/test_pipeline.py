@@ -100,6 +100,7 @@ def one_f_one_b():
     return trained(program)
 
 
+@pytest.mark.slow
 def test_1f1b_training_matches_one_device(one_f_one_b, one_device):
     program, losses, params = one_f_one_b
     assert program.pipeline.schedule == "1f1b" and program.pipeline.in_flight == 7

@@ -34,6 +34,7 @@ def _program(axes, devices, rules=None):
     return build_program(config, build_mesh(config.mesh.axes, devices))
 
 
+@pytest.mark.slow
 def test_sequence_parallel_training_matches_one_device():
     one_device = trained(_program({"data": 1}, jax.devices()[:1]))
     program, losses, params = trained(_program({"data": 4, "tensor": 2}, jax.devices(),
@@ -42,6 +43,7 @@ def test_sequence_parallel_training_matches_one_device():
     assert_same_training(losses, params, one_device)
 
 
+@pytest.mark.slow
 def test_the_all_reduces_become_all_gathers_and_reduce_scatters_and_layer_inputs_shrink():
     def h100_plan(rules):
         config = _config({"data": 4, "tensor": 2}, rules, model={"preset": "tiny", "seq_len": 256})
