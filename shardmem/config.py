@@ -150,11 +150,16 @@ class PipelineConfig:
     """Pipeline parallelism over the ``stage`` mesh axis (:mod:`shardmem.parallel.pipeline`), with
     ``train.micro_batches`` micro-batches: ``repeats`` layer chunks per stage (1: GPipe; more: the
     circular schedule, a smaller bubble for moving the strided chunks' weights each step); ``stages``:
-    each stage's range of layers, e.g. ``["0-7", "8-15", "16-22", "23-29"]`` (GPipe only; default: the
-    most even split, the first stages one layer more)."""
+    each stage's range of layers, e.g. ``["0-7", "8-15", "16-22", "23-29"]`` (GPipe and 1F1B only;
+    default: the most even split, the first stages one layer more); ``schedule``: ``gpipe``,
+    ``circular`` (repeats > 1), ``1f1b`` (a forward and a backward each tick, so the residuals of at most
+    2 x stages - 1 micro-batches live, whatever their number) or ``interleaved`` (1F1B with ``repeats``
+    virtual stages per stage)."""
 
     repeats: int = 1  # Layer chunks per stage: 1 is GPipe, more the circular schedule.
     stages: list[str | int] | None = None  # Each stage's layers, e.g. ["0-7", "8-15"] (None: most even).
+    # gpipe, circular, 1f1b or interleaved (None: gpipe, or circular with repeats > 1).
+    schedule: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -805,15 +810,35 @@ def _validate_model(m: ModelConfig) -> None:
 def _validate_pipeline(config: Config) -> None:
     """Checks what the config alone decides; the layer split and micro-batch count are checked against
     the mesh when the program is built (:meth:`shardmem.parallel.pipeline.Pipeline.check`)."""
+    from shardmem.parallel.pipeline import SCHEDULES, parse_stages
+
     _positive("pipeline.repeats", config.pipeline.repeats)
     stages = config.mesh.axes.get("stage", 1)
     ranges = config.pipeline.stages
-    if ranges is not None:
-        from shardmem.parallel.pipeline import parse_stages
-
-        if config.pipeline.repeats > 1:
+    repeats, schedule = config.pipeline.repeats, config.pipeline.schedule
+    if schedule is not None:
+        if schedule not in SCHEDULES:
             raise ConfigError(
-                f"pipeline.stages with pipeline.repeats={config.pipeline.repeats}: the circular schedule "
+                f"pipeline.schedule={schedule!r} is not a schedule{did_you_mean(str(schedule), SCHEDULES)}; "
+                f"use {one_of(SCHEDULES)}"
+            )
+        chunked = schedule in ("circular", "interleaved")  # The schedules that run layer chunks.
+        if chunked != (repeats > 1):
+            fix = {"gpipe": "circular", "1f1b": "interleaved", "circular": "gpipe", "interleaved": "1f1b"}
+            need = "layer chunks: set pipeline.repeats to 2 or more" if chunked else "one chunk per stage"
+            raise ConfigError(
+                f"pipeline.schedule={schedule} with pipeline.repeats={repeats}: {schedule} runs {need}, "
+                f"or use pipeline.schedule={fix[schedule]}"
+            )
+        if stages == 1:
+            raise ConfigError(
+                f"pipeline.schedule={schedule} needs pipeline stages: add a stage mesh axis, e.g. "
+                "mesh.axes.stage=4, or remove pipeline.schedule"
+            )
+    if ranges is not None:
+        if repeats > 1:
+            raise ConfigError(
+                f"pipeline.stages with pipeline.repeats={repeats}: the {schedule or 'circular'} schedule "
                 "splits the layers into equal chunks itself; remove pipeline.stages or set pipeline.repeats=1"
             )
         if not config.user_model:

@@ -459,7 +459,8 @@ def pipeline_for(
         )
     n_layers, ranges = config.model.n_layers, config.pipeline.stages
     counts = parse_stages(ranges, n_layers) if ranges is not None else ()
-    pipeline = Pipeline(stages, config.train.micro_batches, config.pipeline.repeats, counts)
+    train, schedule = config.train, config.pipeline
+    pipeline = Pipeline(stages, train.micro_batches, schedule.repeats, counts, schedule.schedule)
     pipeline.check(n_layers, config.remat_plan())
     rules = rules or Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     stage_users = [

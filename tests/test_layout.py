@@ -100,3 +100,32 @@ def test_the_layout_estimate_charges_collectives_at_the_rings_nccl_runs():
     assert _link(hardware, {**axes, "fsdp": 8, "tensor": 8}, 8, "tensor") == pytest.approx(450e9 * 0.80)
     plain = dataclasses.replace(hardware, cluster=None)  # TPUs, CPUs: the slow link across hosts
     assert _link(plain, {**axes, "fsdp": 64}, 8, "fsdp") == plain.link("network")
+
+
+def test_layouts_offer_1f1b_and_sequence_parallelism_and_estimate_their_residuals():
+    from shardmem.planning.cost import Hardware
+
+    config = load_config(TINY, ["train.global_batch=64", "remat.layers={}"])
+    layouts = layout.enumerate_layouts(config, 8, 8, ["full"])
+    assert {lay.schedule for lay in layouts if lay.axes["stage"] > 1} == {"gpipe", "1f1b"}
+    assert {lay.schedule for lay in layouts if lay.axes["stage"] == 1} == {None}
+    assert {lay.sequence for lay in layouts if lay.axes["tensor"] > 1} == {False, True}
+    assert not any(lay.sequence for lay in layouts if lay.axes["tensor"] == 1)
+    estimator = layout.Estimator(config, Hardware.host(8), 8, {"full": 1e12}, {"full": 64e6})
+
+    def candidate(schedule=None, sequence=False, stage=2, tensor=2):
+        sizes = {"stage": stage, "data": 8 // (stage * tensor), "fsdp": 1, "context": 1, "expert": 1,
+                 "tensor": tensor}  # fmt: skip
+        return layout.Layout(tuple(sizes.items()), 32, "full", schedule=schedule, sequence=sequence)
+
+    gpipe, one_f_one_b = candidate("gpipe"), candidate("1f1b")
+    # GPipe keeps all 32 micro-batches' layer inputs, 1F1B 2 x 2 - 1 = 3 of them; sequence parallelism
+    # splits full remat's layer inputs over tensor=2.
+    assert estimator(one_f_one_b).activations == pytest.approx(estimator(gpipe).activations * 3 / 32)
+    tensor, sequence = candidate(stage=1), candidate(stage=1, sequence=True)
+    assert estimator(sequence).activations == pytest.approx(estimator(tensor).activations / 2)
+    overrides = candidate("1f1b", sequence=True).overrides(config)
+    assert "pipeline.schedule=1f1b" in overrides and "rules={residual_seq: [context, tensor]}" in overrides
+    chosen = config.replace(*overrides)
+    assert chosen.pipeline.schedule == "1f1b" and chosen.rules["residual_seq"] == ["context", "tensor"]
+    assert "1f1b, sequence parallel" in candidate("1f1b", sequence=True).describe()

@@ -16,7 +16,7 @@ from shardmem.planning import hlo
 from shardmem.step import build_program
 
 
-def _config(axes, micro_batches=1, repeats=1, n_layers=4, **sections):
+def _config(axes, micro_batches=1, repeats=1, n_layers=4, schedule=None, **sections):
     return config_from_dict({
         "model": {"preset": "tiny", "n_layers": n_layers},
         "mesh": {"axes": axes},
@@ -24,13 +24,13 @@ def _config(axes, micro_batches=1, repeats=1, n_layers=4, **sections):
         "precision": {"params": "float32", "compute": "float32"},
         "optimizer": {"name": "sgd", "warmup_steps": 0, "learning_rate": 0.1},
         "train": {"global_batch": 16, "micro_batches": micro_batches, "steps": 10},
-        "pipeline": {"repeats": repeats},
+        "pipeline": {"repeats": repeats, "schedule": schedule},
         **sections,
     })  # fmt: skip
 
 
-def _program(axes, devices, micro_batches=1, repeats=1, n_layers=4, **sections):
-    config = _config(axes, micro_batches, repeats, n_layers, **sections)
+def _program(axes, devices, micro_batches=1, repeats=1, n_layers=4, schedule=None, **sections):
+    config = _config(axes, micro_batches, repeats, n_layers, schedule, **sections)
     return build_program(config, build_mesh(config.mesh.axes, devices))
 
 
@@ -68,12 +68,78 @@ def test_bubble_fraction_is_gpipes_and_shrinks_with_chunks_per_stage():
     assert Pipeline(4, 8).bubble_fraction == pytest.approx(3 / 11)  # (S - 1) / (M + S - 1)
     assert Pipeline(8, 16).ticks == 23 and Pipeline(8, 16).bubble_fraction == pytest.approx(7 / 23)
     assert Pipeline(4, 8, repeats=2).bubble_fraction == pytest.approx(3 / 19)  # (S - 1) / (M R + S - 1)
-    assert Pipeline(2, 4).describe() == "2 stages x 4 micro-batches (GPipe): bubble (2-1)/(4+2-1) = 20.0%"
+    assert Pipeline(2, 4).describe() == ("2 stages x 4 micro-batches (GPipe): bubble (2-1)/(4+2-1) = 20.0%, "
+                                         "5 micro-batch passes in flight per stage")  # fmt: skip
     circular = Pipeline(8, 16, repeats=2)
     assert Pipeline.from_json(circular.to_json()) == circular
     assert circular.describe().endswith(
-        "(circular, 2 layer chunks per stage): bubble (8-1)/(16x2+8-1) = 17.9%"
+        "(circular, 2 layer chunks per stage): bubble (8-1)/(16x2+8-1) = 17.9%, 39 micro-batch passes in "
+        "flight per stage"
     )
+
+
+def test_1f1b_keeps_gpipes_bubble_and_at_most_2s_minus_1_micro_batches_in_flight():
+    one = Pipeline(4, 16, schedule="1f1b")
+    assert one.bubble_fraction == Pipeline(4, 16).bubble_fraction == pytest.approx(3 / 19)
+    assert one.in_flight == 7 and Pipeline(4, 16).in_flight == 19  # GPipe saves every tick's residuals.
+    assert Pipeline(4, 4, schedule="1f1b").in_flight == 4  # Fewer micro-batches than the ring's slots.
+    assert one.ticks == 16 + 2 * 4 - 2  # Forwards alone in the first S - 1, backwards alone in the last.
+    interleaved = Pipeline(4, 16, repeats=2, schedule="interleaved")
+    assert interleaved.bubble_fraction == pytest.approx(3 / 35) and interleaved.in_flight == 15
+    assert Pipeline.from_json(interleaved.to_json()) == interleaved
+    assert interleaved.describe() == (
+        "4 stages x 16 micro-batches (interleaved 1F1B, 2 layer chunks per stage): bubble (4-1)/(16x2+4-1) "
+        "= 8.6%, 15 micro-batch passes in flight per stage"
+    )
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b():
+    """4 stages x 2 data on 8 devices, 8 micro-batches through the 1F1B schedule: three steps from init."""
+    program = _program({"stage": 4, "data": 2}, jax.devices(), micro_batches=8, schedule="1f1b")
+    return trained(program)
+
+
+@pytest.mark.slow
+def test_1f1b_training_matches_one_device(one_f_one_b, one_device):
+    program, losses, params = one_f_one_b
+    assert program.pipeline.schedule == "1f1b" and program.pipeline.in_flight == 7
+    assert_same_training(losses, params, one_device)
+
+
+@pytest.mark.slow
+def test_interleaved_and_uneven_1f1b_training_match_one_device(one_device, one_device_3):
+    # 2 stages x 2 virtual stages: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3, tensor parallel.
+    interleaved = _program({"stage": 2, "data": 2, "tensor": 2}, jax.devices(), micro_batches=4, repeats=2,
+                           schedule="interleaved")  # fmt: skip
+    losses, state = train_steps(interleaved.step, interleaved, interleaved.init(), 3)
+    assert_same_training(losses, state["params"], one_device)
+    uneven = _program({"stage": 2, "data": 2, "fsdp": 2}, jax.devices(), micro_batches=4, n_layers=3,
+                      schedule="1f1b")  # fmt: skip
+    losses, state = train_steps(uneven.step, uneven, uneven.init(), 3)
+    assert_same_training(losses, state["params"], one_device_3)
+
+
+@pytest.mark.slow
+def test_the_measured_peak_grows_with_micro_batches_under_gpipe_and_not_under_1f1b():
+    # Micro-batches of a fixed size (1 row per device), so more of them is a larger batch: GPipe keeps
+    # every micro-batch's residuals until its backward, 1F1B at most 2 x 4 - 1 = 7 of them per stage.
+    from shardmem.planning.memory import make_target, plan_program
+
+    def peak(schedule, micro_batches):
+        model = {"preset": "tiny", "n_layers": 8, "d_model": 128, "seq_len": 128}
+        train = {"global_batch": 2 * micro_batches, "micro_batches": micro_batches}
+        config = _config({"stage": 4, "data": 2}, micro_batches, schedule=schedule, model=model, train=train)
+        program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+        report, _ = plan_program(program, make_target(config, "local"), count_remat_overhead=False)
+        return report.per_device["peak"]
+
+    gpipe_growth = peak("gpipe", 16) - peak("gpipe", 8)
+    one_f_one_b_growth = peak("1f1b", 16) - peak("1f1b", 8)
+    # What 1F1B still adds: the 8 more micro-batches' inputs and input gradients (1 x 128 x 128 fp32 each).
+    batch_growth = 2 * 8 * 128 * 128 * 4
+    assert one_f_one_b_growth <= 1.2 * batch_growth
+    assert gpipe_growth >= 5 * batch_growth
 
 
 @pytest.mark.slow
@@ -82,9 +148,9 @@ def test_gpipe_training_matches_one_device_and_the_plan_reports_the_schedule(gpi
     wq = program.abstract_state["params"]["layers"]["wq"]
     assert wq.sharding.spec[0] == "stage" and wq.sharding.shard_shape(wq.shape)[0] == 2  # Own layers only.
     assert_same_training(losses, state["params"], one_device)
-    assert report.pipeline == {"stages": 2, "micro_batches": 4, "repeats": 1, "ticks": 5,
-                               "bubble_fraction": 0.2, "layers_per_stage": [2, 2], "padded_slots": 0,
-                               "layers_sharded_over_stage": True}  # fmt: skip
+    assert report.pipeline == {"stages": 2, "micro_batches": 4, "repeats": 1, "schedule": "gpipe",
+                               "ticks": 5, "bubble_fraction": 0.2, "in_flight": 5, "layers_per_stage": [2, 2],
+                               "padded_slots": 0, "layers_sharded_over_stage": True}  # fmt: skip
     assert report.to_json()["pipeline"]["bubble_fraction"] == pytest.approx((2 - 1) / (4 + 2 - 1))
     # Every tick shifts each device's stage state [1 stage, 16 / 4 micro-batches / 4 batch shards rows,
     # seq 64, d_model 64] in f32 to the next stage, and the backward pass shifts its gradient back.
@@ -141,6 +207,24 @@ def test_config_errors_name_the_key_the_value_and_the_fix():
         config_from_dict({"model": {"preset": "tiny-moe"}, "mesh": {"axes": {"stage": 2, "data": 4}}})
     with pytest.raises(ConfigError, match=r"pipeline.repeats=0: must be positive"):
         _config({"data": 8}, repeats=0)
+    with pytest.raises(ConfigError, match=r"pipeline.schedule='1fb1' is not a schedule \(did you "
+                       r"mean '1f1b'\?\); use gpipe, circular, 1f1b or interleaved$"):  # fmt: skip
+        _config({"stage": 2, "data": 4}, 2, schedule="1fb1")
+    with pytest.raises(ConfigError, match=r"pipeline.schedule=1f1b with pipeline.repeats=2: 1f1b runs one "
+                       r"chunk per stage, or use pipeline.schedule=interleaved$"):  # fmt: skip
+        _config({"stage": 2, "data": 4}, 2, repeats=2, schedule="1f1b")
+    with pytest.raises(ConfigError, match=r"pipeline.schedule=interleaved with pipeline.repeats=1: "
+                       r"interleaved runs layer chunks: set pipeline.repeats to 2 or more, or use "
+                       r"pipeline.schedule=1f1b$"):  # fmt: skip
+        _config({"stage": 2, "data": 4}, 2, schedule="interleaved")
+    with pytest.raises(ConfigError, match=r"pipeline.schedule=1f1b needs pipeline stages: add a stage mesh "
+                       r"axis, e.g. mesh.axes.stage=4, or remove pipeline.schedule$"):  # fmt: skip
+        _config({"data": 8}, 2, schedule="1f1b")
+    groups = r"it runs the micro-batches in groups of mesh.axes.stage=4; use a multiple of 4 \(4 or 8\)$"
+    interleaved = r"train.micro_batches=6 with pipeline.schedule=interleaved: "
+    with pytest.raises(ConfigError, match=interleaved + groups):
+        _program({"stage": 4, "data": 2}, devices, micro_batches=6, repeats=2, n_layers=8,
+                 schedule="interleaved", train={"global_batch": 24, "micro_batches": 6})  # fmt: skip
     # stage: 1 is no pipeline: micro-batches accumulate gradients as without the axis.
     assert _program({"stage": 1, "data": 8}, devices, micro_batches=2).pipeline is None
 

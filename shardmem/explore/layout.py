@@ -5,9 +5,11 @@
 
 For the config's devices and hosts, every layout is enumerated: the device count factored over the
 mesh axes ``stage, data, fsdp, context, expert, tensor`` (outermost first, so that the outer axes span
-hosts and ``tensor`` stays inside one), with the micro-batches, a uniform remat policy and ZeRO-1 where
-the batch axes replicate parameters. Candidates that cannot be built are dropped by arithmetic (tensor
-inside a host and dividing the heads, context dividing the sequence, expert dividing the experts, the
+hosts and ``tensor`` stays inside one), with the micro-batches, a uniform remat policy, ZeRO-1 where
+the batch axes replicate parameters, the pipeline schedule where there are stages (GPipe or 1F1B, or with
+``pipeline.repeats`` > 1 circular or interleaved) and sequence parallelism where there is a tensor axis.
+Candidates that cannot be built are dropped by arithmetic (tensor inside a host and
+dividing the heads, context dividing the sequence, expert dividing the experts, the
 batch dividing over its shards). Each remaining candidate gets a pruning estimate of its peak memory
 and step time from a few traced quantities (FLOPs and backward residuals per policy, parameter bytes)
 and the standard communication volumes of each parallelism; the estimates are refitted to every
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -31,6 +34,7 @@ import numpy as np
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError
+from shardmem.parallel.pipeline import Pipeline
 from shardmem.planning.collectives import Group, ring_bandwidth
 from shardmem.planning.cost import MATMUL_EFFICIENCY
 from shardmem.units import format_bytes, format_seconds
@@ -41,17 +45,22 @@ OBJECTIVES = ("step_time", "throughput")
 #: A candidate estimated this far over the budget is not compiled (the estimates are refitted as
 #: compiles come in, but start rough).
 _ESTIMATE_REJECT = 1.25
+#: The pipeline schedules a layout may take, by whether the config runs layer chunks (pipeline.repeats > 1).
+_SCHEDULES = {False: ("gpipe", "1f1b"), True: ("circular", "interleaved")}
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One candidate: mesh sizes by axis, micro-batches, a uniform remat policy and ZeRO-1."""
+    """One candidate: mesh sizes by axis, micro-batches, a uniform remat policy, ZeRO-1, the pipeline
+    schedule (with a stage axis) and sequence parallelism (with a tensor axis)."""
 
     sizes: tuple[tuple[str, int], ...]
     micro_batches: int
     policy: str
     zero1: bool = False
     global_batch: int | None = None  # None: the config's.
+    schedule: str | None = None  # pipeline.schedule with a stage axis (None: no pipeline).
+    sequence: bool = False  # Sequence parallelism: rules.residual_seq over the tensor axis too.
 
     @property
     def axes(self) -> dict[str, int]:
@@ -59,9 +68,11 @@ class Layout:
 
     def overrides(self, config: Config) -> tuple[str, ...]:
         axes = ", ".join(f"{a}: {n}" for a, n in self.sizes)
-        out = (f"mesh.axes={{{axes}}}", "rules={}", "param_rules={}",
+        rules = "rules={residual_seq: [context, tensor]}" if self.sequence else "rules={}"
+        out = (f"mesh.axes={{{axes}}}", rules, "param_rules={}",
                f"train.micro_batches={self.micro_batches}",
                f"remat.policy={self.policy}", "remat.layers={}", "pipeline.stages=null",
+               f"pipeline.schedule={self.schedule or 'null'}",
                f"optimizer.shard_over_data={str(self.zero1).lower()}")  # fmt: skip
         if self.global_batch is not None:
             out += (f"train.global_batch={self.global_batch}",)
@@ -70,6 +81,8 @@ class Layout:
     def describe(self) -> str:
         mesh = " ".join(f"{a}={n}" for a, n in self.sizes if n > 1) or "one device"
         extra = ", ZeRO-1" if self.zero1 else ""
+        extra += f", {self.schedule}" if self.schedule else ""
+        extra += ", sequence parallel" if self.sequence else ""
         batch = f", batch {self.global_batch}" if self.global_batch else ""
         micro = f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}"
         return f"{mesh}; {micro}; {self.policy}{extra}{batch}"
@@ -103,6 +116,7 @@ def enumerate_layouts(config: Config, n_devices: int, per_host: int, policies: S
     """Every layout the arithmetic allows for the reference model on ``n_devices`` (``per_host`` per host)."""
     model = config.model
     batch = config.train.global_batch
+    repeats = config.pipeline.repeats
     layouts = []
     for sizes in _factorizations(n_devices, len(AXES)):
         axes = dict(zip(AXES, sizes, strict=True))
@@ -125,10 +139,16 @@ def enumerate_layouts(config: Config, n_devices: int, per_host: int, policies: S
                 continue
             if s > 1 and micro not in _largest(batch, shards, s):
                 continue  # A pipeline wants the most micro-batches (smallest bubble and peak).
-            for policy in policies:
+            # A pipeline's schedule keeps the config's layer chunks per stage (pipeline.repeats).
+            schedules = (None,) if s == 1 else _SCHEDULES[repeats > 1]
+            sequences = (False, True) if t > 1 else (False,)
+            for policy, schedule, sequence in itertools.product(policies, schedules, sequences):
+                if schedule == "interleaved" and micro % s:
+                    continue  # Micro-batches in groups of the stages.
                 zero = (False, True) if axes["data"] * e > 1 and config.optimizer.name != "sgd" else (False,)
                 for zero1 in zero:
-                    layouts.append(Layout(tuple(axes.items()), micro, policy, zero1))
+                    sizes = tuple(axes.items())
+                    layouts.append(Layout(sizes, micro, policy, zero1, None, schedule, sequence))
     return layouts
 
 
@@ -166,7 +186,8 @@ class Estimator:
 
     Peak: parameters, gradients and optimizer state per device from the parameter count and the
     layout's sharding, plus the backward pass's residuals (traced per policy) for the micro-batch rows a
-    device holds (all of a pipeline stage's in-flight micro-batches), times a factor fitted to compiles.
+    device holds (all of a GPipe stage's micro-batches, 1F1B's in flight; split over tensor with sequence
+    parallelism), times a factor fitted to compiles.
     Time: matmul FLOPs per device (traced per policy, the pipeline's idle ticks included) at the peak's
     efficiency, memory-bound work as a fitted share of it, and each parallelism's usual communication:
     FSDP's weight all-gathers per micro-batch and gradient reduce-scatter, data parallelism's gradient
@@ -179,12 +200,13 @@ class Estimator:
         self.config, self.hardware, self.per_host = config, hardware, per_host
         self.flops, self.residuals = flops, residuals
         self.params = config.model.param_count()
-        # Compiled activation bytes over estimated ones, per (policy, pipelined): fitted to compiles.
-        self.activation_scale: dict[tuple[str, bool], float] = {}
+        # Compiled activation bytes over estimated ones, per (policy, pipelined, sequence parallel): fitted
+        # to compiles.
+        self.activation_scale: dict[tuple[str, bool, bool], float] = {}
         self.memory_share = 0.8  # memory-bound seconds per compute second (the H200 trials: 0.7-1.4)
         self.time_scale = 1.0
         self.launch_per_layer_pass = 0.0  # kernel gaps per layer and micro-batch pass, fitted
-        self._activations: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+        self._activations: dict[tuple[str, bool, bool], list[tuple[float, float]]] = {}
         self._times: list[tuple[float, float]] = []
 
     def __call__(self, layout: Layout) -> Estimate:
@@ -201,11 +223,17 @@ class Estimator:
         if layout.zero1:
             optimizer /= d * e
         rows = batch / (d * f * e)  # sequences per device per step
-        live_rows = rows if s > 1 else rows / m  # a pipeline keeps all its micro-batches' residuals
+        live_rows = rows if s > 1 else rows / m  # GPipe keeps all its micro-batches' residuals
+        if layout.schedule in ("1f1b", "interleaved"):  # 1F1B at most 2 x stages - 1 micro-batches' worth
+            r = config.pipeline.repeats
+            live_rows = rows / m * Pipeline(s, m, r, schedule=layout.schedule).in_flight / r
         residual = self.residuals[layout.policy] / config.train.global_batch * live_rows / c / s
-        residual *= 1.0 if layout.policy == "full" else (1 + 1 / t) / 2  # tensor splits the wide ones
+        if layout.sequence:  # Sequence parallelism splits the rest over tensor too.
+            residual /= t
+        else:
+            residual *= 1.0 if layout.policy == "full" else (1 + 1 / t) / 2  # tensor splits the wide ones
         static = 2 * param_bytes + optimizer
-        key = (layout.policy, s > 1)
+        key = (layout.policy, s > 1, layout.sequence)
         scales = self.activation_scale
         scale = scales.get(key, 1.0)  # Unscaled until a compile of the same kind says otherwise.
         activations = residual * scale
@@ -253,7 +281,7 @@ class Estimator:
         saved, self.activation_scale, self.time_scale = (self.activation_scale, self.time_scale), {}, 1.0
         raw = self(layout)  # Unscaled activations: the scales stand for themselves.
         self.activation_scale, self.time_scale = saved
-        key = (layout.policy, layout.axes["stage"] > 1)
+        key = (layout.policy, layout.axes["stage"] > 1, layout.sequence)
         points = self._activations.setdefault(key, [])
         points.append((raw.activations, max(peak - raw.static, 0.0)))
         self.activation_scale[key] = sum(x * y for x, y in points) / max(sum(x * x for x, _ in points), 1.0)
@@ -449,7 +477,16 @@ def _own_layout(config: Config, n: int) -> Layout | None:
     sizes = tuple((a, axes.get(a, 1)) for a in AXES)
     if math.prod(v for _, v in sizes) != n or config.remat.layers:
         return None
-    return Layout(sizes, config.train.micro_batches, config.remat.policy, config.optimizer.shard_over_data)
+    stages, tensor = axes.get("stage", 1), axes.get("tensor", 1)
+    schedule = (config.pipeline.schedule or ("gpipe" if config.pipeline.repeats == 1 else "circular")
+                if stages > 1 else None)  # fmt: skip
+    sequence = tensor > 1 and "tensor" in _as_list((config.rules or {}).get("residual_seq"))
+    return Layout(sizes, config.train.micro_batches, config.remat.policy, config.optimizer.shard_over_data,
+                  None, schedule, sequence)  # fmt: skip
+
+
+def _as_list(axes) -> list:
+    return [axes] if isinstance(axes, str) else list(axes or ())
 
 
 def why_winner(first: Ranked, second: Ranked | None) -> str:

@@ -27,11 +27,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
-from shardmem.models.losses import resolve_loss_chunk
+from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
 from shardmem.parallel import context
 from shardmem.parallel.pipeline import Pipeline
-from shardmem.parallel.rules import constrain
+from shardmem.parallel.rules import constrain, sequence_parallel
 from shardmem.remat import LayerPlan, remat_scan
 
 #: The intermediates a layer tags for remat policies, in the order they are computed.
@@ -175,6 +175,23 @@ def rope(x_BxLxHxK, positions_L, theta: float):
 
 _XLA = AttentionKernel("xla")
 
+#: The residual stream's logical axes: its sequence split by ``rules.residual_seq`` (sequence parallelism).
+RESIDUAL = ("batch", "residual_seq", None)
+_HEADS, _KV_HEADS = ("batch", "seq", "heads", None), ("batch", "seq", "kv_heads", None)
+_MLP = ("batch", "seq", "mlp")
+
+
+# Sequence parallelism (Korthikanti et al. 2022): the tensor-parallel regions see whole sequences (an
+# all-gather in, whose transpose is a reduce-scatter of the gradient) and hand their sums back split over
+# the sequence (a reduce-scatter, not an all-reduce). Pinned only then: XLA would otherwise split the
+# attention over the sequence too, with all-to-alls; without it XLA's own choice is kept.
+def _whole_seq(x, logical_axes):
+    return constrain(x, logical_axes) if sequence_parallel() else x
+
+
+def _split_seq(x_BxLxD):
+    return constrain(x_BxLxD, RESIDUAL) if sequence_parallel() else x_BxLxD
+
 
 class Block(nnx.Module):
     """One decoder layer: pre-norm grouped-query attention, then a pre-norm SwiGLU MLP (or, with
@@ -208,32 +225,38 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxLxD):
         cfg = self.cfg
-        x_BxLxD = checkpoint_name(constrain(x_BxLxD, ("batch", "seq", None)), "layer_input")
+        x_BxLxD = checkpoint_name(constrain(x_BxLxD, RESIDUAL), "layer_input")
         positions_L = context.positions(x_BxLxD.shape[1], context.shards())  # Zigzag order when split.
 
         with jax.named_scope("attention"):
-            h_BxLxD = self.attn_norm(x_BxLxD)
-            q_BxLxHxK = checkpoint_name(jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)), "query_proj")
-            k_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)), "key_proj")
-            v_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), "value_proj")
+            # With sequence parallelism (rules.residual_seq over tensor) the norm runs on its share of
+            # the sequence and its output is all-gathered for the tensor-parallel matmuls.
+            h_BxLxD = _whole_seq(self.attn_norm(x_BxLxD), ("batch", "seq", None))
+            q_BxLxHxK = _whole_seq(jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)), _HEADS)
+            k_BxLxGxK = _whole_seq(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)), _KV_HEADS)
+            v_BxLxGxK = _whole_seq(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), _KV_HEADS)
+            q_BxLxHxK = checkpoint_name(q_BxLxHxK, "query_proj")
+            k_BxLxGxK = checkpoint_name(k_BxLxGxK, "key_proj")
+            v_BxLxGxK = checkpoint_name(v_BxLxGxK, "value_proj")
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
-            ctx_BxLxHxK = checkpoint_name(
-                context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context"
-            )
+            ctx_BxLxHxK = _whole_seq(context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), _HEADS)
+            ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_context")
+            # Summed over the tensor-parallel heads: an all-reduce, or a reduce-scatter onto the residual
+            # stream's share of the sequence with sequence parallelism.
             out_BxLxD = checkpoint_name(
-                jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)), "out_proj"
+                _split_seq(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo))), "out_proj"
             )
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
-            h_BxLxD = self.mlp_norm(x_BxLxD)
+            h_BxLxD = _whole_seq(self.mlp_norm(x_BxLxD), ("batch", "seq", None))
             if cfg.n_experts:
                 return x_BxLxD + self.moe(h_BxLxD)
-            gate_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_gate), "mlp_gate")
-            up_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_up), "mlp_up")
-            out_BxLxD = checkpoint_name(_swiglu(gate_BxLxF, up_BxLxF) @ self._w(self.w_down), "mlp_out")
-            return x_BxLxD + out_BxLxD
+            gate_BxLxF = checkpoint_name(_whole_seq(h_BxLxD @ self._w(self.w_gate), _MLP), "mlp_gate")
+            up_BxLxF = checkpoint_name(_whole_seq(h_BxLxD @ self._w(self.w_up), _MLP), "mlp_up")
+            down_BxLxD = _split_seq(_swiglu(gate_BxLxF, up_BxLxF) @ self._w(self.w_down))
+            return x_BxLxD + checkpoint_name(down_BxLxD, "mlp_out")
 
 
 class Llama(nnx.Module):
@@ -289,15 +312,35 @@ class Llama(nnx.Module):
         # partitioner's slow fallback to reach the batch-sharded activations.
         table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
         shards = context.shards()  # Context parallelism: the layers see the sequence in zigzag order.
-        x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], ("batch", "seq", None))
+        x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], RESIDUAL)
         run_layers = self.pipeline.run if self.pipeline else remat_scan
         x_BxLxD = run_layers(self.layers, x_BxLxD, self.remat)
-        h_BxLxD = self.final_norm(x_BxLxD)
+        h_BxLxD = _whole_seq(self.final_norm(x_BxLxD), ("batch", "seq", None))  # For the head: see Block.
         return (
             h_BxLxD
             if shards == 1
             else constrain(context.from_zigzag(h_BxLxD, shards), ("batch", "seq", None))
         )
+
+    def pipelined_loss(self, tokens_BxL, targets_BxL):
+        """Returns the mean next-token cross-entropy of ``targets`` with the layers, the final norm and
+        the loss run by the pipeline's 1F1B schedule (:meth:`shardmem.parallel.pipeline.Pipeline.loss`),
+        which computes their gradients as it goes."""
+        table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
+        shards = context.shards()  # Context parallelism: the loss sums over positions in zigzag order.
+        x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], RESIDUAL)
+        targets_BxL = context.to_zigzag(targets_BxL, shards)
+        cfg, dtype, chunk = self.cfg, self.compute_dtype, self.loss_chunk
+        head_params = {"norm": self.final_norm.scale[...],
+                       "head": self.embedding[...] if cfg.tie_embeddings else self.lm_head[...]}  # fmt: skip
+
+        def head_loss(params, x_bxLxD, targets_bxL):
+            h_bxLxD = _rms_norm(x_bxLxD, params["norm"], cfg.norm_eps, dtype)
+            h_bxLxD = _whole_seq(h_bxLxD, ("batch", "seq", None))
+            head_DxV = params["head"].astype(dtype)
+            return cross_entropy(h_bxLxD, head_DxV.T if cfg.tie_embeddings else head_DxV, targets_bxL, chunk)
+
+        return self.pipeline.loss(self.layers, x_BxLxD, self.remat, head_params, targets_BxL, head_loss)
 
     def unembedding(self):
         """Returns the output projection ``head_DxV`` in the compute dtype (the embedding when tied)."""

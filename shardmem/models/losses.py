@@ -52,16 +52,27 @@ def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
     vocabulary when the model has a ``loss_chunk`` (and ``hidden_states``/``unembedding``, as the
     reference model)."""
     inputs_BxL, targets_BxL = batch_BxL1[:, :-1], batch_BxL1[:, 1:]
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is not None and pipeline.runs_loss:  # 1F1B: the last stage runs the loss.
+        return model.pipelined_loss(inputs_BxL, targets_BxL)
     chunk = getattr(model, "loss_chunk", None)
     if chunk and hasattr(model, "hidden_states"):
-        head_DxV = model.unembedding()
-        if chunk < head_DxV.shape[1]:
-            return chunked_cross_entropy(model.hidden_states(inputs_BxL), head_DxV, targets_BxL, chunk=chunk)
+        return cross_entropy(model.hidden_states(inputs_BxL), model.unembedding(), targets_BxL, chunk)
     logits_BxLxV = model(inputs_BxL)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
         logits_BxLxV.astype(jnp.float32), targets_BxL
     )
     return losses_BxL.mean()
+
+
+def cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk: int | None) -> jax.Array:
+    """Mean cross-entropy of ``softmax(hidden @ head)`` against ``targets``: over ``chunk`` vocabulary
+    entries at a time when ``chunk`` is smaller than the vocabulary, else from the whole logits."""
+    if chunk and chunk < head_DxV.shape[1]:
+        return chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk=chunk)
+    logits_BxLxV = constrain(hidden_BxLxD @ head_DxV, ("batch", "seq", "vocab"))
+    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
 
 
 def chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int) -> jax.Array:

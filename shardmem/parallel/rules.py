@@ -32,6 +32,9 @@ MeshAxes = tuple[str, ...] | None
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
     "seq": ("context",),  # Context parallelism: each sequence split over the context axis.
+    # The residual stream's sequence (layer inputs, norms, residual adds: outside the tensor-parallel
+    # matmuls); [context, tensor] is sequence parallelism. Unset, it follows rules.seq.
+    "residual_seq": ("context",),
     "embed": ("fsdp", "context"),  # Weights are also split over the devices that share a sequence.
     "vocab": ("tensor",),
     "heads": ("tensor",),
@@ -44,7 +47,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
 }
 
 #: Logical names used by activations rather than parameters (never reported as unused rules).
-ACTIVATION_AXES = ("batch", "seq")
+ACTIVATION_AXES = ("batch", "seq", "residual_seq")
 
 _active: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "shardmem_rules", default=None
@@ -86,6 +89,16 @@ class Rules:
             merged[name] = kept or None
         for name, value in (logical or {}).items():
             merged[name] = _check_axes(_as_axes(value, f"rules.{name}"), f"rules.{name}", mesh_axes)
+        if "residual_seq" not in (logical or {}):
+            merged["residual_seq"] = merged["seq"]
+        seq, residual = merged["seq"] or (), merged["residual_seq"] or ()
+        if tuple(residual[: len(seq)]) != tuple(seq):
+            fix = [*seq, *(a for a in residual if a not in seq)]
+            raise ConfigError(
+                f"rules.residual_seq={list(residual) or None} with rules.seq={list(seq)}: the residual "
+                f"stream splits each sequence as the layers do (rules.seq), then further (sequence "
+                f"parallelism); use rules.residual_seq: {fix}"
+            )
         paths: list[tuple[str, tuple[MeshAxes, ...]]] = []
         for pattern, spec in (by_path or {}).items():
             key = f"param_rules.{pattern!r}"
@@ -223,6 +236,17 @@ def constrain(x, logical_axes: Sequence[str | None]):
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(logical_axes)))
+
+
+def sequence_parallel() -> bool:
+    """Whether the active rules split the residual stream's sequence further than the layers'
+    (``rules.residual_seq`` over more mesh axes than ``rules.seq``: sequence parallelism)."""
+    active = _active.get()
+    if active is None:
+        return False
+    mesh, rules = active
+    shards = [math.prod(mesh.shape[a] for a in rules.mesh_axes(n) or ()) for n in ("residual_seq", "seq")]
+    return shards[0] > shards[1]
 
 
 def path_str(path) -> str:

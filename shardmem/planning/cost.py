@@ -842,14 +842,16 @@ def estimate_step_time(
     ``hosts_of[i]`` is the host of the program's device ``i`` (its partition id: the mesh's devices in
     order); ``attention`` maps fused-attention kernel names to (matmuls, causal), as
     :func:`shardmem.planning.hlo.fused_attention_kernels` reads them from the jaxpr; ``bubble_fraction``
-    is the pipeline schedule's idle share of its loop of ticks."""
+    is the pipeline schedule's idle share of its loops of ticks."""
     replay = _Replay(module, hardware, hosts_of, attention or {})
     totals = replay.computation(module.entry)
     bubble = 0.0
     if bubble_fraction:
-        # The pipeline's ticks are the longest loop whose scope names the pipeline (idle stages run too).
-        ticks = [trips * t.seconds for scope, trips, t in replay.loops if "pipeline" in scope]
-        bubble = bubble_fraction * (max(ticks) if ticks else totals.seconds)
+        # The pipeline's ticks are its outermost loops (GPipe's forward and backward, 1F1B's fill, steady
+        # and drain), whose idle stages run too: every schedule idles that share of all of them.
+        ticks = {(scope, trips): trips * t.seconds for scope, trips, t in replay.loops
+                 if scope.startswith("pipeline") and "/" not in scope}  # fmt: skip
+        bubble = bubble_fraction * (sum(ticks.values()) if ticks else totals.seconds)
     collectives = tuple(
         CollectiveCost(kind, size, link, count, moved, seconds, algorithm)
         for (kind, size, link, algorithm), (count, moved, seconds) in sorted(replay.collectives.items())
