@@ -34,6 +34,7 @@ from shardmem.planning.targets import (
     Target,
     ensure_cpu_devices,
     link_domains,
+    precision_notes,
     resolve_target,
     tpu_notes,
     tpu_slice,
@@ -245,6 +246,7 @@ def plan_program(
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
     warnings += _optimizer_warnings(config) + _slow_compile_warnings(report)
     warnings += tpu_notes(target, config.memory, report.per_device["peak"])
+    warnings += precision_notes(target, config.precision.compute)
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
@@ -468,10 +470,15 @@ def _compile_and_analyze(
     shared = None if kernel_cache.OPTION in options else kernel_cache.cache_file(target)
     # Kernels it generates now are generated cheaply (codegen.py): XLA's options, not the user's to report.
     internal = codegen.deviceless_options(target, options)
+    # JAX 0.12's Pallas Triton kernels read the compute capability off JAX's default device when they do
+    # not know a GPU by name (an RTX 3090, A10G, L40S: "No supported GPU devices found"), so a deviceless
+    # GPU plan lowers with one of its own devices as the default.
+    gpu = target.deviceless and target.platform != "tpu"
     with (
         _persistent_cache_off(),
         tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump,
         kernel_cache.private_copy(shared) as cache,
+        jax.default_device(target.devices[0]) if gpu else contextlib.nullcontext(),
     ):
         retried = None
         try:
