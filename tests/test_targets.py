@@ -39,7 +39,7 @@ def test_bf16_on_a_card_without_it_says_to_use_float16():
     report = shardmem.plan(config, target="t4", count_remat_overhead=False)
     (note,) = [w for w in report.warnings if "precision.compute" in w]
     assert "precision.compute=bfloat16" in note and "Tesla T4" in note and "no bf16" in note
-    assert note.endswith("set precision.compute=float16")
+    assert "set precision.compute=float16" in note
 
 
 def test_cards_without_bf16_time_bf16_matmuls_at_the_float32_rate():

@@ -322,11 +322,16 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
 
 
 def _optimizer_warnings(config: Config) -> list[str]:
-    """A setting the chosen optimizer has no use for: sgd keeps no first moment for mu_dtype to narrow."""
-    opt = config.optimizer
+    """A setting the chosen optimizer has no use for: sgd keeps no first moment for mu_dtype to narrow;
+    float16 compute without a loss scale, whose small gradients underflow to zero."""
+    opt, precision = config.optimizer, config.precision
     if opt.name == "sgd" and opt.mu_dtype:
         return [f"optimizer.mu_dtype={opt.mu_dtype} does nothing with optimizer.name=sgd (no first moment "
                 "is kept); remove it, or use adam/adamw"]  # fmt: skip
+    if precision.compute == "float16" and not precision.loss_scaling:
+        return [f"precision.compute=float16 with precision.loss_scale={precision.loss_scale}: float16 holds "
+                "nothing below 6e-8, so the backward pass flushes small gradients to zero; set "
+                "precision.loss_scale=auto (a dynamic loss scale)"]  # fmt: skip
     return []
 
 

@@ -505,7 +505,7 @@ def precision_notes(target: Target, compute: str) -> list[str]:
     return [
         f"precision.compute=bfloat16, but the {spec.description} (compute capability {major}.{minor}) has "
         f"no bf16 tensor cores: XLA computes its bf16 matmuls in float32, at {f32:g} TFLOP/s instead of "
-        f"fp16's {f16:g}; set precision.compute=float16"
+        f"fp16's {f16:g}; set precision.compute=float16 (with a dynamic loss scale: precision.loss_scale)"
     ]
 
 
