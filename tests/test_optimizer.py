@@ -122,3 +122,14 @@ def test_float16_scales_the_loss_by_default_and_bad_settings_are_config_errors()
     message = r"precision.loss_scale='dynamc' \(did you mean 'dynamic'\?\): use auto"
     with pytest.raises(ConfigError, match=message):
         _config().replace("precision.loss_scale=dynamc")
+
+
+def test_float16_without_a_loss_scale_is_a_plan_warning():
+    from shardmem.planning.memory import _optimizer_warnings
+
+    fp16 = _config().replace("precision.compute=float16")
+    assert _optimizer_warnings(fp16) == []
+    (warning,) = _optimizer_warnings(fp16.replace("precision.loss_scale=none"))
+    assert warning.startswith("precision.compute=float16 with precision.loss_scale=none: ")
+    assert "flushes small gradients to zero" in warning
+    assert warning.endswith("set precision.loss_scale=auto (a dynamic loss scale)")
