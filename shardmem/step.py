@@ -6,7 +6,9 @@
 
 The model declares logical axes; the config's rules turn them into NamedShardings for parameters and
 optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Parameters are kept in
-``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used. Only
+``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used; in
+float16 the loss is scaled by the optimizer's dynamic loss scale before differentiating and the
+gradients divided by it again (:func:`scaled_value_and_grad`, :mod:`shardmem.optimizer`). Only
 ``nnx.Param`` variables are differentiated; a model's other variables (batch statistics, RNG streams)
 ride along in ``state["model_state"]``. The batch is any pytree of arrays (:mod:`shardmem.batch`).
 With a ``stage`` mesh axis the reference model runs its layers as pipeline stages, and
