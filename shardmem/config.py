@@ -101,13 +101,26 @@ class RematConfig:
     modules: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+#: Values of ``precision.loss_scale``.
+LOSS_SCALES = ("auto", "dynamic", "none")
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """Dtypes: ``params`` for the master weights and optimizer, ``compute`` for the forward and
-    backward passes (weights are cast where they are used)."""
+    backward passes (weights are cast where they are used). ``loss_scale``: ``dynamic`` multiplies the
+    loss by a scale the optimizer keeps (:func:`shardmem.optimizer.dynamic_loss_scaling`), so that float16
+    gradients do not underflow, skipping the steps that overflow; ``auto`` is ``dynamic`` with float16
+    compute and ``none`` otherwise (bfloat16 has float32's range)."""
 
     params: str = "float32"  # Master weights and optimizer state.
     compute: str = "bfloat16"  # The forward and backward passes.
+    loss_scale: str = "auto"  # auto (dynamic with float16), dynamic or none.
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the step scales the loss dynamically."""
+        return self.loss_scale == "dynamic" or (self.loss_scale == "auto" and self.compute == "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -896,6 +909,10 @@ def _validate_rest(config: Config) -> None:
                        ("precision.compute", config.precision.compute)):  # fmt: skip
         if dtype not in DTYPES:
             raise ConfigError(f"{key}={dtype!r}: use {one_of(DTYPES)}")
+    if config.precision.loss_scale not in LOSS_SCALES:
+        scale = config.precision.loss_scale
+        raise ConfigError(f"precision.loss_scale={scale!r}{did_you_mean(scale, LOSS_SCALES)}: use "
+                          f"{one_of(LOSS_SCALES)} (auto: dynamic with float16 compute)")  # fmt: skip
     if config.optimizer.name not in ("adamw", "adam", "sgd"):
         raise ConfigError(f"optimizer.name={config.optimizer.name!r}: use adamw, adam or sgd")
     opt = config.optimizer

@@ -10,11 +10,18 @@ Adam's two moments are two thirds of a mixed-precision model's state. Three keys
 ``optimizer.shard_over_data`` (ZeRO-1) splits the state over the batch axes that parameters are
 replicated over; ``memory.offload_optimizer`` keeps the state in pinned host memory and moves it to the
 device only for the update.
+
+With ``precision.compute: float16`` the optimizer keeps a dynamic loss scale (:func:`dynamic_loss_scaling`,
+``precision.loss_scale``): the step multiplies the loss by ``loss_scale(opt_state)`` before differentiating,
+so that small gradients survive float16's narrow range, and divides the gradients by it after; a step whose
+gradients overflowed is skipped and halves the scale. The scale lives in the optimizer state, so it is
+checkpointed and a resumed run goes on with it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +36,61 @@ from shardmem.parallel.rules import Rules, spec_axes
 HOST = "pinned_host"
 
 
+#: Dynamic loss scaling as PyTorch's GradScaler and DeepMind's jmp do it: start high, halve on overflow,
+#: double after this many finite steps in a row.
+INITIAL_LOSS_SCALE = 2.0**15
+LOSS_SCALE_GROWTH_INTERVAL = 2000
+LOSS_SCALE_FACTOR = 2.0
+
+
+class LossScaleState(NamedTuple):
+    """The optimizer state under :func:`dynamic_loss_scaling`: the scale, the finite steps since it last
+    changed, the steps skipped for non-finite gradients (over the whole run), and the inner optimizer's."""
+
+    scale: jax.Array  # float32
+    good_steps: jax.Array  # int32
+    skipped_steps: jax.Array  # int32
+    inner: optax.OptState
+
+
+def dynamic_loss_scaling(inner: optax.GradientTransformation, *, initial: float = INITIAL_LOSS_SCALE,
+                         growth_interval: int = LOSS_SCALE_GROWTH_INTERVAL,
+                         factor: float = LOSS_SCALE_FACTOR) -> optax.GradientTransformation:  # fmt: skip
+    """Returns ``inner`` under a dynamic loss scale kept in its state (:class:`LossScaleState`).
+
+    It takes the gradients already divided by the scale (the step's job, see :func:`loss_scale`). Where they
+    are all finite it applies ``inner`` and doubles the scale after ``growth_interval`` such steps in a row;
+    where any is not, it skips the step (zero updates, ``inner``'s state unchanged), halves the scale (not
+    below 1) and counts the skip, as :func:`optax.apply_if_finite` does.
+    """
+
+    def init(params):
+        zero = jnp.zeros((), jnp.int32)
+        return LossScaleState(jnp.asarray(initial, jnp.float32), zero, zero, inner.init(params))
+
+    def update(grads, state: LossScaleState, params=None):
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        updates, inner_state = inner.update(grads, state.inner, params)
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+        inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state, state.inner)
+        grow = finite & (state.good_steps + 1 >= growth_interval)
+        scale = jnp.where(finite, jnp.where(grow, state.scale * factor, state.scale),
+                          jnp.maximum(state.scale / factor, 1.0))  # fmt: skip
+        good_steps = jnp.where(finite & ~grow, state.good_steps + 1, 0)
+        skipped = state.skipped_steps + (~finite).astype(jnp.int32)
+        return updates, LossScaleState(scale, good_steps, skipped, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def loss_scale(opt_state) -> jax.Array | None:
+    """Returns the loss scale of an optimizer state under :func:`dynamic_loss_scaling` (None without)."""
+    return opt_state.scale if isinstance(opt_state, LossScaleState) else None
+
+
 def make_optimizer(config: Config) -> optax.GradientTransformation:
-    """Returns the Optax optimizer the config describes (warmup then cosine decay)."""
+    """Returns the Optax optimizer the config describes (warmup then cosine decay), under
+    :func:`dynamic_loss_scaling` where ``precision.loss_scale`` asks for it (by default with float16)."""
     opt = config.optimizer
     warmup = min(opt.warmup_steps, max(config.train.steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -46,6 +106,8 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
         tx = optax.sgd(schedule)
     if opt.grad_clip:
         tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
+    if config.precision.loss_scaling:
+        tx = dynamic_loss_scaling(tx, initial=INITIAL_LOSS_SCALE)
     return tx
 
 

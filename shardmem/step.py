@@ -6,7 +6,9 @@
 
 The model declares logical axes; the config's rules turn them into NamedShardings for parameters and
 optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Parameters are kept in
-``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used. Only
+``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used; in
+float16 the loss is scaled by the optimizer's dynamic loss scale before differentiating and the
+gradients divided by it again (:func:`scaled_value_and_grad`, :mod:`shardmem.optimizer`). Only
 ``nnx.Param`` variables are differentiated; a model's other variables (batch statistics, RNG streams)
 ride along in ``state["model_state"]``. The batch is any pytree of arrays (:mod:`shardmem.batch`).
 With a ``stage`` mesh axis the reference model runs its layers as pipeline stages, and
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +42,7 @@ from shardmem.models.attention import AttentionKernel, device_class, resolve_att
 from shardmem.models.linen import remat_calls
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig
 from shardmem.models.user import import_object, search_from, takes
-from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
+from shardmem.optimizer import loss_scale, make_optimizer, optimizer_shardings, to_device, to_host
 from shardmem.parallel.mesh import auto_axes
 from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
@@ -309,12 +312,15 @@ def build_program(
         new_rest = keys.unwrap(nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])) if has_rest else {}
         return jnp.asarray(loss, jnp.float32), (metrics, new_rest)
 
-    grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
+    plain_grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
+    scaled_grad_fn = scaled_value_and_grad(loss_of_params)
     micro_shardings = jax.tree.map(lambda s: NamedSharding(mesh, P(None, *s.spec)), batch_sharding)
 
     def train_step(state, batch):
         with rules.activate(mesh):
             params, rest = state["params"], state.get("model_state", {})
+            scale = loss_scale(state["opt_state"])  # None unless precision.loss_scale is on.
+            grad_fn = plain_grad_fn if scale is None else functools.partial(scaled_grad_fn, scale=scale)
             if train.micro_batches == 1 or pipeline:  # A pipeline runs its micro-batches itself.
                 (loss, (metrics, rest)), grads = grad_fn(params, rest, batch)
             else:
@@ -350,6 +356,8 @@ def build_program(
             if has_rest:
                 new_state["model_state"] = rest
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        if scale is not None:
+            metrics = loss_scale_metrics(metrics, scale, new_state["opt_state"])
         return new_state, metrics
 
     step = jax.jit(
@@ -378,6 +386,34 @@ def build_program(
                    pipeline=pipeline,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
+
+
+def scaled_value_and_grad(loss_of_params: Callable) -> Callable:
+    """Returns ``(params, rest, batch, scale) -> ((loss, aux), grads)``: ``jax.value_and_grad`` of
+    ``loss_of_params`` (see :attr:`Program.loss`) differentiated as ``loss x scale``, so that float16
+    gradients too small for its range are scaled into it, with the loss and the gradients divided by
+    ``scale`` again (in the parameters' dtype, float32 master weights: they no longer underflow)."""
+
+    def scaled(params, rest, batch, scale):
+        loss, aux = loss_of_params(params, rest, batch)
+        return loss * scale.astype(loss.dtype), (loss, aux)
+
+    grad = jax.grad(scaled, has_aux=True)
+
+    def value_and_grad(params, rest, batch, scale):
+        grads, (loss, aux) = grad(params, rest, batch, scale)
+        return (loss, aux), jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+
+    return value_and_grad
+
+
+def loss_scale_metrics(metrics: dict, scale: jax.Array, opt_state) -> dict:
+    """The step's metrics under a loss scale: ``loss_scale`` (the scale this step used) and
+    ``skipped_steps`` (the run's steps skipped so far for gradients that overflowed); a skipped step's
+    ``grad_norm`` is 0 rather than inf, which the training loop would take for divergence."""
+    grad_norm = metrics["grad_norm"]
+    return {**metrics, "grad_norm": jnp.where(jnp.isfinite(grad_norm), grad_norm, 0.0),
+            "loss_scale": scale, "skipped_steps": opt_state.skipped_steps}  # fmt: skip
 
 
 def _checked_model(model: Any) -> nnx.Module:

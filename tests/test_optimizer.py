@@ -86,3 +86,50 @@ def test_deviceless_offload_and_bad_dtypes_are_config_errors():
         plan(_config(memory={"offload_optimizer": True, "target": "h100-sxm"}))
     with pytest.raises(ConfigError, match=r"optimizer.mu_dtype='bf16': use float32, bfloat16 or float16"):
         _config({"mu_dtype": "bf16"})
+
+
+def test_dynamic_loss_scaling_skips_overflow_halves_and_grows():
+    import optax
+
+    from shardmem.optimizer import LossScaleState, dynamic_loss_scaling, loss_scale
+
+    tx = dynamic_loss_scaling(optax.sgd(1.0), initial=8.0, growth_interval=2)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    assert loss_scale(state) == 8.0 and loss_scale(optax.sgd(1.0).init(params)) is None
+    updates, state = tx.update({"w": jnp.array([1.0, 2.0])}, state, params)
+    np.testing.assert_array_equal(updates["w"], [-1.0, -2.0])
+    assert (float(state.scale), int(state.good_steps), int(state.skipped_steps)) == (8.0, 1, 0)
+    inner = state.inner
+    updates, state = tx.update({"w": jnp.array([1.0, jnp.inf])}, state, params)  # Overflow: skipped.
+    np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+    assert (float(state.scale), int(state.good_steps), int(state.skipped_steps)) == (4.0, 0, 1)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state.inner, inner))
+    for _ in range(2):  # Two finite steps in a row double it.
+        _, state = tx.update({"w": jnp.ones(2)}, state, params)
+    assert isinstance(state, LossScaleState) and (float(state.scale), int(state.good_steps)) == (8.0, 0)
+    for _ in range(5):  # Never below 1.
+        _, state = tx.update({"w": jnp.full(2, jnp.nan)}, state, params)
+    assert (float(state.scale), int(state.skipped_steps)) == (1.0, 6)
+
+
+def test_float16_scales_the_loss_by_default_and_bad_settings_are_config_errors():
+    assert _config().precision.loss_scaling is False
+    fp16 = config_from_dict({"model": {"preset": "tiny"}, "precision": {"compute": "float16"}})
+    assert fp16.precision.loss_scaling
+    assert not fp16.replace("precision.loss_scale=none").precision.loss_scaling
+    assert _config().replace("precision.loss_scale=dynamic").precision.loss_scaling
+    message = r"precision.loss_scale='dynamc' \(did you mean 'dynamic'\?\): use auto"
+    with pytest.raises(ConfigError, match=message):
+        _config().replace("precision.loss_scale=dynamc")
+
+
+def test_float16_without_a_loss_scale_is_a_plan_warning():
+    from shardmem.planning.memory import _optimizer_warnings
+
+    fp16 = _config().replace("precision.compute=float16")
+    assert _optimizer_warnings(fp16) == []
+    (warning,) = _optimizer_warnings(fp16.replace("precision.loss_scale=none"))
+    assert warning.startswith("precision.compute=float16 with precision.loss_scale=none: ")
+    assert "flushes small gradients to zero" in warning
+    assert warning.endswith("set precision.loss_scale=auto (a dynamic loss scale)")

@@ -484,3 +484,23 @@ def test_resuming_with_another_mu_dtype_says_the_state_is_cast(reference, tmp_pa
     quiet = Console(record=True, width=400)
     train(config, run_dir, console=quiet)  # The same dtypes: nothing to say.
     assert "casts" not in quiet.export_text()
+
+
+@pytest.mark.slow
+def test_float16_run_counts_skipped_overflows_and_resumes_with_its_loss_scale(tmp_path, monkeypatch):
+    from shardmem import optimizer
+
+    monkeypatch.setattr(optimizer, "INITIAL_LOSS_SCALE", 2.0**30)  # Overflows float16 until halved ~12 times.
+    fp16 = ["precision.compute=float16", "train.steps=20", "train.checkpoint_every=20"]
+    config = load_config(TINY, [*FAST, *fp16])
+    first = train(config, tmp_path, console=Console(quiet=True))
+    scales = [r["loss_scale"] for r in first.history]
+    skipped = [r["skipped_steps"] for r in first.history]
+    assert scales[0] == 2.0**30 and scales == sorted(scales, reverse=True) and 1 < scales[-1] <= 2.0**20
+    assert skipped == sorted(skipped) and 10 <= skipped[-1] <= 14
+    assert all(r["grad_norm"] >= 0 for r in first.history)  # 0 on a skipped step, not inf.
+    assert first.history[-1]["loss"] < first.history[0]["loss"]
+    assert "loss scale" in format_record(first.history[-1]) and "skipped)" in format_record(first.history[-1])
+    again = train(config.replace("train.steps=22"), tmp_path, console=Console(quiet=True))
+    assert again.start_step == 20 and again.history[0]["loss_scale"] == scales[-1]
+    assert again.history[0]["skipped_steps"] == skipped[-1]

@@ -9,6 +9,8 @@ attention on CPU. cuDNN kernels cannot be compiled without a GPU ("cuDNN not fou
 plan compiles JAX's Pallas Triton flash kernel in its place: the same O(L) memory (no L x L scores, the
 output and its log-sum-exp kept for the backward), and the report says what it stands for. On TPUs
 (attached or deviceless) ``auto`` is query-chunked attention: the Pallas kernel here is the GPU's Triton one.
+So it is on GPUs before Ampere (T4, V100: compute capability below 8.0), for which neither flash kernel
+builds.
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ DEFAULT_CHUNK = 512
 #: Sequence block of the Pallas flash kernel (``BlockSizes.get_default().block_q``): a shorter sequence
 #: is one block, a longer one must be a multiple of it.
 PALLAS_BLOCK = 128
-#: Where a model is built for: an attached NVIDIA GPU, one compiled deviceless, CPU devices or TPUs.
-DEVICE_CLASSES = ("gpu", "deviceless-gpu", "cpu", "tpu")
+#: Where a model is built for: an attached NVIDIA GPU, one compiled deviceless, a GPU before Ampere
+#: (attached or deviceless), CPU devices or TPUs.
+DEVICE_CLASSES = ("gpu", "deviceless-gpu", "pre-ampere-gpu", "cpu", "tpu")
+#: The first compute capability that cuDNN's and Triton's flash kernels build for (XLA refuses Triton
+#: below it: "Triton support is only enabled for Ampere GPUs").
+FLASH_COMPUTE_CAPABILITY = (8, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +98,15 @@ class AttentionKernel:
 
 
 def device_class(devices) -> str:
-    """Returns ``"gpu"`` (attached NVIDIA GPUs), ``"deviceless-gpu"`` (compile-only), ``"cpu"`` or
-    ``"tpu"`` (attached or compile-only)."""
+    """Returns ``"gpu"`` (attached NVIDIA GPUs), ``"deviceless-gpu"`` (compile-only),
+    ``"pre-ampere-gpu"`` (either, below compute capability 8.0: T4, V100), ``"cpu"`` or ``"tpu"``
+    (attached or compile-only)."""
     device = next(iter(devices))
     if device.platform in ("cpu", "tpu"):
         return device.platform
+    capability = getattr(device, "compute_capability", None)  # "7.5"; absent on ROCm devices.
+    if capability and tuple(int(p) for p in str(capability).split(".")[:2]) < FLASH_COMPUTE_CAPABILITY:
+        return "pre-ampere-gpu"
     try:
         attached = device in jax.devices(device.platform)
     except RuntimeError:  # The platform's backend is not running: compile-only devices.
@@ -120,7 +130,8 @@ def resolve_attention(
                 f"model.attention=cudnn has no context-parallel form (mesh.axes.context={context}); use "
                 "model.attention=auto or pallas (flash attention in blocks merged by log-sum-exp), or chunked"
             )
-        if requested == "auto" and where not in ("cpu", "tpu") and jnp.dtype(dtype).itemsize <= 2:
+        flash = where not in ("cpu", "tpu", "pre-ampere-gpu")
+        if requested == "auto" and flash and jnp.dtype(dtype).itemsize <= 2:
             requested = "pallas"
         kernel = resolve_attention(requested, chunk=chunk, where=where, dtype=dtype)
         return dataclasses.replace(kernel, context=context)
@@ -132,6 +143,12 @@ def resolve_attention(
         )
     if requested == "auto" and wide:
         return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
+    if where == "pre-ampere-gpu" and requested in ("cudnn", "pallas"):
+        raise ConfigError(
+            f"model.attention={requested}: its flash kernel needs an NVIDIA GPU of compute capability 8.0 "
+            "(Ampere) or newer, and this one is older (T4, V100); use model.attention=auto or chunked "
+            "(query blocks, no L x L scores)"
+        )
     if requested in ("auto", "cudnn"):
         if where == "gpu":
             return AttentionKernel("cudnn")

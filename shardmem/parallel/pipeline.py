@@ -364,7 +364,8 @@ class Pipeline:
         # replicated buffer would need a broadcast from the last stage every tick.
         buffer_SxMxBxLxD = constrain(jnp.broadcast_to(micro_MxBxLxD, (s, *micro_MxBxLxD.shape)),
                                      ("layers", None, "batch", "residual_seq", None))  # fmt: skip
-        state_SxBxLxD = constrain(jnp.zeros_like(buffer_SxMxBxLxD[:, 0]), ("layers", "batch", "residual_seq", None))
+        state_SxBxLxD = constrain(jnp.zeros_like(buffer_SxMxBxLxD[:, 0]),
+                                  ("layers", "batch", "residual_seq", None))  # fmt: skip
         at_stage0 = (stage_ids_S == 0).reshape(s, *(1,) * (state_SxBxLxD.ndim - 1))
 
         def tick(carry, t):
@@ -375,7 +376,8 @@ class Pipeline:
             repeat_S = jnp.clip((t - stage_ids_S) // m, 0, r - 1)
             out_SxBxLxD = run_stages(stages.weights_S, inputs_SxBxLxD, repeat_S, stages.valid_SxK)
             # Stage s's output moves to stage s + 1, the last stage's to stage 0: a collective-permute.
-            shifted_SxBxLxD = constrain(jnp.roll(out_SxBxLxD, 1, axis=0), ("layers", "batch", "residual_seq", None))
+            shifted_SxBxLxD = constrain(jnp.roll(out_SxBxLxD, 1, axis=0),
+                                        ("layers", "batch", "residual_seq", None))  # fmt: skip
             slot = (t - (s - 1)) % m  # The micro-batch the last stage just finished (from tick S - 1 on).
             old_SxBxLxD = jax.lax.dynamic_index_in_dim(buffer_SxMxBxLxD, slot, 1, keepdims=False)
             written = jnp.where(t >= s - 1, shifted_SxBxLxD, old_SxBxLxD)

@@ -145,7 +145,20 @@ class Hardware:
         return links
 
     def peak(self, dtype: str) -> float:
-        return self.peak_flops.get(_DTYPE_CLASS.get(dtype, "bf16"), self.peak_flops["bf16"])
+        """The dense matmul rate for operands of ``dtype`` (an HLO type such as ``bf16``). A dtype the GPU
+        has no tensor cores for runs as XLA lowers it: fp8 and int8 as the 16-bit type, bf16 before
+        Ampere (T4, V100) in float32."""
+        rates = self.peak_flops
+        kind = _DTYPE_CLASS.get(dtype, "bf16")
+        if kind in rates:
+            return rates[kind]
+        if kind == "f8":
+            return rates.get("bf16", rates.get("f16", rates["f32"]))
+        return rates["f32"]
+
+    def mfu_peak(self) -> float:
+        """The 16-bit peak MFU is quoted against: bf16, or fp16 where the GPU has no bf16."""
+        return self.peak_flops.get("bf16") or self.peak_flops["f16"]
 
     def link(self, kind: str) -> float:
         return {"nvlink": self.nvlink_bandwidth, "network": self.network_bandwidth,
@@ -236,7 +249,7 @@ class StepTime:
     model_flops: float | None = None  # All devices, without recomputation or the bubble's idle work.
     hardware_flops: float | None = None  # All devices, recomputation included.
     devices: int = 1
-    peak_flops: float | None = None  # bf16 dense peak per device, for MFU and HFU.
+    peak_flops: float | None = None  # 16-bit dense peak per device (bf16; fp16 without it), for MFU and HFU.
     uncertainty: float | None = None  # Relative error the calibration measured (median), see BENCHMARKS.
     # Collectives whose replica groups were written in a form the model cannot read (costed as one group
     # of every device, the worst case); a plan warns when there are any.
@@ -870,6 +883,6 @@ def estimate_step_time(
         kernel_flops=totals.flops,
         collectives=collectives, loops=tuple(loops), hardware=hardware.name,
         tokens_per_step=tokens_per_step, model_flops=model_flops, hardware_flops=hardware_flops,
-        devices=len(hosts_of), peak_flops=hardware.peak("bf16"), unread_groups=tuple(replay.unread),
+        devices=len(hosts_of), peak_flops=hardware.mfu_peak(), unread_groups=tuple(replay.unread),
         links=hardware.describe_links(len(set(hosts_of))),
     )  # fmt: skip

@@ -34,6 +34,7 @@ from shardmem.planning.targets import (
     Target,
     ensure_cpu_devices,
     link_domains,
+    precision_notes,
     resolve_target,
     tpu_notes,
     tpu_slice,
@@ -245,6 +246,7 @@ def plan_program(
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
     warnings += _optimizer_warnings(config) + _slow_compile_warnings(report)
     warnings += tpu_notes(target, config.memory, report.per_device["peak"])
+    warnings += precision_notes(target, config.precision.compute)
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
@@ -327,11 +329,16 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
 
 
 def _optimizer_warnings(config: Config) -> list[str]:
-    """A setting the chosen optimizer has no use for: sgd keeps no first moment for mu_dtype to narrow."""
-    opt = config.optimizer
+    """A setting the chosen optimizer has no use for: sgd keeps no first moment for mu_dtype to narrow;
+    float16 compute without a loss scale, whose small gradients underflow to zero."""
+    opt, precision = config.optimizer, config.precision
     if opt.name == "sgd" and opt.mu_dtype:
         return [f"optimizer.mu_dtype={opt.mu_dtype} does nothing with optimizer.name=sgd (no first moment "
                 "is kept); remove it, or use adam/adamw"]  # fmt: skip
+    if precision.compute == "float16" and not precision.loss_scaling:
+        return [f"precision.compute=float16 with precision.loss_scale={precision.loss_scale}: float16 holds "
+                "nothing below 6e-8, so the backward pass flushes small gradients to zero; set "
+                "precision.loss_scale=auto (a dynamic loss scale)"]  # fmt: skip
     return []
 
 
@@ -475,10 +482,15 @@ def _compile_and_analyze(
     shared = None if kernel_cache.OPTION in options else kernel_cache.cache_file(target)
     # Kernels it generates now are generated cheaply (codegen.py): XLA's options, not the user's to report.
     internal = codegen.deviceless_options(target, options)
+    # JAX 0.12's Pallas Triton kernels read the compute capability off JAX's default device when they do
+    # not know a GPU by name (an RTX 3090, A10G, L40S: "No supported GPU devices found"), so a deviceless
+    # GPU plan lowers with one of its own devices as the default.
+    gpu = target.deviceless and target.platform != "tpu"
     with (
         _persistent_cache_off(),
         tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump,
         kernel_cache.private_copy(shared) as cache,
+        jax.default_device(target.devices[0]) if gpu else contextlib.nullcontext(),
     ):
         retried = None
         try:

@@ -31,12 +31,16 @@ class GpuSpec:
 
     Device facts are from XLA's GPU spec files and vendor datasheets (``shared/reference/gpu-targets.md``).
     ``peak_flops`` is the dense tensor-core rate per operand dtype ("f32" is TF32, which XLA uses for
-    float32 matmuls at default precision). Link rates are per direction, from the vendors' system
+    float32 matmuls at default precision, or the plain FP32 rate on GPUs without TF32), with FP32
+    accumulation as XLA's matmuls accumulate; a dtype a GPU has no tensor cores for is absent (no "bf16"
+    before Ampere: T4 and V100). Link rates are per direction, from the vendors' system
     datasheets: ``nvlink_bandwidth`` from one GPU to the other GPUs of its node, ``network_bandwidth``
     of one NIC to other nodes (the server has ``nics_per_node`` of them for its ``gpus_per_node`` GPUs),
     ``host_bandwidth`` to host memory (PCIe). ``nvls``: the server's NVSwitch reduces (NVLink SHARP);
     ``sharp``: its InfiniBand switches do (SHARP; off by default: it takes NCCL's CollNet plugin). A
     cluster's real figures override these (``interconnect`` in the config).
+    ``threads_per_sm`` is the compute capability's resident-thread limit (1024 on 7.5, 1536 on 8.6 and
+    8.9, 2048 on the others).
     """
 
     description: str
@@ -57,11 +61,18 @@ class GpuSpec:
     nics_per_node: int = 8  # Its NICs to other nodes, of network_bandwidth each (DGX/HGX: one per GPU).
     nvls: bool = False  # NVSwitch with NVLink SHARP (third-generation NVSwitch: H100, H200, B200).
     sharp: bool = False  # InfiniBand SHARP in-network reductions (NCCL CollNet plugin).
+    threads_per_sm: int = 2048
+
+    @property
+    def has_bf16(self) -> bool:
+        """Whether the GPU has bf16 tensor cores (compute capability 8.0 on); before that, XLA computes
+        a bf16 matmul in float32."""
+        return "bf16" in self.peak_flops
 
     @property
     def peak_bf16_flops(self) -> float:
-        """The dense bf16 peak, the rate MFU is quoted against."""
-        return self.peak_flops["bf16"]
+        """The dense 16-bit peak MFU is quoted against: bf16, or fp16 on GPUs without bf16 (T4, V100)."""
+        return self.peak_flops["bf16"] if self.has_bf16 else self.peak_flops["f16"]
 
     def target_config(self) -> str:
         """Returns the ``GpuTargetConfigProto`` text XLA's deviceless compiler takes."""
@@ -72,13 +83,13 @@ gpu_device_info {{
   threads_per_warp: 32
   shared_memory_per_block: 49152
   shared_memory_per_core: {self.shared_memory_per_sm}
-  threads_per_core_limit: 2048
+  threads_per_core_limit: {self.threads_per_sm}
   core_count: {self.sm_count}
   fpus_per_core: {self.fpus_per_sm}
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: {self.memory_bandwidth}
+  memory_bandwidth: {int(self.memory_bandwidth)}
   l2_cache_size: {self.l2_cache_bytes}
   clock_rate_ghz: {self.clock_ghz}
   device_memory_size: {self.memory_bytes}
@@ -94,12 +105,29 @@ device_description_str: "{self.description}"
 
 
 GB = 1e9  # Link and memory rates are decimal: 900 GB/s is 900e9 bytes per second.
+GiB = 1 << 30  # Memory sizes are binary: a "24 GB" card holds 24 GiB of memory chips.
 
-# Dense tensor-core peaks (NVIDIA H100, H200, A100 and B200 datasheets; sparsity figures halved).
+# Dense tensor-core peaks with FP32 accumulation (NVIDIA datasheets and architecture whitepapers;
+# sparsity figures halved). H100 SXM/H200, H100 PCIe, H100 NVL: the H100 and H200 datasheets. A100 and
+# B200: theirs. Ada: the L4 and L40S datasheets; the RTX 4090 from the Ada architecture whitepaper
+# (appendix, "with FP32 Accumulate": GeForce cards run it at half the FP16-accumulate rate). Ampere
+# GA102: the RTX A6000 datasheet; the RTX 3090 from the GA102 whitepaper (FP32 accumulate, half rate);
+# the A10G has no NVIDIA datasheet (an AWS part: 80 SMs at 1.71 GHz with GeForce-rate tensor cores, 512
+# FLOP per SM per clock, 70 TFLOP/s as cloud providers quote it). Turing and Volta (T4, V100 SXM2
+# datasheets) have fp16 tensor cores only: "f32" is the plain FP32 rate, and XLA runs bf16 matmuls in f32.
 _HOPPER = {"bf16": 989.4e12, "f16": 989.4e12, "f32": 494.7e12, "f8": 1978.9e12}
 _HOPPER_PCIE = {"bf16": 756e12, "f16": 756e12, "f32": 378e12, "f8": 1513e12}
+_HOPPER_NVL = {"bf16": 835.5e12, "f16": 835.5e12, "f32": 417.5e12, "f8": 1670.5e12}
 _AMPERE = {"bf16": 312e12, "f16": 312e12, "f32": 156e12}  # No FP8 units: f8 runs as bf16.
 _BLACKWELL = {"bf16": 2250e12, "f16": 2250e12, "f32": 1100e12, "f8": 4500e12}
+_RTX_4090 = {"bf16": 165.2e12, "f16": 165.2e12, "f32": 82.6e12, "f8": 330.3e12}
+_L4 = {"bf16": 121e12, "f16": 121e12, "f32": 60e12, "f8": 242.5e12}
+_L40S = {"bf16": 362.05e12, "f16": 362.05e12, "f32": 183e12, "f8": 733e12}
+_RTX_3090 = {"bf16": 71e12, "f16": 71e12, "f32": 35.6e12}
+_A10G = {"bf16": 70e12, "f16": 70e12, "f32": 35e12}
+_RTX_A6000 = {"bf16": 154.8e12, "f16": 154.8e12, "f32": 77.4e12}
+_T4 = {"f16": 65e12, "f32": 8.1e12}
+_V100 = {"f16": 125e12, "f32": 15.7e12}
 
 # Links each way. DGX/HGX H100 and H200: 8 GPUs, NVLink 4 at 900 GB/s both ways through third-generation
 # NVSwitch (NVLink SHARP), eight 400 Gb/s NDR ConnectX-7 NICs per node (50 GB/s each), PCIe Gen5 x16
@@ -107,12 +135,28 @@ _BLACKWELL = {"bf16": 2250e12, "f16": 2250e12, "f32": 1100e12, "f8": 4500e12}
 # PCIe Gen4 x16 (32 GB/s). HGX B200: NVLink 5 at 1.8 TB/s, NVLS, eight 400 Gb/s NICs. An H100 PCIe card
 # reaches the other GPUs of its server over PCIe Gen5 (its NVLink bridge pairs two cards only). (NVIDIA
 # DGX H100/A100 and HGX B200 datasheets; shared/reference/step-time-and-tpu.md.)
+# The RTX 3090 and RTX A6000 reach the other cards of their server over PCIe Gen4 (their NVLink bridges pair
+# two cards), and so do the 4090, L4, L40S and A10G, which have no NVLink. DGX-1 V100: NVLink 2 at 300 GB/s
+# both ways, four 100 Gb/s EDR NICs for eight GPUs, PCIe Gen3 x16 (16 GB/s), as the T4's. Servers of PCIe
+# cards publish no NIC per GPU: one 100 Gb/s NIC per eight cards is assumed, as AWS's largest G4dn, G5 and
+# G6 instances (8 x T4, A10G, L4) have; G6e (8 x L40S) has 400 Gb/s.
+_NIC_100G = 100e9 / 8
+_NIC_400G = 400e9 / 8
+
+# Device facts: compute capability, SMs, FP32 units per SM, boost clock, memory, bandwidth, L2, shared
+# memory per SM and per block. Where XLA ships a spec file (xla/backends/gpu/target_config/specs: H100,
+# H200, A100, B200, RTX A6000, V100 16 GB) its figures are taken, memory as the driver reports it (about
+# 1% under the chips' size); the other rows are datasheet figures, memory as the size of the chips, and
+# shared memory and threads the compute capability's limits (CUDA programming guide, "Compute
+# Capabilities").
 GPU_TARGETS: dict[str, GpuSpec] = {
     "h100-sxm": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84942979072,
                         3352320000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB,
                         nvls=True),
     "h100-pcie": GpuSpec("NVIDIA H100 PCIe", (9, 0), 114, 128, 1.755, 84942979072,
                          2039040000000, 52428800, 233472, 232448, _HOPPER_PCIE, 64 * GB, 50 * GB, 64 * GB),
+    "h100-nvl": GpuSpec("NVIDIA H100 NVL", (9, 0), 132, 128, 1.785, 94 * GiB,
+                        3900 * GB, 52428800, 233472, 232448, _HOPPER_NVL, 64 * GB, 50 * GB, 64 * GB),
     "h200": GpuSpec("NVIDIA H200 141GB HBM3e", (9, 0), 132, 128, 1.98, 151397597184,
                     4800000000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB, nvls=True),
     "a100-40g": GpuSpec("NVIDIA A100-SXM4-40GB", (8, 0), 108, 64, 1.41, 42331013120,
@@ -122,6 +166,27 @@ GPU_TARGETS: dict[str, GpuSpec] = {
     "b200": GpuSpec("NVIDIA B200", (10, 0), 148, 128, 1.965, 191514411008,
                     7672320000000, 132644864, 233472, 232448, _BLACKWELL, 900 * GB, 50 * GB, 64 * GB,
                     nvls=True),
+    "l40s": GpuSpec("NVIDIA L40S", (8, 9), 142, 128, 2.52, 48 * GiB, 864 * GB, 96 << 20, 102400,
+                    101376, _L40S, 32 * GB, _NIC_400G, 32 * GB, nics_per_node=1, threads_per_sm=1536),
+    "l4": GpuSpec("NVIDIA L4", (8, 9), 58, 128, 2.04, 24 * GiB, 300 * GB, 48 << 20, 102400, 101376,
+                  _L4, 32 * GB, _NIC_100G, 32 * GB, nics_per_node=1, threads_per_sm=1536),
+    "rtx-4090": GpuSpec("NVIDIA GeForce RTX 4090", (8, 9), 128, 128, 2.52, 24 * GiB, 1008 * GB, 72 << 20,
+                        102400, 101376, _RTX_4090, 32 * GB, _NIC_100G, 32 * GB,
+                        nics_per_node=1, threads_per_sm=1536),
+    "rtx-a6000": GpuSpec("NVIDIA RTX A6000", (8, 6), 84, 128, 1.8, 51041271808, 768096000000, 6 << 20,
+                         102400, 101376, _RTX_A6000, 32 * GB, _NIC_100G, 32 * GB,
+                         nics_per_node=1, threads_per_sm=1536),
+    "rtx-3090": GpuSpec("NVIDIA GeForce RTX 3090", (8, 6), 82, 128, 1.695, 24 * GiB, 936 * GB, 6 << 20,
+                        102400, 101376, _RTX_3090, 32 * GB, _NIC_100G, 32 * GB,
+                        nics_per_node=1, threads_per_sm=1536),
+    "a10g": GpuSpec("NVIDIA A10G", (8, 6), 80, 128, 1.71, 24 * GiB, 600 * GB, 6 << 20, 102400, 101376,
+                    _A10G, 32 * GB, _NIC_100G, 32 * GB, nics_per_node=1, threads_per_sm=1536),
+    "v100-16g": GpuSpec("Tesla V100-SXM2-16GB", (7, 0), 80, 64, 1.53, 16935682048, 898048000000,
+                        6 << 20, 98304, 98304, _V100, 150 * GB, _NIC_100G, 16 * GB, nics_per_node=4),
+    "v100-32g": GpuSpec("Tesla V100-SXM2-32GB", (7, 0), 80, 64, 1.53, 32 * GiB, 898048000000,
+                        6 << 20, 98304, 98304, _V100, 150 * GB, _NIC_100G, 16 * GB, nics_per_node=4),
+    "t4": GpuSpec("Tesla T4", (7, 5), 40, 64, 1.59, 16 * GiB, 320 * GB, 4 << 20, 65536, 65536, _T4,
+                  16 * GB, _NIC_100G, 16 * GB, nics_per_node=1, threads_per_sm=1024),
 }  # fmt: skip
 
 
@@ -164,7 +229,6 @@ class TpuSpec:
         return self.dcn_bandwidth
 
 
-GiB = 1 << 30
 # Standard slice shapes (Cloud TPU docs, "Supported configurations"): 3D tori for v4/v5p, 2D for v5e/v6e.
 _SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
               256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16),
@@ -291,7 +355,11 @@ def target_for_device_kind(device_kind: str) -> str | None:
             return name
     if "a100" in kind:
         return "a100-40g" if "40gb" in kind else "a100-80g"
-    markers = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("b200", "b200"))
+    if "v100" in kind:  # The PCIe V100s clock lower; the SXM2 row is the nearest there is.
+        return "v100-32g" if "32gb" in kind else "v100-16g"
+    markers = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100 nvl", "h100-nvl"), ("h100", "h100-sxm"),
+               ("b200", "b200"), ("rtx 4090", "rtx-4090"), ("rtx 3090", "rtx-3090"), ("a6000", "rtx-a6000"),
+               ("l40s", "l40s"), ("a10g", "a10g"), ("tesla t4", "t4"))  # fmt: skip
     for marker, name in markers:
         if marker in kind:
             return name
@@ -437,6 +505,21 @@ def resolve_target(name: str, *, n_devices: int | None = None, hosts: int = 1) -
     raise ConfigError(
         f"target {name!r} is not known{did_you_mean(name, TARGET_NAMES)}; use {one_of(TARGET_NAMES)}"
     )
+
+
+def precision_notes(target: Target, compute: str) -> list[str]:
+    """What a plan for a GPU without bf16 (T4, V100) says of ``precision.compute=bfloat16`` (``compute``);
+    empty for every other target and dtype."""
+    spec = target.spec
+    if compute != "bfloat16" or not isinstance(spec, GpuSpec) or spec.has_bf16:
+        return []
+    major, minor = spec.compute_capability
+    f32, f16 = spec.peak_flops["f32"] / 1e12, spec.peak_flops["f16"] / 1e12
+    return [
+        f"precision.compute=bfloat16, but the {spec.description} (compute capability {major}.{minor}) has "
+        f"no bf16 tensor cores: XLA computes its bf16 matmuls in float32, at {f32:g} TFLOP/s instead of "
+        f"fp16's {f16:g}; set precision.compute=float16 (with a dynamic loss scale: precision.loss_scale)"
+    ]
 
 
 def tpu_notes(target: Target, memory, peak_bytes: int = 0) -> list[str]:

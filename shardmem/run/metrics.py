@@ -101,10 +101,14 @@ class MetricsLog:
 
 
 def format_record(record: dict[str, Any]) -> str:
-    """Returns one human line for a metrics record: step, loss, throughput, MFU, memory."""
+    """Returns one human line for a metrics record: step, loss, gradient norm, loss scale (and the steps
+    skipped for overflow), throughput, MFU, memory."""
     parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
     if record.get("grad_norm") is not None:
         parts.append(f"grad norm {record['grad_norm']:.3g}")
+    if record.get("loss_scale") is not None:  # float16 with dynamic loss scaling.
+        skipped = int(record.get("skipped_steps", 0))
+        parts.append(f"loss scale {record['loss_scale']:g}" + (f" ({skipped} skipped)" if skipped else ""))
     if record.get("tokens_per_s") is not None:
         parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     if record.get("step_time_s") is not None:

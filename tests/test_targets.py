@@ -1,0 +1,67 @@
+"""GPU targets: the cards people own plan a shipped config deviceless for their compute capability."""
+
+import pytest
+
+import shardmem
+from shardmem.errors import ConfigError
+from shardmem.models.attention import resolve_attention
+from shardmem.planning import cost
+from shardmem.planning.targets import GPU_TARGETS, target_for_device_kind
+
+# One card per compute capability is a fast test; the others differ from it only in their figures.
+NEW_TARGETS = [
+    "t4", "v100-16g", "rtx-3090", "rtx-4090", "h100-nvl",
+    *(pytest.param(name, marks=pytest.mark.slow) for name in ("v100-32g", "a10g", "rtx-a6000", "l4", "l40s")),
+]  # fmt: skip
+ONE_CARD = ["mesh.axes={data: 1, fsdp: 1, tensor: 1}"]
+
+
+@pytest.fixture(scope="module")
+def tiny_fp16():
+    return shardmem.load_config("configs/tiny.yaml", overrides=[*ONE_CARD, "precision.compute=float16"])
+
+
+@pytest.mark.parametrize("name", NEW_TARGETS)
+def test_each_card_plans_the_tiny_model_deviceless(name, tiny_fp16):
+    spec = GPU_TARGETS[name]
+    report = shardmem.plan(tiny_fp16, target=name, count_remat_overhead=False)
+    assert report.fits and report.devices == 1 and report.device_memory_bytes == spec.memory_bytes
+    assert spec.description in report.target_label and report.step_time is not None
+    # Neither flash kernel builds before Ampere (compute capability 8.0): auto is chunked there.
+    flash = spec.compute_capability >= (8, 0)
+    assert report.attention.startswith("pallas" if flash else "chunked")
+    assert report.step_time.peak_flops == spec.peak_flops["bf16" if spec.has_bf16 else "f16"]
+    assert not [w for w in report.warnings if "precision.compute" in w]
+
+
+def test_bf16_on_a_card_without_it_says_to_use_float16():
+    config = shardmem.load_config("configs/tiny.yaml", overrides=[*ONE_CARD, "precision.compute=bfloat16"])
+    report = shardmem.plan(config, target="t4", count_remat_overhead=False)
+    (note,) = [w for w in report.warnings if "precision.compute" in w]
+    assert "precision.compute=bfloat16" in note and "Tesla T4" in note and "no bf16" in note
+    assert "set precision.compute=float16" in note
+
+
+def test_cards_without_bf16_time_bf16_matmuls_at_the_float32_rate():
+    t4 = cost.Hardware("t4", GPU_TARGETS["t4"].peak_flops, 320e9, 16e9, 1.5e9, 16e9)
+    assert t4.peak("bf16") == 8.1e12 and t4.peak("f16") == 65e12 and t4.peak("s8") == 65e12
+    assert t4.mfu_peak() == 65e12 and GPU_TARGETS["t4"].peak_bf16_flops == 65e12
+    ampere = cost.Hardware("a10g", GPU_TARGETS["a10g"].peak_flops, 600e9, 32e9, 1.5e9, 32e9)
+    assert ampere.peak("f8") == ampere.peak("bf16") == 70e12  # No FP8 units: as bf16.
+
+
+def test_attached_cards_are_recognised_by_their_device_kind():
+    kinds = {"NVIDIA GeForce RTX 4090": "rtx-4090", "NVIDIA GeForce RTX 3090": "rtx-3090", "NVIDIA L4": "l4",
+             "NVIDIA L40S": "l40s", "NVIDIA A10G": "a10g", "NVIDIA RTX A6000": "rtx-a6000", "Tesla T4": "t4",
+             "Tesla V100-SXM2-16GB": "v100-16g", "Tesla V100-SXM2-32GB": "v100-32g",
+             "Tesla V100-PCIE-32GB": "v100-32g", "NVIDIA H100 NVL": "h100-nvl",
+             "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 80GB HBM3": "h100-sxm",
+             "NVIDIA L40": None}  # fmt: skip
+    assert {kind: target_for_device_kind(kind) for kind in kinds} == kinds
+
+
+def test_flash_kernels_are_refused_before_ampere():
+    assert resolve_attention("auto", chunk=None, where="pre-ampere-gpu", dtype="float16").name == "chunked"
+    for kernel in ("cudnn", "pallas"):
+        with pytest.raises(ConfigError, match=f"model.attention={kernel}: .*compute capability 8.0"):
+            resolve_attention(kernel, chunk=None, where="pre-ampere-gpu", dtype="float16")
