@@ -193,7 +193,8 @@ CPU_TRIALS = tuple(
                                                      "model.loss_chunk=16")),
     # Today's program at tiny size: offload, the loss in vocabulary chunks, the first moment in bf16.
     Trial("tiny-today-offload", "configs/tiny.yaml",
-          (*ONE_DEVICE, "remat.policy=offload", "train.global_batch=8", *TINY_TODAY)),
+          (*ONE_DEVICE, "remat.policy=offload", "train.global_batch=8", "precision.compute=bfloat16",
+           *TINY_TODAY)),
 )  # fmt: skip
 
 
@@ -310,6 +311,28 @@ def plan_trial(trial: Trial, target: str, env: dict[str, str], timeout: float, n
     except json.JSONDecodeError:
         return {**result, "status": "error", "message": f"no JSON report: {out.strip()[-1500:]}"}
     return {**result, **plan_figures(report)}
+
+
+def plan_twin(trial: Trial, target: str, env: dict[str, str], timeout: float) -> dict:
+    """Plans ``trial`` deviceless for ``target`` at the lowest CPU priority. Should that compile fail
+    where a CUDA toolkit is installed (a GPU machine's image whose XLA will not take shardmem's stand-in
+    ptxas, planning/codegen.py), plans again with the toolkit named in ``memory.compiler_options``,
+    which generates real kernels: the same figures, only slower."""
+    plan = plan_trial(trial, target, env, timeout, niceness=19)
+    toolkit = cuda_toolkit()
+    if plan["status"] == "ok" or toolkit is None:
+        return plan
+    named = f"memory.compiler_options={{xla_gpu_cuda_data_dir: '{toolkit}'}}"
+    again = plan_trial(trial, target, env, timeout, niceness=19, extra=(named,))
+    return {**again, "first_attempt": plan["message"][-500:], "cuda_dir": toolkit}
+
+
+def cuda_toolkit() -> str | None:
+    """The machine's CUDA toolkit folder (``$CUDA_HOME``, else /usr/local/cuda) if it holds a ptxas."""
+    for folder in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if folder and (Path(folder) / "bin" / "ptxas").is_file():
+            return folder
+    return None
 
 
 def plan_figures(report: dict) -> dict:
@@ -855,7 +878,7 @@ def driver(args) -> int:
         concurrent.futures.ThreadPoolExecutor(args.jobs) as twin_pool,
         concurrent.futures.ThreadPoolExecutor(args.local_jobs) as local_pool,
     ):
-        twins = {t.name: twin_pool.submit(plan_trial, t, twin, twin_env, args.plan_timeout, niceness=19)
+        twins = {t.name: twin_pool.submit(plan_twin, t, twin, twin_env, args.plan_timeout)
                  for t in trials}  # fmt: skip
         if args.autotune_off:
             # The GPU's compile without autotuning, in processes of its own, before anything else uses it.

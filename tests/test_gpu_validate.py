@@ -360,3 +360,21 @@ def test_step_time_reads_the_measured_steps_of_a_gpu_round(tmp_path):
             {"trial": "1b-none", "measured": {"status": "skipped"}}]  # fmt: skip
     (tmp_path / "gpu_validate.json").write_text(json.dumps({"rows": rows}))
     assert step_time.measured_from(tmp_path / "gpu_validate.json") == {"7bw-today-none": 712.5}
+
+
+def test_a_failed_twin_plan_is_made_again_with_the_machines_cuda_toolkit(monkeypatch):
+    calls = []
+
+    def plan_trial(trial, target, env, timeout, niceness=0, extra=()):
+        calls.append(extra)
+        return _plan(10, True) if extra else {"status": "error", "message": "exit 1: ptxas said no"}
+
+    monkeypatch.setattr(gv, "plan_trial", plan_trial)
+    monkeypatch.setattr(gv, "cuda_toolkit", lambda: "/usr/local/cuda")
+    plan = gv.plan_twin(gv.Trial("a", "configs/tiny.yaml", ()), "h200", {}, 10)
+    assert (
+        plan["status"] == "ok" and plan["cuda_dir"] == "/usr/local/cuda" and "ptxas" in plan["first_attempt"]
+    )
+    assert calls == [(), ("memory.compiler_options={xla_gpu_cuda_data_dir: '/usr/local/cuda'}",)]
+    monkeypatch.setattr(gv, "cuda_toolkit", lambda: None)
+    assert gv.plan_twin(gv.Trial("a", "configs/tiny.yaml", ()), "h200", {}, 10)["status"] == "error"
