@@ -3,10 +3,11 @@
 # tool, from the repo root.
 #
 #   device run, timeout_s=600, command:  bash bench/run_gpu_validate.sh
+#   PYTHON=.venv/bin/python bash bench/run_gpu_validate.sh --cpu     # the dry run, on a machine without one
 #
 # What it needs on the GPU machine:
-# - python3 with a CUDA-enabled jax/jaxlib, flax (NNX, with nnx.use_eager_sharding), optax, orbax, numpy,
-#   PyYAML and rich. The project's default assumption is an install from the registry:
+# - python3 (or $PYTHON) with a CUDA-enabled jax/jaxlib, flax (NNX, with nnx.use_eager_sharding), optax,
+#   orbax, numpy, PyYAML and rich. The project's default assumption is an install from the registry:
 #       python3 -m pip install -q -e '.[cuda12]'
 #   This script runs that only when those imports fail: the workplace's H200 image already holds jax,
 #   flax and optax and cannot reach a registry, so there it would fail. shardmem itself is used from the
@@ -28,19 +29,22 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-bench/out}"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_validate.log"
+PYTHON="${PYTHON:-python3}"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! python3 -c "import jax, flax, optax, orbax.checkpoint, yaml, rich; from flax import nnx; nnx.use_eager_sharding" \
+if ! "$PYTHON" -c "import jax, flax, optax, orbax.checkpoint, yaml, rich; from flax import nnx; nnx.use_eager_sharding" \
   2>>"$LOG"; then
-  echo "imports failed; installing: python3 -m pip install -q -e '.[cuda12]'" | tee -a "$LOG"
-  python3 -m pip install -q -e '.[cuda12]' 2>&1 | tee -a "$LOG"
+  echo "imports failed; installing: $PYTHON -m pip install -q -e '.[cuda12]'" | tee -a "$LOG"
+  "$PYTHON" -m pip install -q -e '.[cuda12]' 2>&1 | tee -a "$LOG"
 fi
 {
-  python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
-  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+  "$PYTHON" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+  fi
 } 2>&1 | tee -a "$LOG"
 
-python3 bench/gpu_validate.py --out "$OUT" "$@" 2>&1 | tee -a "$LOG"
+"$PYTHON" bench/gpu_validate.py --out "$OUT" "$@" 2>&1 | tee -a "$LOG"
