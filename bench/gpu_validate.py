@@ -228,8 +228,8 @@ GRAD_CHECKS = (
     GradCheck("grads-offload-fp32", "configs/llama-1b.yaml",
               (*_GRAD_1B, "precision.compute=float32", "model.attention=auto", "model.loss_chunk=auto"),
               tolerance=1e-4, matmul_precision="highest"),
-    # Today's program (bf16 compute, cuDNN flash attention, chunked loss): bf16 round-off in recomputation.
-    # A bf16 program recomputes with bf16 round-off: full remat's distance from none's gradients is the floor.
+    # Today's program (bf16 compute, cuDNN flash attention, chunked loss) recomputes with bf16 round-off:
+    # full remat's distance from none's gradients is that floor (it recomputes everything, offloads nothing).
     GradCheck("grads-offload-today", "configs/llama-1b.yaml", (*_GRAD_1B, *TODAY), tolerance=1e-2,
               floor_policy="full"),
 )  # fmt: skip
