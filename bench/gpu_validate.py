@@ -320,7 +320,7 @@ def plan_twin(trial: Trial, target: str, env: dict[str, str], timeout: float) ->
     which generates real kernels: the same figures, only slower."""
     plan = plan_trial(trial, target, env, timeout, niceness=19)
     toolkit = cuda_toolkit()
-    if plan["status"] == "ok" or toolkit is None:
+    if plan["status"] == "ok" or plan["exit_code"] is None or toolkit is None:  # None: it timed out.
         return plan
     named = f"memory.compiler_options={{xla_gpu_cuda_data_dir: '{toolkit}'}}"
     again = plan_trial(trial, target, env, timeout, niceness=19, extra=(named,))
@@ -1196,8 +1196,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="deviceless plans run in parallel")  # fmt: skip
     parser.add_argument("--local-jobs", type=int, default=2,
                         help="--autotune-off plans (compiled on the GPU) run in parallel")  # fmt: skip
-    parser.add_argument("--plan-timeout", type=float, default=240, help="seconds per plan")
-    parser.add_argument("--child-timeout", type=float, default=150, help="seconds per child run")
+    parser.add_argument("--plan-timeout", type=float, help="seconds per plan (default 240; 900 with --cpu)")
+    parser.add_argument("--child-timeout", type=float,
+                        help="seconds per child run (default 150; 900 with --cpu)")  # fmt: skip
     parser.add_argument("--deadline", type=float,
                         help="no child runs past this many seconds (results so far are kept; default 480, "
                              "within the device tool's 10-minute command; 3600 with --cpu)")  # fmt: skip
@@ -1211,8 +1212,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--set", dest="overrides", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.deadline is None:
-        args.deadline = 3600.0 if args.cpu else 480.0
+    # A GPU round must fit the device tool's 10-minute command; a dry run shares two cores with others.
+    for name, on_gpu, on_cpu in (("deadline", 480.0, 3600.0), ("plan_timeout", 240.0, 900.0),
+                                 ("child_timeout", 150.0, 900.0)):  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, on_cpu if args.cpu else on_gpu)
     if args.probe:
         return probe_main()
     if args.child:

@@ -367,7 +367,11 @@ def test_a_failed_twin_plan_is_made_again_with_the_machines_cuda_toolkit(monkeyp
 
     def plan_trial(trial, target, env, timeout, niceness=0, extra=()):
         calls.append(extra)
-        return _plan(10, True) if extra else {"status": "error", "message": "exit 1: ptxas said no"}
+        return (
+            _plan(10, True)
+            if extra
+            else {"status": "error", "exit_code": 1, "message": "exit 1: ptxas said no"}
+        )
 
     monkeypatch.setattr(gv, "plan_trial", plan_trial)
     monkeypatch.setattr(gv, "cuda_toolkit", lambda: "/usr/local/cuda")
@@ -378,3 +382,9 @@ def test_a_failed_twin_plan_is_made_again_with_the_machines_cuda_toolkit(monkeyp
     assert calls == [(), ("memory.compiler_options={xla_gpu_cuda_data_dir: '/usr/local/cuda'}",)]
     monkeypatch.setattr(gv, "cuda_toolkit", lambda: None)
     assert gv.plan_twin(gv.Trial("a", "configs/tiny.yaml", ()), "h200", {}, 10)["status"] == "error"
+    # A plan that timed out is not made again: it would only time out twice.
+    monkeypatch.setattr(gv, "cuda_toolkit", lambda: "/usr/local/cuda")
+    monkeypatch.setattr(
+        gv, "plan_trial", lambda *a, **k: {"status": "error", "exit_code": None, "message": "timed out"}
+    )
+    assert "cuda_dir" not in gv.plan_twin(gv.Trial("a", "configs/tiny.yaml", ()), "h200", {}, 10)
