@@ -483,12 +483,15 @@ def summarize(trial: Trial, plans: dict[str, dict], measured: dict, peak_flops: 
     return row
 
 
-def check_bars(rows: list[dict], measurable: bool, grads: list[dict] | None = None,
+def check_bars(rows: list[dict] | None, measurable: bool, grads: list[dict] | None = None,
                train: dict | None = None) -> list[dict]:  # fmt: skip
-    """Issue 33's bars, from the trials' rows, the gradient checks and the train run. On CPU (no
-    memory_stats, no memory limit, and CPU steps are no GPU's) only the gradient bar is measurable."""
+    """Issue 33's bars, from the trials' rows, the gradient checks and the train run (each None where
+    that piece was not asked for: ``--only``). On CPU (no memory_stats, no memory limit, and CPU steps are
+    no GPU's) only the gradient bar is measurable."""
     bars = []
-    if not measurable:
+    if rows is None:
+        pass
+    elif not measurable:
         why = "not measurable on CPU (memory_stats() is None and nothing runs out of device memory)"
         for name in (*(f"measured/predicted peak within 3%, median ({kind} plan)" for kind in VERDICT_KINDS),
                      "no trial the plan said fits ran out of memory",
@@ -860,7 +863,8 @@ def driver(args) -> int:
 
     def write() -> list[dict]:
         rows = current_rows()
-        bars = check_bars(rows, measurable=on_gpu, grads=grads if checks else None, train=train)
+        bars = check_bars(rows if trials else None, measurable=on_gpu, grads=grads if checks else None,
+                          train=train)  # fmt: skip
         write_outputs(out_dir, meta, rows, bars, grads, train)
         return bars
 

@@ -388,3 +388,9 @@ def test_a_failed_twin_plan_is_made_again_with_the_machines_cuda_toolkit(monkeyp
         gv, "plan_trial", lambda *a, **k: {"status": "error", "exit_code": None, "message": "timed out"}
     )
     assert "cuda_dir" not in gv.plan_twin(gv.Trial("a", "configs/tiny.yaml", ()), "h200", {}, 10)
+
+
+def test_bars_judge_only_the_pieces_that_were_asked_for():
+    bars = gv.check_bars(None, measurable=True, grads=[_grad()])
+    assert [b["bar"] for b in bars] == ["offloaded remat's gradients equal no remat's"]
+    assert [b["result"] for b in gv.check_bars([], measurable=True)][:2] == ["FAIL", "FAIL"]  # None ran.
