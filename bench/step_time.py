@@ -3,10 +3,13 @@ for `h200` with the kernels they ran (plain attention, the loss in one piece; be
 
     python bench/step_time.py                 # every trial, a table for BENCHMARKS.md
     python bench/step_time.py --only 1b-none  # one
+    python bench/step_time.py --measured bench/out/gpu_validate.json   # a GPU round's steps, replanned here
 
 The measured figures are the H200's (JAX 0.11.2, default allocator where it ran, else the first call's
 `XLA_PYTHON_CLIENT_PREALLOCATE=false`): median step milliseconds of 5 steps, from BENCHMARKS.md's
-"GPU validation (issue 5)" tables.
+"GPU validation (issue 5)" tables; with ``--measured``, those of a `bench/gpu_validate.py` run (issue 33:
+every trial that ran), whose own table compares them with the twin planned on the GPU machine's JAX,
+while this replans them with the JAX installed here.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ MEASURED_MS = {
 }
 
 
+def measured_from(path: Path) -> dict[str, float]:
+    """Median step milliseconds of every trial that ran in a ``bench/gpu_validate.py`` run's JSON."""
+    rows = json.loads(path.read_text())["rows"]
+    return {row["trial"]: row["measured"]["step_s_median"] * 1e3 for row in rows
+            if row["measured"].get("status") == "ok" and row["measured"].get("step_s_median")}  # fmt: skip
+
+
 def predict(trial: gv.Trial, target: str) -> dict:
     from shardmem import load_config, plan
 
@@ -55,8 +65,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", default=[], help="trial name (repeatable)")
     parser.add_argument("--target", default="h200")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--measured", help="take the measured steps from this gpu_validate.json")
     args = parser.parse_args(argv)
-    trials = [t for t in gv.GPU_TRIALS if t.name in MEASURED_MS and (not args.only or t.name in args.only)]
+    measured_ms = MEASURED_MS if not args.measured else measured_from(Path(args.measured))
+    trials = [t for t in gv.GPU_TRIALS if t.name in measured_ms and (not args.only or t.name in args.only)]
     rows = []
     print(
         "| trial | measured ms | predicted ms | error | compute | memory-bound | launch | exposed comm "
@@ -65,7 +77,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for trial in trials:
         row = predict(trial, args.target)
-        measured = MEASURED_MS[trial.name] / 1e3
+        measured = measured_ms[trial.name] / 1e3
         row["measured_seconds"] = measured
         row["error"] = row["seconds"] / measured - 1
         rows.append(row)
