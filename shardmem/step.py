@@ -34,10 +34,11 @@ from shardmem.batch import BatchLeaf, parse_batch, token_batch
 from shardmem.batch import is_leaf as is_batch_leaf
 from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
+from shardmem.finetune import FineTune
 from shardmem.models import losses
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
 from shardmem.models.linen import remat_calls
-from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig
+from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig, lora_input_dims
 from shardmem.models.user import import_object, search_from, takes
 from shardmem.optimizer import make_optimizer, optimizer_shardings, to_device, to_host
 from shardmem.parallel.mesh import auto_axes
@@ -114,7 +115,9 @@ class Program:
     The state is ``{"params", "opt_state", "step"}`` plus ``"model_state"`` when the model has
     variables other than ``nnx.Param`` (batch statistics, RNG streams, ...): those are carried through
     the step and updated, sharded by the same rules and checkpointed, but never differentiated, decayed
-    or given optimizer moments. ``abstract_batch`` and ``batch_sharding`` are pytrees shaped like the
+    or given optimizer moments. With ``finetune`` (:mod:`shardmem.finetune`), ``"params"`` holds what
+    trains (adapters included) and ``"frozen"`` the frozen, possibly quantized, parameters, which the
+    step passes through untouched. ``abstract_batch`` and ``batch_sharding`` are pytrees shaped like the
     batch.
     """
 
@@ -141,11 +144,18 @@ class Program:
     loss: Callable | None = None
     attention: AttentionKernel | None = None  # The reference model's kernel, resolved for the mesh's devices.
     pipeline: Pipeline | None = None  # The layers' pipeline stages (None: no stage axis, or stage=1).
+    finetune: FineTune | None = None  # Frozen, adapted and quantized parameters (None: all train).
 
     def sharding_table(self):
-        """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
-        params = self.abstract_state["params"]
-        return sharding_table(params, self.state_shardings["params"], self.param_logical)
+        """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter (trainable ones,
+        then frozen ones)."""
+        rows = sharding_table(
+            self.abstract_state["params"], self.state_shardings["params"], self.param_logical
+        )
+        if "frozen" in self.abstract_state:
+            rows += sharding_table(self.abstract_state["frozen"], self.state_shardings["frozen"],
+                                   self.param_logical)  # fmt: skip
+        return rows
 
 
 def _abstract(tree, shardings):
@@ -271,6 +281,14 @@ def build_program(
     # A stage count that does not divide the layers cannot shard their stored axis (Pipeline.storage_rules).
     storage = pipeline.storage_rules(rules, config.model.n_layers) if pipeline else rules
     param_shardings = storage.shardings(mesh, abstract_params_state)
+    finetune = FineTune.resolve(config, abstract_params, param_logical, reference_model=not custom,
+                                input_dims=lora_input_dims if not custom else lambda path: 1)  # fmt: skip
+    if finetune is not None:  # From here on "params" are what trains; the frozen ones ride along.
+        abstract_params, abstract_frozen = jax.eval_shape(
+            finetune.prepare, abstract_params, jax.random.key(0)
+        )
+        param_shardings, frozen_shardings = finetune.shardings(param_shardings)
+        frozen_shardings = finetune.fit_shardings(frozen_shardings, abstract_frozen)
     keys = _Keys(nnx.to_pure_dict(abstract_rest_state))
     replicated = NamedSharding(mesh, P())
     rest_shardings = storage.shardings(mesh, abstract_rest_state)
@@ -290,6 +308,9 @@ def build_program(
     if has_rest:
         state_shardings["model_state"] = rest_shardings
         abstract_tree["model_state"] = abstract_rest
+    if finetune is not None:
+        state_shardings["frozen"] = frozen_shardings
+        abstract_tree["frozen"] = abstract_frozen
     abstract_state = _abstract(abstract_tree, state_shardings)
 
     batch_sharding = jax.tree.map(lambda leaf: NamedSharding(mesh, rules.spec(leaf.logical_axes())),
@@ -298,7 +319,9 @@ def build_program(
     abstract_batch = jax.tree.map(lambda leaf, s: leaf.abstract(s), batch_tree, batch_sharding,
                                   is_leaf=is_batch_leaf)  # fmt: skip
 
-    def loss_of_params(params, rest, batch):
+    def loss_of_params(params, rest, batch, frozen=None):
+        if finetune is not None:
+            params = finetune.assemble(params, frozen)
         model = nnx.merge(graphdef, params, keys.wrap(rest)) if has_rest else nnx.merge(graphdef, params)
         with remat_calls(modules, matched) if modules else contextlib.nullcontext():  # Linen modules inside.
             out = loss_fn(model, batch)
@@ -314,9 +337,9 @@ def build_program(
 
     def train_step(state, batch):
         with rules.activate(mesh):
-            params, rest = state["params"], state.get("model_state", {})
+            params, rest, frozen = state["params"], state.get("model_state", {}), state.get("frozen")
             if train.micro_batches == 1 or pipeline:  # A pipeline runs its micro-batches itself.
-                (loss, (metrics, rest)), grads = grad_fn(params, rest, batch)
+                (loss, (metrics, rest)), grads = grad_fn(params, rest, batch, frozen)
             else:
                 # Micro-batch i takes every k-th row, so each device keeps its own rows.
                 k = train.micro_batches
@@ -326,12 +349,12 @@ def build_program(
 
                 def accumulate(carry, one_batch):
                     loss_sum, metric_sum, grad_sum, rest = carry
-                    (loss, (metrics, rest)), grads = grad_fn(params, rest, one_batch)
+                    (loss, (metrics, rest)), grads = grad_fn(params, rest, one_batch, frozen)
                     metric_sum = jax.tree.map(jnp.add, metric_sum, metrics)
                     return (loss_sum + loss, metric_sum, jax.tree.map(jnp.add, grad_sum, grads), rest), None
 
                 first = jax.tree.map(lambda x: x[0], micro)
-                metric_shapes = jax.eval_shape(lambda: grad_fn(params, rest, first)[0][1][0])
+                metric_shapes = jax.eval_shape(lambda: grad_fn(params, rest, first, frozen)[0][1][0])
                 zeros = (jnp.zeros((), jnp.float32),
                          jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
                          jax.tree.map(jnp.zeros_like, params), rest)  # fmt: skip
@@ -349,6 +372,8 @@ def build_program(
                 }
             if has_rest:
                 new_state["model_state"] = rest
+            if finetune is not None:
+                new_state["frozen"] = frozen
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return new_state, metrics
 
@@ -364,7 +389,11 @@ def build_program(
             model = factory(nnx.Rngs(key))
         _, params, rest = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
+        if finetune is not None:
+            params, frozen = finetune.prepare(params, jax.random.fold_in(key, 1))
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        if finetune is not None:
+            state["frozen"] = frozen
         if has_rest:
             state["model_state"] = keys.unwrap(nnx.to_pure_dict(rest))
         return state
@@ -375,7 +404,7 @@ def build_program(
                    custom_model=custom, remat_plan=config.remat_plan(custom) if takes_remat else None,
                    module_plan=modules, module_matches=matched,
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
-                   pipeline=pipeline,
+                   pipeline=pipeline, finetune=finetune,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
 

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.finetune.lora import project, value_of, weight
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
 from shardmem.models.losses import resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
@@ -130,6 +131,15 @@ PRESETS: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 
+def lora_input_dims(path: str) -> int:
+    """Returns how many axes of a reference weight matrix (after its layer axis) are its inputs, for
+    LoRA's ``A``: two for ``wo`` (heads x head_dim), one for the rest."""
+    if "/moe/" in f"/{path}":
+        raise ConfigError(f"finetune.lora.targets matches {path}, an expert's weights; LoRA adapts the dense "
+                          "matrices of the reference model (attention, embeddings, a dense MLP)")  # fmt: skip
+    return 2 if path.split("/")[-1] == "wo" else 1
+
+
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], dtype, fan_in: int | None):
     std = 1.0 / math.sqrt(fan_in) if fan_in else 0.02
     init = nnx.with_partitioning(nnx.initializers.truncated_normal(std), axes)
@@ -203,8 +213,9 @@ class Block(nnx.Module):
             self.w_up = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
             self.w_down = _param(rngs, (f, d), ("mlp", "embed"), param_dtype, f)
 
-    def _w(self, param):
-        return param[...].astype(self.compute_dtype)
+    def _project(self, spec: str, x, param):
+        # The weight may be frozen, quantized or adapted (shardmem.finetune): read through project.
+        return project(spec, x, value_of(param), self.compute_dtype)
 
     def __call__(self, x_BxLxD):
         cfg = self.cfg
@@ -213,26 +224,25 @@ class Block(nnx.Module):
 
         with jax.named_scope("attention"):
             h_BxLxD = self.attn_norm(x_BxLxD)
-            q_BxLxHxK = checkpoint_name(jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)), "query_proj")
-            k_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)), "key_proj")
-            v_BxLxGxK = checkpoint_name(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), "value_proj")
+            q_BxLxHxK = checkpoint_name(self._project("bld,dhk->blhk", h_BxLxD, self.wq), "query_proj")
+            k_BxLxGxK = checkpoint_name(self._project("bld,dgk->blgk", h_BxLxD, self.wk), "key_proj")
+            v_BxLxGxK = checkpoint_name(self._project("bld,dgk->blgk", h_BxLxD, self.wv), "value_proj")
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
             ctx_BxLxHxK = checkpoint_name(
                 context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), "attn_context"
             )
-            out_BxLxD = checkpoint_name(
-                jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo)), "out_proj"
-            )
+            out_BxLxD = checkpoint_name(self._project("blhk,hkd->bld", ctx_BxLxHxK, self.wo), "out_proj")
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
             h_BxLxD = self.mlp_norm(x_BxLxD)
             if cfg.n_experts:
                 return x_BxLxD + self.moe(h_BxLxD)
-            gate_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_gate), "mlp_gate")
-            up_BxLxF = checkpoint_name(h_BxLxD @ self._w(self.w_up), "mlp_up")
-            out_BxLxD = checkpoint_name(_swiglu(gate_BxLxF, up_BxLxF) @ self._w(self.w_down), "mlp_out")
+            gate_BxLxF = checkpoint_name(self._project("bld,df->blf", h_BxLxD, self.w_gate), "mlp_gate")
+            up_BxLxF = checkpoint_name(self._project("bld,df->blf", h_BxLxD, self.w_up), "mlp_up")
+            act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF)
+            out_BxLxD = checkpoint_name(self._project("blf,fd->bld", act_BxLxF, self.w_down), "mlp_out")
             return x_BxLxD + out_BxLxD
 
 
@@ -287,7 +297,7 @@ class Llama(nnx.Module):
         """Returns the final normed hidden states, which :meth:`unembedding` turns into logits."""
         # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the
         # partitioner's slow fallback to reach the batch-sharded activations.
-        table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
+        table_VxD = constrain(weight(value_of(self.embedding), self.compute_dtype), (None, None))
         shards = context.shards()  # Context parallelism: the layers see the sequence in zigzag order.
         x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], ("batch", "seq", None))
         run_layers = self.pipeline.run if self.pipeline else remat_scan
@@ -302,5 +312,5 @@ class Llama(nnx.Module):
     def unembedding(self):
         """Returns the output projection ``head_DxV`` in the compute dtype (the embedding when tied)."""
         if self.cfg.tie_embeddings:
-            return self.embedding[...].astype(self.compute_dtype).T
-        return self.lm_head[...].astype(self.compute_dtype)
+            return weight(value_of(self.embedding), self.compute_dtype).T
+        return weight(value_of(self.lm_head), self.compute_dtype)

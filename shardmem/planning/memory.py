@@ -44,6 +44,7 @@ from shardmem.units import format_bytes
 #: The per-device figures of a report, in the order tables show them.
 CATEGORIES = (
     "params",
+    "frozen",
     "optimizer",
     "model_state",
     "batch",
@@ -230,6 +231,7 @@ def plan_program(
     state = program.abstract_state
     groups = {
         "params": state["params"],
+        "frozen": state.get("frozen", {}),  # Fine-tuning's frozen (and quantized) parameters.
         "optimizer": {"opt_state": state["opt_state"], "step": state["step"]},
         "model_state": state.get("model_state", {}),
         "batch": program.abstract_batch,

@@ -16,6 +16,7 @@ from shardmem.units import format_bytes, format_flops, format_seconds
 
 _LABELS = {
     "params": "parameters",
+    "frozen": "frozen parameters",
     "optimizer": "optimizer state",
     "model_state": "model state (statistics, RNG)",
     "batch": "batch",
@@ -47,7 +48,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     table.add_column("", justify="right", style="dim")
     for key, label in _LABELS.items():
         value = report.per_device.get(key, 0)
-        if key == "model_state" and not value:
+        if key in ("model_state", "frozen") and not value:
             continue
         sign = "-" if key == "alias" and value else ""
         share = ""
