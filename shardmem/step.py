@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -145,6 +146,9 @@ class Program:
     attention: AttentionKernel | None = None  # The reference model's kernel, resolved for the mesh's devices.
     pipeline: Pipeline | None = None  # The layers' pipeline stages (None: no stage axis, or stage=1).
     finetune: FineTune | None = None  # Frozen, adapted and quantized parameters (None: all train).
+    # The model's own parameters (before the fine-tune split), with their shardings: what weights load into.
+    model_params: Any = None
+    start_from: Callable | None = None  # (model params) -> state: pretrained weights in (donated).
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter (trainable ones,
@@ -281,6 +285,7 @@ def build_program(
     # A stage count that does not divide the layers cannot shard their stored axis (Pipeline.storage_rules).
     storage = pipeline.storage_rules(rules, config.model.n_layers) if pipeline else rules
     param_shardings = storage.shardings(mesh, abstract_params_state)
+    model_params = _abstract(abstract_params, param_shardings)
     finetune = FineTune.resolve(config, abstract_params, param_logical, reference_model=not custom,
                                 input_dims=lora_input_dims if not custom else lambda path: 1)  # fmt: skip
     if finetune is not None:  # From here on "params" are what trains; the frozen ones ride along.
@@ -384,11 +389,11 @@ def build_program(
         donate_argnums=0,
     )
 
-    def init_state(key):
+    def init_state(key, loaded=None):
         with nnx.use_eager_sharding(False):
-            model = factory(nnx.Rngs(key))
+            model = factory(nnx.Rngs(key))  # With loaded weights, only its other variables are kept.
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        params = nnx.to_pure_dict(params)
+        params = nnx.to_pure_dict(params) if loaded is None else loaded
         if finetune is not None:
             params, frozen = finetune.prepare(params, jax.random.fold_in(key, 1))
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -399,14 +404,28 @@ def build_program(
         return state
 
     init = jax.jit(init_state, out_shardings=state_shardings)
-    return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
-                   batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
+    start = jax.jit(lambda params: init_state(jax.random.key(seed), params), out_shardings=state_shardings,
+                    donate_argnums=0)  # fmt: skip
+
+    def init_or_load():
+        if config.finetune.init_from is None:
+            return init(jax.random.key(seed))
+        from shardmem.finetune.weights import load_safetensors  # safetensors, only when loading
+
+        params = load_safetensors(config.finetune.init_from, program)
+        with warnings.catch_warnings():  # A quantized or adapted tensor has no output of its shape to reuse.
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            return start(params)
+
+    program = Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
+                   batch_sharding, param_logical, tx, step, init_or_load,
                    custom_model=custom, remat_plan=config.remat_plan(custom) if takes_remat else None,
                    module_plan=modules, module_matches=matched,
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
-                   pipeline=pipeline, finetune=finetune,
+                   pipeline=pipeline, finetune=finetune, model_params=model_params, start_from=start,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
+    return program
 
 
 def _checked_model(model: Any) -> nnx.Module:

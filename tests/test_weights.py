@@ -1,0 +1,209 @@
+"""Pretrained weights in and out (shardmem.finetune.weights): a Hugging Face Llama-layout safetensors
+checkpoint written here with numpy, loaded into the reference model, compared with a hand-written
+forward pass of Hugging Face's Llama on the same tokens."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("safetensors")
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from shardmem import ConfigError, build_mesh, build_program, config_from_dict  # noqa: E402
+from shardmem.finetune.weights import export_safetensors  # noqa: E402
+
+V, D, L, H, G, K, F = 256, 64, 2, 4, 2, 16, 96
+MODEL = {"vocab_size": V, "d_model": D, "n_layers": L, "n_heads": H, "n_kv_heads": G, "d_ff": F,
+         "seq_len": 16, "norm_eps": 1e-6, "rope_theta": 10000.0}  # fmt: skip
+
+
+def _hf_checkpoint(folder, seed=0):
+    """Random weights under Hugging Face LlamaForCausalLM's names and [out, in] layout, in two files."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": 1 + w(D), "lm_head.weight": w(V, D)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": w(H * K, D), p + "self_attn.k_proj.weight": w(G * K, D),
+                    p + "self_attn.v_proj.weight": w(G * K, D), p + "self_attn.o_proj.weight": w(D, H * K),
+                    p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
+                    p + "mlp.down_proj.weight": w(D, F), p + "input_layernorm.weight": 1 + w(D),
+                    p + "post_attention_layernorm.weight": 1 + w(D)}  # fmt: skip
+    names = sorted(tensors)
+    folder.mkdir(exist_ok=True)
+    save_file(
+        {n: tensors[n] for n in names[: len(names) // 2]}, str(folder / "model-00001-of-00002.safetensors")
+    )
+    save_file(
+        {n: tensors[n] for n in names[len(names) // 2 :]}, str(folder / "model-00002-of-00002.safetensors")
+    )
+    return tensors
+
+
+def _hf_llama_logits(t, tokens):
+    """Hugging Face's LlamaForCausalLM forward pass (modeling_llama.py), in numpy float64."""
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
+
+    def rotate_half(x):
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([-x2, x1], axis=-1)
+
+    B, S = tokens.shape
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, K, 2) / K)
+    freqs = np.outer(np.arange(S), inv_freq)
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
+    x = t["model.embed_tokens.weight"][tokens]
+    mask = np.triu(np.full((S, S), -np.inf), 1)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        h = norm(x, t[p + "input_layernorm.weight"])
+        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(B, S, H, K).transpose(0, 2, 1, 3)
+        k = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(B, S, G, K).transpose(0, 2, 1, 3)
+        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(B, S, G, K).transpose(0, 2, 1, 3)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, H // G, axis=1), np.repeat(v, H // G, axis=1)
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(K) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, H * K)
+        x = x + attn @ t[p + "self_attn.o_proj.weight"].T
+        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+    return norm(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
+
+
+def _program(folder, axes, finetune=None):
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": axes}, "precision": {"compute": "float32"},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder), **(finetune or {})}})  # fmt: skip
+    return build_program(config, build_mesh(config.mesh.axes, jax.devices()[: np.prod(list(axes.values()))]))
+
+
+def _logits(program, params, tokens):
+    @jax.jit
+    def forward(params, tokens):
+        with program.rules.activate(program.mesh):
+            return nnx.merge(program.graphdef, params)(tokens)
+
+    return np.asarray(forward(params, tokens))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    return folder, _hf_checkpoint(folder)
+
+
+@pytest.mark.parametrize("axes", [{"data": 1}, {"fsdp": 8}])
+def test_a_hugging_face_llama_checkpoint_loads_into_its_shards_with_the_same_logits(checkpoint, axes):
+    folder, tensors = checkpoint
+    program = _program(folder, axes)
+    tokens = np.random.default_rng(1).integers(0, V, (8, 16), dtype=np.int32)
+    state = program.init()
+    wq = state["params"]["layers"]["wq"]
+    assert wq.sharding == program.state_shardings["params"]["layers"]["wq"]
+    if axes.get("fsdp"):  # Each device holds its own block of the model dimension, read from the file.
+        assert {s.data.shape for s in wq.addressable_shards} == {(L, D // 8, H, K)}
+    got = _logits(program, state["params"], tokens)
+    np.testing.assert_allclose(got, _hf_llama_logits(tensors, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_export_writes_hugging_face_names_back_and_lora_merged(checkpoint, tmp_path):
+    folder, tensors = checkpoint
+    program = _program(folder, {"fsdp": 8}, {"lora": {"rank": 2, "targets": ["layers/wq", "layers/wo"]},
+                                             "base_dtype": "float32"})  # fmt: skip
+    state = program.init()
+    file = export_safetensors(program, state, tmp_path / "plain", dtype=jnp.float32)
+    written = load_file(str(file))
+    assert set(written) == set(tensors)  # B is zero: the adapted model is still the checkpoint's.
+    for name, value in tensors.items():
+        np.testing.assert_allclose(written[name], value, atol=1e-6)
+    b = state["params"]["layers"]["wq"]["lora_b"]
+    state["params"]["layers"]["wq"]["lora_b"] = jax.device_put(jnp.ones(b.shape, b.dtype), b.sharding)
+    merged = load_file(str(export_safetensors(program, state, tmp_path / "merged", dtype=jnp.float32)))
+    a = np.asarray(state["params"]["layers"]["wq"]["lora_a"])  # [L, D, r]
+    delta = (16.0 / 2) * a[0] @ np.ones((2, H * K))  # alpha / rank x A B, for layer 0, [D, H K]
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    np.testing.assert_allclose(merged[q0], tensors[q0] + delta.T, atol=1e-5)
+    adapters = export_safetensors(
+        program, state, tmp_path / "adapters", dtype=jnp.float32, adapters_only=True
+    )
+    peft = load_file(str(adapters))
+    assert peft["base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"].shape == (2, H * K)
+    np.testing.assert_allclose(peft["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"], a[0].T)
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["r"] == 2 and config["target_modules"] == ["o_proj", "q_proj"]
+
+
+def test_a_quantized_base_loads_from_the_checkpoint(checkpoint):
+    folder, tensors = checkpoint
+    quantize = {"format": "int8", "group": 32, "targets": ["layers/w*"]}
+    program = _program(folder, {"fsdp": 8}, {"freeze": ["layers/*"], "quantize": quantize})
+    state = program.init()
+    codes = np.asarray(state["frozen"]["layers"]["w_up"]["codes"])
+    assert codes.dtype == np.int8 and codes.shape == (L, D, F)
+    full = program.finetune.assemble(state["params"], state["frozen"])
+    w_up = np.asarray(full["layers"]["w_up"].dequantize(jnp.float32))[1]
+    np.testing.assert_allclose(w_up, tensors["model.layers.1.mlp.up_proj.weight"].T, atol=0.4 / 127)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"d_ff": 128}, "model.layers.0.mlp.down_proj.weight has shape [64, 96], but the model's layers/w_down "
+                    "needs [64, 128]"),
+    ({"n_layers": 3}, "has no tensor model.layers.2."),
+    ({"n_layers": 1}, "has tensors the model has no place for, such as model.layers.1."),
+])  # fmt: skip
+def test_mismatched_checkpoints_are_one_line_errors_naming_the_tensor(checkpoint, change, message):
+    folder, _ = checkpoint
+    config = config_from_dict({"model": {**MODEL, **change}, "mesh": {"axes": {"fsdp": 8}},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder)}})  # fmt: skip
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    with pytest.raises(ConfigError) as error:
+        program.init()
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_folder_without_safetensors_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no .safetensors file there"):
+        _program(tmp_path, {"data": 1}).init()
+
+
+def test_train_starts_from_the_checkpoint_and_export_writes_the_adapters(checkpoint, tmp_path, capsys):
+    import yaml
+
+    from shardmem import cli
+
+    folder, _ = checkpoint
+    config = {"model": MODEL, "mesh": {"axes": {"fsdp": 8}}, "train": {"global_batch": 8, "steps": 3,
+              "log_every": 1}, "finetune": {"init_from": str(folder), "lora": {"rank": 2,
+              "targets": ["layers/w[qv]"]}, "quantize": {"format": "nf4", "group": 32,
+              "targets": ["layers/*"]}}}  # fmt: skip
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    assert cli.main(["train", str(path), "--run-dir", str(run)]) == 0
+    assert "frozen" in json.loads((run / "plan.json").read_text())["per_device"]
+    assert cli.main(["export", str(path), "--run-dir", str(run), "--out", str(tmp_path / "out"),
+                     "--adapters-only"]) == 0  # fmt: skip
+    assert "wrote the adapters of step 3" in capsys.readouterr().err
+    peft = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert len(peft) == 2 * 2 * L and peft[
+        "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+    ].shape == (G * K, 2)
+    assert (
+        np.abs(
+            peft["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"].astype(np.float32)
+        ).max()
+        > 0
+    )
+    assert cli.main(["export", str(path), "--run-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
