@@ -149,6 +149,7 @@ class Program:
     # The model's own parameters (before the fine-tune split), with their shardings: what weights load into.
     model_params: Any = None
     start_from: Callable | None = None  # (model params) -> state: pretrained weights in (donated).
+    frozen_logical: Any = None  # The logical axis names of state["frozen"] (with finetune).
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter (trainable ones,
@@ -158,7 +159,7 @@ class Program:
         )
         if "frozen" in self.abstract_state:
             rows += sharding_table(self.abstract_state["frozen"], self.state_shardings["frozen"],
-                                   self.param_logical)  # fmt: skip
+                                   self.frozen_logical)  # fmt: skip
         return rows
 
 
@@ -286,6 +287,7 @@ def build_program(
     storage = pipeline.storage_rules(rules, config.model.n_layers) if pipeline else rules
     param_shardings = storage.shardings(mesh, abstract_params_state)
     model_params = _abstract(abstract_params, param_shardings)
+    frozen_logical = None
     finetune = FineTune.resolve(config, abstract_params, param_logical, reference_model=not custom,
                                 input_dims=lora_input_dims if not custom else lambda path: 1)  # fmt: skip
     if finetune is not None:  # From here on "params" are what trains; the frozen ones ride along.
@@ -294,6 +296,7 @@ def build_program(
         )
         param_shardings, frozen_shardings = finetune.shardings(param_shardings)
         frozen_shardings = finetune.fit_shardings(frozen_shardings, abstract_frozen)
+        param_logical, frozen_logical = finetune.logical(param_logical)
     keys = _Keys(nnx.to_pure_dict(abstract_rest_state))
     replicated = NamedSharding(mesh, P())
     rest_shardings = storage.shardings(mesh, abstract_rest_state)
@@ -423,6 +426,7 @@ def build_program(
                    module_plan=modules, module_matches=matched,
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
                    pipeline=pipeline, finetune=finetune, model_params=model_params, start_from=start,
+                   frozen_logical=frozen_logical,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
     return program

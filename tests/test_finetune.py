@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 import shardmem
@@ -224,3 +225,12 @@ def test_lora_on_a_users_nnx_and_linen_models_trains_only_the_adapters():
         assert math.isfinite(float(metrics["loss"]))
         b_before = jax.tree.leaves(first)[1]
         assert not np.allclose(np.asarray(jax.tree.leaves(state["params"])[1]), b_before)  # B moved.
+
+
+def test_adapters_and_codes_carry_their_matrix_logical_axes(lora_program):
+    rows = {row.path: row for row in lora_program.sharding_table()}
+    assert rows["layers/wq/lora_a"].logical == ("layers", "embed", None)
+    assert rows["layers/wq/lora_b"].logical == ("layers", None, "heads", "head_dim")
+    assert rows["layers/wo/lora_a"].logical == ("layers", "heads", "head_dim", None)
+    assert rows["layers/wq"].logical == ("layers", "embed", "heads", "head_dim")  # The frozen base.
+    assert rows["layers/wq/lora_a"].spec == P(None, "fsdp", None)  # Sharded like the matrix's inputs.

@@ -207,3 +207,13 @@ def test_train_starts_from_the_checkpoint_and_export_writes_the_adapters(checkpo
         > 0
     )
     assert cli.main(["export", str(path), "--run-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+
+
+def test_the_plan_says_the_host_memory_a_load_holds(checkpoint):
+    from shardmem.planning import memory
+
+    folder, _ = checkpoint
+    program = _program(folder, {"fsdp": 8})
+    report, _ = memory.plan_program(program, memory.make_target(program.config, "cpu"))
+    # The largest block one device reads: the embedding's [256, 64 / 8], float32 as read and as kept.
+    assert report.load_host_bytes == 256 * 8 * (4 + 4)

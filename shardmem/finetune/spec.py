@@ -178,6 +178,29 @@ class FineTune:
                 _put(trainable, path, {"lora_a": NamedSharding(mesh, a), "lora_b": NamedSharding(mesh, b)})
         return trainable, frozen
 
+    def logical(self, param_logical) -> tuple[dict, dict]:
+        """Returns the logical axis names of the trainable and frozen trees, as :meth:`shardings`
+        places them: ``A`` has the matrix's input names and ``None`` for its rank, ``B`` ``None`` then
+        its output names; codes and scales keep their matrix's names."""
+        trainable, frozen = {}, {}
+        for path, names in _flat(param_logical, is_leaf=lambda x: isinstance(x, P) or x is None).items():
+            names = tuple(names or ())
+            if path not in self.frozen:
+                _put(trainable, path, P(*names))
+                continue
+            _put(
+                frozen,
+                path,
+                {"codes": P(*names), "scales": P(*names)} if path in self.quantized else P(*names),
+            )
+            if path in self.adapted:
+                target = self.adapted[path]
+                split = target.stack + target.input_dims
+                padded = names + (None,) * (64 - len(names))
+                a, b = P(*padded[:split], None), P(*padded[: target.stack], None, *names[split:])
+                _put(trainable, path, {"lora_a": a, "lora_b": b})
+        return trainable, frozen
+
     def fit_shardings(self, frozen_shardings, abstract_frozen) -> dict:
         """Returns ``frozen_shardings`` with each quantized tensor's spec trimmed where a sharded axis
         of its (packed) codes or of its scales does not divide: that axis stays whole."""

@@ -188,6 +188,23 @@ def load_safetensors(path: str | Path, program) -> dict:
     return params
 
 
+def file_entry_bytes(path: str | Path) -> int:
+    """Returns the widest entry size among a checkpoint's tensors (4 when it cannot be read yet)."""
+    try:
+        from safetensors import safe_open
+
+        widest = 0
+        for file in sorted(set(_files(path).values())):
+            with safe_open(str(file), "numpy") as f:
+                for name in f.keys():
+                    widest = max(
+                        widest, np.dtype(_DTYPES.get(f.get_slice(name).get_dtype(), np.float32)).itemsize
+                    )
+        return widest or 4
+    except (ConfigError, OSError):
+        return 4
+
+
 def host_bytes(program, file_dtype_bytes: int = 4) -> int:
     """Returns the most host memory a load holds at once: one device's block of one parameter (all
     its layers), as read (``file_dtype_bytes`` an entry) and converted to the parameter's dtype."""

@@ -90,6 +90,10 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         parts.append(Text("collectives per step per device: " + ", ".join(
             f"{kind} {format_bytes(v)}" for kind, v in moved.items())))  # fmt: skip
     parts += _step_time_lines(report)
+    if report.load_host_bytes:
+        parts.append(Text(f"loading finetune.init_from holds at most {format_bytes(report.load_host_bytes)} "
+                          "of host memory at once (one device's block of one parameter, as read and "
+                          "converted)"))  # fmt: skip
     check = report.cross_check
     if "analytic_argument_bytes" in check:
         ok = "matches" if check["matches"] else "DIFFERS FROM"
