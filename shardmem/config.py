@@ -24,7 +24,7 @@ import yaml
 from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.finetune.quant import FORMATS
 from shardmem.models.attention import ATTENTION_CHOICES
-from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, ModelConfig
+from shardmem.models.llama import CHECKPOINT_TAGS, MLP_ACTIVATIONS, PRESETS, ModelConfig
 from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import LayerPlan, ModulePlan
 from shardmem.units import parse_bandwidth, parse_bytes
@@ -844,6 +844,14 @@ def _validate_model(m: ModelConfig) -> None:
             f"model.attention_chunk={m.attention_chunk} must be a positive divisor of model.seq_len="
             f"{m.seq_len}; use e.g. {divisors[:4] or [m.seq_len]}, or null to attend in one block"
         )
+    if m.mlp_activation not in MLP_ACTIVATIONS:
+        raise ConfigError(
+            f"model.mlp_activation={m.mlp_activation!r}{did_you_mean(m.mlp_activation, MLP_ACTIVATIONS)}; "
+            f"use {one_of(MLP_ACTIVATIONS)}"
+        )
+    if m.mlp_activation != "silu" and m.n_experts:
+        raise ConfigError(f"model.mlp_activation={m.mlp_activation!r} with model.n_experts={m.n_experts}: "
+                          "the experts are SwiGLU; use silu, or a dense MLP (n_experts: 0)")  # fmt: skip
     if m.attention not in ATTENTION_CHOICES:
         raise ConfigError(
             f"model.attention={m.attention!r}{did_you_mean(m.attention, ATTENTION_CHOICES)}; "

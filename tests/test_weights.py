@@ -217,3 +217,78 @@ def test_the_plan_says_the_host_memory_a_load_holds(checkpoint):
     report, _ = memory.plan_program(program, memory.make_target(program.config, "cpu"))
     # The largest block one device reads: the embedding's [256, 64 / 8], float32 as read and as kept.
     assert report.load_host_bytes == 256 * 8 * (4 + 4)
+
+
+GEMMA = {**MODEL, "head_dim": 32, "tie_embeddings": True, "norm_offset": 1.0, "scale_embeddings": True,
+         "mlp_activation": "gelu_tanh"}  # fmt: skip
+
+
+def _hf_gemma_checkpoint(folder, seed=2):
+    """Random weights under Hugging Face GemmaForCausalLM's names: Llama's, tied, head_dim != D / H."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
+    k = GEMMA["head_dim"]
+    tensors = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": w(D)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": w(H * k, D), p + "self_attn.k_proj.weight": w(G * k, D),
+                    p + "self_attn.v_proj.weight": w(G * k, D), p + "self_attn.o_proj.weight": w(D, H * k),
+                    p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
+                    p + "mlp.down_proj.weight": w(D, F), p + "input_layernorm.weight": w(D),
+                    p + "post_attention_layernorm.weight": w(D)}  # fmt: skip
+    folder.mkdir(exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return tensors
+
+
+def _hf_gemma_logits(t, tokens):
+    """Hugging Face's GemmaForCausalLM forward pass (modeling_gemma.py), in numpy float64."""
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+    k = GEMMA["head_dim"]
+
+    def norm(x, w):  # Gemma's RMSNorm: x / rms(x) * (1 + w)
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * (1 + w)
+
+    def gelu_tanh(x):
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+    def rotate_half(x):
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([-x2, x1], axis=-1)
+
+    B, S = tokens.shape
+    freqs = np.outer(np.arange(S), 1.0 / 10000.0 ** (np.arange(0, k, 2) / k))
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
+    x = t["model.embed_tokens.weight"][tokens] * np.sqrt(D)
+    mask = np.triu(np.full((S, S), -np.inf), 1)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        h = norm(x, t[p + "input_layernorm.weight"])
+        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(B, S, H, k).transpose(0, 2, 1, 3)
+        kk = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(B, S, G, k).transpose(0, 2, 1, 3)
+        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(B, S, G, k).transpose(0, 2, 1, 3)
+        q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
+        kk, v = np.repeat(kk, H // G, axis=1), np.repeat(v, H // G, axis=1)
+        scores = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(k) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, H * k) @ t[p + "self_attn.o_proj.weight"].T
+        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (gelu_tanh(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+    return norm(x, t["model.norm.weight"]) @ t["model.embed_tokens.weight"].T
+
+
+@pytest.mark.parametrize("axes", [{"data": 1}, {"fsdp": 8}])
+def test_a_hugging_face_gemma_checkpoint_loads_with_the_same_logits(tmp_path_factory, axes):
+    folder = tmp_path_factory.mktemp("gemma")
+    tensors = _hf_gemma_checkpoint(folder)
+    config = config_from_dict({"model": GEMMA, "mesh": {"axes": axes}, "precision": {"compute": "float32"},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder)}})  # fmt: skip
+    devices = jax.devices()[: np.prod(list(axes.values()))]
+    program = build_program(config, build_mesh(config.mesh.axes, devices))
+    tokens = np.random.default_rng(3).integers(0, V, (8, 16), dtype=np.int32)
+    got = _logits(program, program.init()["params"], tokens)
+    np.testing.assert_allclose(got, _hf_gemma_logits(tensors, tokens), atol=1e-4, rtol=1e-4)

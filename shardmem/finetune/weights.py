@@ -5,8 +5,9 @@
     export_safetensors(program, state, "out/")              # LoRA merged, Hugging Face names
     export_safetensors(program, state, "out/", adapters_only=True)   # PEFT's adapter_model.safetensors
 
-The reference model reads the Llama layout that Llama, Mistral and Qwen2-style checkpoints without
-biases share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]`` and
+The reference model reads the Llama layout that Llama, Mistral, Gemma (with the model's
+``norm_offset``, ``scale_embeddings`` and ``mlp_activation`` set as Gemma's) and Qwen2-style checkpoints
+without biases share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]`` and
 transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own
 parameter paths with ``.`` for ``/`` (what :func:`export_safetensors` writes for it), in its own layout.
 

@@ -63,6 +63,9 @@ class ModelConfig:
     head_dim: int | None = None  # Width of one head (None: d_model // n_heads).
     rope_theta: float = 10000.0  # Base of the rotary position embedding's frequencies.
     norm_eps: float = 1e-5  # Epsilon of RMSNorm.
+    norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + scale (Gemma: 1, scales stored near 0).
+    scale_embeddings: bool = False  # Multiply the input embeddings by sqrt(d_model) (Gemma).
+    mlp_activation: str = "silu"  # The gated MLP's: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU).
     tie_embeddings: bool = False  # The output head reuses the input embedding.
     attention: str = "auto"  # A kernel of shardmem.models.attention.ATTENTION_CHOICES.
     attention_chunk: int | None = None  # Query block of the `chunked` kernel (None: 512).
@@ -147,29 +150,38 @@ def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], dtype, f
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, param_dtype, compute_dtype):
-        init = nnx.with_partitioning(nnx.initializers.ones, ("norm",))
+    def __init__(self, dim: int, eps: float, *, param_dtype, compute_dtype, offset: float = 0.0):
+        # The product starts at one: a scale of ones, or of zeros with Gemma's offset of one.
+        init = nnx.with_partitioning(
+            nnx.initializers.ones if offset == 0 else nnx.initializers.zeros, ("norm",)
+        )
         self.scale = nnx.Param(init(jax.random.key(0), (dim,), param_dtype))
         self.eps = eps
+        self.offset = offset
         self.compute_dtype = compute_dtype
 
     def __call__(self, x):
-        return _rms_norm(x, self.scale[...], self.eps, self.compute_dtype)
+        return _rms_norm(x, self.scale[...], self.eps, self.compute_dtype, self.offset)
 
 
 # Recomputed in the backward pass from its compute-dtype input: otherwise the backward keeps fp32 copies
 # of the model-width residual (4 GiB per norm on llama-7b at 2 x 4096 tokens per device).
-@functools.partial(jax.checkpoint, static_argnums=(2, 3))
-def _rms_norm(x, scale, eps, compute_dtype):
+@functools.partial(jax.checkpoint, static_argnums=(2, 3, 4))
+def _rms_norm(x, scale, eps, compute_dtype, offset=0.0):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(compute_dtype)
+    return (normed * (offset + scale.astype(jnp.float32))).astype(compute_dtype)
 
 
-# The backward pass needs only the gate and up projections; the SwiGLU product is recomputed, not kept.
-@jax.checkpoint
-def _swiglu(gate, up):
-    return jax.nn.silu(gate) * up
+#: The gated MLP's activations (model.mlp_activation).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+# The backward pass needs only the gate and up projections; the gated product is recomputed, not kept.
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def _swiglu(gate, up, activation="silu"):
+    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return act * up
 
 
 def rope(x_BxLxHxK, positions_L, theta: float):
@@ -196,7 +208,7 @@ class Block(nnx.Module):
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.attention = attention
-        norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, offset=cfg.norm_offset)
         self.attn_norm = RMSNorm(d, cfg.norm_eps, **norm)
         self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), param_dtype, d)
         self.wk = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
@@ -241,7 +253,7 @@ class Block(nnx.Module):
                 return x_BxLxD + self.moe(h_BxLxD)
             gate_BxLxF = checkpoint_name(self._project("bld,df->blf", h_BxLxD, self.w_gate), "mlp_gate")
             up_BxLxF = checkpoint_name(self._project("bld,df->blf", h_BxLxD, self.w_up), "mlp_up")
-            act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF)
+            act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF, cfg.mlp_activation)
             out_BxLxD = checkpoint_name(self._project("blf,fd->bld", act_BxLxF, self.w_down), "mlp_out")
             return x_BxLxD + out_BxLxD
 
@@ -280,9 +292,8 @@ class Llama(nnx.Module):
                          attention=attention)  # fmt: skip
 
         self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
-        self.final_norm = RMSNorm(
-            cfg.d_model, cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype
-        )
+        norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, offset=cfg.norm_offset)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **norm)
         if not cfg.tie_embeddings:
             self.lm_head = _param(
                 rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), param_dtype, cfg.d_model
@@ -300,6 +311,8 @@ class Llama(nnx.Module):
         table_VxD = constrain(weight(value_of(self.embedding), self.compute_dtype), (None, None))
         shards = context.shards()  # Context parallelism: the layers see the sequence in zigzag order.
         x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], ("batch", "seq", None))
+        if self.cfg.scale_embeddings:  # Gemma: by sqrt(d_model), rounded to the compute dtype as it does.
+            x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.compute_dtype)
         run_layers = self.pipeline.run if self.pipeline else remat_scan
         x_BxLxD = run_layers(self.layers, x_BxLxD, self.remat)
         h_BxLxD = self.final_norm(x_BxLxD)
