@@ -65,9 +65,10 @@ def _hf_llama_logits(t, tokens):
     for i in range(L):
         p = f"model.layers.{i}."
         h = norm(x, t[p + "input_layernorm.weight"])
-        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(B, S, H, K).transpose(0, 2, 1, 3)
-        k = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(B, S, G, K).transpose(0, 2, 1, 3)
-        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(B, S, G, K).transpose(0, 2, 1, 3)
+        q, k, v = (h @ t[p + f"self_attn.{n}_proj.weight"].T + t.get(p + f"self_attn.{n}_proj.bias", 0)
+                   for n in "qkv")  # Qwen2's biases, where the checkpoint has them.  # fmt: skip
+        q = q.reshape(B, S, H, K).transpose(0, 2, 1, 3)
+        k, v = (x.reshape(B, S, G, K).transpose(0, 2, 1, 3) for x in (k, v))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = np.repeat(k, H // G, axis=1), np.repeat(v, H // G, axis=1)
         scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(K) + mask
@@ -292,3 +293,28 @@ def test_a_hugging_face_gemma_checkpoint_loads_with_the_same_logits(tmp_path_fac
     tokens = np.random.default_rng(3).integers(0, V, (8, 16), dtype=np.int32)
     got = _logits(program, program.init()["params"], tokens)
     np.testing.assert_allclose(got, _hf_gemma_logits(tensors, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_a_qwen2_checkpoint_with_qkv_biases_loads_with_the_same_logits(tmp_path):
+    tensors = _hf_checkpoint(tmp_path / "qwen2", seed=4)
+    rng = np.random.default_rng(5)
+    for i in range(L):  # Qwen2 is Llama's layout with biases on q, k and v.
+        for n, width in (("q", H * K), ("k", G * K), ("v", G * K)):
+            tensors[f"model.layers.{i}.self_attn.{n}_proj.bias"] = (rng.normal(size=width) * 0.1).astype(
+                np.float32
+            )
+    save_file(tensors, str(tmp_path / "qwen2" / "model-00001-of-00002.safetensors"))
+    (tmp_path / "qwen2" / "model-00002-of-00002.safetensors").unlink()
+    config = config_from_dict({"model": {**MODEL, "qkv_bias": True}, "mesh": {"axes": {"fsdp": 8}},
+                               "precision": {"compute": "float32"}, "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(tmp_path / "qwen2")}})  # fmt: skip
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    state = program.init()
+    tokens = np.random.default_rng(6).integers(0, V, (8, 16), dtype=np.int32)
+    got = _logits(program, state["params"], tokens)
+    np.testing.assert_allclose(got, _hf_llama_logits(tensors, tokens), atol=1e-4, rtol=1e-4)
+    assert state["params"]["layers"]["bq"].shape == (L, H, K)
+    assert sum(x.size for x in jax.tree.leaves(state["params"])) == program.config.model.param_count()
+    written = load_file(str(export_safetensors(program, state, tmp_path / "out", dtype=jnp.float32)))
+    np.testing.assert_allclose(written["model.layers.1.self_attn.k_proj.bias"],
+                               tensors["model.layers.1.self_attn.k_proj.bias"], atol=1e-7)  # fmt: skip

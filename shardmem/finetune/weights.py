@@ -6,9 +6,9 @@
     export_safetensors(program, state, "out/", adapters_only=True)   # PEFT's adapter_model.safetensors
 
 The reference model reads the Llama layout that Llama, Mistral, Gemma (with the model's
-``norm_offset``, ``scale_embeddings`` and ``mlp_activation`` set as Gemma's) and Qwen2-style checkpoints
-without biases share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]`` and
-transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own
+``norm_offset``, ``scale_embeddings`` and ``mlp_activation`` set as Gemma's) and Qwen2 (``qkv_bias``)
+checkpoints share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]``
+and transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own
 parameter paths with ``.`` for ``/`` (what :func:`export_safetensors` writes for it), in its own layout.
 
 Every array is made by :func:`jax.make_array_from_callback`: each device's callback reads only its own
@@ -42,6 +42,9 @@ _LAYER_NAMES = {
     "w_gate": ("mlp.gate_proj.weight", True),
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", "flat"),  # Qwen2's [heads x head_dim] biases, stored flat.
+    "bk": ("self_attn.k_proj.bias", "flat"),
+    "bv": ("self_attn.v_proj.bias", "flat"),
     "attn_norm/scale": ("input_layernorm.weight", False),
     "mlp_norm/scale": ("post_attention_layernorm.weight", False),
 }
@@ -58,8 +61,9 @@ class _Tensor:
     """Where one of the model's parameters comes from: a file tensor per layer (``layers`` of them, or
     one), and whether it is a Hugging Face ``[out, in]`` matrix of the parameter's ``in_dims`` inputs."""
 
-    def __init__(self, names: list[str], matrix: bool, in_dims: int = 1, stacked: bool = False):
-        self.names, self.matrix, self.in_dims, self.stacked = names, matrix, in_dims, stacked
+    def __init__(self, names: list[str], matrix: bool | str, in_dims: int = 1, stacked: bool = False):
+        self.flat = matrix == "flat"  # A vector in the file, an array of the same entries in the model.
+        self.names, self.matrix, self.in_dims, self.stacked = names, matrix is True, in_dims, stacked
 
 
 def _layout(program, full_shapes: dict) -> dict:
@@ -108,6 +112,8 @@ def _files(path: str | Path) -> dict[str, Path]:
 
 def _expected(shape, tensor: _Tensor) -> list[int]:
     layer = shape[1:] if tensor.stacked else shape
+    if tensor.flat:
+        return [math.prod(layer)]
     if not tensor.matrix:
         return list(layer)
     return [math.prod(layer[tensor.in_dims :]), math.prod(layer[: tensor.in_dims])]
@@ -142,6 +148,10 @@ def _check(layout: dict, full_shapes: dict, index: dict, where: str) -> None:
 def _block(sl, tensor: _Tensor, layer_shape, index) -> np.ndarray:
     """One layer's block ``index`` (slices in the model's layout) read from file slice ``sl``."""
     index = tuple(slice(*s.indices(n)) for s, n in zip(index, layer_shape, strict=True))
+    if tensor.flat:
+        first, rest = index[0], math.prod(layer_shape[1:])
+        block = sl[first.start * rest : first.stop * rest].reshape(first.stop - first.start, *layer_shape[1:])
+        return block[(slice(None), *index[1:])]
     if not tensor.matrix:
         return sl[index] if index else sl[:]
     ins, outs = layer_shape[: tensor.in_dims], layer_shape[tensor.in_dims :]

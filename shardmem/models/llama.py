@@ -66,6 +66,7 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + scale (Gemma: 1, scales stored near 0).
     scale_embeddings: bool = False  # Multiply the input embeddings by sqrt(d_model) (Gemma).
     mlp_activation: str = "silu"  # The gated MLP's: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU).
+    qkv_bias: bool = False  # Biases on the query, key and value projections (Qwen2).
     tie_embeddings: bool = False  # The output head reuses the input embedding.
     attention: str = "auto"  # A kernel of shardmem.models.attention.ATTENTION_CHOICES.
     attention_chunk: int | None = None  # Query block of the `chunked` kernel (None: 512).
@@ -90,7 +91,8 @@ class ModelConfig:
         mlp = 3 * d * self.d_ff
         if self.n_experts:
             mlp = self.n_experts * mlp + d * self.n_experts  # Experts and the router.
-        layer = attention + mlp + 2 * d
+        biases = (h + 2 * kv) * k if self.qkv_bias else 0
+        layer = attention + biases + mlp + 2 * d
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embeddings + d
 
@@ -214,6 +216,15 @@ class Block(nnx.Module):
         self.wk = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
         self.wv = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
         self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), param_dtype, h * k)
+        if cfg.qkv_bias:
+
+            def bias(axes, shape):
+                init = nnx.with_partitioning(nnx.initializers.zeros, axes)
+                return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+            self.bq = bias(("heads", "head_dim"), (h, k))
+            self.bk = bias(("kv_heads", "head_dim"), (kv, k))
+            self.bv = bias(("kv_heads", "head_dim"), (kv, k))
         self.mlp_norm = RMSNorm(d, cfg.norm_eps, **norm)
         if cfg.n_experts:
             self.moe = MoEFeedForward(d, f, cfg.n_experts, rngs=rngs, experts_per_token=cfg.experts_per_token,
@@ -239,6 +250,10 @@ class Block(nnx.Module):
             q_BxLxHxK = checkpoint_name(self._project("bld,dhk->blhk", h_BxLxD, self.wq), "query_proj")
             k_BxLxGxK = checkpoint_name(self._project("bld,dgk->blgk", h_BxLxD, self.wk), "key_proj")
             v_BxLxGxK = checkpoint_name(self._project("bld,dgk->blgk", h_BxLxD, self.wv), "value_proj")
+            if cfg.qkv_bias:
+                q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
+                k_BxLxGxK = k_BxLxGxK + weight(value_of(self.bk), self.compute_dtype)
+                v_BxLxGxK = v_BxLxGxK + weight(value_of(self.bv), self.compute_dtype)
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
             ctx_BxLxHxK = checkpoint_name(
