@@ -290,6 +290,12 @@ def build_program(
     frozen_logical = None
     finetune = FineTune.resolve(config, abstract_params, param_logical, reference_model=not custom,
                                 input_dims=lora_input_dims if not custom else lambda path: 1)  # fmt: skip
+    if finetune is not None and pipeline is not None and (finetune.adapted or finetune.quantized):
+        raise ConfigError(
+            f"mesh.axes.stage={pipeline.stages} with finetune.lora or finetune.quantize: the pipeline's "
+            "stages split plain layer weights only, not adapted or quantized ones; set mesh.axes.stage=1 "
+            "(shard with fsdp), or freeze without them"
+        )
     if finetune is not None:  # From here on "params" are what trains; the frozen ones ride along.
         abstract_params, abstract_frozen = jax.eval_shape(
             finetune.prepare, abstract_params, jax.random.key(0)

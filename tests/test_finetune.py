@@ -149,9 +149,13 @@ def test_project_equals_the_materialized_adapted_weight():
      ["'lm_head' matches no parameter of those", "layers/w"]),
     ("finetune.quantize.group", {"freeze": ["layers/*"], "quantize": {"group": 40}}, ["does not divide"]),
     ("finetune.freeze", {"freeze": ["*"]}, ["nothing to train"]),
+    ("mesh.axes.stage=2", {"lora": {"targets": ["layers/wq"]}}, ["set mesh.axes.stage=1"]),
 ])  # fmt: skip
 def test_bad_patterns_are_one_line_config_errors(key, finetune, words):
-    config = _config(finetune)
+    stage = "stage" in key  # A pipeline of 2 stages over 2 micro-batches.
+    config = _config(
+        finetune, axes={"stage": 2, "fsdp": 4} if stage else None, micro_batches=2 if stage else 1
+    )
     with pytest.raises(ConfigError) as error:
         build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     message = str(error.value)
@@ -234,3 +238,19 @@ def test_adapters_and_codes_carry_their_matrix_logical_axes(lora_program):
     assert rows["layers/wo/lora_a"].logical == ("layers", "heads", "head_dim", None)
     assert rows["layers/wq"].logical == ("layers", "embed", "heads", "head_dim")  # The frozen base.
     assert rows["layers/wq/lora_a"].spec == P(None, "fsdp", None)  # Sharded like the matrix's inputs.
+
+
+def test_micro_batches_accumulate_the_adapters_gradients_as_one_batch(lora_program):
+    config = lora_program.config.replace("train.global_batch=16")
+    whole = build_program(config, lora_program.mesh)
+    accumulating = build_program(config.replace("train.micro_batches=2"), lora_program.mesh)
+    state = whole.init()
+    b = state["params"]["layers"]["wq"]["lora_b"]
+    state["params"]["layers"]["wq"]["lora_b"] = jax.device_put(jnp.full(b.shape, 0.01, b.dtype), b.sharding)
+    tokens = np.random.default_rng(3).integers(0, 256, (16, 65), dtype=np.int32)
+    tokens = jax.device_put(tokens, whole.batch_sharding)
+    one, metrics = whole.step(jax.tree.map(lambda x: x.copy(), state), tokens)
+    two, metrics_two = accumulating.step(state, tokens)
+    np.testing.assert_allclose(float(metrics_two["loss"]), float(metrics["loss"]), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(two["params"]), jax.tree.leaves(one["params"]), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
