@@ -235,7 +235,7 @@ class FinetuneConfig:
     lora: LoraConfig | None = None  # {rank, alpha, targets}: adapters on these matrices (None: none).
     quantize: QuantizeConfig | None = None  # {format, group, targets}: frozen matrices in 8 or 4 bits.
     base_dtype: str | None = None  # The frozen weights' dtype (None: precision.compute).
-    # Pretrained weights to start from: a safetensors file or folder (shardmem.finetune.weights).
+    # Pretrained weights: a safetensors file or folder, or a shardmem run (shardmem.finetune.weights).
     init_from: str | None = None
     # A model of your own: parameter path (layers/0/kernel) -> tensor name in init_from, where they differ.
     init_names: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -419,9 +419,9 @@ def build_program(
     def init_or_load():
         if config.finetune.init_from is None:
             return init(jax.random.key(seed))
-        from shardmem.finetune.weights import load_safetensors  # safetensors, only when loading
+        from shardmem.finetune.weights import load_weights  # safetensors or Orbax, only when loading
 
-        params = load_safetensors(config.finetune.init_from, program)
+        params = load_weights(config.finetune.init_from, program)
         with warnings.catch_warnings():  # A quantized or adapted tensor has no output of its shape to reuse.
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             return start(params)

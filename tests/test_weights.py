@@ -318,3 +318,27 @@ def test_a_qwen2_checkpoint_with_qkv_biases_loads_with_the_same_logits(tmp_path)
     written = load_file(str(export_safetensors(program, state, tmp_path / "out", dtype=jnp.float32)))
     np.testing.assert_allclose(written["model.layers.1.self_attn.k_proj.bias"],
                                tensors["model.layers.1.self_attn.k_proj.bias"], atol=1e-7)  # fmt: skip
+
+
+def test_an_orbax_checkpoint_of_a_run_loads_its_parameters_into_a_lora_program(tmp_path):
+    from shardmem.run.checkpoint import Checkpointer
+
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": {"fsdp": 8}}, "train": {"global_batch": 8}})
+    pretrained = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    state = pretrained.init()
+    checkpointer = Checkpointer(tmp_path / "run" / "checkpoints", every=1, keep=1)
+    checkpointer.save(7, state, force=True)
+    checkpointer._manager.wait_until_finished()
+    saved = np.asarray(state["params"]["layers"]["w_up"])
+    lora = config.replace(
+        f"finetune.init_from={tmp_path / 'run'}", "finetune.lora={rank: 2, targets: [layers/wq]}"
+    )
+    program = build_program(lora, pretrained.mesh)
+    loaded = program.init()
+    got = loaded["frozen"]["layers"]["w_up"]
+    assert got.dtype == jnp.bfloat16 and got.sharding == program.state_shardings["frozen"]["layers"]["w_up"]
+    np.testing.assert_array_equal(np.asarray(got), saved.astype(jnp.bfloat16))
+    wrong = build_program(lora.replace("model.d_ff=128"), pretrained.mesh)
+    with pytest.raises(ConfigError, match="do not restore into the model's") as error:
+        wrong.init()
+    assert "\n" not in str(error.value) and "(2, 96, 64)" in str(error.value)

@@ -1,4 +1,5 @@
-"""Pretrained weights in and out: Hugging Face safetensors checkpoints, read straight into their shards.
+"""Pretrained weights in and out: Hugging Face safetensors checkpoints (or a shardmem run's Orbax
+checkpoint), read straight into their shards.
 
     params = load_safetensors("Llama-3.2-1B/", program)   # the model's parameters, sharded as planned
     state = program.start_from(params)                      # split, quantized, adapters, optimizer
@@ -165,22 +166,75 @@ def _block(sl, tensor: _Tensor, layer_shape, index) -> np.ndarray:
     return block.transpose(*range(n_out, block.ndim), *range(n_out))
 
 
+def load_weights(path: str | Path, program) -> dict:
+    """Returns the model's full parameters from ``path``: safetensors (:func:`load_safetensors`), or
+    the parameters of a shardmem run's Orbax checkpoint (:func:`load_orbax`)."""
+    where = Path(path)
+    if where.is_dir() and not list(where.glob("*.safetensors")) and _orbax_item(where) is not None:
+        return load_orbax(path, program)
+    return load_safetensors(path, program)
+
+
+def _orbax_item(where: Path) -> Path | None:
+    """The Orbax item folder in a run folder, its checkpoints folder, one step's folder or the item."""
+    if (where / "checkpoints").is_dir():
+        where = where / "checkpoints"
+    steps = sorted((p for p in where.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    if steps:
+        where = steps[-1]
+    if (where / "default").is_dir():
+        where = where / "default"
+    return where if (where / "_METADATA").exists() or (where / "manifest.ocdbt").exists() else None
+
+
+def load_orbax(path: str | Path, program) -> dict:
+    """Returns the model's full parameters from a shardmem run's Orbax checkpoint (the newest step of a
+    run or checkpoints folder, or one step's), restoring ``state["params"]`` alone, each array into its
+    shards in the dtype the program keeps it in (frozen ones in ``finetune.base_dtype``)."""
+    import orbax.checkpoint as ocp
+
+    item = _orbax_item(Path(path))
+    if item is None:
+        raise ConfigError(f"finetune.init_from={str(path)!r}: no safetensors file and no Orbax checkpoint "
+                          "there; give a safetensors file or folder, or a shardmem run's folder")  # fmt: skip
+    target = {"params": _as_stored(program)}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            return checkpointer.restore(item, args=args)["params"]
+    except (ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(". Truncating")[0][:300]  # Orbax's advice to pad or truncate does not apply.
+        raise ConfigError(
+            f"finetune.init_from={str(path)!r}: the checkpoint's parameters do not restore into "
+            f"the model's ({first}); does the model section match the run that saved it?"
+        ) from None
+
+
+def _as_stored(program) -> dict:
+    """The model's abstract parameters, frozen ones in ``finetune.base_dtype`` (no float32 copy)."""
+    finetune, stored = program.finetune, {}
+    for p, leaf in _flat(program.model_params).items():
+        if finetune is not None and p in finetune.frozen:
+            leaf = jax.ShapeDtypeStruct(leaf.shape, finetune.base_dtype, sharding=leaf.sharding)
+        _put(stored, p, leaf)
+    return stored
+
+
 def load_safetensors(path: str | Path, program) -> dict:
     """Returns the model's full parameters (``program.model_params``' tree, dtypes and shardings) read
     from a safetensors file or folder; a missing, extra or misshapen tensor is a ConfigError naming it."""
     from safetensors import safe_open
 
-    abstract = program.model_params
+    abstract = _as_stored(program)
     full_shapes = {p: leaf.shape for p, leaf in _flat(abstract).items()}
     layout = _layout(program, full_shapes)
     index = _files(path)
     _check(layout, full_shapes, index, str(path))
     params: dict = {}
-    finetune = program.finetune
     for p, leaf in _flat(abstract).items():
         tensor = layout[p]
-        if finetune is not None and p in finetune.frozen:  # Read as stored: no float32 copy of the base.
-            leaf = jax.ShapeDtypeStruct(leaf.shape, finetune.base_dtype, sharding=leaf.sharding)
 
         def read(idx, leaf=leaf, tensor=tensor):
             idx = tuple(idx) + (slice(None),) * (len(leaf.shape) - len(idx))
