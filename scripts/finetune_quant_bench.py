@@ -49,5 +49,7 @@ with tempfile.TemporaryDirectory() as folder:
         config = config_from_dict({**BASE, "train": {"global_batch": 16, "steps": STEPS, "seed": 1},
                                    "finetune": finetune})  # fmt: skip
         _, _, before, after, train_loss = run(config, STEPS, 1)
-        print(f"{base:5s} base: held-out loss {before:.4f} before, {after:.4f} after {STEPS} LoRA steps "
-              f"(train loss, last 10 steps: {train_loss:.4f})")
+        print(
+            f"{base:5s} base: held-out loss {before:.4f} before, {after:.4f} after {STEPS} LoRA steps "
+            f"(train loss, last 10 steps: {train_loss:.4f})"
+        )

@@ -166,7 +166,7 @@ class FineTune:
                 continue
             mesh, spec = sharding.mesh, tuple(sharding.spec)
             if path in self.quantized:
-                _put(frozen, path, {"codes": sharding, "scales": sharding})  # Checked in check_shardings.
+                _put(frozen, path, {"codes": sharding, "scales": sharding})  # Trimmed by fit_shardings.
             else:
                 _put(frozen, path, sharding)
             if path in self.adapted:
