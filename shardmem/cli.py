@@ -178,6 +178,41 @@ def cmd_train(args) -> int:
     return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_OK
 
 
+def cmd_export(args) -> int:
+    import jax
+
+    from shardmem.finetune.weights import export_safetensors
+    from shardmem.parallel.mesh import build_mesh
+    from shardmem.planning.targets import ensure_cpu_devices
+    from shardmem.run.checkpoint import Checkpointer
+    from shardmem.step import build_program
+
+    config = _load(args)
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        ensure_cpu_devices(config.mesh.device_count())
+    run_dir = args.run_dir or f"runs/{config.name}"
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    step, state, _ = (None, None, None)
+    if os.path.isdir(checkpoints):
+        step, state, _ = Checkpointer(checkpoints, every=1, keep=1 << 30).restore_newest(
+            program.abstract_state
+        )
+    if step is None:
+        raise ConfigError(f"--run-dir {run_dir!r} has no checkpoint to export; train first (shardmem train "
+                          f"{args.config} --run-dir {run_dir})")  # fmt: skip
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[args.dtype]
+    file = export_safetensors(program, state, args.out, dtype=jax.numpy.dtype(dtype),
+                              adapters_only=args.adapters_only)  # fmt: skip
+    what = (
+        "the adapters"
+        if args.adapters_only
+        else "the weights" + (" (LoRA merged)" if program.finetune else "")
+    )
+    print(f"wrote {what} of step {step} to {file}", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_launch(args) -> int:
     from shardmem.run.distributed import launch
 
@@ -211,6 +246,22 @@ def _add_train_commands(commands) -> None:
     p.add_argument("--process-id", type=int, metavar="I",
                    help="multi-process: this process's index (or SHARDMEM_PROCESS_ID)")  # fmt: skip
     p.set_defaults(run=cmd_train)
+
+    p = commands.add_parser(
+        "export",
+        help="write a run's trained weights as safetensors (LoRA merged, or the adapters alone)",
+        description="Restores the newest checkpoint of RUN_DIR and writes OUT/model.safetensors: Hugging "
+        "Face Llama names for the reference model (LoRA merged into its matrices, a quantized base "
+        "dequantized), a model of your own's parameter paths; with --adapters-only PEFT's "
+        "OUT/adapter_model.safetensors and adapter_config.json. Exit 2: config error or no checkpoint.",
+    )
+    _config_args(p)
+    p.add_argument("--run-dir", help="the run to export (default: runs/<config name>)")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="where the files go (created)")
+    p.add_argument("--adapters-only", action="store_true", help="write the LoRA adapters alone (PEFT layout)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="the dtype of the tensors written (default: bfloat16)")  # fmt: skip
+    p.set_defaults(run=cmd_export)
 
     p = commands.add_parser(
         "launch",

@@ -22,8 +22,9 @@ from typing import Annotated, Any
 import yaml
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.finetune.quant import FORMATS
 from shardmem.models.attention import ATTENTION_CHOICES
-from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, ModelConfig
+from shardmem.models.llama import CHECKPOINT_TAGS, MLP_ACTIVATIONS, PRESETS, ModelConfig
 from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import LayerPlan, ModulePlan
 from shardmem.units import parse_bandwidth, parse_bytes
@@ -235,6 +236,51 @@ def _rate_text(rate: float) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the weight matrices whose paths match ``targets`` (globs such as
+    ``layers/w[qkvo]``): each gets ``A`` (input x ``rank``) and ``B`` (``rank`` x output), trained, while the
+    matrix itself is frozen; the layer computes ``x W + alpha / rank x (x A) B``."""
+
+    rank: int = 8  # Columns of A, rows of B.
+    alpha: float = 16.0  # The adapters' output is scaled by alpha / rank.
+    targets: list[str] = dataclasses.field(default_factory=list)  # Globs of parameter paths.
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """Frozen weight matrices stored quantized and dequantized where they are used: ``int8``, or 4-bit
+    ``int4`` / ``nf4`` (QLoRA's NormalFloat), two codes a byte; one float32 scale per ``group`` entries
+    of the last axis (an axis shorter than ``group`` is one group)."""
+
+    format: str = "nf4"  # int8, int4 or nf4.
+    group: int = 64  # Entries of the last axis that share one scale.
+    targets: list[str] = dataclasses.field(default_factory=lambda: ["*"])  # Globs; frozen matrices only.
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """Fine-tuning (:mod:`shardmem.finetune`): parameters matching ``freeze`` (globs of paths such as
+    ``embedding`` or ``layers/*``) get no gradients and no optimizer state, and are stored in
+    ``base_dtype``; ``lora`` adds trainable adapters to matrices, which it freezes (with ``lora`` and no
+    ``freeze``, every parameter is frozen, as PEFT does); ``quantize`` stores frozen matrices in 8 or
+    4 bits."""
+
+    freeze: list[str] | None = None  # Globs of parameter paths (None: all with lora, else none).
+    lora: LoraConfig | None = None  # {rank, alpha, targets}: adapters on these matrices (None: none).
+    quantize: QuantizeConfig | None = None  # {format, group, targets}: frozen matrices in 8 or 4 bits.
+    base_dtype: str | None = None  # The frozen weights' dtype (None: precision.compute).
+    # Pretrained weights: a safetensors file or folder, or a shardmem run (shardmem.finetune.weights).
+    init_from: str | None = None
+    # A model of your own: parameter path (layers/0/kernel) -> tensor name in init_from, where they differ.
+    init_names: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        """Whether any parameter is frozen or adapted."""
+        return bool(self.freeze) or self.lora is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """One training run, as a YAML file describes it."""
 
@@ -252,6 +298,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     interconnect: InterconnectConfig = dataclasses.field(default_factory=InterconnectConfig)
+    finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
     name: str = "run"  # The run's name: runs/<name> (default: the config file's name).
     # The loaded file's folder, where import paths (model.factory, ...) are looked up first; not a key.
     folder: str | None = dataclasses.field(default=None, compare=False, metadata={"internal": True})
@@ -645,6 +692,40 @@ def _validate(config: Config) -> None:
             _positive("model.n_layers", config.model.n_layers)
     _validate_sizes(config)
     _validate_rest(config)
+    _validate_finetune(config.finetune)
+
+
+def _validate_finetune(ft: FinetuneConfig) -> None:
+    """The fine-tune section's values; its patterns are checked against the model's parameter paths
+    when the program is built (:mod:`shardmem.finetune`)."""
+    if ft.base_dtype is not None and ft.base_dtype not in DTYPES:
+        raise ConfigError(f"finetune.base_dtype={ft.base_dtype!r}: use {one_of(DTYPES)}, or null for "
+                          "precision.compute")  # fmt: skip
+    globs = [("finetune.freeze", ft.freeze or [])]
+    if ft.lora is not None:
+        _positive("finetune.lora.rank", ft.lora.rank)
+        _positive("finetune.lora.alpha", ft.lora.alpha)
+        if not ft.lora.targets:
+            raise ConfigError("finetune.lora.targets is empty; name the matrices to adapt, e.g. "
+                              "[layers/wq, layers/wv] or [layers/w*]")  # fmt: skip
+        globs.append(("finetune.lora.targets", ft.lora.targets))
+    if ft.quantize is not None:
+        q = ft.quantize
+        if q.format not in FORMATS:
+            raise ConfigError(f"finetune.quantize.format={q.format!r}{did_you_mean(q.format, FORMATS)}; "
+                              f"use {one_of(FORMATS)}")  # fmt: skip
+        _positive("finetune.quantize.group", q.group)
+        if q.format != "int8" and q.group % 2:
+            raise ConfigError(f"finetune.quantize.group={q.group}: {q.format} packs two codes a byte, so "
+                              f"the group must be even; use {q.group + 1}")  # fmt: skip
+        if not ft.active:
+            raise ConfigError("finetune.quantize stores frozen weights, but nothing is frozen; add "
+                              "finetune.freeze (e.g. ['*']) or finetune.lora")  # fmt: skip
+        globs.append(("finetune.quantize.targets", q.targets))
+    for key, patterns in globs:
+        for pattern in patterns:
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigError(f"{key}: {pattern!r} is not a glob of parameter paths such as layers/wq")
 
 
 def _validate_sizes(config: Config) -> None:
@@ -800,6 +881,14 @@ def _validate_model(m: ModelConfig) -> None:
             f"model.attention_chunk={m.attention_chunk} must be a positive divisor of model.seq_len="
             f"{m.seq_len}; use e.g. {divisors[:4] or [m.seq_len]}, or null to attend in one block"
         )
+    if m.mlp_activation not in MLP_ACTIVATIONS:
+        raise ConfigError(
+            f"model.mlp_activation={m.mlp_activation!r}{did_you_mean(m.mlp_activation, MLP_ACTIVATIONS)}; "
+            f"use {one_of(MLP_ACTIVATIONS)}"
+        )
+    if m.mlp_activation != "silu" and m.n_experts:
+        raise ConfigError(f"model.mlp_activation={m.mlp_activation!r} with model.n_experts={m.n_experts}: "
+                          "the experts are SwiGLU; use silu, or a dense MLP (n_experts: 0)")  # fmt: skip
     if m.attention not in ATTENTION_CHOICES:
         raise ConfigError(
             f"model.attention={m.attention!r}{did_you_mean(m.attention, ATTENTION_CHOICES)}; "

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +38,11 @@ from shardmem.batch import BatchLeaf, parse_batch, token_batch
 from shardmem.batch import is_leaf as is_batch_leaf
 from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
+from shardmem.finetune import FineTune
 from shardmem.models import losses
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
 from shardmem.models.linen import remat_calls
-from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig
+from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig, lora_input_dims
 from shardmem.models.user import import_object, search_from, takes
 from shardmem.optimizer import loss_scale, make_optimizer, optimizer_shardings, to_device, to_host
 from shardmem.parallel.mesh import auto_axes
@@ -117,7 +119,9 @@ class Program:
     The state is ``{"params", "opt_state", "step"}`` plus ``"model_state"`` when the model has
     variables other than ``nnx.Param`` (batch statistics, RNG streams, ...): those are carried through
     the step and updated, sharded by the same rules and checkpointed, but never differentiated, decayed
-    or given optimizer moments. ``abstract_batch`` and ``batch_sharding`` are pytrees shaped like the
+    or given optimizer moments. With ``finetune`` (:mod:`shardmem.finetune`), ``"params"`` holds what
+    trains (adapters included) and ``"frozen"`` the frozen, possibly quantized, parameters, which the
+    step passes through untouched. ``abstract_batch`` and ``batch_sharding`` are pytrees shaped like the
     batch.
     """
 
@@ -144,11 +148,22 @@ class Program:
     loss: Callable | None = None
     attention: AttentionKernel | None = None  # The reference model's kernel, resolved for the mesh's devices.
     pipeline: Pipeline | None = None  # The layers' pipeline stages (None: no stage axis, or stage=1).
+    finetune: FineTune | None = None  # Frozen, adapted and quantized parameters (None: all train).
+    # The model's own parameters (before the fine-tune split), with their shardings: what weights load into.
+    model_params: Any = None
+    start_from: Callable | None = None  # (model params) -> state: pretrained weights in (donated).
+    frozen_logical: Any = None  # The logical axis names of state["frozen"] (with finetune).
 
     def sharding_table(self):
-        """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter."""
-        params = self.abstract_state["params"]
-        return sharding_table(params, self.state_shardings["params"], self.param_logical)
+        """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter (trainable ones,
+        then frozen ones)."""
+        rows = sharding_table(
+            self.abstract_state["params"], self.state_shardings["params"], self.param_logical
+        )
+        if "frozen" in self.abstract_state:
+            rows += sharding_table(self.abstract_state["frozen"], self.state_shardings["frozen"],
+                                   self.frozen_logical)  # fmt: skip
+        return rows
 
 
 def _abstract(tree, shardings):
@@ -274,6 +289,23 @@ def build_program(
     # A stage count that does not divide the layers cannot shard their stored axis (Pipeline.storage_rules).
     storage = pipeline.storage_rules(rules, config.model.n_layers) if pipeline else rules
     param_shardings = storage.shardings(mesh, abstract_params_state)
+    model_params = _abstract(abstract_params, param_shardings)
+    frozen_logical = None
+    finetune = FineTune.resolve(config, abstract_params, param_logical, reference_model=not custom,
+                                input_dims=lora_input_dims if not custom else lambda path: 1)  # fmt: skip
+    if finetune is not None and pipeline is not None and (finetune.adapted or finetune.quantized):
+        raise ConfigError(
+            f"mesh.axes.stage={pipeline.stages} with finetune.lora or finetune.quantize: the pipeline's "
+            "stages split plain layer weights only, not adapted or quantized ones; set mesh.axes.stage=1 "
+            "(shard with fsdp), or freeze without them"
+        )
+    if finetune is not None:  # From here on "params" are what trains; the frozen ones ride along.
+        abstract_params, abstract_frozen = jax.eval_shape(
+            finetune.prepare, abstract_params, jax.random.key(0)
+        )
+        param_shardings, frozen_shardings = finetune.shardings(param_shardings)
+        frozen_shardings = finetune.fit_shardings(frozen_shardings, abstract_frozen)
+        param_logical, frozen_logical = finetune.logical(param_logical)
     keys = _Keys(nnx.to_pure_dict(abstract_rest_state))
     replicated = NamedSharding(mesh, P())
     rest_shardings = storage.shardings(mesh, abstract_rest_state)
@@ -293,6 +325,9 @@ def build_program(
     if has_rest:
         state_shardings["model_state"] = rest_shardings
         abstract_tree["model_state"] = abstract_rest
+    if finetune is not None:
+        state_shardings["frozen"] = frozen_shardings
+        abstract_tree["frozen"] = abstract_frozen
     abstract_state = _abstract(abstract_tree, state_shardings)
 
     batch_sharding = jax.tree.map(lambda leaf: NamedSharding(mesh, rules.spec(leaf.logical_axes())),
@@ -301,7 +336,9 @@ def build_program(
     abstract_batch = jax.tree.map(lambda leaf, s: leaf.abstract(s), batch_tree, batch_sharding,
                                   is_leaf=is_batch_leaf)  # fmt: skip
 
-    def loss_of_params(params, rest, batch):
+    def loss_of_params(params, rest, batch, frozen=None):
+        if finetune is not None:
+            params = finetune.assemble(params, frozen)
         model = nnx.merge(graphdef, params, keys.wrap(rest)) if has_rest else nnx.merge(graphdef, params)
         with remat_calls(modules, matched) if modules else contextlib.nullcontext():  # Linen modules inside.
             out = loss_fn(model, batch)
@@ -318,11 +355,11 @@ def build_program(
 
     def train_step(state, batch):
         with rules.activate(mesh):
-            params, rest = state["params"], state.get("model_state", {})
+            params, rest, frozen = state["params"], state.get("model_state", {}), state.get("frozen")
             scale = loss_scale(state["opt_state"])  # None unless precision.loss_scale is on.
             grad_fn = plain_grad_fn if scale is None else functools.partial(scaled_grad_fn, scale=scale)
             if train.micro_batches == 1 or pipeline:  # A pipeline runs its micro-batches itself.
-                (loss, (metrics, rest)), grads = grad_fn(params, rest, batch)
+                (loss, (metrics, rest)), grads = grad_fn(params, rest, batch, frozen)
             else:
                 # Micro-batch i takes every k-th row, so each device keeps its own rows.
                 k = train.micro_batches
@@ -332,12 +369,12 @@ def build_program(
 
                 def accumulate(carry, one_batch):
                     loss_sum, metric_sum, grad_sum, rest = carry
-                    (loss, (metrics, rest)), grads = grad_fn(params, rest, one_batch)
+                    (loss, (metrics, rest)), grads = grad_fn(params, rest, one_batch, frozen)
                     metric_sum = jax.tree.map(jnp.add, metric_sum, metrics)
                     return (loss_sum + loss, metric_sum, jax.tree.map(jnp.add, grad_sum, grads), rest), None
 
                 first = jax.tree.map(lambda x: x[0], micro)
-                metric_shapes = jax.eval_shape(lambda: grad_fn(params, rest, first)[0][1][0])
+                metric_shapes = jax.eval_shape(lambda: grad_fn(params, rest, first, frozen)[0][1][0])
                 zeros = (jnp.zeros((), jnp.float32),
                          jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
                          jax.tree.map(jnp.zeros_like, params), rest)  # fmt: skip
@@ -355,6 +392,8 @@ def build_program(
                 }
             if has_rest:
                 new_state["model_state"] = rest
+            if finetune is not None:
+                new_state["frozen"] = frozen
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         if scale is not None:
             metrics = loss_scale_metrics(metrics, scale, new_state["opt_state"])
@@ -367,41 +406,60 @@ def build_program(
         donate_argnums=0,
     )
 
-    def init_state(key):
+    def init_state(key, loaded=None):
         with nnx.use_eager_sharding(False):
-            model = factory(nnx.Rngs(key))
+            model = factory(nnx.Rngs(key))  # With loaded weights, only its other variables are kept.
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        params = nnx.to_pure_dict(params)
+        params = nnx.to_pure_dict(params) if loaded is None else loaded
+        if finetune is not None:
+            params, frozen = finetune.prepare(params, jax.random.fold_in(key, 1))
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        if finetune is not None:
+            state["frozen"] = frozen
         if has_rest:
             state["model_state"] = keys.unwrap(nnx.to_pure_dict(rest))
         return state
 
     init = jax.jit(init_state, out_shardings=state_shardings)
-    return Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
-                   batch_sharding, param_logical, tx, step, lambda: init(jax.random.key(seed)),
+    start = jax.jit(lambda params: init_state(jax.random.key(seed), params), out_shardings=state_shardings,
+                    donate_argnums=0)  # fmt: skip
+
+    def init_or_load():
+        if config.finetune.init_from is None:
+            return init(jax.random.key(seed))
+        from shardmem.finetune.weights import load_weights  # safetensors or Orbax, only when loading
+
+        params = load_weights(config.finetune.init_from, program)
+        with warnings.catch_warnings():  # A quantized or adapted tensor has no output of its shape to reuse.
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            return start(params)
+
+    program = Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
+                   batch_sharding, param_logical, tx, step, init_or_load,
                    custom_model=custom, remat_plan=config.remat_plan(custom) if takes_remat else None,
                    module_plan=modules, module_matches=matched,
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
-                   pipeline=pipeline,
+                   pipeline=pipeline, finetune=finetune, model_params=model_params, start_from=start,
+                   frozen_logical=frozen_logical,
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
+    return program
 
 
 def scaled_value_and_grad(loss_of_params: Callable) -> Callable:
-    """Returns ``(params, rest, batch, scale) -> ((loss, aux), grads)``: ``jax.value_and_grad`` of
-    ``loss_of_params`` (see :attr:`Program.loss`) differentiated as ``loss x scale``, so that float16
-    gradients too small for its range are scaled into it, with the loss and the gradients divided by
+    """Returns ``(params, rest, batch, frozen=None, *, scale) -> ((loss, aux), grads)``:
+    ``jax.value_and_grad`` of ``loss_of_params`` (see :attr:`Program.loss`) differentiated as
+    ``loss x scale``, so that float16 gradients too small for its range are scaled into it, with the loss and the gradients divided by
     ``scale`` again (in the parameters' dtype, float32 master weights: they no longer underflow)."""
 
-    def scaled(params, rest, batch, scale):
-        loss, aux = loss_of_params(params, rest, batch)
+    def scaled(params, rest, batch, frozen, scale):
+        loss, aux = loss_of_params(params, rest, batch, frozen)
         return loss * scale.astype(loss.dtype), (loss, aux)
 
     grad = jax.grad(scaled, has_aux=True)
 
-    def value_and_grad(params, rest, batch, scale):
-        grads, (loss, aux) = grad(params, rest, batch, scale)
+    def value_and_grad(params, rest, batch, frozen=None, *, scale):
+        grads, (loss, aux) = grad(params, rest, batch, frozen, scale)
         return (loss, aux), jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
 
     return value_and_grad

@@ -278,10 +278,12 @@ def residual_bytes(config: Config, attention: AttentionKernel | None = None) -> 
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype),
                          program.abstract_batch)  # fmt: skip
 
-    def vjp_residuals(params, rest, batch):
-        return jax.vjp(lambda p: program.loss(p, rest, batch)[0], params)[1]
+    frozen = unsharded(state["frozen"]) if "frozen" in state else None  # Fine-tuning: the frozen base.
 
-    leaves = jax.tree.leaves(jax.eval_shape(vjp_residuals, params, rest, batch))
+    def vjp_residuals(params, rest, batch, frozen):
+        return jax.vjp(lambda p: program.loss(p, rest, batch, frozen)[0], params)[1]
+
+    leaves = jax.tree.leaves(jax.eval_shape(vjp_residuals, params, rest, batch, frozen))
     return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
 
 

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.finetune.lora import project, value_of, weight
 from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
 from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
@@ -62,6 +63,10 @@ class ModelConfig:
     head_dim: int | None = None  # Width of one head (None: d_model // n_heads).
     rope_theta: float = 10000.0  # Base of the rotary position embedding's frequencies.
     norm_eps: float = 1e-5  # Epsilon of RMSNorm.
+    norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + scale (Gemma: 1, scales stored near 0).
+    scale_embeddings: bool = False  # Multiply the input embeddings by sqrt(d_model) (Gemma).
+    mlp_activation: str = "silu"  # The gated MLP's: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU).
+    qkv_bias: bool = False  # Biases on the query, key and value projections (Qwen2).
     tie_embeddings: bool = False  # The output head reuses the input embedding.
     attention: str = "auto"  # A kernel of shardmem.models.attention.ATTENTION_CHOICES.
     attention_chunk: int | None = None  # Query block of the `chunked` kernel (None: 512).
@@ -86,7 +91,8 @@ class ModelConfig:
         mlp = 3 * d * self.d_ff
         if self.n_experts:
             mlp = self.n_experts * mlp + d * self.n_experts  # Experts and the router.
-        layer = attention + mlp + 2 * d
+        biases = (h + 2 * kv) * k if self.qkv_bias else 0
+        layer = attention + biases + mlp + 2 * d
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embeddings + d
 
@@ -130,6 +136,15 @@ PRESETS: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 
+def lora_input_dims(path: str) -> int:
+    """Returns how many axes of a reference weight matrix (after its layer axis) are its inputs, for
+    LoRA's ``A``: two for ``wo`` (heads x head_dim), one for the rest."""
+    if "/moe/" in f"/{path}":
+        raise ConfigError(f"finetune.lora.targets matches {path}, an expert's weights; LoRA adapts the dense "
+                          "matrices of the reference model (attention, embeddings, a dense MLP)")  # fmt: skip
+    return 2 if path.split("/")[-1] == "wo" else 1
+
+
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], dtype, fan_in: int | None):
     std = 1.0 / math.sqrt(fan_in) if fan_in else 0.02
     init = nnx.with_partitioning(nnx.initializers.truncated_normal(std), axes)
@@ -137,29 +152,38 @@ def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], dtype, f
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, param_dtype, compute_dtype):
-        init = nnx.with_partitioning(nnx.initializers.ones, ("norm",))
+    def __init__(self, dim: int, eps: float, *, param_dtype, compute_dtype, offset: float = 0.0):
+        # The product starts at one: a scale of ones, or of zeros with Gemma's offset of one.
+        init = nnx.with_partitioning(
+            nnx.initializers.ones if offset == 0 else nnx.initializers.zeros, ("norm",)
+        )
         self.scale = nnx.Param(init(jax.random.key(0), (dim,), param_dtype))
         self.eps = eps
+        self.offset = offset
         self.compute_dtype = compute_dtype
 
     def __call__(self, x):
-        return _rms_norm(x, self.scale[...], self.eps, self.compute_dtype)
+        return _rms_norm(x, self.scale[...], self.eps, self.compute_dtype, self.offset)
 
 
 # Recomputed in the backward pass from its compute-dtype input: otherwise the backward keeps fp32 copies
 # of the model-width residual (4 GiB per norm on llama-7b at 2 x 4096 tokens per device).
-@functools.partial(jax.checkpoint, static_argnums=(2, 3))
-def _rms_norm(x, scale, eps, compute_dtype):
+@functools.partial(jax.checkpoint, static_argnums=(2, 3, 4))
+def _rms_norm(x, scale, eps, compute_dtype, offset=0.0):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(compute_dtype)
+    return (normed * (offset + scale.astype(jnp.float32))).astype(compute_dtype)
 
 
-# The backward pass needs only the gate and up projections; the SwiGLU product is recomputed, not kept.
-@jax.checkpoint
-def _swiglu(gate, up):
-    return jax.nn.silu(gate) * up
+#: The gated MLP's activations (model.mlp_activation).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+# The backward pass needs only the gate and up projections; the gated product is recomputed, not kept.
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def _swiglu(gate, up, activation="silu"):
+    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return act * up
 
 
 def rope(x_BxLxHxK, positions_L, theta: float):
@@ -203,12 +227,21 @@ class Block(nnx.Module):
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.attention = attention
-        norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, offset=cfg.norm_offset)
         self.attn_norm = RMSNorm(d, cfg.norm_eps, **norm)
         self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), param_dtype, d)
         self.wk = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
         self.wv = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
         self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), param_dtype, h * k)
+        if cfg.qkv_bias:
+
+            def bias(axes, shape):
+                init = nnx.with_partitioning(nnx.initializers.zeros, axes)
+                return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+            self.bq = bias(("heads", "head_dim"), (h, k))
+            self.bk = bias(("kv_heads", "head_dim"), (kv, k))
+            self.bv = bias(("kv_heads", "head_dim"), (kv, k))
         self.mlp_norm = RMSNorm(d, cfg.norm_eps, **norm)
         if cfg.n_experts:
             self.moe = MoEFeedForward(d, f, cfg.n_experts, rngs=rngs, experts_per_token=cfg.experts_per_token,
@@ -220,8 +253,9 @@ class Block(nnx.Module):
             self.w_up = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
             self.w_down = _param(rngs, (f, d), ("mlp", "embed"), param_dtype, f)
 
-    def _w(self, param):
-        return param[...].astype(self.compute_dtype)
+    def _project(self, spec: str, x, param):
+        # The weight may be frozen, quantized or adapted (shardmem.finetune): read through project.
+        return project(spec, x, value_of(param), self.compute_dtype)
 
     def __call__(self, x_BxLxD):
         cfg = self.cfg
@@ -232,12 +266,16 @@ class Block(nnx.Module):
             # With sequence parallelism (rules.residual_seq over tensor) the norm runs on its share of
             # the sequence and its output is all-gathered for the tensor-parallel matmuls.
             h_BxLxD = _whole_seq(self.attn_norm(x_BxLxD), ("batch", "seq", None))
-            q_BxLxHxK = _whole_seq(jnp.einsum("bld,dhk->blhk", h_BxLxD, self._w(self.wq)), _HEADS)
-            k_BxLxGxK = _whole_seq(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wk)), _KV_HEADS)
-            v_BxLxGxK = _whole_seq(jnp.einsum("bld,dgk->blgk", h_BxLxD, self._w(self.wv)), _KV_HEADS)
+            q_BxLxHxK = _whole_seq(self._project("bld,dhk->blhk", h_BxLxD, self.wq), _HEADS)
+            k_BxLxGxK = _whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wk), _KV_HEADS)
+            v_BxLxGxK = _whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wv), _KV_HEADS)
             q_BxLxHxK = checkpoint_name(q_BxLxHxK, "query_proj")
             k_BxLxGxK = checkpoint_name(k_BxLxGxK, "key_proj")
             v_BxLxGxK = checkpoint_name(v_BxLxGxK, "value_proj")
+            if cfg.qkv_bias:
+                q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
+                k_BxLxGxK = k_BxLxGxK + weight(value_of(self.bk), self.compute_dtype)
+                v_BxLxGxK = v_BxLxGxK + weight(value_of(self.bv), self.compute_dtype)
             q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
             ctx_BxLxHxK = _whole_seq(context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), _HEADS)
@@ -245,7 +283,7 @@ class Block(nnx.Module):
             # Summed over the tensor-parallel heads: an all-reduce, or a reduce-scatter onto the residual
             # stream's share of the sequence with sequence parallelism.
             out_BxLxD = checkpoint_name(
-                _split_seq(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, self._w(self.wo))), "out_proj"
+                _split_seq(self._project("blhk,hkd->bld", ctx_BxLxHxK, self.wo)), "out_proj"
             )
             x_BxLxD = x_BxLxD + out_BxLxD
 
@@ -253,9 +291,12 @@ class Block(nnx.Module):
             h_BxLxD = _whole_seq(self.mlp_norm(x_BxLxD), ("batch", "seq", None))
             if cfg.n_experts:
                 return x_BxLxD + self.moe(h_BxLxD)
-            gate_BxLxF = checkpoint_name(_whole_seq(h_BxLxD @ self._w(self.w_gate), _MLP), "mlp_gate")
-            up_BxLxF = checkpoint_name(_whole_seq(h_BxLxD @ self._w(self.w_up), _MLP), "mlp_up")
-            down_BxLxD = _split_seq(_swiglu(gate_BxLxF, up_BxLxF) @ self._w(self.w_down))
+            gate_BxLxF = _whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_gate), _MLP)
+            up_BxLxF = _whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_up), _MLP)
+            gate_BxLxF = checkpoint_name(gate_BxLxF, "mlp_gate")
+            up_BxLxF = checkpoint_name(up_BxLxF, "mlp_up")
+            act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF, cfg.mlp_activation)
+            down_BxLxD = _split_seq(self._project("blf,fd->bld", act_BxLxF, self.w_down))
             return x_BxLxD + checkpoint_name(down_BxLxD, "mlp_out")
 
 
@@ -293,9 +334,8 @@ class Llama(nnx.Module):
                          attention=attention)  # fmt: skip
 
         self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
-        self.final_norm = RMSNorm(
-            cfg.d_model, cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype
-        )
+        norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, offset=cfg.norm_offset)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **norm)
         if not cfg.tie_embeddings:
             self.lm_head = _param(
                 rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), param_dtype, cfg.d_model
@@ -310,9 +350,11 @@ class Llama(nnx.Module):
         """Returns the final normed hidden states, which :meth:`unembedding` turns into logits."""
         # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the
         # partitioner's slow fallback to reach the batch-sharded activations.
-        table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
+        table_VxD = constrain(weight(value_of(self.embedding), self.compute_dtype), (None, None))
         shards = context.shards()  # Context parallelism: the layers see the sequence in zigzag order.
         x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], RESIDUAL)
+        if self.cfg.scale_embeddings:  # Gemma: by sqrt(d_model), rounded to the compute dtype as it does.
+            x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.compute_dtype)
         run_layers = self.pipeline.run if self.pipeline else remat_scan
         x_BxLxD = run_layers(self.layers, x_BxLxD, self.remat)
         h_BxLxD = _whole_seq(self.final_norm(x_BxLxD), ("batch", "seq", None))  # For the head: see Block.
@@ -345,5 +387,5 @@ class Llama(nnx.Module):
     def unembedding(self):
         """Returns the output projection ``head_DxV`` in the compute dtype (the embedding when tied)."""
         if self.cfg.tie_embeddings:
-            return self.embedding[...].astype(self.compute_dtype).T
-        return self.lm_head[...].astype(self.compute_dtype)
+            return weight(value_of(self.embedding), self.compute_dtype).T
+        return weight(value_of(self.lm_head), self.compute_dtype)

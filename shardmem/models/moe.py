@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from shardmem.finetune.lora import value_of, weight
 from shardmem.parallel.rules import constrain
 
 #: Logical axes of the dispatched tokens: experts on the expert mesh axis, groups on the rest of the batch's.
@@ -167,7 +168,7 @@ class MoEFeedForward(nnx.Module):
         capacity = expert_capacity(x_GxSxD.shape[1], n_experts, self.experts_per_token, self.capacity_factor)
         with jax.named_scope("router"):
             logits_GxSxE = jnp.einsum("gsd,de->gse", x_GxSxD.astype(jnp.float32),
-                                      self.router[...].astype(jnp.float32))  # fmt: skip
+                                      weight(value_of(self.router), jnp.float32))  # fmt: skip
             combine_GxSxExC, dispatch_GxSxExC, balance_loss = route(logits_GxSxE, self.experts_per_token,
                                                                     capacity)  # fmt: skip
         with jax.named_scope("dispatch"):
@@ -176,14 +177,13 @@ class MoEFeedForward(nnx.Module):
             x_ExGxCxD = constrain(constrain(x_ExGxCxD, GROUPED_AXES), DISPATCHED_AXES)  # The all-to-all.
         with jax.named_scope("experts"):
             hidden = ("expert", "batch", None, "mlp")
-            gate_ExGxCxF = constrain(jnp.einsum("egcd,edf->egcf", x_ExGxCxD, self.w_gate[...].astype(dtype)),
-                                     hidden)  # fmt: skip
-            up_ExGxCxF = constrain(jnp.einsum("egcd,edf->egcf", x_ExGxCxD, self.w_up[...].astype(dtype)),
-                                   hidden)  # fmt: skip
+            w_gate, w_up = weight(value_of(self.w_gate), dtype), weight(value_of(self.w_up), dtype)
+            gate_ExGxCxF = constrain(jnp.einsum("egcd,edf->egcf", x_ExGxCxD, w_gate), hidden)
+            up_ExGxCxF = constrain(jnp.einsum("egcd,edf->egcf", x_ExGxCxD, w_up), hidden)
             gate_ExGxCxF = checkpoint_name(gate_ExGxCxF, "mlp_gate")
             up_ExGxCxF = checkpoint_name(up_ExGxCxF, "mlp_up")
             act_ExGxCxF = jax.nn.silu(gate_ExGxCxF) * up_ExGxCxF
-            out_ExGxCxD = jnp.einsum("egcf,efd->egcd", act_ExGxCxF, self.w_down[...].astype(dtype))
+            out_ExGxCxD = jnp.einsum("egcf,efd->egcd", act_ExGxCxF, weight(value_of(self.w_down), dtype))
             out_ExGxCxD = checkpoint_name(constrain(out_ExGxCxD, DISPATCHED_AXES), "mlp_out")
         with jax.named_scope("combine"):
             out_ExGxCxD = constrain(out_ExGxCxD, GROUPED_AXES)  # The all-to-all back.

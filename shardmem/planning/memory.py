@@ -45,6 +45,7 @@ from shardmem.units import format_bytes
 #: The per-device figures of a report, in the order tables show them.
 CATEGORIES = (
     "params",
+    "frozen",
     "optimizer",
     "model_state",
     "batch",
@@ -97,6 +98,8 @@ class MemoryReport:
     #: The predicted step time on the target (:mod:`shardmem.planning.cost`); None where it has no spec.
     step_time: cost.StepTime | None = None
     step_time_note: str = ""  # Why there is no estimate, or what it leaves out.
+    # The most host memory loading finetune.init_from holds at once (0: nothing to load).
+    load_host_bytes: int = 0
     #: The optimized HLO the figures were read from (for the step-time estimate).
     module: hlo.HloModule | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -142,6 +145,7 @@ class MemoryReport:
             "pipeline": self.pipeline,
             "step_time": self.step_time.to_json() if self.step_time else None,
             "step_time_note": self.step_time_note,
+            "load_host_bytes": self.load_host_bytes,
         }
 
 
@@ -231,6 +235,7 @@ def plan_program(
     state = program.abstract_state
     groups = {
         "params": state["params"],
+        "frozen": state.get("frozen", {}),  # Fine-tuning's frozen (and quantized) parameters.
         "optimizer": {"opt_state": state["opt_state"], "step": state["step"]},
         "model_state": state.get("model_state", {}),
         "batch": program.abstract_batch,
@@ -251,7 +256,8 @@ def plan_program(
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
-                                 sharding=rows, attention=attention, pipeline=pipeline)  # fmt: skip
+                                 sharding=rows, attention=attention, pipeline=pipeline,
+                                 load_host_bytes=_load_host_bytes(program))  # fmt: skip
     if layer_plan is None and not modules:  # A model that remats itself: no plan of ours to compare with.
         report = dataclasses.replace(report, remat="the model's own")
     else:
@@ -326,6 +332,16 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
             "costed as groups of every device (an overestimate); please report the HLO line"
         )
     return dataclasses.replace(report, step_time=estimate, step_time_note=note, warnings=warnings)
+
+
+def _load_host_bytes(program: Program) -> int:
+    """The host memory loading ``finetune.init_from`` needs at most, read from the file's entry size
+    where the file is there (float32 where it is not yet)."""
+    if program.config.finetune.init_from is None:
+        return 0
+    from shardmem.finetune.weights import file_entry_bytes, host_bytes
+
+    return host_bytes(program, file_entry_bytes(program.config.finetune.init_from))
 
 
 def _optimizer_warnings(config: Config) -> list[str]:

@@ -16,6 +16,7 @@ from shardmem.units import format_bytes, format_flops, format_seconds
 
 _LABELS = {
     "params": "parameters",
+    "frozen": "frozen parameters",
     "optimizer": "optimizer state",
     "model_state": "model state (statistics, RNG)",
     "batch": "batch",
@@ -47,7 +48,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     table.add_column("", justify="right", style="dim")
     for key, label in _LABELS.items():
         value = report.per_device.get(key, 0)
-        if key == "model_state" and not value:
+        if key in ("model_state", "frozen") and not value:
             continue
         sign = "-" if key == "alias" and value else ""
         share = ""
@@ -89,6 +90,10 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         parts.append(Text("collectives per step per device: " + ", ".join(
             f"{kind} {format_bytes(v)}" for kind, v in moved.items())))  # fmt: skip
     parts += _step_time_lines(report)
+    if report.load_host_bytes:
+        parts.append(Text(f"loading finetune.init_from holds at most {format_bytes(report.load_host_bytes)} "
+                          "of host memory at once (one device's block of one parameter, as read and "
+                          "converted)"))  # fmt: skip
     check = report.cross_check
     if "analytic_argument_bytes" in check:
         ok = "matches" if check["matches"] else "DIFFERS FROM"

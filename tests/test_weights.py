@@ -1,0 +1,344 @@
+"""Pretrained weights in and out (shardmem.finetune.weights): a Hugging Face Llama-layout safetensors
+checkpoint written here with numpy, loaded into the reference model, compared with a hand-written
+forward pass of Hugging Face's Llama on the same tokens."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("safetensors")
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from shardmem import ConfigError, build_mesh, build_program, config_from_dict  # noqa: E402
+from shardmem.finetune.weights import export_safetensors  # noqa: E402
+
+V, D, L, H, G, K, F = 256, 64, 2, 4, 2, 16, 96
+MODEL = {"vocab_size": V, "d_model": D, "n_layers": L, "n_heads": H, "n_kv_heads": G, "d_ff": F,
+         "seq_len": 16, "norm_eps": 1e-6, "rope_theta": 10000.0}  # fmt: skip
+
+
+def _hf_checkpoint(folder, seed=0):
+    """Random weights under Hugging Face LlamaForCausalLM's names and [out, in] layout, in two files."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": 1 + w(D), "lm_head.weight": w(V, D)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": w(H * K, D), p + "self_attn.k_proj.weight": w(G * K, D),
+                    p + "self_attn.v_proj.weight": w(G * K, D), p + "self_attn.o_proj.weight": w(D, H * K),
+                    p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
+                    p + "mlp.down_proj.weight": w(D, F), p + "input_layernorm.weight": 1 + w(D),
+                    p + "post_attention_layernorm.weight": 1 + w(D)}  # fmt: skip
+    names = sorted(tensors)
+    folder.mkdir(exist_ok=True)
+    save_file(
+        {n: tensors[n] for n in names[: len(names) // 2]}, str(folder / "model-00001-of-00002.safetensors")
+    )
+    save_file(
+        {n: tensors[n] for n in names[len(names) // 2 :]}, str(folder / "model-00002-of-00002.safetensors")
+    )
+    return tensors
+
+
+def _hf_llama_logits(t, tokens):
+    """Hugging Face's LlamaForCausalLM forward pass (modeling_llama.py), in numpy float64."""
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
+
+    def rotate_half(x):
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([-x2, x1], axis=-1)
+
+    B, S = tokens.shape
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, K, 2) / K)
+    freqs = np.outer(np.arange(S), inv_freq)
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
+    x = t["model.embed_tokens.weight"][tokens]
+    mask = np.triu(np.full((S, S), -np.inf), 1)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        h = norm(x, t[p + "input_layernorm.weight"])
+        q, k, v = (h @ t[p + f"self_attn.{n}_proj.weight"].T + t.get(p + f"self_attn.{n}_proj.bias", 0)
+                   for n in "qkv")  # Qwen2's biases, where the checkpoint has them.  # fmt: skip
+        q = q.reshape(B, S, H, K).transpose(0, 2, 1, 3)
+        k, v = (x.reshape(B, S, G, K).transpose(0, 2, 1, 3) for x in (k, v))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, H // G, axis=1), np.repeat(v, H // G, axis=1)
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(K) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, H * K)
+        x = x + attn @ t[p + "self_attn.o_proj.weight"].T
+        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+    return norm(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
+
+
+def _program(folder, axes, finetune=None):
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": axes}, "precision": {"compute": "float32"},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder), **(finetune or {})}})  # fmt: skip
+    return build_program(config, build_mesh(config.mesh.axes, jax.devices()[: np.prod(list(axes.values()))]))
+
+
+def _logits(program, params, tokens):
+    @jax.jit
+    def forward(params, tokens):
+        with program.rules.activate(program.mesh):
+            return nnx.merge(program.graphdef, params)(tokens)
+
+    return np.asarray(forward(params, tokens))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    return folder, _hf_checkpoint(folder)
+
+
+@pytest.mark.parametrize("axes", [{"data": 1}, {"fsdp": 8}])
+def test_a_hugging_face_llama_checkpoint_loads_into_its_shards_with_the_same_logits(checkpoint, axes):
+    folder, tensors = checkpoint
+    program = _program(folder, axes)
+    tokens = np.random.default_rng(1).integers(0, V, (8, 16), dtype=np.int32)
+    state = program.init()
+    wq = state["params"]["layers"]["wq"]
+    assert wq.sharding == program.state_shardings["params"]["layers"]["wq"]
+    if axes.get("fsdp"):  # Each device holds its own block of the model dimension, read from the file.
+        assert {s.data.shape for s in wq.addressable_shards} == {(L, D // 8, H, K)}
+    got = _logits(program, state["params"], tokens)
+    np.testing.assert_allclose(got, _hf_llama_logits(tensors, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_export_writes_hugging_face_names_back_and_lora_merged(checkpoint, tmp_path):
+    folder, tensors = checkpoint
+    program = _program(folder, {"fsdp": 8}, {"lora": {"rank": 2, "targets": ["layers/wq", "layers/wo"]},
+                                             "base_dtype": "float32"})  # fmt: skip
+    state = program.init()
+    file = export_safetensors(program, state, tmp_path / "plain", dtype=jnp.float32)
+    written = load_file(str(file))
+    assert set(written) == set(tensors)  # B is zero: the adapted model is still the checkpoint's.
+    for name, value in tensors.items():
+        np.testing.assert_allclose(written[name], value, atol=1e-6)
+    b = state["params"]["layers"]["wq"]["lora_b"]
+    state["params"]["layers"]["wq"]["lora_b"] = jax.device_put(jnp.ones(b.shape, b.dtype), b.sharding)
+    merged = load_file(str(export_safetensors(program, state, tmp_path / "merged", dtype=jnp.float32)))
+    a = np.asarray(state["params"]["layers"]["wq"]["lora_a"])  # [L, D, r]
+    delta = (16.0 / 2) * a[0] @ np.ones((2, H * K))  # alpha / rank x A B, for layer 0, [D, H K]
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    np.testing.assert_allclose(merged[q0], tensors[q0] + delta.T, atol=1e-5)
+    adapters = export_safetensors(
+        program, state, tmp_path / "adapters", dtype=jnp.float32, adapters_only=True
+    )
+    peft = load_file(str(adapters))
+    assert peft["base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"].shape == (2, H * K)
+    np.testing.assert_allclose(peft["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"], a[0].T)
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["r"] == 2 and config["target_modules"] == ["o_proj", "q_proj"]
+
+
+def test_a_quantized_base_loads_from_the_checkpoint(checkpoint):
+    folder, tensors = checkpoint
+    quantize = {"format": "int8", "group": 32, "targets": ["layers/w*"]}
+    program = _program(folder, {"fsdp": 8}, {"freeze": ["layers/*"], "quantize": quantize})
+    state = program.init()
+    codes = np.asarray(state["frozen"]["layers"]["w_up"]["codes"])
+    assert codes.dtype == np.int8 and codes.shape == (L, D, F)
+    full = program.finetune.assemble(state["params"], state["frozen"])
+    w_up = np.asarray(full["layers"]["w_up"].dequantize(jnp.float32))[1]
+    np.testing.assert_allclose(w_up, tensors["model.layers.1.mlp.up_proj.weight"].T, atol=0.4 / 127)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"d_ff": 128}, "model.layers.0.mlp.down_proj.weight has shape [64, 96], but the model's layers/w_down "
+                    "needs [64, 128]"),
+    ({"n_layers": 3}, "has no tensor model.layers.2."),
+    ({"n_layers": 1}, "has tensors the model has no place for, such as model.layers.1."),
+])  # fmt: skip
+def test_mismatched_checkpoints_are_one_line_errors_naming_the_tensor(checkpoint, change, message):
+    folder, _ = checkpoint
+    config = config_from_dict({"model": {**MODEL, **change}, "mesh": {"axes": {"fsdp": 8}},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder)}})  # fmt: skip
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    with pytest.raises(ConfigError) as error:
+        program.init()
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_folder_without_safetensors_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no .safetensors file there"):
+        _program(tmp_path, {"data": 1}).init()
+
+
+def test_train_starts_from_the_checkpoint_and_export_writes_the_adapters(checkpoint, tmp_path, capsys):
+    import yaml
+
+    from shardmem import cli
+
+    folder, _ = checkpoint
+    config = {"model": MODEL, "mesh": {"axes": {"fsdp": 8}}, "train": {"global_batch": 8, "steps": 3,
+              "log_every": 1}, "finetune": {"init_from": str(folder), "lora": {"rank": 2,
+              "targets": ["layers/w[qv]"]}, "quantize": {"format": "nf4", "group": 32,
+              "targets": ["layers/*"]}}}  # fmt: skip
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    assert cli.main(["train", str(path), "--run-dir", str(run)]) == 0
+    assert "frozen" in json.loads((run / "plan.json").read_text())["per_device"]
+    assert cli.main(["export", str(path), "--run-dir", str(run), "--out", str(tmp_path / "out"),
+                     "--adapters-only"]) == 0  # fmt: skip
+    assert "wrote the adapters of step 3" in capsys.readouterr().err
+    peft = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert len(peft) == 2 * 2 * L and peft[
+        "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+    ].shape == (G * K, 2)
+    assert (
+        np.abs(
+            peft["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"].astype(np.float32)
+        ).max()
+        > 0
+    )
+    assert cli.main(["export", str(path), "--run-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+
+
+def test_the_plan_says_the_host_memory_a_load_holds(checkpoint):
+    from shardmem.planning import memory
+
+    folder, _ = checkpoint
+    program = _program(folder, {"fsdp": 8})
+    report, _ = memory.plan_program(program, memory.make_target(program.config, "cpu"))
+    # The largest block one device reads: the embedding's [256, 64 / 8], float32 as read and as kept.
+    assert report.load_host_bytes == 256 * 8 * (4 + 4)
+
+
+GEMMA = {**MODEL, "head_dim": 32, "tie_embeddings": True, "norm_offset": 1.0, "scale_embeddings": True,
+         "mlp_activation": "gelu_tanh"}  # fmt: skip
+
+
+def _hf_gemma_checkpoint(folder, seed=2):
+    """Random weights under Hugging Face GemmaForCausalLM's names: Llama's, tied, head_dim != D / H."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
+    k = GEMMA["head_dim"]
+    tensors = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": w(D)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": w(H * k, D), p + "self_attn.k_proj.weight": w(G * k, D),
+                    p + "self_attn.v_proj.weight": w(G * k, D), p + "self_attn.o_proj.weight": w(D, H * k),
+                    p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
+                    p + "mlp.down_proj.weight": w(D, F), p + "input_layernorm.weight": w(D),
+                    p + "post_attention_layernorm.weight": w(D)}  # fmt: skip
+    folder.mkdir(exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return tensors
+
+
+def _hf_gemma_logits(t, tokens):
+    """Hugging Face's GemmaForCausalLM forward pass (modeling_gemma.py), in numpy float64."""
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+    k = GEMMA["head_dim"]
+
+    def norm(x, w):  # Gemma's RMSNorm: x / rms(x) * (1 + w)
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * (1 + w)
+
+    def gelu_tanh(x):
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+    def rotate_half(x):
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([-x2, x1], axis=-1)
+
+    B, S = tokens.shape
+    freqs = np.outer(np.arange(S), 1.0 / 10000.0 ** (np.arange(0, k, 2) / k))
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
+    x = t["model.embed_tokens.weight"][tokens] * np.sqrt(D)
+    mask = np.triu(np.full((S, S), -np.inf), 1)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        h = norm(x, t[p + "input_layernorm.weight"])
+        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(B, S, H, k).transpose(0, 2, 1, 3)
+        kk = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(B, S, G, k).transpose(0, 2, 1, 3)
+        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(B, S, G, k).transpose(0, 2, 1, 3)
+        q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
+        kk, v = np.repeat(kk, H // G, axis=1), np.repeat(v, H // G, axis=1)
+        scores = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(k) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, H * k) @ t[p + "self_attn.o_proj.weight"].T
+        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (gelu_tanh(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+    return norm(x, t["model.norm.weight"]) @ t["model.embed_tokens.weight"].T
+
+
+@pytest.mark.parametrize("axes", [{"data": 1}, {"fsdp": 8}])
+def test_a_hugging_face_gemma_checkpoint_loads_with_the_same_logits(tmp_path_factory, axes):
+    folder = tmp_path_factory.mktemp("gemma")
+    tensors = _hf_gemma_checkpoint(folder)
+    config = config_from_dict({"model": GEMMA, "mesh": {"axes": axes}, "precision": {"compute": "float32"},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder)}})  # fmt: skip
+    devices = jax.devices()[: np.prod(list(axes.values()))]
+    program = build_program(config, build_mesh(config.mesh.axes, devices))
+    tokens = np.random.default_rng(3).integers(0, V, (8, 16), dtype=np.int32)
+    got = _logits(program, program.init()["params"], tokens)
+    np.testing.assert_allclose(got, _hf_gemma_logits(tensors, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_a_qwen2_checkpoint_with_qkv_biases_loads_with_the_same_logits(tmp_path):
+    tensors = _hf_checkpoint(tmp_path / "qwen2", seed=4)
+    rng = np.random.default_rng(5)
+    for i in range(L):  # Qwen2 is Llama's layout with biases on q, k and v.
+        for n, width in (("q", H * K), ("k", G * K), ("v", G * K)):
+            tensors[f"model.layers.{i}.self_attn.{n}_proj.bias"] = (rng.normal(size=width) * 0.1).astype(
+                np.float32
+            )
+    save_file(tensors, str(tmp_path / "qwen2" / "model-00001-of-00002.safetensors"))
+    (tmp_path / "qwen2" / "model-00002-of-00002.safetensors").unlink()
+    config = config_from_dict({"model": {**MODEL, "qkv_bias": True}, "mesh": {"axes": {"fsdp": 8}},
+                               "precision": {"compute": "float32"}, "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(tmp_path / "qwen2")}})  # fmt: skip
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    state = program.init()
+    tokens = np.random.default_rng(6).integers(0, V, (8, 16), dtype=np.int32)
+    got = _logits(program, state["params"], tokens)
+    np.testing.assert_allclose(got, _hf_llama_logits(tensors, tokens), atol=1e-4, rtol=1e-4)
+    assert state["params"]["layers"]["bq"].shape == (L, H, K)
+    assert sum(x.size for x in jax.tree.leaves(state["params"])) == program.config.model.param_count()
+    written = load_file(str(export_safetensors(program, state, tmp_path / "out", dtype=jnp.float32)))
+    np.testing.assert_allclose(written["model.layers.1.self_attn.k_proj.bias"],
+                               tensors["model.layers.1.self_attn.k_proj.bias"], atol=1e-7)  # fmt: skip
+
+
+def test_an_orbax_checkpoint_of_a_run_loads_its_parameters_into_a_lora_program(tmp_path):
+    from shardmem.run.checkpoint import Checkpointer
+
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": {"fsdp": 8}}, "train": {"global_batch": 8}})
+    pretrained = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    state = pretrained.init()
+    checkpointer = Checkpointer(tmp_path / "run" / "checkpoints", every=1, keep=1)
+    checkpointer.save(7, state, force=True)
+    checkpointer._manager.wait_until_finished()
+    saved = np.asarray(state["params"]["layers"]["w_up"])
+    lora = config.replace(
+        f"finetune.init_from={tmp_path / 'run'}", "finetune.lora={rank: 2, targets: [layers/wq]}"
+    )
+    program = build_program(lora, pretrained.mesh)
+    loaded = program.init()
+    got = loaded["frozen"]["layers"]["w_up"]
+    assert got.dtype == jnp.bfloat16 and got.sharding == program.state_shardings["frozen"]["layers"]["w_up"]
+    np.testing.assert_array_equal(np.asarray(got), saved.astype(jnp.bfloat16))
+    wrong = build_program(lora.replace("model.d_ff=128"), pretrained.mesh)
+    with pytest.raises(ConfigError, match="do not restore into the model's") as error:
+        wrong.init()
+    assert "\n" not in str(error.value) and "(2, 96, 64)" in str(error.value)
