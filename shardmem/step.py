@@ -449,8 +449,9 @@ def build_program(
 def scaled_value_and_grad(loss_of_params: Callable) -> Callable:
     """Returns ``(params, rest, batch, frozen=None, *, scale) -> ((loss, aux), grads)``:
     ``jax.value_and_grad`` of ``loss_of_params`` (see :attr:`Program.loss`) differentiated as
-    ``loss x scale``, so that float16 gradients too small for its range are scaled into it, with the loss and the gradients divided by
-    ``scale`` again (in the parameters' dtype, float32 master weights: they no longer underflow)."""
+    ``loss x scale``, so that float16 gradients too small for its range are scaled into it, with the
+    loss and the gradients divided by ``scale`` again (in the parameters' dtype, float32 master weights:
+    they no longer underflow)."""
 
     def scaled(params, rest, batch, frozen, scale):
         loss, aux = loss_of_params(params, rest, batch, frozen)
