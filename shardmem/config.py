@@ -192,14 +192,30 @@ class MemoryConfig:
 
 @dataclasses.dataclass(frozen=True)
 class InterconnectConfig:
-    """A cluster's links for the step-time estimate, per GPU and per direction; null keeps the target's
-    published default (:data:`shardmem.planning.targets.GPU_TARGETS`). ``nvlink``: to the GPUs of the same
-    host; ``network``: to other hosts (e.g. ``400Gb/s`` for one NDR InfiniBand NIC per GPU, ``200Gb/s``
-    for HDR or a shared NIC); ``host``: to host memory (PCIe), which offloading uses."""
+    """A GPU cluster's wiring for the step-time estimate's collective model
+    (:mod:`shardmem.planning.collectives`); null keeps the target's published default
+    (:data:`shardmem.planning.targets.GPU_TARGETS`: a DGX/HGX node). Rates are each way and need their
+    unit: ``400Gb/s``, ``400 Gbit/s``, ``400Gbps`` (bits) or ``50GB/s``, ``50 GBps`` (bytes).
+    ``nvlink``: one GPU to the others of its node (NVLink/NVSwitch; on TPUs ICI); ``network``: one NIC
+    to other nodes (e.g. ``400Gb/s`` NDR, ``200Gb/s`` HDR; on TPUs a chip's DCN share); ``nics_per_node``:
+    how many (DGX: one per GPU); ``nvls``: the NVSwitch reduces (NVLink SHARP, H100/H200/B200);
+    ``sharp``: the InfiniBand switches reduce (SHARP via NCCL's CollNet); ``host``: to host memory
+    (PCIe), which offloading uses."""
 
-    nvlink: Bandwidth | None = None  # GPU to GPU inside a host, per GPU each way (null: the target's).
-    network: Bandwidth | None = None  # GPU to another host, per GPU each way (null: the target's).
+    nvlink: Bandwidth | None = None  # GPU to GPU inside a node, per GPU each way (null: the target's).
+    network: Bandwidth | None = None  # One NIC to other nodes, each way (null: the target's).
     host: Bandwidth | None = None  # GPU to host memory (PCIe), each way (null: the target's).
+    nics_per_node: int | None = None  # NICs per node (null: the target's server, one per GPU on DGX).
+    nvls: bool | None = None  # NVLink SHARP in the node's NVSwitch (null: the target's).
+    sharp: bool | None = None  # InfiniBand SHARP in-network reduction (null: off).
+
+
+_RATE_KEYS = ("nvlink", "network", "host")  # The Bandwidth fields of InterconnectConfig.
+
+
+def _rate_text(rate: float) -> str:
+    """A rate as text that parses back to the same float: "50GB/s", or exact bytes per second."""
+    return f"{rate / 1e9:g}GB/s" if float(f"{rate / 1e9:g}") * 1e9 == rate else f"{rate:.17g}B/s"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +278,9 @@ class Config:
         """Returns plain data that :func:`config_from_dict` turns back into an equal Config."""
         data = dataclasses.asdict(self)
         data.pop("folder")
+        # Rates carry their unit (a bare number is refused as ambiguous): 5e10 -> "50GB/s".
+        data["interconnect"] = {k: _rate_text(v) if k in _RATE_KEYS and v is not None else v
+                                for k, v in data["interconnect"].items()}  # fmt: skip
         return data
 
     def to_yaml(self) -> str:
@@ -835,6 +854,10 @@ def _validate_rest(config: Config) -> None:
         _at_most(f"mesh.axes.{axis}", size, MAX_DEVICES, "devices in one mesh")
     if list(axes.values()).count(-1) > 1:
         raise ConfigError("mesh.axes: at most one axis may be -1 (it takes the remaining devices)")
+    nics = config.interconnect.nics_per_node
+    if nics is not None and not 1 <= nics <= 64:
+        raise ConfigError(f"interconnect.nics_per_node={nics}: a node has 1 to 64 NICs (DGX H100: 8); "
+                          "use null for the target's")  # fmt: skip
     _positive("mesh.hosts", config.mesh.hosts)
     if config.mesh.devices_per_host is not None:
         _positive("mesh.devices_per_host", config.mesh.devices_per_host)

@@ -66,27 +66,40 @@ def format_flops(n: float) -> str:
     return f"{n:.3g} FLOP"
 
 
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmgt]?)(b|bit|B)?(?:/s|ps)?\s*$", re.I)
+#: A rate with its unit: a number, an SI prefix (k, M, G, T, P; any case), bits (``b``, ``bit``, ``bits``,
+#: the word in any case: ``Gbit``, ``GBIT``) or bytes (``B``, ``byte``, ``bytes``), then ``/s`` or ``ps``.
+_RATE = re.compile(
+    r"^\s*([-+]?(?:[0-9]*\.?[0-9]+(?:e[+-]?\d+)?|inf|nan))\s*([kmgtp]?)(bits?|bytes?|b)(?:/s|ps)\s*$", re.I
+)
+#: Rates a link can have: from 1 MB/s (a slow NIC) to 1 PB/s (far beyond any NVLink).
+MIN_BANDWIDTH, MAX_BANDWIDTH = 1e6, 1e15
+_RATE_HINT = ("write it with its unit: 400Gb/s, 400 Gbit/s or 400Gbps (bits), 50GB/s or 50 GBps (bytes); "
+              "a lowercase b or the word bit is bits, an uppercase B or byte is bytes")  # fmt: skip
 
 
 def parse_bandwidth(value: int | float | str) -> float:
-    """Returns bytes per second from a number or a string such as "450GB/s", "400Gb/s" (bits: 50 GB/s)
-    or "2.5e10". Raises ValueError with the accepted forms when the value cannot be read."""
-    hint = "write e.g. 450GB/s, 400Gb/s (bits) or 5e10 (bytes per second)"
-    if isinstance(value, bool):
-        raise ValueError(f"expected a bandwidth, got {value!r}; {hint}")
+    """Returns bytes per second from a rate with its unit: "450GB/s", "50 GBps" (bytes), "400Gb/s",
+    "400 Gbit/s", "400GBIT/s", "400Gbps" (bits: 50 GB/s). A bare number, or one without "/s" or "ps",
+    is ambiguous (bits or bytes?) and a ValueError, as is a rate outside 1 MB/s to 1 PB/s; each says
+    what to write."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected a rate such as 400Gb/s, got {value!r}; {_RATE_HINT}")
     if isinstance(value, int | float):
-        number = float(value)
-    else:
-        match = _RATE.match(str(value))
-        if not match or (match.group(2) and not match.group(3)):
-            raise ValueError(f"cannot read {value!r} as a bandwidth; {hint}")
-        scale = 10 ** (3 * " kmgt".index(match.group(2).lower() or " "))
-        bits = match.group(3) in ("b", "bit", "Bit")
-        number = float(match.group(1)) * scale / (8 if bits else 1)
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{value!r} is not a positive, finite bandwidth; {hint}")
-    return number
+        raise ValueError(f"{value!r} has no unit (bits or bytes per second?); {_RATE_HINT}")
+    match = _RATE.match(value)
+    if not match:
+        try:
+            float(value)
+        except ValueError:
+            raise ValueError(f"cannot read {value!r} as a rate; {_RATE_HINT}") from None
+        raise ValueError(f"{value!r} has no unit (bits or bytes per second?); {_RATE_HINT}")
+    number, prefix, unit = match.groups()
+    bits = unit == "b" or unit.lower().startswith("bit")
+    rate = float(number) * 10 ** (3 * " kmgtp".index(prefix.lower() or " ")) / (8 if bits else 1)
+    if not math.isfinite(rate) or not MIN_BANDWIDTH <= rate <= MAX_BANDWIDTH:
+        shown = f"{rate:.3g} bytes/s" if math.isfinite(rate) else "not a finite rate"
+        raise ValueError(f"{value!r} is {shown}, outside the 1 MB/s to 1 PB/s a link can have; {_RATE_HINT}")
+    return rate
 
 
 def format_seconds(seconds: float) -> str:

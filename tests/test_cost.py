@@ -7,7 +7,8 @@ import json
 import pytest
 
 from shardmem.config import load_config
-from shardmem.planning import cost, hlo
+from shardmem.planning import collectives, cost, hlo
+from shardmem.planning.collectives import Cluster, Group
 from shardmem.planning.targets import GPU_TARGETS
 
 H100 = cost.Hardware("h100-sxm", GPU_TARGETS["h100-sxm"].peak_flops, 3.35e12, 450e9, 50e9, 64e9)
@@ -32,6 +33,113 @@ def test_replica_groups_in_every_form_xla_writes():
     assert groups("replica_groups=mesh['a'=4,'b'=2] {'a'}") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert groups("source_target_pairs={{0,1},{1,0}}") == [[0, 1], [1, 0]]
     assert groups("to_apply=%add") == [list(range(8))]
+
+
+def test_replica_groups_of_the_mesh_form_with_device_ids_and_sub_axes():
+    def groups(attributes, devices=8):
+        return cost.replica_groups(hlo.Instruction("x", "f32[2]", "all-gather", (), attributes), devices)
+
+    # XLA 0.10 on data=8 x fsdp=16 GPUs: the mesh's device array is the iota [8,16] transposed, so the
+    # groups along 'axis_0' are 16 neighbours (one fsdp group over 2 hosts), not one group of all 128.
+    fsdp = groups("replica_groups=mesh['axis_0'=16,'axis_1'=1,'axis_2'=8], device_ids=([8,16]T(1,0)) "
+                  "{'axis_0'}, dimensions={0}", 128)  # fmt: skip
+    assert fsdp == [list(range(16 * j, 16 * j + 16)) for j in range(8)]
+    assert groups("replica_groups=mesh['a'=2,'b'=4], device_ids=(0,2,4,6,1,3,5,7) {'b'}") == [
+        [0, 2, 4, 6], [1, 3, 5, 7]]  # fmt: skip
+    # Sub-axes (later XLA, bare names): a:(pre)size splits axis a into [pre, size, rest].
+    assert groups("replica_groups=mesh[a=8] {a:(1)2}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups("replica_groups=mesh[a=8] {a:(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups("replica_groups=mesh[a=8] {a:(4)2,a:(1)2}") == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    assert groups("replica_groups=maximal_mesh[device_id=3] {}") == [[3]]
+    assert groups("replica_groups={}, to_apply=%add") == [list(range(8))]  # XLA's "every device"
+    with pytest.raises(cost.UnreadGroups, match="replica_groups=somehow"):
+        groups("replica_groups=somehow[8]")
+
+
+def _axis_groups(mesh) -> dict[tuple[str, ...], list[list[int]]]:
+    """Every subset of a mesh's axes -> its device groups (by the devices' position in the mesh, which is
+    the partition id XLA's groups name)."""
+    import itertools
+
+    import numpy as np
+
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    names = list(mesh.axis_names)
+    table = {}
+    for k in range(len(names) + 1):
+        for axes in itertools.combinations(range(len(names)), k):
+            rest = [i for i in range(len(names)) if i not in axes]
+            size = int(np.prod([ids.shape[i] for i in axes]))
+            table[tuple(names[i] for i in axes)] = sorted(
+                ids.transpose(rest + list(axes)).reshape(-1, size).tolist()
+            )
+    return table
+
+
+def _compiled_collectives(devices, shape, names, specs):
+    """The collectives of one small sharded training step (an MLP, its gradient and an update), compiled for
+    ``devices`` laid out as a mesh: (instruction, mesh)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    mesh = Mesh(np.array(devices).reshape(shape), names)
+    shard = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+
+    def step(w, x):
+        grads = jax.grad(lambda w: jnp.mean((jax.nn.relu(x @ w["a"]) @ w["b"]) ** 2))(w)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, w, grads)
+
+    w = {"a": jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=shard["a"]),
+         "b": jax.ShapeDtypeStruct((512, 1024), jnp.float32, sharding=shard["b"])}  # fmt: skip
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32, sharding=shard["x"])
+    text = jax.jit(step, out_shardings={"a": shard["a"], "b": shard["b"]}).lower(w, x).compile().as_text()
+    module = hlo.parse_module(text)
+    found = [i for i in module.by_name.values() if hlo.collective_kind(i)]
+    assert found
+    return found, mesh
+
+
+@pytest.mark.parametrize("where", ["cpu 2x2x2", "h100 16 hosts: data 8 x fsdp 16", "h100 16 hosts: 2x8x8"])
+def test_the_groups_of_real_compiled_collectives_are_mesh_axes(where):
+    """Whatever form this JAX's XLA prints, the groups read are those of a set of mesh axes; the FSDP
+    all-gathers of a data x fsdp mesh over 16 hosts are groups of 16 (2 hosts), not all 128 devices."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from shardmem.planning.targets import resolve_target
+
+    if where.startswith("cpu"):
+        devices, shape, names = jax.devices("cpu")[:8], (2, 2, 2), ("data", "fsdp", "tensor")
+    elif "fsdp 16" in where:
+        devices, shape, names = (
+            resolve_target("h100-sxm", n_devices=128, hosts=16).devices,
+            (8, 16),
+            ("data", "fsdp"),
+        )
+    else:
+        devices, shape, names = (
+            resolve_target("h100-sxm", n_devices=128, hosts=16).devices,
+            (2, 8, 8),
+            ("data", "fsdp", "tensor"),
+        )
+    if names == ("data", "fsdp"):
+        specs = {"a": P("fsdp", None), "b": P(None, "fsdp"), "x": P(("data", "fsdp"), None)}
+    else:
+        specs = {"a": P("fsdp", "tensor"), "b": P("tensor", "fsdp"), "x": P(("data", "fsdp"), None)}
+    collectives, mesh = _compiled_collectives(devices, shape, names, specs)
+    table = _axis_groups(mesh)
+    read = {}
+    for ins in collectives:
+        groups = sorted(cost.replica_groups(ins, mesh.devices.size))
+        axes = [a for a, g in table.items() if g == groups]
+        assert axes, f"{ins.name}: {ins.attributes[:160]} read as groups no mesh axes make"
+        read.setdefault(hlo.collective_kind(ins), set()).add(axes[0])
+    if names == ("data", "fsdp"):
+        assert read["all-gather"] == {("fsdp",)}  # the weights' gathers: 16 GPUs on 2 hosts
+        hosts = [d.process_index for d in mesh.devices.flat]
+        assert all(len({hosts[d] for d in g}) == 2 for g in table[("fsdp",)])
 
 
 def test_a_collective_across_hosts_costs_more_than_the_same_inside_one():
@@ -126,6 +234,137 @@ def test_interconnect_overrides_the_targets_links():
         load_config("configs/llama-70b.yaml", ["interconnect.network=fast"])
 
 
+DGX_H100 = Cluster.of(GPU_TARGETS["h100-sxm"])
+
+
+def _on(cluster: Cluster, name: str = "h100-sxm") -> cost.Hardware:
+    spec = GPU_TARGETS[name]
+    return cost.Hardware(name, spec.peak_flops, spec.memory_bandwidth, cluster.nvlink_bandwidth,
+                         cluster.nic_bandwidth, spec.host_bandwidth, cluster)  # fmt: skip
+
+
+def _all_gather(groups: str, result_bytes: int) -> hlo.HloModule:
+    return _module(f"  %ag = bf16[{result_bytes // 2}]{{0}} all-gather(%a), channel_id=1, "
+                   f"replica_groups={groups}, dimensions={{0}}, use_global_device_ids=true")  # fmt: skip
+
+
+def test_an_fsdp_all_gather_over_8_nodes_costs_an_eighth_of_a_ring_through_each_gpus_own_nic():
+    gathered = 8 << 30  # 8 GiB gathered over 64 GPUs: 128 MiB each (the latency is 1%)
+    hosts = [d // 8 for d in range(64)]
+    nccl = cost.estimate_step_time(_all_gather("[1,64]<=[64]", gathered), _on(DGX_H100), hosts)
+    # The naive charge: every GPU pushes (n-1)/n of the gathered bytes through its own 400 Gb/s NIC.
+    naive = 63 / 64 * gathered / (50e9 * collectives.NIC_EFFICIENCY)
+    assert nccl.collectives[0].link == "network" and nccl.collectives[0].algorithm.startswith("ring")
+    assert 1 / 9 < nccl.communication / naive < 1 / 7
+    # NCCL's rail-aligned rings: the node's 8 NICs carry its share, NVLink (450 GB/s at 0.80) is the bound.
+    assert nccl.communication == pytest.approx(63 / 64 * gathered / (450e9 * 0.80), rel=0.02)
+    plain = cost.estimate_step_time(_all_gather("[1,64]<=[64]", gathered), H100, hosts)  # no cluster
+    assert plain.communication > 6 * nccl.communication
+
+
+def test_a_group_inside_one_node_never_touches_the_network():
+    module = _module(_all_reduce("[2,8]<=[16]"))
+    hosts = [d // 8 for d in range(16)]
+    fast = cost.estimate_step_time(module, _on(DGX_H100), hosts)
+    slow_nics = dataclasses.replace(DGX_H100, nic_bandwidth=1e8, nics_per_node=1)
+    assert cost.estimate_step_time(module, _on(slow_nics), hosts).communication == fast.communication
+    assert [(c.link, c.algorithm) for c in fast.collectives] == [("nvlink", "nvls/Simple")]
+    across = cost.estimate_step_time(_module(_all_reduce("[8,2]<=[2,8]T(1,0)")), _on(slow_nics), hosts)
+    assert across.collectives[0].link == "network" and across.communication > 100 * fast.communication
+
+
+@pytest.mark.parametrize(
+    ("name", "nodes", "published", "source"),
+    [
+        ("h100-sxm", 1, 476e9, "NVLS all-reduce on 8 x H100, NVIDIA/nccl-tests#290"),
+        ("a100-80g", 1, 235e9, "8 x A100 all-reduce, NCCL tuning.cc's cap; ~240 in NVIDIA/nccl#1712"),
+        ("h100-sxm", 2, 8 * 47e9, "46-48 GB/s per NDR NIC, 8 per node (NVIDIA/nccl-tests#290)"),
+        ("h100-sxm", 248, 350e9, "248 x 8 H200 at 512 MB, ~350 GB/s (NVIDIA/nccl-tests#283)"),
+    ],
+)
+def test_bus_bandwidth_reaches_published_nccl_tests_figures(name, nodes, published, source):
+    cluster = Cluster.of(GPU_TARGETS[name])
+    size = 512 << 20 if nodes > 100 else 8 << 30
+    assert collectives.bus_bandwidth(
+        "all-reduce", size, Group(8 * nodes, nodes, 8), cluster
+    ) == pytest.approx(published, rel=0.1), source
+
+
+def test_small_messages_are_latency_bound_and_bus_bandwidth_grows_with_size():
+    for nodes in (1, 2, 16):
+        group = Group(8 * nodes, nodes, 8)
+        sizes = [8 << (2 * i) for i in range(16)]
+        busbw = [collectives.bus_bandwidth("all-reduce", s, group, DGX_H100) for s in sizes]
+        assert busbw == sorted(busbw)
+        tiny, _ = collectives.collective_seconds("all-reduce", 8, group, DGX_H100)
+        double, _ = collectives.collective_seconds("all-reduce", 16, group, DGX_H100)
+        assert double == pytest.approx(tiny, rel=1e-3) and tiny > 10e-6  # a latency, not bytes / rate
+    # Published small-message latencies: 8 x H20 (NVLink 4 as H100) 12.5 us at 8 B (deepseek-ai/DeepEP#303);
+    # 16 x 8 H100 62 us (NVIDIA/nccl#1469).
+    one, _ = collectives.collective_seconds("all-reduce", 8, Group(8), DGX_H100)
+    sixteen, _ = collectives.collective_seconds("all-reduce", 8, Group(128, 16, 8), DGX_H100)
+    assert one == pytest.approx(12.5e-6, rel=0.25) and sixteen == pytest.approx(62e-6, rel=0.25)
+
+
+def test_in_network_reduction_speeds_up_an_all_reduce_across_nodes():
+    group, size = Group(64, 8, 8), 1 << 30
+    plain, _ = collectives.collective_seconds("all-reduce", size, group, DGX_H100)
+    sharp, algorithm = collectives.collective_seconds(
+        "all-reduce", size, group, dataclasses.replace(DGX_H100, sharp=True)
+    )
+    assert algorithm == "collnet/Simple" and sharp < 0.8 * plain
+
+
+def test_fewer_nics_per_node_slow_only_the_collectives_that_cross_nodes():
+    four = dataclasses.replace(DGX_H100, nics_per_node=4, nic_bandwidth=25e9)  # 4 x 200 Gb/s
+    busbw = collectives.bus_bandwidth("all-reduce", 8 << 30, Group(16, 2, 8), four)
+    assert busbw == pytest.approx(95e9, rel=0.05)  # NVIDIA/nccl-tests#252: 95 GB/s, ~24 GB/s per NIC
+    assert collectives.bus_bandwidth("all-reduce", 8 << 30, Group(8), four) == collectives.bus_bandwidth(
+        "all-reduce", 8 << 30, Group(8), DGX_H100
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "rate"),
+    [("400Gb/s", 50e9), ("400 Gbit/s", 50e9), ("400GBIT/s", 50e9), ("400Gbps", 50e9), ("400 gbits/s", 50e9),
+     ("50GB/s", 50e9), ("50 GBps", 50e9), ("50 GByte/s", 50e9), ("1.8TB/s", 1.8e12), ("5e10B/s", 50e9)],
+)  # fmt: skip
+def test_interconnect_rates_carry_an_unambiguous_unit(text, rate):
+    assert load_config("configs/tiny.yaml", [f"interconnect.network={text}"]).interconnect.network == rate
+
+
+@pytest.mark.parametrize("value", ["400", "400.0", "'400'", "400GB", "0Gb/s", "-5Gb/s", "1e-300GB/s",
+                                   "infGB/s", "nanGB/s", "1e30GB/s", "true"])  # fmt: skip
+def test_a_unitless_or_absurd_rate_is_an_error_naming_the_key_the_value_and_the_fix(value):
+    from shardmem.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        load_config("configs/tiny.yaml", [f"interconnect.network={value}"])
+    message = str(error.value)
+    assert message.startswith("interconnect.network:") and "400Gb/s" in message and "50GB/s" in message
+    assert "\n" not in message
+
+
+def test_a_config_with_rates_round_trips_and_its_cluster_reaches_the_estimate():
+    from shardmem.config import config_from_dict
+    from shardmem.errors import ConfigError
+
+    config = load_config("configs/tiny.yaml", ["interconnect.network=200Gb/s", "interconnect.nics_per_node=4",
+                                               "interconnect.sharp=true", "interconnect.host=31.5GB/s"])  # fmt: skip
+    assert config_from_dict(config.to_dict(), config.name) == config
+    assert config.to_dict()["interconnect"]["network"] == "25GB/s"
+    target = dataclasses.make_dataclass("T", ["name", "spec"])("h100-sxm", GPU_TARGETS["h100-sxm"])
+    cluster = cost.Hardware.of(target, config.interconnect).cluster
+    assert (cluster.nics_per_node, cluster.nic_bandwidth, cluster.sharp, cluster.nvls) == (
+        4,
+        25e9,
+        True,
+        True,
+    )
+    with pytest.raises(ConfigError, match="interconnect.nics_per_node=0"):
+        load_config("configs/tiny.yaml", ["interconnect.nics_per_node=0"])
+
+
 @pytest.fixture(scope="module")
 def pipelined():
     """tiny in 2 stages x 4 micro-batches over 2 hosts, planned deviceless for H100s."""
@@ -147,10 +386,25 @@ def test_every_gpu_plan_predicts_its_step_time(pipelined):
     assert st.tokens_per_second == pytest.approx(16 * 64 / st.seconds)  # global_batch x seq_len
     assert 0 < st.mfu <= st.hfu  # full remat recomputes: hardware FLOPs exceed the model's
     assert {c.link for c in st.collectives} == {"nvlink", "network"}  # stage spans the hosts
+    assert all(c.algorithm for c in st.collectives)  # costed as NCCL runs them
     data = json.loads(json.dumps(pipelined.to_json()))["step_time"]
     assert set(data["breakdown"]) == {"compute", "memory_bound", "launch", "exposed_communication",
                                       "exposed_host_transfers"}  # fmt: skip
     assert data["bounds"]["no_overlap"] >= data["seconds"]
+
+
+def test_the_plan_reports_the_links_and_cluster_it_used_in_finite_json(pipelined):
+    from shardmem.planning.report import render
+
+    links = pipelined.step_time.to_json()["links"]
+    assert links["description"].startswith("2 nodes x 4 GPUs; per node 4 x 400 Gb/s NICs")
+    assert (links["nics_per_node"], links["network_bandwidth"], links["nvls"]) == (4, 50e9, True)
+    json.dumps(pipelined.to_json(), allow_nan=False)  # finite: no Infinity or NaN
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render(pipelined))
+    assert "links: 2 nodes x 4 GPUs" in console.export_text()
 
 
 def test_the_replayed_kernels_do_the_programs_flops():
@@ -203,3 +457,14 @@ def test_the_timeline_says_what_the_step_it_draws_costs_in_time(pipelined):
 
     page = timeline(pipelined).to_html()
     assert "predicted step time" in page and "tokens/s" in page
+
+
+def test_plan_refuses_a_bare_number_for_a_rate_in_one_line(capsys):
+    from shardmem.cli import main
+
+    code = main(
+        ["plan", "configs/tiny.yaml", "--target", "h100-sxm", "--json", "--set", "interconnect.network=400"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "interconnect.network: 400 has no unit" in err and "400Gb/s" in err

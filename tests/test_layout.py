@@ -1,5 +1,6 @@
 """tune --search layout: the enumeration's arithmetic, and a search that compiles and ranks for real."""
 
+import dataclasses
 import math
 
 import pytest
@@ -79,3 +80,23 @@ def test_throughput_grows_the_top_layouts_batches_and_ranks_by_tokens_per_second
     assert rates == sorted(rates, reverse=True)
     grown = [row for row in result.ranked if row["layout"]["global_batch"]]
     assert grown and all(row["layout"]["global_batch"] > 16 for row in grown)
+
+
+def test_the_layout_estimate_charges_collectives_at_the_rings_nccl_runs():
+    """An FSDP group over 8 nodes x 8 GPUs shares the node's 8 NICs (NVLink bounds it); one GPU per node
+    (tensor inside, fsdp across) has its own NIC; a tensor group inside a node never uses the network."""
+    from shardmem.explore.layout import _link
+    from shardmem.planning import collectives, cost
+    from shardmem.planning.collectives import Cluster
+    from shardmem.planning.targets import GPU_TARGETS
+
+    spec = GPU_TARGETS["h100-sxm"]
+    hardware = cost.Hardware("h100-sxm", spec.peak_flops, spec.memory_bandwidth, 450e9, 50e9, 64e9,
+                             Cluster.of(spec))  # fmt: skip
+    axes = dict.fromkeys(("stage", "data", "fsdp", "context", "expert", "tensor"), 1)
+    nic = 50e9 * collectives.NIC_EFFICIENCY
+    assert _link(hardware, {**axes, "fsdp": 64}, 8, "fsdp") == pytest.approx(450e9 * 0.80)
+    assert _link(hardware, {**axes, "fsdp": 8, "tensor": 8}, 8, "fsdp") == pytest.approx(nic)
+    assert _link(hardware, {**axes, "fsdp": 8, "tensor": 8}, 8, "tensor") == pytest.approx(450e9 * 0.80)
+    plain = dataclasses.replace(hardware, cluster=None)  # TPUs, CPUs: the slow link across hosts
+    assert _link(plain, {**axes, "fsdp": 64}, 8, "fsdp") == plain.link("network")

@@ -21,13 +21,17 @@ The estimates only order and prune: every layout shown with a step time was comp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from shardmem.config import Config
 from shardmem.errors import ConfigError
+from shardmem.planning.collectives import Group, ring_bandwidth
 from shardmem.planning.cost import MATMUL_EFFICIENCY
 from shardmem.units import format_bytes, format_seconds
 
@@ -143,6 +147,20 @@ def _spans_hosts(axes: dict[str, int], per_host: int) -> dict[str, bool]:
     return spans
 
 
+def _link(hardware, axes: dict[str, int], per_host: int, *names: str) -> float:
+    """Bytes/s a collective over the mesh axes ``names`` reaches: on a GPU cluster NCCL's ring (NVLink
+    inside a node, the group's share of the node's NICs across), else the fast or slow link."""
+    if hardware.cluster is None:
+        spans = _spans_hosts(axes, per_host)
+        return hardware.link("network" if any(spans[a] for a in names) else "nvlink")
+    sizes = [axes[a] for a in AXES]
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    chosen = [AXES.index(a) for a in names]
+    first = ids.transpose([i for i in range(len(AXES)) if i not in chosen] + chosen).reshape(
+        -1, math.prod(sizes[i] for i in chosen))[0]  # fmt: skip
+    return ring_bandwidth(Group.of(first.tolist(), ids.reshape(-1) // per_host), hardware.cluster)
+
+
 class Estimator:
     """Pruning estimates from traced quantities, refitted to compiled plans.
 
@@ -153,7 +171,8 @@ class Estimator:
     efficiency, memory-bound work as a fitted share of it, and each parallelism's usual communication:
     FSDP's weight all-gathers per micro-batch and gradient reduce-scatter, data parallelism's gradient
     all-reduce, tensor parallelism's two activation all-reduces per layer and pass, pipeline hand-offs,
-    context parallelism's key/value all-gathers; a group spanning hosts uses the network."""
+    context parallelism's key/value all-gathers, each at the bandwidth NCCL's rings reach over its
+    group (on GPUs: NVLink inside a node, the group's share of the node's NICs across)."""
 
     def __init__(self, config: Config, hardware, per_host: int, flops: dict[str, float],
                  residuals: dict[str, float]):  # fmt: skip
@@ -196,8 +215,7 @@ class Estimator:
         flops = self.flops[layout.policy] * batch / config.train.global_batch / n * ticks
         dtype = "f32" if config.precision.compute == "float32" else "bf16"
         compute = flops / (self.hardware.peak(dtype) * MATMUL_EFFICIENCY)
-        spans = _spans_hosts(axes, self.per_host)
-        link = lambda *names: self.hardware.link("network" if any(spans[a] for a in names) else "nvlink")  # noqa: E731
+        link = functools.partial(_link, self.hardware, axes, self.per_host)
         weights_bf16 = self.params * 2 / (t * s * (e if model.n_experts else 1))
         comm = 0.0
         g = f * c

@@ -7,11 +7,14 @@
 Every kernel of the compiled step is costed on the target by a roofline: matmuls (dots, cuBLAS calls,
 Triton GEMM fusions, convolutions, fused-attention kernels) at the dense peak for their dtype times an
 achievable efficiency, everything else at its bytes accessed over the HBM bandwidth, plus a launch gap.
-Each collective costs a latency plus its bytes times the algorithm's factor (ring all-reduce moves
-2(n-1)/n of them) over NVLink inside a host or the network when its group spans hosts; host-offload
-copies cost their bytes over PCIe. The schedule is then replayed: XLA's asynchronous collectives and
-copies run on their own streams beside the compute between their start and done, so only the wait at a
-``done`` is exposed. Loops run their bodies once per known trip; recomputation is simply more kernels.
+On a GPU cluster each collective is costed as NCCL runs it (:mod:`shardmem.planning.collectives`: ring,
+tree, NVLS or SHARP, in the fastest protocol for its size; NVLink inside a node, the node's NICs shared
+by its GPUs between nodes); on TPUs and simulated CPUs as a ring: a latency plus its bytes times the
+ring's factor (all-reduce moves 2(n-1)/n of them) over the fast link, or the slow one when its group
+spans hosts or slices. Host-offload copies cost their bytes over PCIe. The schedule is then replayed:
+XLA's asynchronous collectives and copies run on their own streams beside the compute between their
+start and done, so only the wait at a ``done`` is exposed. Loops run their bodies once per known trip;
+recomputation is simply more kernels.
 
 The efficiencies are documented constants below, each with its source; BENCHMARKS.md compares the model
 with measured H200 step times ("Step time").
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from shardmem.planning import hlo
+from shardmem.planning.collectives import Cluster, Group, collective_seconds
 from shardmem.units import format_seconds
 
 #: Fraction of the dense tensor-core peak a large matmul reaches: a lent H200 ran an 8192^3 bf16 matmul
@@ -42,12 +46,13 @@ ATTENTION_EFFICIENCY = 0.45
 #: Fraction of the HBM bandwidth a streaming kernel reaches: the lent H200 copied device to device at
 #: 4.3 of its 4.8 TB/s.
 MEMORY_EFFICIENCY = 0.90
-#: Fraction of a link's rate NCCL reaches: all-reduce bus bandwidth on 8 x H100 (NVLink 4, 450 GB/s each
-#: way) is reported at 350-480 GB/s, and 40-45 GB/s per GPU across hosts on 400 Gb/s NDR
-#: (shared/reference/step-time-and-tpu.md).
+#: Fraction of a link's rate a plain ring reaches, for the targets without a GPU cluster (TPU ICI and DCN,
+#: simulated CPUs) and for host copies over PCIe; GPU collectives use the NCCL model's own
+#: (:mod:`shardmem.planning.collectives`). All-reduce bus bandwidth on 8 x H100 (NVLink 4, 450 GB/s each
+#: way) is reported at 350-480 GB/s (shared/reference/step-time-and-tpu.md).
 LINK_EFFICIENCY = {"nvlink": 0.80, "network": 0.85, "host": 0.80}
-#: Fixed cost of one collective: NCCL's launch and the first chunk's trip, about 10 us inside a host and
-#: 25 us across (the defaults of XLA's analytical collective model are of this order).
+#: Fixed cost of one plain-ring collective (TPUs, CPUs): about 10 us on the fast link and 25 us across
+#: (the defaults of XLA's analytical collective model are of this order).
 COLLECTIVE_LATENCY = {"nvlink": 10e-6, "network": 25e-6}
 #: Gap between two kernels on the GPU (launch and tail), about 2 us with XLA's command buffers.
 KERNEL_GAP = 2e-6
@@ -77,8 +82,9 @@ _DTYPE_CLASS = {"bf16": "bf16", "f16": "f16", "f32": "f32", "f64": "f32", "s8": 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """What the time model reads of a target: peaks per dtype, HBM bandwidth, and links per GPU per
-    direction (bytes per second)."""
+    """What the time model reads of a target: peaks per dtype, HBM bandwidth, links per direction (bytes
+    per second: ``network_bandwidth`` is one NIC's on a GPU cluster) and, for GPUs, the cluster's wiring
+    that the NCCL model reads (None: collectives are costed as plain rings, as on TPUs and CPUs)."""
 
     name: str
     peak_flops: Mapping[str, float]
@@ -86,11 +92,13 @@ class Hardware:
     nvlink_bandwidth: float
     network_bandwidth: float
     host_bandwidth: float
+    cluster: Cluster | None = None
 
     @classmethod
     def of(cls, target, interconnect=None) -> Hardware | None:
-        """The hardware of a :class:`~shardmem.planning.targets.Target` with a GPU spec (None without
-        one), its links overridden by a config's ``interconnect`` section."""
+        """The hardware of a :class:`~shardmem.planning.targets.Target` with a GPU or TPU spec (None
+        without one), its links and cluster overridden by a config's ``interconnect`` section. A GPU
+        target's nodes hold as many GPUs as its hosts do (the server's NICs scale with them)."""
         spec = getattr(target, "spec", None)
         if spec is None:
             return None
@@ -98,8 +106,16 @@ class Hardware:
                  "host": spec.host_bandwidth}  # fmt: skip
         for key in links:
             links[key] = getattr(interconnect, key, None) or links[key]
+        cluster = None
+        if hasattr(spec, "nics_per_node"):  # A GPU: NCCL on NVLink and NICs.
+            hosts = [d.process_index for d in getattr(target, "devices", ())]
+            per_node = max(hosts.count(h) for h in set(hosts)) if hosts else None
+            cluster = Cluster.of(
+                spec, per_node, nvlink_bandwidth=links["nvlink"], nic_bandwidth=links["network"],
+                **{key: getattr(interconnect, key, None) for key in ("nics_per_node", "nvls", "sharp")},
+            )  # fmt: skip
         return cls(target.name, dict(spec.peak_flops), float(spec.memory_bandwidth), links["nvlink"],
-                   links["network"], links["host"])  # fmt: skip
+                   links["network"], links["host"], cluster)  # fmt: skip
 
     @classmethod
     def host(cls, n_devices: int) -> Hardware:
@@ -111,12 +127,33 @@ class Hardware:
         rate = bandwidth / n_devices
         return cls(f"cpu (this machine's rates / {n_devices} devices)", per_device, rate, rate, rate, rate)
 
+    def describe_links(self, nodes: int) -> dict[str, Any]:
+        """The links and cluster the estimate reads, for the report: rates in bytes per second each way,
+        and a line for people ("2 nodes x 8 GPUs; per node 8 x 400 Gb/s NICs ...")."""
+        links: dict[str, Any] = {"nodes": nodes, "nvlink_bandwidth": self.nvlink_bandwidth,
+                                 "network_bandwidth": self.network_bandwidth,
+                                 "host_bandwidth": self.host_bandwidth}  # fmt: skip
+        if self.cluster is not None:
+            c = self.cluster
+            links.update(gpus_per_node=c.gpus_per_node, nics_per_node=c.nics_per_node, nvls=c.nvls,
+                         sharp=c.sharp, description=c.describe(nodes))  # fmt: skip
+        else:
+            links["description"] = (f"{nodes} host{'s' * (nodes > 1)}; fast link "
+                                    f"{_gbs(self.nvlink_bandwidth)}, slow link "
+                                    f"{_gbs(self.network_bandwidth)} each way")  # fmt: skip
+        links["description"] += f"; host (PCIe) {_gbs(self.host_bandwidth)}"
+        return links
+
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(_DTYPE_CLASS.get(dtype, "bf16"), self.peak_flops["bf16"])
 
     def link(self, kind: str) -> float:
         return {"nvlink": self.nvlink_bandwidth, "network": self.network_bandwidth,
                 "host": self.host_bandwidth}[kind] * LINK_EFFICIENCY[kind]  # fmt: skip
+
+
+def _gbs(rate: float) -> str:
+    return f"{rate / 1e9:.3g} GB/s"
 
 
 @functools.cache
@@ -156,6 +193,7 @@ class CollectiveCost:
     count: int
     bytes: int
     seconds: float
+    algorithm: str = ""  # How NCCL runs it ("ring/Simple", "nvls/Simple", ...); "" for a plain ring.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +238,11 @@ class StepTime:
     devices: int = 1
     peak_flops: float | None = None  # bf16 dense peak per device, for MFU and HFU.
     uncertainty: float | None = None  # Relative error the calibration measured (median), see BENCHMARKS.
+    # Collectives whose replica groups were written in a form the model cannot read (costed as one group
+    # of every device, the worst case); a plan warns when there are any.
+    unread_groups: tuple[str, ...] = ()
+    # The link rates (bytes/s each way) and cluster shape the estimate used: see Hardware.describe_links.
+    links: Mapping[str, Any] | None = None
 
     @property
     def no_overlap_seconds(self) -> float:
@@ -256,6 +299,8 @@ class StepTime:
             "loops": [dataclasses.asdict(loop) for loop in self.loops],
             "hardware": self.hardware,
             "uncertainty": self.uncertainty,
+            "unread_groups": list(self.unread_groups),
+            "links": dict(self.links) if self.links else None,
         }
 
     def summary(self) -> str:
@@ -480,38 +525,103 @@ class _Kernels:
 # --- Collectives -----------------------------------------------------------------------------------
 
 
+class UnreadGroups(ValueError):
+    """A collective's device groups are written in a form :func:`replica_groups` cannot read."""
+
+
+#: ``[4,2]<=[2,4]T(1,0)``: an iota tile (XLA's ``IotaReplicaGroupList``/``TileAssignment``).
+_IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+#: ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}`` or ``mesh[a=4,b=2] {a:(1)2}`` (Shardy's
+#: ``MeshAxesReplicaGroupList``: axis names quoted in XLA 0.10-0.12, bare in later XLA; the device ids
+#: as an iota tile or a list, absent when they are 0..n-1; a sub-axis ``a:(pre)size``).
+_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?\s*\{([^}]*)\}"
+)
+_MESH_AXIS = re.compile(r"'?([\w.\-]+)'?=(\d+)")
+_GROUP_AXIS = re.compile(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?")
+
+
+def _iota(shape: str, dims: str, perm: str | None) -> np.ndarray:
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    if perm:
+        ids = ids.transpose([int(d) for d in perm.split(",")])
+    return ids.reshape([int(d) for d in shape.split(",")])
+
+
+def _mesh_groups(mesh: str, device_ids: str | None, axes: str) -> list[list[int]]:
+    """The groups of a mesh form: the mesh's device array, with the named (sub-)axes varying in a group.
+    A sub-axis ``a:(pre)size`` splits axis ``a`` into [pre, size, rest] and varies the middle, as XLA's
+    ``MeshAxesReplicaGroupList::flattened_replica_groups`` does."""
+    named = _MESH_AXIS.findall(mesh)
+    names, sizes = [a for a, _ in named], [int(s) for _, s in named]
+    total = math.prod(sizes)
+    if not device_ids:
+        devices = np.arange(total)
+    elif iota := re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", device_ids):
+        devices = _iota(",".join(map(str, sizes)), iota.group(1), iota.group(2))
+    else:
+        devices = np.array([int(d) for d in device_ids.split(",")])
+    if devices.size != total:
+        raise UnreadGroups(f"device_ids=({device_ids}) do not fill mesh[{mesh}]")
+    chosen = [(a, (int(pre), int(size)) if pre else None) for a, pre, size in _GROUP_AXIS.findall(axes) if a]
+    pieces, index = [], {}  # The mesh's axes split at the sub-axes; (axis, sub-axis) -> its piece.
+    for name, size in zip(names, sizes, strict=True):
+        if (name, None) in chosen:
+            index[(name, None)] = len(pieces)
+            pieces.append(size)
+            continue
+        covered = 1
+        for pre, sub in sorted(s for a, s in chosen if a == name):
+            if pre > covered:
+                pieces.append(pre // covered)
+                covered = pre
+            index[(name, (pre, sub))] = len(pieces)
+            pieces.append(sub)
+            covered *= sub
+        if covered < size:
+            pieces.append(size // covered)
+    missing = [a for a in chosen if a not in index]
+    if missing or math.prod(pieces) != total:
+        raise UnreadGroups(f"group axes {{{axes}}} do not fit mesh[{mesh}]")
+    varying = [index[a] for a in chosen]
+    rest = [i for i in range(len(pieces)) if i not in varying]
+    group_size = math.prod(pieces[i] for i in varying)
+    return devices.reshape(pieces).transpose(rest + varying).reshape(-1, group_size).tolist()
+
+
 def replica_groups(ins: hlo.Instruction, devices: int) -> list[list[int]]:
-    """The device groups of a collective, from any of the forms XLA writes: ``{{0,1},{2,3}}``, the iota
-    form ``[2,2]<=[4]`` (with ``T(...)`` transposes), the mesh form ``mesh['a'=2,'b'=2] {'a'}``, and a
-    collective-permute's ``source_target_pairs``. No groups: one group of every device."""
+    """The device groups of a collective, from every form XLA 0.10-0.12 writes: ``{{0,1},{2,3}}``, the iota
+    form ``[2,2]<=[4]`` (with ``T(...)`` transposes), the mesh form ``mesh['a'=2,'b'=2] {'a'}`` (with
+    ``device_ids=(...)`` and sub-axes), and a collective-permute's ``source_target_pairs`` (one group per
+    pair). No ``replica_groups`` at all, or ``{}``, is XLA's "every device": one group of all ``devices``.
+    Raises :class:`UnreadGroups` for any other form rather than guess."""
     text = ins.attributes
     pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", text)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if "replica_groups=" not in text:
+        return [list(range(devices))]
+    iota = re.search("replica_groups=" + _IOTA, text)
     if iota:
-        shape = [int(d) for d in iota.group(1).split(",")]
-        ids = np.arange(math.prod(int(d) for d in iota.group(2).split(","))).reshape(
-            [int(d) for d in iota.group(2).split(",")])  # fmt: skip
-        if iota.group(3):
-            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
-        return ids.reshape(shape[0], -1).tolist()
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+        return _iota(iota.group(1), iota.group(2), iota.group(3)).tolist()
+    mesh = _MESH.search(text)
     if mesh:
-        axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
-        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in names]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
-        rest = [i for i in range(len(sizes)) if i not in chosen]
-        return ids.transpose(rest + chosen).reshape(-1, math.prod(sizes[i] for i in chosen)).tolist()
-    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", text)
-    if explicit and explicit.group(1):
-        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
-    return [list(range(devices))]
+        return _mesh_groups(*mesh.groups())
+    maximal = re.search(r"replica_groups=maximal_mesh\[device_id=(\d+)\]", text)
+    if maximal:
+        return [[int(maximal.group(1))]]
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}(?=[,\s]|$)", text)
+    if explicit:
+        groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+        return groups or [list(range(devices))]
+    shown = re.search(r"replica_groups=(\S{0,80})", text)
+    raise UnreadGroups(f"cannot read the device groups of {ins.name}: replica_groups={shown.group(1)}")
 
 
-def _collective_cost(ins, kind: str, hardware: Hardware,
-                     hosts_of: Sequence[int]) -> tuple[float, CollectiveCost]:  # fmt: skip
+def _collective_cost(ins, kind: str, hardware: Hardware, hosts_of: Sequence[int],
+                     unread: list[str]) -> tuple[float, CollectiveCost]:  # fmt: skip
+    """The seconds of one collective and its cost entry. Groups it cannot read are costed as one group of
+    every device, and its name is appended to ``unread`` (the step time says so: never silently)."""
     moved = hlo.collective_result_bytes(ins)
     if hlo.is_megascale(ins):
         # Between TPU slices: each chip exchanges its data with its peers in the other slices, over DCN.
@@ -519,12 +629,25 @@ def _collective_cost(ins, kind: str, hardware: Hardware,
         if kind == "all-gather":
             moved *= n  # It sends its piece; the ring's factor is of the gathered result.
     else:
-        groups = replica_groups(ins, len(hosts_of))
+        try:
+            groups = replica_groups(ins, len(hosts_of))
+        except UnreadGroups:
+            unread.append(ins.name)
+            groups = [list(range(len(hosts_of)))]
         n = max(len(g) for g in groups) if groups else 1
         spans = any(len({hosts_of[d] for d in g if d < len(hosts_of)}) > 1 for g in groups)
         link = "network" if spans else "nvlink"
         if kind == "reduce-scatter":
             moved *= n  # The ring moves (n-1)/n of the operand, n times the result.
+        if hardware.cluster is not None and groups:
+            # Every group runs at once; the slowest (the one over most nodes) sets the time.
+            widest = max((Group.of([d for d in g if d < len(hosts_of)], hosts_of) for g in groups),
+                         key=lambda group: (group.nodes, group.gpus))  # fmt: skip
+            if kind == "collective-permute":
+                widest = Group(2, 2 if spans else 1, 1 if spans else 2)
+            seconds, algorithm = collective_seconds(kind, moved, widest, hardware.cluster)
+            cost = CollectiveCost(kind, n, link, 1, hlo.collective_result_bytes(ins), seconds, algorithm)
+            return seconds, cost
     if n <= 1 and kind != "collective-permute":
         return 0.0, CollectiveCost(kind, n, link, 1, moved, 0.0)
     seconds = COLLECTIVE_LATENCY[link] + _ALGORITHM[kind](n) * moved / hardware.link(link)
@@ -583,7 +706,8 @@ class _Replay:
         self.module, self.hardware, self.hosts_of = module, hardware, hosts_of
         self.kernels = _Kernels(module, hardware, attention)
         self.memo: dict[str, _Totals] = {}
-        self.collectives: dict[tuple[str, int, str], list] = {}
+        self.collectives: dict[tuple[str, int, str, str], list] = {}
+        self.unread: list[str] = []  # Collectives whose device groups were in a form not read.
         self.loops: list[tuple[str, int, _Totals]] = []
         self.multiplier = 1
 
@@ -693,8 +817,8 @@ class _Replay:
         if ins.opcode == "async-start":  # The collective is the wrapped computation's.
             target = next(i for name in ins.called for i in self.module.computations.get(name, ())
                           if hlo.collective_kind(i))  # fmt: skip
-        seconds, cost = _collective_cost(target, kind, self.hardware, self.hosts_of)
-        key = (kind, cost.group_size, cost.link)
+        seconds, cost = _collective_cost(target, kind, self.hardware, self.hosts_of, self.unread)
+        key = (kind, cost.group_size, cost.link, cost.algorithm)
         entry = self.collectives.setdefault(key, [0, 0, 0.0])
         entry[0] += self.multiplier
         entry[1] += cost.bytes * self.multiplier
@@ -727,8 +851,8 @@ def estimate_step_time(
         ticks = [trips * t.seconds for scope, trips, t in replay.loops if "pipeline" in scope]
         bubble = bubble_fraction * (max(ticks) if ticks else totals.seconds)
     collectives = tuple(
-        CollectiveCost(kind, size, link, count, moved, seconds)
-        for (kind, size, link), (count, moved, seconds) in sorted(replay.collectives.items())
+        CollectiveCost(kind, size, link, count, moved, seconds, algorithm)
+        for (kind, size, link, algorithm), (count, moved, seconds) in sorted(replay.collectives.items())
     )
     seen, loops = set(), []
     for scope, trips, per_trip in replay.loops:
@@ -744,5 +868,6 @@ def estimate_step_time(
         kernel_flops=totals.flops,
         collectives=collectives, loops=tuple(loops), hardware=hardware.name,
         tokens_per_step=tokens_per_step, model_flops=model_flops, hardware_flops=hardware_flops,
-        devices=len(hosts_of), peak_flops=hardware.peak("bf16"),
+        devices=len(hosts_of), peak_flops=hardware.peak("bf16"), unread_groups=tuple(replay.unread),
+        links=hardware.describe_links(len(set(hosts_of))),
     )  # fmt: skip

@@ -316,7 +316,14 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
                      "neither kind nor group) are costed as memory traffic only")  # fmt: skip
     elif target.deviceless:
         note += "; compiled deviceless, without the GPU's autotuning, which picks faster kernels"
-    return dataclasses.replace(report, step_time=estimate, step_time_note=note)
+    warnings = list(report.warnings or [])
+    if estimate.unread_groups:
+        warnings.append(
+            f"step time: the device groups of {len(estimate.unread_groups)} collectives "
+            f"({', '.join(estimate.unread_groups[:3])}) are in a form shardmem cannot read, so they are "
+            "costed as groups of every device (an overestimate); please report the HLO line"
+        )
+    return dataclasses.replace(report, step_time=estimate, step_time_note=note, warnings=warnings)
 
 
 def _optimizer_warnings(config: Config) -> list[str]:

@@ -137,10 +137,13 @@ def _step_time_lines(report: MemoryReport) -> list[Text]:
     if st.bubble:
         bounds += f"; pipeline bubble {format_seconds(st.bubble)} of it"
     lines.append(Text(bounds, style="dim"))
+    if st.links:
+        lines.append(Text(f"  links: {st.links['description']}", style="dim"))
     costly = sorted(st.collectives, key=lambda c: -c.seconds)[:3]
     if costly and costly[0].seconds:
         lines.append(Text("  costliest collectives: " + "; ".join(
-            f"{c.kind} over {c.group_size} ({c.link}) x{c.count}: {format_bytes(c.bytes)}, "
+            f"{c.kind} over {c.group_size} ({c.link}{', ' + c.algorithm if c.algorithm else ''}) x{c.count}: "
+            f"{format_bytes(c.bytes)}, "
             f"{format_seconds(c.seconds)}" for c in costly if c.seconds), style="dim"))  # fmt: skip
     layer = max(st.loops, key=lambda loop: loop.trips * loop.seconds_per_trip, default=None)
     if layer is not None and layer.trips > 1:

@@ -31,10 +31,12 @@ class GpuSpec:
 
     Device facts are from XLA's GPU spec files and vendor datasheets (``shared/reference/gpu-targets.md``).
     ``peak_flops`` is the dense tensor-core rate per operand dtype ("f32" is TF32, which XLA uses for
-    float32 matmuls at default precision). Link rates are per GPU and per direction, from the vendors'
-    system datasheets: ``nvlink_bandwidth`` to the other GPUs of its host, ``network_bandwidth`` to other
-    hosts (one NIC per GPU, as DGX/HGX servers have), ``host_bandwidth`` to host memory (PCIe). A
-    cluster's real figures override the links (``interconnect`` in the config).
+    float32 matmuls at default precision). Link rates are per direction, from the vendors' system
+    datasheets: ``nvlink_bandwidth`` from one GPU to the other GPUs of its node, ``network_bandwidth``
+    of one NIC to other nodes (the server has ``nics_per_node`` of them for its ``gpus_per_node`` GPUs),
+    ``host_bandwidth`` to host memory (PCIe). ``nvls``: the server's NVSwitch reduces (NVLink SHARP);
+    ``sharp``: its InfiniBand switches do (SHARP; off by default: it takes NCCL's CollNet plugin). A
+    cluster's real figures override these (``interconnect`` in the config).
     """
 
     description: str
@@ -51,6 +53,10 @@ class GpuSpec:
     nvlink_bandwidth: float
     network_bandwidth: float
     host_bandwidth: float
+    gpus_per_node: int = 8  # The server's GPUs (DGX/HGX: 8).
+    nics_per_node: int = 8  # Its NICs to other nodes, of network_bandwidth each (DGX/HGX: one per GPU).
+    nvls: bool = False  # NVSwitch with NVLink SHARP (third-generation NVSwitch: H100, H200, B200).
+    sharp: bool = False  # InfiniBand SHARP in-network reductions (NCCL CollNet plugin).
 
     @property
     def peak_bf16_flops(self) -> float:
@@ -95,24 +101,27 @@ _HOPPER_PCIE = {"bf16": 756e12, "f16": 756e12, "f32": 378e12, "f8": 1513e12}
 _AMPERE = {"bf16": 312e12, "f16": 312e12, "f32": 156e12}  # No FP8 units: f8 runs as bf16.
 _BLACKWELL = {"bf16": 2250e12, "f16": 2250e12, "f32": 1100e12, "f8": 4500e12}
 
-# Links per GPU, each way. DGX/HGX H100 and H200: NVLink 4 at 900 GB/s both ways through NVSwitch, eight
-# 400 Gb/s NDR InfiniBand NICs per host (50 GB/s per GPU), PCIe Gen5 x16 (64 GB/s). DGX A100: NVLink 3 at
-# 600 GB/s, eight 200 Gb/s HDR NICs (25 GB/s), PCIe Gen4 x16 (32 GB/s). HGX B200: NVLink 5 at 1.8 TB/s,
-# eight 400 Gb/s NICs. An H100 PCIe card reaches the other GPUs of its server over PCIe Gen5 (its NVLink
-# bridge pairs two cards only).
+# Links each way. DGX/HGX H100 and H200: 8 GPUs, NVLink 4 at 900 GB/s both ways through third-generation
+# NVSwitch (NVLink SHARP), eight 400 Gb/s NDR ConnectX-7 NICs per node (50 GB/s each), PCIe Gen5 x16
+# (64 GB/s). DGX A100: NVLink 3 at 600 GB/s through NVSwitch (no NVLS), eight 200 Gb/s HDR NICs (25 GB/s),
+# PCIe Gen4 x16 (32 GB/s). HGX B200: NVLink 5 at 1.8 TB/s, NVLS, eight 400 Gb/s NICs. An H100 PCIe card
+# reaches the other GPUs of its server over PCIe Gen5 (its NVLink bridge pairs two cards only). (NVIDIA
+# DGX H100/A100 and HGX B200 datasheets; shared/reference/step-time-and-tpu.md.)
 GPU_TARGETS: dict[str, GpuSpec] = {
     "h100-sxm": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84942979072,
-                        3352320000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB),
+                        3352320000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB,
+                        nvls=True),
     "h100-pcie": GpuSpec("NVIDIA H100 PCIe", (9, 0), 114, 128, 1.755, 84942979072,
                          2039040000000, 52428800, 233472, 232448, _HOPPER_PCIE, 64 * GB, 50 * GB, 64 * GB),
     "h200": GpuSpec("NVIDIA H200 141GB HBM3e", (9, 0), 132, 128, 1.98, 151397597184,
-                    4800000000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB),
+                    4800000000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB, nvls=True),
     "a100-40g": GpuSpec("NVIDIA A100-SXM4-40GB", (8, 0), 108, 64, 1.41, 42331013120,
                         1555200000000, 41943040, 167936, 166912, _AMPERE, 300 * GB, 25 * GB, 32 * GB),
     "a100-80g": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 85100068864,
                         2039040000000, 41943040, 167936, 166912, _AMPERE, 300 * GB, 25 * GB, 32 * GB),
     "b200": GpuSpec("NVIDIA B200", (10, 0), 148, 128, 1.965, 191514411008,
-                    7672320000000, 132644864, 233472, 232448, _BLACKWELL, 900 * GB, 50 * GB, 64 * GB),
+                    7672320000000, 132644864, 233472, 232448, _BLACKWELL, 900 * GB, 50 * GB, 64 * GB,
+                    nvls=True),
 }  # fmt: skip
 
 
