@@ -2,7 +2,8 @@
 
 Exit codes: 0 success (plan: fits; train: finished or stopped by SIGTERM with a checkpoint), 3 the
 plan does not fit, 2 a config or usage error (printed without a traceback), 4 training diverged (NaN
-or infinite loss, gradient or state), 130 interrupted.
+or infinite loss, gradient or state), 130 interrupted (Ctrl-C: ``train`` saves a checkpoint first;
+``plan``, ``sweep`` and ``tune`` stop at once, even mid-compile, see :mod:`shardmem._interrupt`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from shardmem._interrupt import ends_on_interrupt
 from shardmem.errors import ConfigError, ShardmemError
 from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
@@ -92,6 +94,11 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def cmd_plan(args) -> int:
+    with ends_on_interrupt():  # Ctrl-C ends a compile of minutes at once: exit 130.
+        return _plan(args)
+
+
+def _plan(args) -> int:
     from shardmem.planning.memory import plan
     from shardmem.planning.report import render, sharding_json
 
@@ -226,6 +233,11 @@ def _add_train_commands(commands) -> None:
 
 
 def cmd_sweep(args) -> int:
+    with ends_on_interrupt(workers=True):  # Ctrl-C ends the workers mid-compile too: exit 130.
+        return _sweep(args)
+
+
+def _sweep(args) -> int:
     from rich.progress import Progress
 
     from shardmem.explore import sweep as sweeping
@@ -276,6 +288,29 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_tune(args) -> int:
+    trials = []  # The search's trials as it goes: what Ctrl-C prints.
+    with ends_on_interrupt(lambda: _print_interrupted_tune(trials, json_output=args.json), workers=True):
+        return _tune(args, trials)
+
+
+def _print_interrupted_tune(trials, *, json_output: bool) -> None:
+    import dataclasses
+
+    compiled = [t for t in trials if t.how == "compiled"]
+    if json_output:
+        data = {
+            "interrupted": True,
+            "compiles": len(compiled),
+            "trials": [dataclasses.asdict(t) for t in trials],
+        }
+        print(json.dumps(data, indent=2))
+        return
+    print(f"interrupted after {len(compiled)} compiles" + ("; compiled so far:" if compiled else ""))
+    for t in compiled:
+        print(f"  {t.candidate}: {t.reason}")
+
+
+def _tune(args, trials) -> int:
     from shardmem.explore.tune import render_tune, tune
 
     config = _load(args, planning_only=True)
@@ -287,7 +322,7 @@ def cmd_tune(args) -> int:
         progress = lambda message: print(f"  {message}", file=sys.stderr, flush=True)  # noqa: E731
     result = tune(config, args.target, search=args.search, allow_offload=False if args.no_offload else None,
                   max_compiles=max_compiles, objective=args.objective, jobs=args.jobs,
-                  progress=progress)  # fmt: skip
+                  progress=progress, trials=trials)  # fmt: skip
     if result.found and args.out:
         header = "".join(f"# {line}\n" for line in result.explanation)
         try:

@@ -133,12 +133,13 @@ class Refused:
 class _Planner:
     """Compiles candidates (each at most once), counts compiles and keeps every trial."""
 
-    def __init__(self, config: Config, target: str | None, max_compiles: int, progress: Callable | None):
+    def __init__(self, config: Config, target: str | None, max_compiles: int, progress: Callable | None,
+                 trials: list[Trial] | None = None):  # fmt: skip
         self.base, self.target, self.max_compiles = config, target, max_compiles
         self.progress = progress or (lambda message: None)
         self.compiles = 0
         self.reports: dict[tuple[str, ...], MemoryReport] = {}
-        self.trials: list[Trial] = []
+        self.trials: list[Trial] = trials if trials is not None else []
         # Matmul FLOPs of the step without remat, once a search has traced it (the same for every
         # candidate): plan() then need not trace that baseline again for each compile.
         self.flops_no_remat: float | None = None
@@ -200,6 +201,7 @@ def tune(
     progress: Callable[[str], None] | None = None,
     objective: str = "step_time",
     jobs: int | None = None,
+    trials: list[Trial] | None = None,
 ) -> TuneResult:
     """Searches for the best config that fits the budget of ``target`` (default ``memory.target``).
 
@@ -209,7 +211,8 @@ def tune(
     remat and ZeRO-1 with the shortest predicted step time (``objective="throughput"``: the most tokens
     per second per device, each top layout at the largest global batch that fits), compiling in ``jobs``
     worker processes (:mod:`shardmem.explore.layout`). ``allow_offload`` defaults to whether the target
-    is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
+    is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles. ``trials``: a list
+    the search appends each trial to as it goes (what a caller interrupted mid-search still has).
     """
     if search not in SEARCHES:
         raise ConfigError(f"--search {search!r}: use {one_of(SEARCHES)}")
@@ -222,7 +225,7 @@ def tune(
     resolved = make_target(config, target)
     if allow_offload is None:
         allow_offload = resolved.platform != "cpu"
-    planner = _Planner(config, target, max_compiles, progress)
+    planner = _Planner(config, target, max_compiles, progress, trials)
     if search == "remat":
         result = _tune_remat(planner, resolved, allow_offload)
     elif search == "layout":
