@@ -210,3 +210,20 @@ def test_the_default_sweep_output_folder_is_ignored_by_git():
         pytest.skip("not a git checkout")
     done = subprocess.run(["git", "check-ignore", "-q", "sweep-tiny/sweep.csv"], cwd=root)
     assert done.returncode == 0, "sweep-*/ is missing from .gitignore"
+
+
+# Issue 30: what a new user and an adversary hit.
+@pytest.mark.parametrize("target, slices", [("100000xv5e-256", "100,000"), ("5000xv5e-256", "5,000")])
+def test_a_runaway_slice_count_is_one_line_before_any_topology_is_built(target, slices, capsys, monkeypatch):
+    # 100000xv5e-256 was OOM-killed at 18 GB building 25.6 million devices; 5000x ran 28 s to an error.
+    from shardmem.cli import main
+    from shardmem.planning import targets
+
+    def built(*args):
+        raise AssertionError("a topology was built")
+
+    monkeypatch.setattr(targets, "_tpu_topology", built)
+    assert main(["plan", TINY, "--target", target]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"target '{target}': {slices} slices of 256 chips make" in err
+    assert "at most 256 such slices (256xv5e-256)" in err
