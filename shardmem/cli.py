@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from shardmem._interrupt import ends_on_interrupt
-from shardmem.errors import ConfigError, ShardmemError
+from shardmem.errors import ConfigError, ShardmemError, at_least
 from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
 
@@ -102,8 +102,7 @@ def _plan(args) -> int:
     from shardmem.planning.memory import plan
     from shardmem.planning.report import render, sharding_json
 
-    if args.top < 0:
-        raise ConfigError(f"--top {args.top}: give the number of buffers to list, 0 or more")
+    at_least("--top", args.top, 0, "give the number of buffers to list, 0 or more")
     for path, flag in ((args.html, "--html"), (args.png, "--png")):
         if path:
             _check_writable(path, flag)
@@ -316,7 +315,9 @@ def _tune(args, trials) -> int:
     config = _load(args, planning_only=True)
     if args.out:
         _check_writable(args.out, "--out")
-    max_compiles = args.max_compiles or (40 if args.search == "layout" else 12)
+    max_compiles = (
+        args.max_compiles if args.max_compiles is not None else (40 if args.search == "layout" else 12)
+    )
     progress = None
     if args.search == "layout" and not args.json:
         progress = lambda message: print(f"  {message}", file=sys.stderr, flush=True)  # noqa: E731
@@ -374,16 +375,17 @@ def _add_explore_commands(commands) -> None:
     p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout"), default="remat",
                    help="what to tune (default: remat); layout: the mesh, micro-batches, remat and ZeRO-1 "
                    "with the shortest predicted step time")  # fmt: skip
-    p.add_argument("--objective", choices=("step_time", "throughput"), default="step_time",
-                   help="--search layout ranks by predicted step time, or by tokens/s per device at the "
-                   "largest batch that fits (throughput)")  # fmt: skip
+    p.add_argument("--objective", choices=("step_time", "throughput"),
+                   help="--search layout ranks by predicted step time (default), or by tokens/s per device "
+                   "at the largest batch that fits (throughput)")  # fmt: skip
     p.add_argument(
         "--jobs", type=int, help="--search layout: worker processes for its compiles (default: CPUs)"
     )
     p.add_argument("--out", help="write the tuned config as YAML that plan and train accept")
     p.add_argument("--no-offload", action="store_true", help="never move activations to host memory")
     p.add_argument("--max-compiles", type=int,
-                   help="compile budget of the search (default: 12; 40 for --search layout)")  # fmt: skip
+                   help="compile budget of the search, at least 2 (default: 12; for --search layout 40, "
+                   "at least 3)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(run=cmd_tune)
 

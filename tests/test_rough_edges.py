@@ -227,3 +227,34 @@ def test_a_runaway_slice_count_is_one_line_before_any_topology_is_built(target, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"target '{target}': {slices} slices of 256 chips make" in err
     assert "at most 256 such slices (256xv5e-256)" in err
+
+
+JOBS = "use 1 or more worker processes, or omit it for one per CPU"
+OPTIONS = {  # Each was silently accepted, or read another way than its neighbours (issue 30, item 5).
+    "tune --max-compiles 0": "--max-compiles 0: --search remat needs at least 2",  # Was: the default, 40.
+    "tune --max-compiles -3": "--max-compiles -3: --search remat needs at least 2",
+    "tune --search layout --max-compiles 2": "--max-compiles 2: --search layout needs at least 3: two",
+    "tune --search layout --jobs -2": f"--jobs -2: {JOBS}",  # Was: one worker.
+    "tune --search layout --jobs 0": f"--jobs 0: {JOBS}",
+    "sweep --grid remat.policy=none,full --jobs 0": f"--jobs 0: {JOBS}",
+    "sweep --grid remat.policy=none,full --jobs -2": f"--jobs -2: {JOBS}",
+    "tune --objective throughput": "--objective throughput: only --search layout uses it (this is --search "
+    "remat); add --search layout, or drop --objective",  # Was: ignored.
+    "tune --search batch --jobs 2": "--jobs 2: only --search layout uses it (this is --search batch)",
+    "plan --top -1": "--top -1: give the number of buffers to list, 0 or more",
+}
+
+
+@pytest.mark.parametrize("command", list(OPTIONS))
+def test_numeric_and_search_options_are_checked_alike_before_any_compile(command, capsys, monkeypatch):
+    from shardmem.cli import main
+    from shardmem.planning import memory
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled before checking the options")
+
+    monkeypatch.setattr(memory, "_compile", compiled)
+    name, *args = command.split()
+    assert main([name, TINY, "--target", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"shardmem: error: {OPTIONS[command]}"), err

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from shardmem.config import Config
-from shardmem.errors import ConfigError, DoesNotFit, ShardmemError
+from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.units import format_bytes, format_flops, format_seconds
 
 if TYPE_CHECKING:
@@ -242,14 +242,15 @@ def _cpu_devices(config: Config, rows: Sequence[tuple[str, ...]]) -> int:
     return max(counts)
 
 
+JOBS_FIX = "use 1 or more worker processes, or omit it for one per CPU"
+
+
 def check_options(
     config: Config, target: str | None, *, jobs: int | None, measure: bool, measure_steps: int
 ) -> None:
     """Raises ConfigError for options :func:`sweep` cannot run with, before any work (or output) starts."""
-    if jobs is not None and jobs < 1:
-        raise ConfigError(f"--jobs {jobs}: use 1 or more worker processes, or omit it for one per CPU")
-    if measure_steps < 1:
-        raise ConfigError(f"--steps {measure_steps}: time at least 1 step per candidate")
+    at_least("--jobs", jobs, 1, JOBS_FIX)
+    at_least("--steps", measure_steps, 1, "time at least 1 step per candidate")
     if measure:
         from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS, tpu_slice
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from shardmem.config import Config
-from shardmem.errors import ConfigError, DoesNotFit, PlanError, one_of
+from shardmem.errors import ConfigError, DoesNotFit, PlanError, at_least, one_of
 from shardmem.models.attention import AttentionKernel
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import STAGE_AXIS
@@ -199,7 +199,7 @@ def tune(
     allow_offload: bool | None = None,
     max_compiles: int = 12,
     progress: Callable[[str], None] | None = None,
-    objective: str = "step_time",
+    objective: str | None = None,
     jobs: int | None = None,
     trials: list[Trial] | None = None,
 ) -> TuneResult:
@@ -210,16 +210,28 @@ def tune(
     fewest ``train.micro_batches`` for the configured global batch; ``"layout"`` the mesh, micro-batches,
     remat and ZeRO-1 with the shortest predicted step time (``objective="throughput"``: the most tokens
     per second per device, each top layout at the largest global batch that fits), compiling in ``jobs``
-    worker processes (:mod:`shardmem.explore.layout`). ``allow_offload`` defaults to whether the target
-    is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles. ``trials``: a list
-    the search appends each trial to as it goes (what a caller interrupted mid-search still has).
+    worker processes (:mod:`shardmem.explore.layout`); ``objective`` and ``jobs`` are for that search
+    only, and it needs ``max_compiles`` of 3 or more (the others: 2). ``allow_offload`` defaults to
+    whether the target is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
+    ``trials``: a list the search appends each trial to as it goes (what a caller interrupted mid-search
+    still has).
     """
     if search not in SEARCHES:
         raise ConfigError(f"--search {search!r}: use {one_of(SEARCHES)}")
-    if max_compiles < 2:
-        raise ConfigError(f"--max-compiles {max_compiles}: the search needs at least 2")
     from shardmem.explore.layout import OBJECTIVES
+    from shardmem.explore.sweep import JOBS_FIX
 
+    if search == "layout":  # Two layouts to compare, and the winner's full report.
+        fix = "--search layout needs at least 3: two layouts to compare and the winner's full report"
+        at_least("--max-compiles", max_compiles, 3, fix)
+    else:
+        at_least("--max-compiles", max_compiles, 2, f"--search {search} needs at least 2")
+    at_least("--jobs", jobs, 1, JOBS_FIX)
+    for option, value in (("--objective", objective), ("--jobs", jobs)):
+        if value is not None and search != "layout":
+            raise ConfigError(f"{option} {value}: only --search layout uses it (this is --search {search}); "
+                              f"add --search layout, or drop {option}")  # fmt: skip
+    objective = objective or "step_time"
     if objective not in OBJECTIVES:
         raise ConfigError(f"--objective {objective!r}: use {one_of(OBJECTIVES)}")
     resolved = make_target(config, target)
