@@ -93,6 +93,18 @@ def _check_writable(path: str, flag: str) -> None:
         os.remove(path)
 
 
+def _check_not_the_input(out: str, config_path: str) -> None:
+    """Raises ConfigError when ``--out`` names the config file read: writing the tuned YAML there would
+    lose its comments and whatever the tuned config does not repeat."""
+    same = os.path.realpath(out) == os.path.realpath(config_path)
+    if not same and os.path.exists(out) and os.path.exists(config_path):
+        same = os.path.samefile(out, config_path)  # A hard link.
+    if same:
+        stem, ext = os.path.splitext(out)
+        raise ConfigError(f"--out {out!r} is the input config, which the tuned one would overwrite (its "
+                          f"comments lost); write beside it, e.g. --out {stem}-tuned{ext}")  # fmt: skip
+
+
 def cmd_plan(args) -> int:
     with ends_on_interrupt():  # Ctrl-C ends a compile of minutes at once: exit 130.
         return _plan(args)
@@ -245,6 +257,7 @@ def _sweep(args) -> int:
     grid = sweeping.parse_grid(args.grid)
     sweeping.check_options(config, args.target, jobs=args.jobs, measure=args.measure,
                            measure_steps=args.steps)  # fmt: skip
+    sweeping.check_candidates(config, sweeping.candidates(grid))  # Before any output or compile.
     out_dir = args.out or f"sweep-{config.name}"
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -312,6 +325,8 @@ def _print_interrupted_tune(trials, *, json_output: bool) -> None:
 def _tune(args, trials) -> int:
     from shardmem.explore.tune import render_tune, tune
 
+    if args.out:
+        _check_not_the_input(args.out, args.config)
     config = _load(args, planning_only=True)
     if args.out:
         _check_writable(args.out, "--out")

@@ -258,3 +258,21 @@ def test_numeric_and_search_options_are_checked_alike_before_any_compile(command
     assert main([name, TINY, "--target", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"shardmem: error: {OPTIONS[command]}"), err
+
+
+def test_tune_out_never_overwrites_the_input_config(tmp_path, capsys, monkeypatch):
+    # It did: the file's comments and its remat plan were lost (issue 30, item 7).
+    from shardmem.cli import main
+
+    config = tmp_path / "mine.yaml"
+    text = "# my notes\n" + open(TINY).read()
+    config.write_text(text)
+    (tmp_path / "link.yaml").hardlink_to(config)
+    monkeypatch.chdir(tmp_path)
+    for out in ("mine.yaml", "./mine.yaml", str(config), "link.yaml"):
+        assert main(["tune", str(config), "--target", "cpu", "--out", out]) == 2
+        err = capsys.readouterr().err
+        fix = f"write beside it, e.g. --out {out[:-5]}-tuned.yaml"
+        assert err == (f"shardmem: error: --out {out!r} is the input config, which the tuned one would "
+                       f"overwrite (its comments lost); {fix}\n")  # fmt: skip
+    assert config.read_text() == text

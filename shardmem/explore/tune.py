@@ -246,9 +246,12 @@ def tune(
         result = _tune_batch(planner, resolved)
     else:
         result = _tune_micro_batches(planner, resolved)
-    if result.config is not None and target is not None:
-        # The tuned file plans for the target it was tuned for.
-        result = dataclasses.replace(result, config=result.config.replace(f"memory.target={target}"))
+    if result.config is not None:
+        # The tuned config runs under a name of its own (runs/<name>), not in the run dir of the input;
+        # the tuned file plans for the target it was tuned for.
+        name = config.name if config.name.endswith("-tuned") else f"{config.name}-tuned"
+        sets = [f"name={name}", *([f"memory.target={target}"] if target is not None else [])]
+        result = dataclasses.replace(result, config=result.config.replace(*sets))
     return result
 
 
