@@ -69,6 +69,9 @@ def test_plan_that_does_not_fit_exits_3_and_still_reports():
                       "--set", "memory.reserve=0")  # fmt: skip
     assert result.returncode == 3
     assert "DOES NOT FIT" in result.stdout
+    # With what to try next, as libtpu's refusal on a TPU target says it (issue 30, item 10).
+    assert "next: shard more (mesh.axes.fsdp over more devices), recompute more" in result.stdout
+    assert "shardmem tune with the same config and --target searches these" in result.stdout
 
 
 @pytest.mark.parametrize(
