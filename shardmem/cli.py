@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from shardmem._interrupt import ends_on_interrupt
-from shardmem.errors import ConfigError, ShardmemError, at_least
+from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
 
@@ -119,7 +119,15 @@ def _plan(args) -> int:
         if path:
             _check_writable(path, flag)
     config = _load(args, planning_only=True)
-    report = plan(config, args.target, top=args.top)
+    try:
+        report = plan(config, args.target, top=args.top)
+    except DoesNotFit as e:  # libtpu refused the step as over the chip's HBM: no report, still a verdict.
+        if args.json:
+            verdict = {"name": config.name, "target": args.target or config.memory.target, "fits": False,
+                       "refused_by_compiler": True, "required_bytes": e.required_bytes,
+                       "available_bytes": e.available_bytes, "error": str(e)}  # fmt: skip
+            print(json.dumps(verdict, indent=2), flush=True)
+        raise
     if args.json:
         data = report.to_json()
         if args.sharding:

@@ -124,6 +124,13 @@ def test_a_step_libtpu_refuses_as_over_the_chips_hbm_is_a_verdict_exit_3(monkeyp
     assert main(args) == 3
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not fit" in err and "shardmem tune" in err
+    # With --json, the verdict as JSON too, as a GPU plan that does not fit gives it (issue 30, item 9).
+    assert main([*args, "--json"]) == 3
+    captured = capsys.readouterr()
+    verdict = json.loads(captured.out)
+    assert verdict["fits"] is False and verdict["target"] == "v5e-4" and verdict["refused_by_compiler"]
+    assert (verdict["required_bytes"], verdict["available_bytes"]) == (int(23.52 * 2**30), int(15.75 * 2**30))
+    assert captured.err.count("\n") == 1 and "does not fit" in captured.err
 
 
 def test_two_slices_put_the_data_axis_across_them():
