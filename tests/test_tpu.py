@@ -280,3 +280,20 @@ def test_host_offload_compiles_to_the_tpu_hosts_pinned_memory():
     assert report.step_time.host_transfer_bytes > 0  # TPU layouts write host memory after the tiles
     # This small step's weight gathers are libtpu's own collectives, which the estimate cannot cost.
     assert "AsyncCollectiveStart" in report.step_time_note
+
+
+def test_a_tpu_target_starts_jax_quietly(tmp_path):
+    # Issue 30, item 9: every TPU plan (and every tune worker) printed absl's and the CUDA plugin's C++
+    # start-up lines, as JAX's backends started mid-plan, after the silenced topology.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "tpu.py"
+    script.write_text("import shardmem, jax, jax.numpy as jnp\n"
+                      "from shardmem.planning.targets import resolve_target\n"
+                      "resolve_target('v5e-4')\n"
+                      "jax.jit(lambda x: x + 1).lower(jnp.float32(1))\n")  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[1])  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "", done.stderr

@@ -379,6 +379,8 @@ def _resolve_tpu(name: str, n_devices: int | None) -> Target:
         )
     shape = spec.slice_shapes[per_slice]
     devices = _tpu_topology(key, shape, slices)
+    with native_stderr_silenced():  # JAX's own backends start now, not mid-plan: the CUDA plugin found
+        jax.devices()  # no driver and absl says it logs to stderr, in C++, once per process.
     hosts = len({d.process_index for d in devices})  # One process per TPU VM, across all slices.
     grid = "x".join(map(str, shape))
     where = f"{slices} slices of {grid} over DCN" if slices > 1 else grid
