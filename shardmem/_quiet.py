@@ -98,6 +98,13 @@ def native_stderr_silenced(*, watch: bool = False) -> Iterator[None]:
             _depth -= 1
 
 
+def say(text: str) -> None:
+    """Writes ``text`` to the real stderr, also from inside a block (a progress line mid-compile)."""
+    saved = _saved_stderr
+    with contextlib.suppress(OSError):
+        os.write(saved if saved is not None else 2, text.encode())
+
+
 def abandon() -> None:
     """For a process about to exit on purpose mid-block (Ctrl-C): gives file descriptor 2 back to the
     real stderr, and ends the watchers at once without a word (they would report the exit as a crash

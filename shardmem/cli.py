@@ -9,14 +9,16 @@ or infinite loss, gradient or state), 130 interrupted (Ctrl-C: ``train`` saves a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
 import signal
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rich.console import Console
 
@@ -93,6 +95,33 @@ def _check_writable(path: str, flag: str) -> None:
         os.remove(path)
 
 
+#: A plan still compiling after this long says so, and again every _PROGRESS_EVERY_S (libtpu's compile of a
+#: large model takes minutes, without a word).
+_PROGRESS_AFTER_S, _PROGRESS_EVERY_S = 20.0, 60.0
+
+
+@contextlib.contextmanager
+def _progress_lines(what: str) -> Iterator[None]:
+    """While the block runs past :data:`_PROGRESS_AFTER_S`, a line on stderr now and then: it still runs."""
+    from shardmem._quiet import say
+
+    done, started = threading.Event(), time.monotonic()
+
+    def tell() -> None:
+        wait = _PROGRESS_AFTER_S
+        while not done.wait(wait):
+            say(f"shardmem: still {what} ({time.monotonic() - started:.0f} s so far)\n")
+            wait = _PROGRESS_EVERY_S
+
+    teller = threading.Thread(target=tell, name="shardmem-progress", daemon=True)
+    teller.start()
+    try:
+        yield
+    finally:
+        done.set()
+        teller.join()
+
+
 def _check_not_the_input(out: str, config_path: str) -> None:
     """Raises ConfigError when ``--out`` names the config file read: writing the tuned YAML there would
     lose its comments and whatever the tuned config does not repeat."""
@@ -119,11 +148,13 @@ def _plan(args) -> int:
         if path:
             _check_writable(path, flag)
     config = _load(args, planning_only=True)
+    target = args.target or config.memory.target
     try:
-        report = plan(config, args.target, top=args.top)
+        with _progress_lines(f"compiling the step of {config.name} for {target}"):
+            report = plan(config, args.target, top=args.top)
     except DoesNotFit as e:  # libtpu refused the step as over the chip's HBM: no report, still a verdict.
         if args.json:
-            verdict = {"name": config.name, "target": args.target or config.memory.target, "fits": False,
+            verdict = {"name": config.name, "target": target, "fits": False,
                        "refused_by_compiler": True, "required_bytes": e.required_bytes,
                        "available_bytes": e.available_bytes, "error": str(e)}  # fmt: skip
             print(json.dumps(verdict, indent=2), flush=True)
