@@ -516,6 +516,7 @@ def _tune_layout(
         allow_offload=allow_offload, progress=planner.progress, note=planner.note,
     )  # fmt: skip
     planner.compiles = compiles
+    searched = compiles
     budget = plan_budget(config, target)
     if not ranked:
         return _no_fit(planner, target, budget, "layout", [
@@ -526,7 +527,7 @@ def _tune_layout(
     tuned = config.replace(*best.overrides)
     report = plan(tuned, planner.target, top=5)  # The winner's full report (one more compile).
     compiles += 1
-    refined = None
+    refined = mixed = None
     left = planner.max_compiles - compiles
     if best.layout.policy != "none" and left >= 3:
         # Per-layer remat on the winning mesh: the cheapest mix that fits, kept if it is faster.
@@ -565,7 +566,9 @@ def _tune_layout(
         why_winner(best, ranked[1] if len(ranked) > 1 else None),
         *([refined] if refined else []),
         *notes[:-1],
-        f"{compiles} compiles in all ({notes[-1]})",
+        f"{compiles} compiles in all: {searched} of layouts, 1 of the winner's full report"
+        + (f", {mixed.compiles} of its per-layer remat search" if mixed is not None else "")
+        + f" ({notes[-1]})",
     ]
     chosen = next(t for t in reversed(planner.trials) if t.overrides == best.overrides)
     if refined:
