@@ -78,3 +78,17 @@ def test_getting_started_gives_the_test_suites_figures_readme_gives():
     readme = figures((ROOT / "README.md").read_text())
     assert len(readme) >= 5, readme
     assert figures((ROOT / "docs" / "getting-started.md").read_text()) == readme
+
+
+@pytest.mark.slow
+def test_the_real_output_shown_is_what_plan_prints_now():
+    # Issue 30, item 10: README's and getting-started's "real output" lacked the step-time block and showed
+    # scope names the report no longer gives; scripts/shown_output.py writes them, and checks them here.
+    import jax
+
+    version = re.search(r"compiled in [\d.]+ s by JAX (\S+)", (ROOT / "README.md").read_text())
+    if version is None or version[1] != jax.__version__:
+        pytest.skip("the output shown is JAX's version's own (scope names differ between versions)")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "shown_output.py"), "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
