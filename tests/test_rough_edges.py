@@ -276,3 +276,25 @@ def test_tune_out_never_overwrites_the_input_config(tmp_path, capsys, monkeypatc
         assert err == (f"shardmem: error: --out {out!r} is the input config, which the tuned one would "
                        f"overwrite (its comments lost); {fix}\n")  # fmt: skip
     assert config.read_text() == text
+
+
+def test_unannotated_parameters_are_no_news_on_a_data_parallel_mesh():
+    # Issue 30, item 13: a model of someone else's (no logical axes) planned on data parallelism alone was
+    # warned its parameters are replicated, as every device holds them by design there.
+    from jax.sharding import PartitionSpec
+
+    from shardmem.parallel.rules import Rules, ShardingRow
+
+    rows = [ShardingRow("transformer/h_0/attn/c_attn/kernel", (768, 2304), "float32", (), PartitionSpec(),
+                        768 * 2304 * 4, 768 * 2304 * 4),
+            ShardingRow("wte/embedding", (50257, 768), "float32", ("vocab", "rotary"), PartitionSpec(),
+                        50257 * 768 * 4, 50257 * 768 * 4)]  # fmt: skip
+
+    def warnings(axes):
+        mesh = shardmem.build_mesh(axes, jax.devices()[:8])
+        return rule_warnings(rows, Rules.from_config({}, mesh.axis_names, {}), mesh)  # The defaults.
+
+    assert warnings({"data": 8, "fsdp": 1, "tensor": 1}) == []
+    sharded = warnings({"data": 2, "fsdp": 4, "tensor": 1})  # Here the rules could have sharded them.
+    assert any(w.startswith("parameters without logical axes (replicated): transformer/h_0") for w in sharded)
+    assert any(w.startswith("logical axes with no rule (replicated): rotary") for w in sharded)
