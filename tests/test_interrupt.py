@@ -140,3 +140,21 @@ def test_ctrl_c_during_sweep_ends_its_workers(tmp_path):
     status, out, err = started.interrupt()
     assert (status, out) == (130, "")
     assert err == "sweep: 3 candidates; a line as each finishes\nshardmem: interrupted\n"
+
+
+def test_what_an_interrupted_tune_prints_as_text_and_as_json(capsys):
+    import json
+
+    from shardmem.cli import _print_interrupted_tune
+    from shardmem.explore.tune import Trial
+
+    trials = [Trial("fsdp=8; none", ("mesh.axes={fsdp: 8}",), 2**20, 0, 0.0, True, "compiled", "fits, 80 ms"),
+              Trial("tensor=8; none", (), None, None, None, False, "skipped", "no divisor")]  # fmt: skip
+    _print_interrupted_tune(trials, json_output=False)
+    out = capsys.readouterr().out
+    assert out == "interrupted after 1 compiles; compiled so far:\n  fsdp=8; none: fits, 80 ms\n"
+    _print_interrupted_tune(trials, json_output=True)
+    data = json.loads(capsys.readouterr().out)  # Valid JSON where --json was asked.
+    assert data["interrupted"] and data["compiles"] == 1 and len(data["trials"]) == 2
+    _print_interrupted_tune([], json_output=False)
+    assert capsys.readouterr().out == "interrupted after 0 compiles\n"
