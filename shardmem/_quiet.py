@@ -16,7 +16,8 @@ from collections.abc import Iterator
 # failed check with SIGABRT, and nothing of Python runs after that), so the watcher prints the gist of
 # what the native code wrote to the captured stderr, on the real one.
 _WATCHER = r"""
-import os, re, sys
+import os, re, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: no traceback here.
 if os.read(0, 1):
     sys.exit(0)
 fd = int(sys.argv[1])
@@ -35,6 +36,7 @@ os.write(2, ("shardmem: error: the process died in native code (XLA) while compi
 _lock = threading.Lock()
 _depth = 0
 _watchers: list[subprocess.Popen] = []
+_saved_stderr: int | None = None  # The real stderr while an outer block runs.
 
 
 @contextlib.contextmanager
@@ -50,7 +52,7 @@ def native_stderr_silenced(*, watch: bool = False) -> Iterator[None]:
     The watcher is a process of its own, so only blocks that may abort ask for it (``watch=True``: the
     step's compile); the others (imports, device start-up) are only silenced, and leave no process
     behind that a launcher or a test would count as a child."""
-    global _depth
+    global _depth, _saved_stderr
     with _lock:
         _depth += 1
         outer = _depth == 1
@@ -62,7 +64,7 @@ def native_stderr_silenced(*, watch: bool = False) -> Iterator[None]:
                 _depth -= 1
         return
     _reap()
-    saved = os.dup(2)
+    saved = _saved_stderr = os.dup(2)
     capture = tempfile.TemporaryFile(prefix="shardmem-stderr-")
     read_end, write_end = os.pipe()
     watcher = None
@@ -82,6 +84,7 @@ def native_stderr_silenced(*, watch: bool = False) -> Iterator[None]:
         yield
     finally:
         os.dup2(saved, 2)
+        _saved_stderr = None
         os.close(saved)
         if watcher is not None:
             os.write(write_end, b"k")  # Ended alive: the watcher exits without a word.
@@ -93,6 +96,30 @@ def native_stderr_silenced(*, watch: bool = False) -> Iterator[None]:
             _reap()
         with _lock:
             _depth -= 1
+
+
+def say(text: str) -> None:
+    """Writes ``text`` to the real stderr, also from inside a block (a progress line mid-compile)."""
+    saved = _saved_stderr
+    with contextlib.suppress(OSError):
+        os.write(saved if saved is not None else 2, text.encode())
+
+
+def abandon() -> None:
+    """For a process about to exit on purpose mid-block (Ctrl-C): gives file descriptor 2 back to the
+    real stderr, and ends the watchers at once without a word (they would report the exit as a crash
+    in native code)."""
+    saved = _saved_stderr
+    if saved is not None:
+        with contextlib.suppress(OSError):
+            os.dup2(saved, 2)
+    for watcher in _watchers:
+        with contextlib.suppress(OSError):
+            watcher.kill()
+    for watcher in _watchers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            watcher.wait(timeout=2)
+    _watchers.clear()
 
 
 def _reap() -> None:

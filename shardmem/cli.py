@@ -2,24 +2,28 @@
 
 Exit codes: 0 success (plan: fits; train: finished or stopped by SIGTERM with a checkpoint), 3 the
 plan does not fit, 2 a config or usage error (printed without a traceback), 4 training diverged (NaN
-or infinite loss, gradient or state), 130 interrupted.
+or infinite loss, gradient or state), 130 interrupted (Ctrl-C: ``train`` saves a checkpoint first;
+``plan``, ``sweep`` and ``tune`` stop at once, even mid-compile, see :mod:`shardmem._interrupt`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
 import signal
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rich.console import Console
 
-from shardmem.errors import ConfigError, ShardmemError
+from shardmem._interrupt import ends_on_interrupt
+from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
 
@@ -91,17 +95,70 @@ def _check_writable(path: str, flag: str) -> None:
         os.remove(path)
 
 
+#: A plan still compiling after this long says so, and again every _PROGRESS_EVERY_S (libtpu's compile of a
+#: large model takes minutes, without a word).
+_PROGRESS_AFTER_S, _PROGRESS_EVERY_S = 20.0, 60.0
+
+
+@contextlib.contextmanager
+def _progress_lines(what: str) -> Iterator[None]:
+    """While the block runs past :data:`_PROGRESS_AFTER_S`, a line on stderr now and then: it still runs."""
+    from shardmem._quiet import say
+
+    done, started = threading.Event(), time.monotonic()
+
+    def tell() -> None:
+        wait = _PROGRESS_AFTER_S
+        while not done.wait(wait):
+            say(f"shardmem: still {what} ({time.monotonic() - started:.0f} s so far)\n")
+            wait = _PROGRESS_EVERY_S
+
+    teller = threading.Thread(target=tell, name="shardmem-progress", daemon=True)
+    teller.start()
+    try:
+        yield
+    finally:
+        done.set()
+        teller.join()
+
+
+def _check_not_the_input(out: str, config_path: str) -> None:
+    """Raises ConfigError when ``--out`` names the config file read: writing the tuned YAML there would
+    lose its comments and whatever the tuned config does not repeat."""
+    same = os.path.realpath(out) == os.path.realpath(config_path)
+    if not same and os.path.exists(out) and os.path.exists(config_path):
+        same = os.path.samefile(out, config_path)  # A hard link.
+    if same:
+        stem, ext = os.path.splitext(out)
+        raise ConfigError(f"--out {out!r} is the input config, which the tuned one would overwrite (its "
+                          f"comments lost); write beside it, e.g. --out {stem}-tuned{ext}")  # fmt: skip
+
+
 def cmd_plan(args) -> int:
+    with ends_on_interrupt():  # Ctrl-C ends a compile of minutes at once: exit 130.
+        return _plan(args)
+
+
+def _plan(args) -> int:
     from shardmem.planning.memory import plan
     from shardmem.planning.report import render, sharding_json
 
-    if args.top < 0:
-        raise ConfigError(f"--top {args.top}: give the number of buffers to list, 0 or more")
+    at_least("--top", args.top, 0, "give the number of buffers to list, 0 or more")
     for path, flag in ((args.html, "--html"), (args.png, "--png")):
         if path:
             _check_writable(path, flag)
     config = _load(args, planning_only=True)
-    report = plan(config, args.target, top=args.top)
+    target = args.target or config.memory.target
+    try:
+        with _progress_lines(f"compiling the step of {config.name} for {target}"):
+            report = plan(config, args.target, top=args.top)
+    except DoesNotFit as e:  # libtpu refused the step as over the chip's HBM: no report, still a verdict.
+        if args.json:
+            verdict = {"name": config.name, "target": target, "fits": False,
+                       "refused_by_compiler": True, "required_bytes": e.required_bytes,
+                       "available_bytes": e.available_bytes, "error": str(e)}  # fmt: skip
+            print(json.dumps(verdict, indent=2), flush=True)
+        raise
     if args.json:
         data = report.to_json()
         if args.sharding:
@@ -277,6 +334,11 @@ def _add_train_commands(commands) -> None:
 
 
 def cmd_sweep(args) -> int:
+    with ends_on_interrupt(workers=True):  # Ctrl-C ends the workers mid-compile too: exit 130.
+        return _sweep(args)
+
+
+def _sweep(args) -> int:
     from rich.progress import Progress
 
     from shardmem.explore import sweep as sweeping
@@ -285,6 +347,7 @@ def cmd_sweep(args) -> int:
     grid = sweeping.parse_grid(args.grid)
     sweeping.check_options(config, args.target, jobs=args.jobs, measure=args.measure,
                            measure_steps=args.steps)  # fmt: skip
+    sweeping.check_candidates(config, sweeping.candidates(grid))  # Before any output or compile.
     out_dir = args.out or f"sweep-{config.name}"
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -327,18 +390,45 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_tune(args) -> int:
+    trials = []  # The search's trials as it goes: what Ctrl-C prints.
+    with ends_on_interrupt(lambda: _print_interrupted_tune(trials, json_output=args.json), workers=True):
+        return _tune(args, trials)
+
+
+def _print_interrupted_tune(trials, *, json_output: bool) -> None:
+    import dataclasses
+
+    compiled = [t for t in trials if t.how == "compiled"]
+    if json_output:
+        data = {
+            "interrupted": True,
+            "compiles": len(compiled),
+            "trials": [dataclasses.asdict(t) for t in trials],
+        }
+        print(json.dumps(data, indent=2))
+        return
+    print(f"interrupted after {len(compiled)} compiles" + ("; compiled so far:" if compiled else ""))
+    for t in compiled:
+        print(f"  {t.candidate}: {t.reason}")
+
+
+def _tune(args, trials) -> int:
     from shardmem.explore.tune import render_tune, tune
 
+    if args.out:
+        _check_not_the_input(args.out, args.config)
     config = _load(args, planning_only=True)
     if args.out:
         _check_writable(args.out, "--out")
-    max_compiles = args.max_compiles or (40 if args.search == "layout" else 12)
+    max_compiles = (
+        args.max_compiles if args.max_compiles is not None else (40 if args.search == "layout" else 12)
+    )
     progress = None
     if args.search == "layout" and not args.json:
         progress = lambda message: print(f"  {message}", file=sys.stderr, flush=True)  # noqa: E731
     result = tune(config, args.target, search=args.search, allow_offload=False if args.no_offload else None,
                   max_compiles=max_compiles, objective=args.objective, jobs=args.jobs,
-                  progress=progress)  # fmt: skip
+                  progress=progress, trials=trials)  # fmt: skip
     if result.found and args.out:
         header = "".join(f"# {line}\n" for line in result.explanation)
         try:
@@ -390,16 +480,17 @@ def _add_explore_commands(commands) -> None:
     p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout"), default="remat",
                    help="what to tune (default: remat); layout: the mesh, micro-batches, remat and ZeRO-1 "
                    "with the shortest predicted step time")  # fmt: skip
-    p.add_argument("--objective", choices=("step_time", "throughput"), default="step_time",
-                   help="--search layout ranks by predicted step time, or by tokens/s per device at the "
-                   "largest batch that fits (throughput)")  # fmt: skip
+    p.add_argument("--objective", choices=("step_time", "throughput"),
+                   help="--search layout ranks by predicted step time (default), or by tokens/s per device "
+                   "at the largest batch that fits (throughput)")  # fmt: skip
     p.add_argument(
         "--jobs", type=int, help="--search layout: worker processes for its compiles (default: CPUs)"
     )
     p.add_argument("--out", help="write the tuned config as YAML that plan and train accept")
     p.add_argument("--no-offload", action="store_true", help="never move activations to host memory")
     p.add_argument("--max-compiles", type=int,
-                   help="compile budget of the search (default: 12; 40 for --search layout)")  # fmt: skip
+                   help="compile budget of the search, at least 2 (default: 12; for --search layout 40, "
+                   "at least 3)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(run=cmd_tune)
 

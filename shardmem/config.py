@@ -366,6 +366,16 @@ CONFIG_MAX_VALUES = 100_000  # Scalars and collections, counting each alias as o
 CONFIG_MAX_DEPTH = 64
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error (8 lines, twice quoting the text) as one: where, what, and the construct it was in."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f": not valid YAML: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    within = f" ({context} from line {context_mark.line + 1})" if context and context_mark else ""
+    return f", line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {error.problem}{within}"
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Reads a YAML config, applies ``key.path=value`` overrides and validates the result.
 
@@ -380,7 +390,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         _check_unique_keys(root, path)
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}{_yaml_problem(e)}") from None
     except RecursionError:  # PyYAML composes nested collections recursively.
         raise ConfigError(f"{path}: nested deeper than {CONFIG_MAX_DEPTH} levels; a config needs a few "
                           "(section, key, value)") from None  # fmt: skip

@@ -35,6 +35,13 @@ class DoesNotFit(PlanError):
         self.required_bytes, self.available_bytes = required_bytes, available_bytes
 
 
+def at_least(option: str, value: int | None, least: int, fix: str) -> None:
+    """Raises ConfigError "``option value``: ``fix``" when ``value`` (None: not given) is below ``least``:
+    the one check of every numeric command-line option, so that all of them say the same."""
+    if value is not None and value < least:
+        raise ConfigError(f"{option} {value}: {fix}")
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Returns " (did you mean 'x'?)" for the closest choice, or "" when none is close."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)

@@ -69,6 +69,9 @@ def test_plan_that_does_not_fit_exits_3_and_still_reports():
                       "--set", "memory.reserve=0")  # fmt: skip
     assert result.returncode == 3
     assert "DOES NOT FIT" in result.stdout
+    # With what to try next, as libtpu's refusal on a TPU target says it (issue 30, item 10).
+    assert "next: shard more (mesh.axes.fsdp over more devices), recompute more" in result.stdout
+    assert "shardmem tune with the same config and --target searches these" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -135,3 +138,22 @@ def test_configure_local_memory_keeps_a_value_the_user_set(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     configure_local_memory(config)
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.85"
+
+
+def test_a_long_plan_says_it_is_still_compiling(monkeypatch, capfd):
+    # Issue 30, item 9: a 337 s TPU compile printed nothing until it ended.
+    import time
+
+    import shardmem.cli
+
+    def slow_plan(config, target, **kwargs):
+        time.sleep(0.5)
+        raise ConfigError("planned")
+
+    monkeypatch.setattr(shardmem.cli, "_PROGRESS_AFTER_S", 0.2)
+    monkeypatch.setattr(shardmem.cli, "_PROGRESS_EVERY_S", 10.0)
+    monkeypatch.setattr("shardmem.planning.memory.plan", slow_plan)
+    assert main(["plan", TINY, "--target", "cpu"]) == 2
+    err = capfd.readouterr().err.splitlines()
+    assert err[0].startswith("shardmem: still compiling the step of tiny for cpu (0 s so far)"), err
+    assert err[1:] == ["shardmem: error: planned"]

@@ -128,6 +128,12 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+    # One line, not PyYAML's eight that quote the text twice (issue 30): where, what, within what.
+    bad.write_text("name: x\nmodel: {preset: tiny\nmesh:\n  axes: {data: 2}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(bad)
+    assert str(error.value) == (f"{bad}, line 3, column 5: not valid YAML: expected ',' or '}}', but got ':' "
+                                "(while parsing a flow mapping from line 2)")  # fmt: skip
 
 
 def test_a_file_needs_a_model_section_and_python_may_bring_the_model(tmp_path):

@@ -58,9 +58,23 @@ def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_ti
 
 
 @pytest.mark.slow
+def test_the_last_line_says_what_each_compile_was_for(searched):
+    # Issue 30: "N compiles in all (N-1 compiles; ...)" left the one compile apart unexplained.
+    import re
+
+    _, result = searched
+    match = re.fullmatch(r"(\d+) compiles in all: (\d+) of layouts, 1 of the winner's full report"
+                         r"(?:, (\d+) of its per-layer remat search)? \(\d+ compiled layouts did not fit; "
+                         r"\d+ left to the estimates\)", result.explanation[-1])  # fmt: skip
+    assert match, result.explanation[-1]
+    total, layouts, remat = int(match[1]), int(match[2]), int(match[3] or 0)
+    assert total == result.compiles == layouts + 1 + remat
+
+
+@pytest.mark.slow
 def test_cli_tune_layout_writes_a_config_plan_accepts(tmp_path, capsys):
     out = tmp_path / "layout.yaml"
-    args = ["tune", TINY, "--target", "cpu", "--search", "layout", "--max-compiles", "2", "--jobs", "1"]
+    args = ["tune", TINY, "--target", "cpu", "--search", "layout", "--max-compiles", "3", "--jobs", "1"]
     assert main([*args, "--out", str(out), "--set", "remat.layers={}"]) == 0
     printed = capsys.readouterr().out
     assert "fastest layouts that fit" in printed and "chose" in printed

@@ -85,3 +85,20 @@ def test_a_second_train_in_a_locked_run_dir_exits_2_naming_the_holder(tmp_path, 
     err = capsys.readouterr().err
     assert f"shardmem: error: run directory {str(tmp_path)!r} is in use by pid {holder.pid}" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.lock"], "the holder's files are untouched"
+
+
+def test_a_locked_run_dir_is_reported_before_any_planning(tmp_path, holder, capsys, monkeypatch):
+    # Issue 30, item 8: the lock was reported only after the step's compile (42 s for a large model).
+    from shardmem.run import training
+
+    def planned(*args, **kwargs):
+        raise AssertionError("built or planned the step before checking the lock")
+
+    monkeypatch.setattr(training, "build_program", planned)
+    monkeypatch.setattr(training, "_plan_once", planned)
+    assert main(["train", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardmem: error: run directory {str(tmp_path)!r} is in use by pid {holder.pid}")
+    assert err.count("\n") == 1
+    RunDirLock(tmp_path / "elsewhere").check()  # No lock file: nothing to say, nothing created.
+    assert not (tmp_path / "elsewhere").exists()

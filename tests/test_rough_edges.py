@@ -210,3 +210,91 @@ def test_the_default_sweep_output_folder_is_ignored_by_git():
         pytest.skip("not a git checkout")
     done = subprocess.run(["git", "check-ignore", "-q", "sweep-tiny/sweep.csv"], cwd=root)
     assert done.returncode == 0, "sweep-*/ is missing from .gitignore"
+
+
+# Issue 30: what a new user and an adversary hit.
+@pytest.mark.parametrize("target, slices", [("100000xv5e-256", "100,000"), ("5000xv5e-256", "5,000")])
+def test_a_runaway_slice_count_is_one_line_before_any_topology_is_built(target, slices, capsys, monkeypatch):
+    # 100000xv5e-256 was OOM-killed at 18 GB building 25.6 million devices; 5000x ran 28 s to an error.
+    from shardmem.cli import main
+    from shardmem.planning import targets
+
+    def built(*args):
+        raise AssertionError("a topology was built")
+
+    monkeypatch.setattr(targets, "_tpu_topology", built)
+    assert main(["plan", TINY, "--target", target]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"target '{target}': {slices} slices of 256 chips make" in err
+    assert "at most 256 such slices (256xv5e-256)" in err
+
+
+JOBS = "use 1 or more worker processes, or omit it for one per CPU"
+OPTIONS = {  # Each was silently accepted, or read another way than its neighbours (issue 30, item 5).
+    "tune --max-compiles 0": "--max-compiles 0: --search remat needs at least 2",  # Was: the default, 40.
+    "tune --max-compiles -3": "--max-compiles -3: --search remat needs at least 2",
+    "tune --search layout --max-compiles 2": "--max-compiles 2: --search layout needs at least 3: two",
+    "tune --search layout --jobs -2": f"--jobs -2: {JOBS}",  # Was: one worker.
+    "tune --search layout --jobs 0": f"--jobs 0: {JOBS}",
+    "sweep --grid remat.policy=none,full --jobs 0": f"--jobs 0: {JOBS}",
+    "sweep --grid remat.policy=none,full --jobs -2": f"--jobs -2: {JOBS}",
+    "tune --objective throughput": "--objective throughput: only --search layout uses it (this is --search "
+    "remat); add --search layout, or drop --objective",  # Was: ignored.
+    "tune --search batch --jobs 2": "--jobs 2: only --search layout uses it (this is --search batch)",
+    "plan --top -1": "--top -1: give the number of buffers to list, 0 or more",
+}
+
+
+@pytest.mark.parametrize("command", list(OPTIONS))
+def test_numeric_and_search_options_are_checked_alike_before_any_compile(command, capsys, monkeypatch):
+    from shardmem.cli import main
+    from shardmem.planning import memory
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled before checking the options")
+
+    monkeypatch.setattr(memory, "_compile", compiled)
+    name, *args = command.split()
+    assert main([name, TINY, "--target", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"shardmem: error: {OPTIONS[command]}"), err
+
+
+def test_tune_out_never_overwrites_the_input_config(tmp_path, capsys, monkeypatch):
+    # It did: the file's comments and its remat plan were lost (issue 30, item 7).
+    from shardmem.cli import main
+
+    config = tmp_path / "mine.yaml"
+    text = "# my notes\n" + open(TINY).read()
+    config.write_text(text)
+    (tmp_path / "link.yaml").hardlink_to(config)
+    monkeypatch.chdir(tmp_path)
+    for out in ("mine.yaml", "./mine.yaml", str(config), "link.yaml"):
+        assert main(["tune", str(config), "--target", "cpu", "--out", out]) == 2
+        err = capsys.readouterr().err
+        fix = f"write beside it, e.g. --out {out[:-5]}-tuned.yaml"
+        assert err == (f"shardmem: error: --out {out!r} is the input config, which the tuned one would "
+                       f"overwrite (its comments lost); {fix}\n")  # fmt: skip
+    assert config.read_text() == text
+
+
+def test_unannotated_parameters_are_no_news_on_a_data_parallel_mesh():
+    # Issue 30, item 13: a model of someone else's (no logical axes) planned on data parallelism alone was
+    # warned its parameters are replicated, as every device holds them by design there.
+    from jax.sharding import PartitionSpec
+
+    from shardmem.parallel.rules import Rules, ShardingRow
+
+    rows = [ShardingRow("transformer/h_0/attn/c_attn/kernel", (768, 2304), "float32", (), PartitionSpec(),
+                        768 * 2304 * 4, 768 * 2304 * 4),
+            ShardingRow("wte/embedding", (50257, 768), "float32", ("vocab", "rotary"), PartitionSpec(),
+                        50257 * 768 * 4, 50257 * 768 * 4)]  # fmt: skip
+
+    def warnings(axes):
+        mesh = shardmem.build_mesh(axes, jax.devices()[:8])
+        return rule_warnings(rows, Rules.from_config({}, mesh.axis_names, {}), mesh)  # The defaults.
+
+    assert warnings({"data": 8, "fsdp": 1, "tensor": 1}) == []
+    sharded = warnings({"data": 2, "fsdp": 4, "tensor": 1})  # Here the rules could have sharded them.
+    assert any(w.startswith("parameters without logical axes (replicated): transformer/h_0") for w in sharded)
+    assert any(w.startswith("logical axes with no rule (replicated): rotary") for w in sharded)

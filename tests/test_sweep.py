@@ -329,17 +329,29 @@ def test_measured_sweep_plot_picks_units_for_small_figures():
 
 
 def test_cli_exits_2_when_a_grid_value_is_not_a_valid_config(monkeypatch, tmp_path, capsys):
-    # Issue 20, item 12: `--grid model.attention=chunked,flash` exited 0, so scripts never noticed.
+    # Issue 20, item 12: `--grid model.attention=chunked,flash` exited 0, so scripts never noticed; issue 30:
+    # it said so only after compiling the valid candidates, which now are not compiled at all.
+    planned = []
+
     def fake_plan(program, target, **kwargs):
+        planned.append(program.config.model.attention)
         if program.config.model.attention == "xla":
             raise RuntimeError("XLA fell over")  # Not the config's fault: the sweep still succeeds.
         return _fake_report(), None
 
     monkeypatch.setattr("shardmem.planning.memory.plan_program", fake_plan)
-    args = ["sweep", TINY, "--target", "cpu", "--jobs", "1", "--out", str(tmp_path)]
-    assert main([*args, "--grid", "model.attention=chunked,flash"]) == 2
-    last = capsys.readouterr().err.splitlines()[-1]
-    assert last.startswith("shardmem: error: 1 of 2 candidates are not valid configs; first "
-                           "model.attention=flash: model.attention='flash'"), last  # fmt: skip
-    assert (tmp_path / "sweep.csv").exists()  # The valid candidates are still reported.
+    out = tmp_path / "out"
+    args = ["sweep", TINY, "--target", "cpu", "--jobs", "1", "--out", str(out)]
+    assert main([*args, "--grid", "model.attention=chunked,flash,fleah"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("shardmem: error: 2 of 3 candidates are not valid configs (nothing was compiled); first "
+                   f"model.attention=flash: {err.split('model.attention=flash: ')[1]}")  # fmt: skip
+    assert err.split("model.attention=flash: ")[1].startswith("model.attention='flash'")
+    assert planned == [] and not out.exists()
     assert main([*args, "--grid", "model.attention=chunked,xla"]) == 0
+    assert planned == ["chunked", "xla"]
+
+
+def test_a_grid_value_given_twice_is_planned_once():
+    grid = parse_grid(["remat.policy=none,full,none,'full'", "train.global_batch=8,8"])
+    assert grid == {"remat.policy": ["none", "full"], "train.global_batch": [8]}

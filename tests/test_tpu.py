@@ -124,6 +124,13 @@ def test_a_step_libtpu_refuses_as_over_the_chips_hbm_is_a_verdict_exit_3(monkeyp
     assert main(args) == 3
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not fit" in err and "shardmem tune" in err
+    # With --json, the verdict as JSON too, as a GPU plan that does not fit gives it (issue 30, item 9).
+    assert main([*args, "--json"]) == 3
+    captured = capsys.readouterr()
+    verdict = json.loads(captured.out)
+    assert verdict["fits"] is False and verdict["target"] == "v5e-4" and verdict["refused_by_compiler"]
+    assert (verdict["required_bytes"], verdict["available_bytes"]) == (int(23.52 * 2**30), int(15.75 * 2**30))
+    assert captured.err.count("\n") == 1 and "does not fit" in captured.err
 
 
 def test_two_slices_put_the_data_axis_across_them():
@@ -273,3 +280,20 @@ def test_host_offload_compiles_to_the_tpu_hosts_pinned_memory():
     assert report.step_time.host_transfer_bytes > 0  # TPU layouts write host memory after the tiles
     # This small step's weight gathers are libtpu's own collectives, which the estimate cannot cost.
     assert "AsyncCollectiveStart" in report.step_time_note
+
+
+def test_a_tpu_target_starts_jax_quietly(tmp_path):
+    # Issue 30, item 9: every TPU plan (and every tune worker) printed absl's and the CUDA plugin's C++
+    # start-up lines, as JAX's backends started mid-plan, after the silenced topology.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "tpu.py"
+    script.write_text("import shardmem, jax, jax.numpy as jnp\n"
+                      "from shardmem.planning.targets import resolve_target\n"
+                      "resolve_target('v5e-4')\n"
+                      "jax.jit(lambda x: x + 1).lower(jnp.float32(1))\n")  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[1])  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "", done.stderr

@@ -170,6 +170,7 @@ def test_cli_tune_writes_a_config_plan_accepts(peaks, tmp_path, capsys):
     assert "chose" in capsys.readouterr().out
     assert out.read_text().startswith("# shardmem tune --search remat")
     assert main(["plan", str(out), "--target", "cpu"]) == 0
+    assert load_config(str(out)).name == "tiny-tuned"  # Its own run dir, not the input's (issue 30).
 
     # Below a third of full remat's peak nothing fits, not even with the optimizer state shrunk (ZeRO-1,
     # a bf16 first moment), which tune tries before it gives up.

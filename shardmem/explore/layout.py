@@ -441,8 +441,8 @@ def search_layouts(
                                  compiled) + fits  # fmt: skip
             fits = sorted({r.overrides: r for r in fits}.values(), key=lambda r: -r.throughput_per_device(n))
     over = sum(1 for r in compiled.values() if not r.fits and r.step_time is not None)
-    notes.append(f"{compiles} compiles; {over} compiled layouts did not fit; "
-                 f"{len(layouts) - len(compiled)} left to the estimates")  # fmt: skip
+    notes.append(f"{over} compiled layouts did not fit; {len(layouts) - len(compiled)} left to the "
+                 "estimates")  # fmt: skip
     return fits, compiles, notes
 
 

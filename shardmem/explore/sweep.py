@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from shardmem.config import Config
-from shardmem.errors import ConfigError, DoesNotFit, ShardmemError
+from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.units import format_bytes, format_flops, format_seconds
 
 if TYPE_CHECKING:
@@ -106,7 +106,8 @@ class SweepRow:
 def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
     """Parses ``KEY=V1,V2,...`` strings (values as YAML) into ``{key: [values]}``.
 
-    A value containing commas can be quoted or bracketed: ``remat.layers={"0-3": full},{}``.
+    A value containing commas can be quoted or bracketed: ``remat.layers={"0-3": full},{}``. A value
+    given twice is kept once.
     """
     grid: dict[str, list[Any]] = {}
     for item in items:
@@ -125,7 +126,10 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
                 f"--grid {item!r}: cannot read {text!r} as a comma-separated list of values; quote values "
                 "that contain commas, e.g. --grid 'remat.layers={\"0-3\": full},{}'"
             )
-        grid[key] = values
+        unique: dict[str, Any] = {}
+        for value in values:  # A value given twice compiles once.
+            unique.setdefault(_dump(value), value)
+        grid[key] = list(unique.values())
     if not grid:
         raise ConfigError(
             "give at least one --grid KEY=V1,V2,..., e.g. --grid remat.policy=none,minimal,full"
@@ -144,6 +148,21 @@ def candidates(grid: Mapping[str, Sequence[Any]]) -> list[tuple[str, ...]]:
         tuple(f"{key}={_dump(value)}" for key, value in zip(keys, values, strict=True))
         for values in itertools.product(*(grid[k] for k in keys))
     ]
+
+
+def check_candidates(config: Config, combos: Sequence[tuple[str, ...]]) -> None:
+    """Raises ConfigError, before anything is compiled, when a candidate's overrides do not make a valid
+    config (a mistyped grid value): the error of the first, and how many there are."""
+    invalid = []
+    for overrides in combos:
+        try:
+            config.replace(*overrides)
+        except ConfigError as e:
+            invalid.append((overrides, str(e).splitlines()[0]))
+    if invalid:
+        overrides, message = invalid[0]
+        raise ConfigError(f"{len(invalid)} of {len(combos)} candidates are not valid configs (nothing was "
+                          f"compiled); first {' '.join(overrides)}: {message}")  # fmt: skip
 
 
 def _error_text(error: Exception) -> str:
@@ -242,14 +261,15 @@ def _cpu_devices(config: Config, rows: Sequence[tuple[str, ...]]) -> int:
     return max(counts)
 
 
+JOBS_FIX = "use 1 or more worker processes, or omit it for one per CPU"
+
+
 def check_options(
     config: Config, target: str | None, *, jobs: int | None, measure: bool, measure_steps: int
 ) -> None:
     """Raises ConfigError for options :func:`sweep` cannot run with, before any work (or output) starts."""
-    if jobs is not None and jobs < 1:
-        raise ConfigError(f"--jobs {jobs}: use 1 or more worker processes, or omit it for one per CPU")
-    if measure_steps < 1:
-        raise ConfigError(f"--steps {measure_steps}: time at least 1 step per candidate")
+    at_least("--jobs", jobs, 1, JOBS_FIX)
+    at_least("--steps", measure_steps, 1, "time at least 1 step per candidate")
     if measure:
         from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS, tpu_slice
 
@@ -273,8 +293,10 @@ def sweep(
 ) -> list[SweepRow]:
     """Plans every combination of ``grid`` (``{key: [values]}``) applied to ``config``; returns one row
     per candidate in grid order. ``jobs`` worker processes (default: CPUs, at most one per candidate;
-    1 plans in this process). ``measure`` also runs real steps (target ``local`` or ``cpu``)."""
+    1 plans in this process). ``measure`` also runs real steps (target ``local`` or ``cpu``). A grid
+    value that makes no valid config is a ConfigError before anything is compiled."""
     check_options(config, target, jobs=jobs, measure=measure, measure_steps=measure_steps)
+    check_candidates(config, candidates(grid))
     return plan_candidates(config, candidates(grid), target, jobs=jobs, measure=measure,
                            measure_steps=measure_steps, progress=progress)  # fmt: skip
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from shardmem.config import Config
-from shardmem.errors import ConfigError, DoesNotFit, PlanError, one_of
+from shardmem.errors import ConfigError, DoesNotFit, PlanError, at_least, one_of
 from shardmem.models.attention import AttentionKernel
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import STAGE_AXIS
@@ -133,12 +133,13 @@ class Refused:
 class _Planner:
     """Compiles candidates (each at most once), counts compiles and keeps every trial."""
 
-    def __init__(self, config: Config, target: str | None, max_compiles: int, progress: Callable | None):
+    def __init__(self, config: Config, target: str | None, max_compiles: int, progress: Callable | None,
+                 trials: list[Trial] | None = None):  # fmt: skip
         self.base, self.target, self.max_compiles = config, target, max_compiles
         self.progress = progress or (lambda message: None)
         self.compiles = 0
         self.reports: dict[tuple[str, ...], MemoryReport] = {}
-        self.trials: list[Trial] = []
+        self.trials: list[Trial] = trials if trials is not None else []
         # Matmul FLOPs of the step without remat, once a search has traced it (the same for every
         # candidate): plan() then need not trace that baseline again for each compile.
         self.flops_no_remat: float | None = None
@@ -198,8 +199,9 @@ def tune(
     allow_offload: bool | None = None,
     max_compiles: int = 12,
     progress: Callable[[str], None] | None = None,
-    objective: str = "step_time",
+    objective: str | None = None,
     jobs: int | None = None,
+    trials: list[Trial] | None = None,
 ) -> TuneResult:
     """Searches for the best config that fits the budget of ``target`` (default ``memory.target``).
 
@@ -208,21 +210,34 @@ def tune(
     fewest ``train.micro_batches`` for the configured global batch; ``"layout"`` the mesh, micro-batches,
     remat and ZeRO-1 with the shortest predicted step time (``objective="throughput"``: the most tokens
     per second per device, each top layout at the largest global batch that fits), compiling in ``jobs``
-    worker processes (:mod:`shardmem.explore.layout`). ``allow_offload`` defaults to whether the target
-    is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
+    worker processes (:mod:`shardmem.explore.layout`); ``objective`` and ``jobs`` are for that search
+    only, and it needs ``max_compiles`` of 3 or more (the others: 2). ``allow_offload`` defaults to
+    whether the target is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
+    ``trials``: a list the search appends each trial to as it goes (what a caller interrupted mid-search
+    still has).
     """
     if search not in SEARCHES:
         raise ConfigError(f"--search {search!r}: use {one_of(SEARCHES)}")
-    if max_compiles < 2:
-        raise ConfigError(f"--max-compiles {max_compiles}: the search needs at least 2")
     from shardmem.explore.layout import OBJECTIVES
+    from shardmem.explore.sweep import JOBS_FIX
 
+    if search == "layout":  # Two layouts to compare, and the winner's full report.
+        fix = "--search layout needs at least 3: two layouts to compare and the winner's full report"
+        at_least("--max-compiles", max_compiles, 3, fix)
+    else:
+        at_least("--max-compiles", max_compiles, 2, f"--search {search} needs at least 2")
+    at_least("--jobs", jobs, 1, JOBS_FIX)
+    for option, value in (("--objective", objective), ("--jobs", jobs)):
+        if value is not None and search != "layout":
+            raise ConfigError(f"{option} {value}: only --search layout uses it (this is --search {search}); "
+                              f"add --search layout, or drop {option}")  # fmt: skip
+    objective = objective or "step_time"
     if objective not in OBJECTIVES:
         raise ConfigError(f"--objective {objective!r}: use {one_of(OBJECTIVES)}")
     resolved = make_target(config, target)
     if allow_offload is None:
         allow_offload = resolved.platform != "cpu"
-    planner = _Planner(config, target, max_compiles, progress)
+    planner = _Planner(config, target, max_compiles, progress, trials)
     if search == "remat":
         result = _tune_remat(planner, resolved, allow_offload)
     elif search == "layout":
@@ -231,9 +246,12 @@ def tune(
         result = _tune_batch(planner, resolved)
     else:
         result = _tune_micro_batches(planner, resolved)
-    if result.config is not None and target is not None:
-        # The tuned file plans for the target it was tuned for.
-        result = dataclasses.replace(result, config=result.config.replace(f"memory.target={target}"))
+    if result.config is not None:
+        # The tuned config runs under a name of its own (runs/<name>), not in the run dir of the input;
+        # the tuned file plans for the target it was tuned for.
+        name = config.name if config.name.endswith("-tuned") else f"{config.name}-tuned"
+        sets = [f"name={name}", *([f"memory.target={target}"] if target is not None else [])]
+        result = dataclasses.replace(result, config=result.config.replace(*sets))
     return result
 
 
@@ -500,6 +518,7 @@ def _tune_layout(
         allow_offload=allow_offload, progress=planner.progress, note=planner.note,
     )  # fmt: skip
     planner.compiles = compiles
+    searched = compiles
     budget = plan_budget(config, target)
     if not ranked:
         return _no_fit(planner, target, budget, "layout", [
@@ -510,7 +529,7 @@ def _tune_layout(
     tuned = config.replace(*best.overrides)
     report = plan(tuned, planner.target, top=5)  # The winner's full report (one more compile).
     compiles += 1
-    refined = None
+    refined = mixed = None
     left = planner.max_compiles - compiles
     if best.layout.policy != "none" and left >= 3:
         # Per-layer remat on the winning mesh: the cheapest mix that fits, kept if it is faster.
@@ -549,7 +568,9 @@ def _tune_layout(
         why_winner(best, ranked[1] if len(ranked) > 1 else None),
         *([refined] if refined else []),
         *notes[:-1],
-        f"{compiles} compiles in all ({notes[-1]})",
+        f"{compiles} compiles in all: {searched} of layouts, 1 of the winner's full report"
+        + (f", {mixed.compiles} of its per-layer remat search" if mixed is not None else "")
+        + f" ({notes[-1]})",
     ]
     chosen = next(t for t in reversed(planner.trials) if t.overrides == best.overrides)
     if refined:

@@ -293,18 +293,24 @@ def sharding_table(abstract_params, shardings, logical) -> list[ShardingRow]:
 
 def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: int = 3) -> list[str]:
     """Warns about logical axes no rule maps, user rules never used, and the largest replicated
-    parameters."""
+    parameters (not about replicated ones on a mesh of data parallelism alone, which replicates them all)."""
     known = dict(rules.logical)
     used_names = {n for row in rows for n in row.logical if n}
     warnings = []
+    # Devices only along axes that split the batch and no parameter rule names (data parallelism): there
+    # every device holds every parameter by design, named or not, so a replicated one is no news.
+    batch_axes = rules.mesh_axes("batch") or ()
+    rule_axes = {a for n, axes in rules.logical if n not in ACTIVATION_AXES for a in spec_axes(axes)}
+    data_only = set(spec_axes(batch_axes)) - rule_axes
+    by_design = all(size == 1 for axis, size in mesh.shape.items() if axis not in data_only)
     unmapped = sorted(n for n in used_names if n not in known)
-    if unmapped:
+    if unmapped and not by_design:
         warnings.append(
             f"logical axes with no rule (replicated): {', '.join(unmapped)}; add them to rules "
             "(null to replicate on purpose)"
         )
     unnamed = [r.path for r in rows if r.shape and not r.logical and not rules.matches_path(r.path)]
-    if unnamed:
+    if unnamed and not by_design:
         shown = ", ".join(unnamed[:5]) + (f" and {len(unnamed) - 5} more" if len(unnamed) > 5 else "")
         warnings.append(
             f"parameters without logical axes (replicated): {shown}; annotate them with "
@@ -315,7 +321,6 @@ def rule_warnings(rows: Sequence[ShardingRow], rules: Rules, mesh: Mesh, top: in
         names = used_names | set(ACTIVATION_AXES)
         shown = ", ".join(f"{k}{did_you_mean(k, names - {k})}" for k in unused)
         warnings.append(f"rules never used by any parameter: {shown}")
-    batch_axes = rules.mesh_axes("batch") or ()
     if mesh.shape.get("expert", 1) > 1 and "expert" in used_names and "expert" not in batch_axes:
         warnings.append(
             f"rules.batch={list(batch_axes)} leaves out mesh axis expert: its {mesh.shape['expert']} devices "

@@ -76,6 +76,11 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         (verdict, "bold green" if report.fits else "bold red"),
         f", {format_bytes(abs(report.margin_bytes))} {how}",
     ))  # fmt: skip
+    if not report.fits:  # What to try next, as the TPU compiler's refusal says it.
+        advice = ("next: shard more (mesh.axes.fsdp over more devices), recompute more (remat.policy=full), "
+                  "add train.micro_batches or lower train.global_batch; shardmem tune with the same config "
+                  "and --target searches these")  # fmt: skip
+        parts.append(Text(advice, style="red"))
 
     flops = f"FLOPs per step {format_flops(report.flops_per_step)} (matmuls, all devices"
     if report.attention.startswith(("pallas", "cudnn")):  # Their matmuls are inside one fused kernel.

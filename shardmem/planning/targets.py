@@ -254,6 +254,10 @@ TPU_TARGETS: dict[str, TpuSpec] = {
 #: ``v5litepod-16`` for v5e; ``tpu-`` in front is accepted, and ``2xv5p-128`` is two such slices joined
 #: over DCN (multislice).
 _SLICE = re.compile(r"^(?:(\d+)x)?(?:tpu-)?(v4|v5e|v5p|v6e|v5litepod)-(\d+)$")
+#: Chips in all the slices of a target: more than the largest jobs run on Cloud TPU (tens of thousands of
+#: chips), few enough that libtpu describes them in seconds (a million took 28 s, 100 million ran out of
+#: memory before any check).
+MAX_TPU_CHIPS = 65_536
 #: The libtpu that ``jax[tpu]`` pins for the JAX versions shardmem is tested with.
 LIBTPU_FOR_JAX = {"0.10.2": "0.0.42.*", "0.12.0.1": "0.0.50.*"}
 
@@ -281,7 +285,15 @@ def tpu_slice(name: str) -> tuple[str, int, int] | None:
             f"target {name!r}: {generation} slice names count TensorCores, {cores} per chip, so the "
             f"number must be even; e.g. {generation}-8 is 4 chips"
         )
-    return key, int(count) // cores, int(slices or 1)
+    chips, slices = int(count) // cores, int(slices or 1)
+    if slices > 1 and chips * slices > MAX_TPU_CHIPS:  # One slice too large is no slice shape (later).
+        most = MAX_TPU_CHIPS // chips if chips <= MAX_TPU_CHIPS else 0
+        fix = f"join at most {most:,} such slices ({most}x{generation}-{count})" if most else "smaller slices"
+        raise ConfigError(
+            f"target {name!r}: {slices:,} slices of {chips:,} chips make {chips * slices:,} chips, more than "
+            f"the {MAX_TPU_CHIPS:,} shardmem plans for; {fix}"
+        )
+    return key, chips, slices
 
 
 def link_domains(devices) -> list[int]:
@@ -444,6 +456,8 @@ def _resolve_tpu(name: str, n_devices: int | None) -> Target:
         )
     shape = spec.slice_shapes[per_slice]
     devices = _tpu_topology(key, shape, slices)
+    with native_stderr_silenced():  # JAX's own backends start now, not mid-plan: the CUDA plugin found
+        jax.devices()  # no driver and absl says it logs to stderr, in C++, once per process.
     hosts = len({d.process_index for d in devices})  # One process per TPU VM, across all slices.
     grid = "x".join(map(str, shape))
     where = f"{slices} slices of {grid} over DCN" if slices > 1 else grid

@@ -1,6 +1,7 @@
 """One run per run directory: a lock file that names the run holding it.
 
-    with RunDirLock("runs/tiny") as lock:  # ConfigError naming the holder if another run has it
+    RunDirLock("runs/tiny").check()  # Before long work: ConfigError naming the holder, if another run has it
+    with RunDirLock("runs/tiny") as lock:  # The same error, or the lock taken
         if lock.stale:
             print(f"took over the lock of {lock.stale}, which is gone")
         ...
@@ -55,22 +56,40 @@ class RunDirLock:
             raise ConfigError(f"cannot create the lock {str(self.path)!r}: {e.strerror}; choose another "
                               "--run-dir") from None  # fmt: skip
         try:
-            holder = _read_holder(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ConfigError(self._in_use(holder)) from None
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    raise
-                if holder and not _is_gone(holder):  # No locks here: the contents decide.
-                    raise ConfigError(self._in_use(holder, unlockable=True)) from None
+            holder = self._take(fd)
             self.stale = _describe(holder) if holder else None
             _write_holder(fd, _this_process())
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
+
+    def check(self) -> None:
+        """Raises the ConfigError :meth:`acquire` would when another run holds the lock, without taking
+        it or creating anything: for a check before long work (a plan's compile), the lock itself taken
+        after it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return  # No lock file (or none to open): no run holds it; acquire() says the rest.
+        try:
+            self._take(fd)
+        finally:
+            os.close(fd)  # Releases the flock it may have taken.
+
+    def _take(self, fd: int) -> dict | None:
+        """Flocks ``fd`` (or raises ConfigError naming the holder); returns the holder its file names."""
+        holder = _read_holder(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(self._in_use(holder)) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            if holder and not _is_gone(holder):  # No locks here: the contents decide.
+                raise ConfigError(self._in_use(holder, unlockable=True)) from None
+        return holder
 
     def release(self) -> None:
         if self._fd is None:

@@ -123,6 +123,7 @@ def train(
     if train_config.tensorboard:
         tensorboard_writer_class()  # Fails now, not after the first checkpoint.
     _check_run_dir(run_dir)
+    _on_every_process(RunDirLock(run_dir).check)  # Another run's lock: said now, not after the compile.
 
     mesh = build_mesh(config.mesh.axes, jax.devices())
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn, batch=batch)
@@ -401,15 +402,7 @@ def _lock_run_dir(run_dir: Path, console: Console) -> RunDirLock:
     """Process 0 takes the run directory's lock (:mod:`shardmem.run.lock` says what a stale one is); when
     another run holds it, every process raises the same ConfigError, so that all exit alike."""
     lock = RunDirLock(run_dir)
-    message = ""
-    if jax.process_index() == 0:
-        try:
-            lock.acquire()
-        except ConfigError as error:
-            message = str(error)
-    message = _from_process_0(message)
-    if message:
-        raise ConfigError(message)
+    _on_every_process(lock.acquire)
     if lock.stale:
         _say(console, f"note: took over the lock of {lock.stale}, which no longer runs")
     return lock
@@ -436,6 +429,20 @@ def _remove_unfinished_saves(checkpointer: Checkpointer, console: Console) -> No
         what = f"saves {text}" if ", " in text else f"save {text}"
         _say(console, f"note: deleted the unfinished checkpoint {what} that a stopped run left in "
                       f"{checkpointer.directory}")  # fmt: skip
+
+
+def _on_every_process(check: Callable[[], object]) -> None:
+    """Runs ``check`` on process 0; the ConfigError it raises there is raised on every process (all of
+    them must call this together), so that all exit alike."""
+    message = ""
+    if jax.process_index() == 0:
+        try:
+            check()
+        except ConfigError as error:
+            message = str(error)
+    message = _from_process_0(message)
+    if message:
+        raise ConfigError(message)
 
 
 def _from_process_0(text: str) -> str:
