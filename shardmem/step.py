@@ -300,7 +300,7 @@ def build_program(
 
     def loss_of_params(params, rest, batch):
         model = nnx.merge(graphdef, params, keys.wrap(rest)) if has_rest else nnx.merge(graphdef, params)
-        with remat_calls(modules, matched) if modules else contextlib.nullcontext():  # Linen modules inside.
+        with remat_calls(modules, matched) if custom else contextlib.nullcontext():  # Linen modules inside.
             out = loss_fn(model, batch)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         if not isinstance(metrics, dict):

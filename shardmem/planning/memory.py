@@ -250,12 +250,24 @@ def plan_program(
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
                                  sharding=rows, attention=attention, pipeline=pipeline)  # fmt: skip
+    rematted = hlo.remat_count(traced.jaxpr) > 0
     if layer_plan is None and not modules:  # A model that remats itself: no plan of ours to compare with.
-        report = dataclasses.replace(report, remat="the model's own")
+        # A step without any jax.checkpoint is its own no-remat baseline: the model FLOPs MFU counts.
+        baseline = None if rematted else report.flops_per_step
+        report = dataclasses.replace(report, remat="the model's own", flops_no_remat=baseline)
     else:
         baseline = report.flops_per_step  # Without remat the step is its own baseline.
         policies = (layer_plan.policies if layer_plan else ()) + tuple(p for _, p in modules.rules)
-        if any(p.remats for p in policies):
+        label = "; ".join(
+            part for part in (layer_plan.describe() if layer_plan else "", modules.describe()) if part
+        )
+        if any(p.remats for p in policies) and not rematted:  # Never report a remat that did not happen.
+            report = dataclasses.replace(report, warnings=[*report.warnings, (
+                f"remat {label}: the traced step has no jax.checkpoint, so nothing is recomputed and this is "
+                "the plan without remat; a jax.jit inside the model (nn.jit) may have reused a trace made "
+                "without it: plan in a fresh process")])  # fmt: skip
+            label += " (not applied)"
+        elif any(p.remats for p in policies):
             baseline = None
             if count_remat_overhead:  # Tracing the step without remat costs no compile.
                 plain = config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}")
@@ -263,9 +275,6 @@ def plan_program(
                 baseline = hlo.matmul_flops(
                     plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
                 )
-        label = "; ".join(
-            part for part in (layer_plan.describe() if layer_plan else "", modules.describe()) if part
-        )
         report = dataclasses.replace(report, flops_no_remat=baseline, remat=label)
     tokens = None
     if program.token_batch:  # [batch, length + 1]: each row predicts its last `length` tokens.
