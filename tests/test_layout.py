@@ -79,3 +79,23 @@ def test_throughput_grows_the_top_layouts_batches_and_ranks_by_tokens_per_second
     assert rates == sorted(rates, reverse=True)
     grown = [row for row in result.ranked if row["layout"]["global_batch"]]
     assert grown and all(row["layout"]["global_batch"] > 16 for row in grown)
+
+
+def _ranked(batch: int | None, seconds: float, tokens_per_second: float, compute: float) -> layout.Ranked:
+    breakdown = {"compute": compute, "memory_bound": 0.3 * compute, "exposed_communication": 0.01 * seconds,
+                 "launch": 0.0, "exposed_host_transfers": 0.0}  # fmt: skip
+    step_time = {"seconds": seconds, "tokens_per_second": tokens_per_second, "breakdown": breakdown,
+                 "bubble_seconds": 0.0}  # fmt: skip
+    sizes = tuple((a, {"fsdp": 4, "context": 2}.get(a, 1)) for a in layout.AXES)
+    return layout.Ranked(layout.Layout(sizes, 1, "none", False, batch), (), 1, 1, True, step_time)
+
+
+def test_the_winner_is_explained_in_what_the_objective_ranks():
+    """Throughput ranks tokens/s: a winner that runs a 4x larger batch has the longer step, and the line
+    says by how many tokens/s per device it wins, and where, per token (issue 30: "by -44.2 s (-299%)")."""
+    big, small = _ranked(4096, 59.0, 35_560.0, 40.0), _ranked(1024, 14.8, 35_488.0, 10.3)
+    line = layout.why_winner(big, small, "throughput", devices=8)
+    assert "by 9.0 tokens/s per device (+0.2%)" in line and "per 1,000 tokens" in line, line
+    assert "-" not in line.split("by ")[1], line  # Nothing it wins by is negative.
+    fast, slow = _ranked(None, 1.0, 16_384.0, 0.6), _ranked(None, 1.25, 13_107.0, 0.8)
+    assert "by 250 ms per step (20%), most of it in compute (200 ms less)" in layout.why_winner(fast, slow)

@@ -434,17 +434,32 @@ def _own_layout(config: Config, n: int) -> Layout | None:
     return Layout(sizes, config.train.micro_batches, config.remat.policy, config.optimizer.shard_over_data)
 
 
-def why_winner(first: Ranked, second: Ranked | None) -> str:
-    """One line on why the winner beats the runner-up: the term of the step time that differs most."""
+def why_winner(first: Ranked, second: Ranked | None, objective: str = "step_time", devices: int = 1) -> str:
+    """One line on why the winner beats the runner-up, in what ``objective`` ranks (seconds per step, or
+    tokens per second per device), and the term of the step time that differs most (per token when the
+    objective is throughput: the two may run different batches)."""
     if second is None or not first.step_time or not second.step_time:
         return "the only compiled layout that fits"
-    a, b = first.step_time["breakdown"], second.step_time["breakdown"]
-    terms = {k: b[k] - a[k] for k in a}
-    bubble = second.step_time["bubble_seconds"] - first.step_time["bubble_seconds"]
-    if abs(bubble) > max(abs(v) for v in terms.values()):
-        terms = {"pipeline bubble": bubble}
-    term, gain = max(terms.items(), key=lambda kv: kv[1])
+    rows = (first, second)
+    throughput = objective == "throughput" and all(r.step_time.get("tokens_per_second") for r in rows)
+
+    def terms(r: Ranked) -> tuple[dict[str, float], float]:  # Seconds per step (per token) by term.
+        tokens = r.step_time["tokens_per_second"] * r.seconds if throughput else 1.0
+        by_term = {k: v / tokens for k, v in r.step_time["breakdown"].items()}
+        return by_term, r.step_time["bubble_seconds"] / tokens
+
+    (a, a_bubble), (b, b_bubble) = terms(first), terms(second)
+    gains = {k: b[k] - a[k] for k in a}
+    if abs(b_bubble - a_bubble) > max(abs(v) for v in gains.values()):
+        gains = {"pipeline bubble": b_bubble - a_bubble}
+    term, gain = max(gains.items(), key=lambda kv: kv[1])
+    term = term.replace("_", " ")
+    if throughput:
+        rate, runner_up = first.throughput_per_device(devices), second.throughput_per_device(devices)
+        return (f"it beats the runner-up ({second.layout.describe()}) by {rate - runner_up:,.1f} tokens/s "
+                f"per device ({rate / runner_up - 1:+.1%}), most of it in {term} "
+                f"({format_seconds(1000 * gain)} less per 1,000 tokens)")  # fmt: skip
     faster = second.seconds - first.seconds
     return (f"it beats the runner-up ({second.layout.describe()}) by {format_seconds(faster)} per step "
-            f"({faster / second.seconds:.0%}), most of it in {term.replace('_', ' ')} "
+            f"({faster / second.seconds:.0%}), most of it in {term} "
             f"({format_seconds(gain)} less)")  # fmt: skip

@@ -544,7 +544,7 @@ def _tune_layout(
         + (f", {st['tokens_per_second']:,.0f} tokens/s" if st.get("tokens_per_second") else "")
         + (f", MFU {st['mfu']:.1%}" if st.get("mfu") is not None else "")
         + f"; peak {format_bytes(report.per_device['peak'])}, {_margin(report.margin_bytes)}",
-        why_winner(best, ranked[1] if len(ranked) > 1 else None),
+        why_winner(best, ranked[1] if len(ranked) > 1 else None, objective, len(target.devices)),
         *([refined] if refined else []),
         *notes[:-1],
         f"{compiles} compiles in all ({notes[-1]})",
