@@ -38,7 +38,7 @@ def test_outer_axes_span_hosts_and_tensor_stays_inside_one():
 
 @pytest.fixture(scope="module")
 def searched():  # Compiles: the tests that use it are marked slow.
-    config = load_config(TINY, ["remat.layers={}", "remat.policy=full"])
+    config = load_config(TINY)  # As shipped: remat.layers {"3": none} over minimal.
     return config, tune(config, "cpu", search="layout", max_compiles=4, jobs=1)
 
 
@@ -47,11 +47,13 @@ def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_ti
     config, result = searched
     assert result.found and 2 <= result.compiles <= 4
     own = layout._own_layout(config, 8)
-    assert result.trials[0].overrides == own.overrides(config)  # the baseline to beat
+    assert result.trials[0].overrides == own.overrides(config) == ()  # the config as written, to beat
     seconds = [row["step_time"]["seconds"] for row in result.ranked]
     assert seconds == sorted(seconds)
+    assert [row["describe"] for row in result.ranked if row["layout"]["own"]] == [own.describe()]
     baseline = next(t for t in result.trials if t.overrides == own.overrides(config))
     assert result.report.step_time.seconds <= baseline.step_time["seconds"] * 1.0001
+    assert any(line.startswith("the config as written") for line in result.explanation)
     assert any("beats the runner-up" in line or "only compiled" in line for line in result.explanation)
     assert all(t.how in ("compiled", "skipped") for t in result.trials)
 
@@ -99,3 +101,27 @@ def test_the_winner_is_explained_in_what_the_objective_ranks():
     assert "-" not in line.split("by ")[1], line  # Nothing it wins by is negative.
     fast, slow = _ranked(None, 1.0, 16_384.0, 0.6), _ranked(None, 1.25, 13_107.0, 0.8)
     assert "by 250 ms per step (20%), most of it in compute (200 ms less)" in layout.why_winner(fast, slow)
+
+
+def test_estimates_refit_to_a_compile_keep_its_launch_gaps_for_pipelines():
+    """A tiny model on GPUs is all kernel gaps: once a compile says so, the estimate of that layout is
+    its compiled time, and a pipeline (more layer passes) is estimated slower, never in µs."""
+    from shardmem.planning import cost
+
+    config = load_config(TINY)
+    hardware = cost.Hardware("gpu", {"bf16": 1e15, "f32": 5e14}, 3e12, 4e11, 5e10, 5e10)
+    policies = ("none", "minimal", "full")
+    estimator = layout.Estimator(
+        config, hardware, 8, dict.fromkeys(policies, 1e9), dict.fromkeys(policies, 1e6)
+    )
+    own = layout._own_layout(config, 8)  # tiny: data 2, fsdp 4, remat 0-2: minimal, 3: none
+    assert (
+        own.own and own.overrides(config) == () and own.describe().startswith("as configured: data=2 fsdp=4")
+    )
+    breakdown = {"compute": 6e-6, "memory_bound": 5e-6, "launch": 2.6e-3, "exposed_communication": 5e-5,
+                 "exposed_host_transfers": 0.0}  # fmt: skip
+    estimator.refit(own, 2 << 20, 2.67e-3, breakdown)
+    assert estimator(own).seconds == pytest.approx(2.67e-3, rel=0.05)
+    sizes = tuple((a, {"stage": 4, "data": 2}.get(a, 1)) for a in layout.AXES)
+    pipeline = layout.Layout(sizes, 8, "none")
+    assert estimator(pipeline).seconds > 2.67e-3  # 11 layer passes per device against the own layout's 4

@@ -41,19 +41,24 @@ _ESTIMATE_REJECT = 1.25
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One candidate: mesh sizes by axis, micro-batches, a uniform remat policy and ZeRO-1."""
+    """One candidate: mesh sizes by axis, micro-batches, a uniform remat policy and ZeRO-1; or, with
+    ``own``, the config as written (its rules, per-layer remat and stages too), described by ``remat``."""
 
     sizes: tuple[tuple[str, int], ...]
     micro_batches: int
     policy: str
     zero1: bool = False
     global_batch: int | None = None  # None: the config's.
+    own: bool = False
+    remat: str = ""  # The own layout's remat plan, as RematPlan.describe() gives it.
 
     @property
     def axes(self) -> dict[str, int]:
-        return dict(self.sizes)
+        return {a: 1 for a in AXES} | dict(self.sizes)
 
     def overrides(self, config: Config) -> tuple[str, ...]:
+        if self.own:  # The config as written: nothing replaced but a grown batch.
+            return () if self.global_batch is None else (f"train.global_batch={self.global_batch}",)
         axes = ", ".join(f"{a}: {n}" for a, n in self.sizes)
         out = (f"mesh.axes={{{axes}}}", "rules={}", "param_rules={}",
                f"train.micro_batches={self.micro_batches}",
@@ -68,7 +73,8 @@ class Layout:
         extra = ", ZeRO-1" if self.zero1 else ""
         batch = f", batch {self.global_batch}" if self.global_batch else ""
         micro = f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}"
-        return f"{mesh}; {micro}; {self.policy}{extra}{batch}"
+        own = "as configured: " if self.own else ""
+        return f"{own}{mesh}; {micro}; {self.remat or self.policy}{extra}{batch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +230,10 @@ class Estimator:
         seconds = (work + max(0.0, comm - 0.5 * work)) * self.time_scale
         return Estimate(static, activations, seconds)
 
+    def knows(self, layout: Layout) -> bool:
+        """Whether the layout's remat policy was traced for the estimates (the config's own may not be)."""
+        return layout.policy in self.flops
+
     def _passes(self, layout: Layout) -> float:
         """Layer passes a device runs per step: its layers times micro-batches (a pipeline's ticks)."""
         s = layout.axes["stage"]
@@ -231,19 +241,23 @@ class Estimator:
         return self.config.model.n_layers / s * (m + s - 1 if s > 1 else m)
 
     def refit(self, layout: Layout, peak: int, seconds: float | None, breakdown: dict | None) -> None:
-        """Scales the estimates to a compiled plan's peak and predicted time (least squares through 0)."""
-        saved, self.activation_scale, self.time_scale = (self.activation_scale, self.time_scale), {}, 1.0
-        raw = self(layout)  # Unscaled activations: the scales stand for themselves.
-        self.activation_scale, self.time_scale = saved
-        key = (layout.policy, layout.axes["stage"] > 1)
-        points = self._activations.setdefault(key, [])
-        points.append((raw.activations, max(peak - raw.static, 0.0)))
-        self.activation_scale[key] = sum(x * y for x, y in points) / max(sum(x * x for x, _ in points), 1.0)
-        if seconds:
-            if breakdown and breakdown.get("compute"):
+        """Scales the estimates to a compiled plan's peak and predicted time (least squares through 0).
+        A layout with a per-layer remat plan (the config's own) refits the time only: its peak is no
+        uniform policy's."""
+        if seconds and breakdown:  # First, so that the unscaled time below has the launch gaps in it.
+            if breakdown.get("compute"):
                 self.memory_share = breakdown["memory_bound"] / breakdown["compute"]
-            if breakdown:
-                self.launch_per_layer_pass = breakdown["launch"] / self._passes(layout)
+            self.launch_per_layer_pass = breakdown["launch"] / self._passes(layout)
+        saved, self.activation_scale, self.time_scale = (self.activation_scale, self.time_scale), {}, 1.0
+        raw = self(layout)  # Unscaled: the scales stand for themselves.
+        self.activation_scale, self.time_scale = saved
+        if not layout.remat:
+            key = (layout.policy, layout.axes["stage"] > 1)
+            points = self._activations.setdefault(key, [])
+            points.append((raw.activations, max(peak - raw.static, 0.0)))
+            fitted = sum(x * y for x, y in points) / max(sum(x * x for x, _ in points), 1.0)
+            self.activation_scale[key] = fitted
+        if seconds:
             self._times.append((raw.seconds, seconds))
             self.time_scale = sum(x * y for x, y in self._times) / sum(x * x for x, _ in self._times)
 
@@ -285,8 +299,9 @@ def search_layouts(
     progress: Callable[[str], None],
     note: Callable[..., None],
 ) -> tuple[list[Ranked], int, list[str]]:
-    """Compiles the most promising layouts and returns them ranked by the objective (fitting first),
-    the number of compiles and notes on what was pruned."""
+    """Compiles the config as written and the most promising layouts, and returns the fitting ones ranked
+    by the objective (the config's own after them when it does not fit), the number of compiles and
+    notes on what was pruned."""
     import contextlib
 
     from shardmem.explore.sweep import plan_candidates, planning_pool
@@ -333,22 +348,37 @@ def search_layouts(
     )
     layouts = enumerate_layouts(config, n, per_host, policies)
     own = _own_layout(config, n)
+    twin = _twin(config, own)  # Compiled as the config as written: not again.
     notes = [f"{len(layouts)} layouts enumerated over {', '.join(AXES)} x micro-batches x remat x ZeRO-1"]
 
     compiled: dict[Layout, Ranked] = {}
+    refused: set[Layout] = set()  # Compiles libtpu refused as over the chip's HBM: no figures but the need.
     compiles = 0
 
     def run(batch: list[Layout]) -> None:
         nonlocal compiles
         combos = [layout.overrides(config) for layout in batch]
         for layout in batch:
+            if not estimator.knows(layout):
+                progress(f"compiling {layout.describe()}")
+                continue
             guess = estimator(layout)
             progress(f"compiling {layout.describe()} (estimated {format_bytes(guess.peak_bytes)}, "
                      f"{format_seconds(guess.seconds)})")  # fmt: skip
         rows = plan_candidates(config, combos, target, jobs=1, pool=pool)
         for layout, overrides, row in zip(batch, combos, rows, strict=True):
+            if row.error and row.fits is False and row.peak_bytes:  # libtpu refused it as over the HBM.
+                compiles += 1
+                refused.add(layout)
+                compiled[layout] = Ranked(layout, overrides, row.peak_bytes, budget - row.peak_bytes, False,
+                                          None)  # fmt: skip
+                note(layout.describe(), overrides, row.peak_bytes, 0, None, False, "compiled",
+                     f"does not fit (libtpu refused it: {format_bytes(row.peak_bytes)} needed)")  # fmt: skip
+                continue
             if row.error:
                 note(layout.describe(), overrides, None, None, None, False, "skipped", row.error[:200])
+                if layout.own:
+                    notes.append(f"the config as written did not compile: {row.error[:200]}")
                 compiled[layout] = Ranked(layout, overrides, 0, 0, False, None)
                 continue
             compiles += 1
@@ -356,8 +386,9 @@ def search_layouts(
                             row.step_time,
                             row.host_bytes or 0)  # fmt: skip
             compiled[layout] = ranked
-            estimator.refit(layout, row.peak_bytes, ranked.seconds if row.step_time else None,
-                            row.step_time["breakdown"] if row.step_time else None)  # fmt: skip
+            if estimator.knows(layout):
+                estimator.refit(layout, row.peak_bytes, ranked.seconds if row.step_time else None,
+                                row.step_time["breakdown"] if row.step_time else None)  # fmt: skip
             verdict = "fits" if row.fits else "does not fit"
             seconds = f", {format_seconds(ranked.seconds)} per step" if row.step_time else ""
             note(layout.describe(), overrides, row.peak_bytes, row.host_bytes, row.recompute_overhead,
@@ -367,10 +398,12 @@ def search_layouts(
     workers = max(1, jobs if jobs is not None else (os.cpu_count() or 1))
     with contextlib.ExitStack() as stack:  # One pool of workers for every compile of the search.
         pool = stack.enter_context(planning_pool(config, target, workers, n)) if workers > 1 else None
-        if own is not None and own in layouts:
-            run([own])  # The config's own layout first: the baseline the search must beat.
-        while compiles < max_compiles:
-            estimates = {layout: estimator(layout) for layout in layouts if layout not in compiled}
+        run([own])  # The config as written first: the baseline the search must beat, always shown.
+        # Throughput keeps a third of the compiles for growing the best layouts' batches.
+        layout_compiles = max_compiles - (max(1, max_compiles // 3) if objective == "throughput" else 0)
+        while compiles < layout_compiles:
+            estimates = {layout: estimator(layout) for layout in layouts
+                         if layout not in compiled and layout != twin}  # fmt: skip
             fitting = [lay for lay, est in estimates.items() if est.peak_bytes <= budget * _ESTIMATE_REJECT]
             best_mesh: dict[tuple, Layout] = {}
 
@@ -388,15 +421,17 @@ def search_layouts(
             if compiles >= min(8, max_compiles // 2) and estimates[order[0]].seconds > 1.3 * best:
                 notes.append("stopped: no remaining layout is estimated within 1.3x of the best compiled")
                 break
-            run(order[: min(workers, max_compiles - compiles)])
+            run(order[: min(workers, layout_compiles - compiles)])
         fits = sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
         if objective == "throughput" and fits:
             fits = _grow_batches(fits[:3], config, budget, estimator, max_compiles, lambda: compiles, run,
                                  compiled) + fits  # fmt: skip
             fits = sorted({r.overrides: r for r in fits}.values(), key=lambda r: -r.throughput_per_device(n))
-    over = sum(1 for r in compiled.values() if not r.fits and r.step_time is not None)
-    notes.append(f"{compiles} compiles; {over} compiled layouts did not fit; "
-                 f"{len(layouts) - len(compiled)} left to the estimates")  # fmt: skip
+    if not compiled[own].fits and compiled[own].peak_bytes:
+        fits.append(compiled[own])  # Shown, after the layouts that fit.
+    over = sum(1 for lay, r in compiled.items() if not r.fits and (r.step_time is not None or lay in refused))
+    left = sum(lay not in compiled and lay != twin for lay in layouts)
+    notes.append(f"{compiles} compiles; {over} compiled layouts did not fit; {left} left to the estimates")
     return fits, compiles, notes
 
 
@@ -406,6 +441,8 @@ def _grow_batches(top, config, budget, estimator, max_compiles, count, run, comp
     grown = []
     for ranked in top:
         layout = ranked.layout
+        if not estimator.knows(layout):
+            continue
         batch = config.train.global_batch
         while count() < max_compiles:
             bigger = dataclasses.replace(layout, global_batch=batch * 2)
@@ -421,17 +458,24 @@ def _grow_batches(top, config, budget, estimator, max_compiles, count, run, comp
     return grown
 
 
-def _own_layout(config: Config, n: int) -> Layout | None:
-    """The config's own mesh as a layout of the searched axes, when it is one."""
-    axes = {a: size for a, size in config.mesh.axes.items()}
-    if set(axes) - set(AXES):
-        return None
+def _own_layout(config: Config, n: int) -> Layout:
+    """The config as written, as a layout: its mesh (``-1`` resolved for ``n`` devices), micro-batches and
+    remat plan. It is always compiled: the baseline the search must beat."""
+    axes = dict(config.mesh.axes)
     fixed = math.prod(v for v in axes.values() if v > 0)
-    axes = {a: (n // fixed if v == -1 else v) for a, v in axes.items()}
-    sizes = tuple((a, axes.get(a, 1)) for a in AXES)
-    if math.prod(v for _, v in sizes) != n or config.remat.layers:
+    axes = {a: (max(n // fixed, 1) if v == -1 else v) for a, v in axes.items()}
+    sizes = tuple((a, axes.get(a, 1)) for a in AXES) if set(axes) <= set(AXES) else tuple(axes.items())
+    remat = config.remat_plan().describe() if config.remat.layers else ""
+    return Layout(sizes, config.train.micro_batches, config.remat.policy, config.optimizer.shard_over_data,
+                  own=True, remat=remat)  # fmt: skip
+
+
+def _twin(config: Config, own: Layout) -> Layout | None:
+    """The enumerated layout the config as written stands for (its rules aside), when it has one: the same
+    mesh, micro-batches, uniform policy and ZeRO-1, without pipeline.stages."""
+    if own.remat or config.pipeline.stages or {a for a, _ in own.sizes} != set(AXES):
         return None
-    return Layout(sizes, config.train.micro_batches, config.remat.policy, config.optimizer.shard_over_data)
+    return dataclasses.replace(own, own=False)
 
 
 def why_winner(first: Ranked, second: Ranked | None, objective: str = "step_time", devices: int = 1) -> str:
