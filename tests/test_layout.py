@@ -125,3 +125,34 @@ def test_estimates_refit_to_a_compile_keep_its_launch_gaps_for_pipelines():
     sizes = tuple((a, {"stage": 4, "data": 2}.get(a, 1)) for a in layout.AXES)
     pipeline = layout.Layout(sizes, 8, "none")
     assert estimator(pipeline).seconds > 2.67e-3  # 11 layer passes per device against the own layout's 4
+
+
+def test_a_refused_own_layout_is_a_compile_that_does_not_fit_and_is_shown(monkeypatch):
+    """On TPU, libtpu refuses a program over the HBM (no report, only what it needed): the config as
+    written is still compiled, counted and shown, as not fitting (issue 30: "0 compiled layouts did not
+    fit" and no sign of it)."""
+    from shardmem.explore import sweep
+    from shardmem.planning.memory import make_target
+
+    config = load_config(TINY)
+    step_time = {"seconds": 0.01, "tokens_per_second": 2e5, "bubble_seconds": 0.0, "mfu": 0.1,
+                 "breakdown": {"compute": 0.004, "memory_bound": 0.004, "launch": 0.001,
+                               "exposed_communication": 0.001, "exposed_host_transfers": 0.0}}  # fmt: skip
+
+    def planned(config, combos, target, **_):
+        return [sweep.SweepRow(o, error="libtpu: over the HBM", fits=False, peak_bytes=64 << 30) if o == ()
+                else sweep.SweepRow(o, peak_bytes=1 << 20, budget_bytes=1 << 30, fits=True,
+                                    margin_bytes=(1 << 30) - (1 << 20), step_time=step_time, host_bytes=0)
+                for o in combos]  # fmt: skip
+
+    monkeypatch.setattr(sweep, "plan_candidates", planned)
+    trials = []
+    ranked, compiles, notes = layout.search_layouts(
+        config, "cpu", make_target(config, "cpu"), max_compiles=3, jobs=1, objective="step_time",
+        allow_offload=False, progress=lambda m: None, note=lambda *a, **k: trials.append(a),
+    )  # fmt: skip
+    own = ranked[-1]
+    assert own.layout.own and not own.fits and own.peak_bytes == 64 << 30 and own.margin_bytes < 0
+    assert all(r.fits for r in ranked[:-1]) and len(ranked) == compiles == 3
+    assert trials[0][6] == "compiled" and "libtpu refused it: 64.00 GiB needed" in trials[0][7]
+    assert "3 compiles; 1 compiled layouts did not fit" in notes[-1]
