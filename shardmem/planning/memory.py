@@ -308,8 +308,11 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
     note = cost.ASSUMPTIONS
     if target.platform == "cpu":
+        flops, bandwidth = cost.host_rates()
         note = ("approximate: simulated CPU devices share this machine's cores, so the estimate ranks CPU "
-                "layouts (check with shardmem sweep --measure) and is no GPU prediction; "
+                "layouts (check with shardmem sweep --measure) and is no GPU prediction; the machine's "
+                f"rates, {flops / 1e9:,.1f} GFLOP/s and {bandwidth / 1e9:,.1f} GB/s, are measured once per "
+                f"process and vary with its load ({cost.HOST_RATES_ENV}=FLOPS,BYTES pins them); "
                 + note)  # fmt: skip
     elif target.platform == "tpu":
         note += ("; TPU: not calibrated (the efficiencies were measured on an H200); \"nvlink\" is ICI, "
