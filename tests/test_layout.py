@@ -54,6 +54,7 @@ def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_ti
     baseline = next(t for t in result.trials if t.overrides == own.overrides(config))
     assert result.report.step_time.seconds <= baseline.step_time["seconds"] * 1.0001
     assert any(line.startswith("the config as written") for line in result.explanation)
+    assert any(line.startswith("CPU step times use this machine's rates") for line in result.explanation)
     assert any("beats the runner-up" in line or "only compiled" in line for line in result.explanation)
     assert all(t.how in ("compiled", "skipped") for t in result.trials)
 
@@ -156,3 +157,18 @@ def test_a_refused_own_layout_is_a_compile_that_does_not_fit_and_is_shown(monkey
     assert all(r.fits for r in ranked[:-1]) and len(ranked) == compiles == 3
     assert trials[0][6] == "compiled" and "libtpu refused it: 64.00 GiB needed" in trials[0][7]
     assert "3 compiles; 1 compiled layouts did not fit" in notes[-1]
+
+
+def test_the_choice_is_compared_with_the_config_as_written_not_with_its_grown_batch():
+    import dataclasses
+
+    from shardmem.explore.tune import _against_own
+
+    def own(batch, seconds, rate):
+        row = _ranked(batch, seconds, rate, 1e-4)
+        return dataclasses.replace(row, layout=dataclasses.replace(row.layout, own=True))
+
+    grown, as_written = own(128, 1.3e-3, 6_316_739.0), own(None, 1.22e-3, 840_754.0)
+    line = _against_own(grown, [grown, as_written], "throughput", 8)
+    assert line == "the config as written: 105,094.2 tokens/s per device; the choice +651.3%", line
+    assert _against_own(as_written, [as_written, grown], "step_time", 8).endswith("keep it")

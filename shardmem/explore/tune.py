@@ -551,6 +551,7 @@ def _tune_layout(
         _against_own(best, ranked, objective, len(target.devices)),
         *([refined] if refined else []),
         *notes[:-1],
+        *_host_rates_note(target),
         f"{compiles} compiles in all ({notes[-1]})",
     ]
     chosen = next(t for t in reversed(planner.trials) if t.overrides == best.overrides)
@@ -561,9 +562,21 @@ def _tune_layout(
                       explanation, ranked=shown)  # fmt: skip
 
 
+def _host_rates_note(target) -> list[str]:
+    """On a CPU target, the rates every candidate was costed with, and what they do to near-ties."""
+    if target.platform != "cpu":
+        return []
+    from shardmem.planning.cost import HOST_RATES_ENV, host_rates
+
+    flops, bandwidth = host_rates()
+    return [f"CPU step times use this machine's rates, {flops / 1e9:,.1f} GFLOP/s and {bandwidth / 1e9:,.1f} "
+            f"GB/s, measured once for the whole search; they move with the machine's load, which can "
+            f"reorder near-ties in another run; {HOST_RATES_ENV}=FLOPS,BYTES pins them"]  # fmt: skip
+
+
 def _against_own(best, ranked: list, objective: str, devices: int) -> str:
     """One line on the winner against the config as written (compiled first, whether or not it fits)."""
-    own = next((r for r in ranked if r.layout.own), None)
+    own = next((r for r in ranked if r.layout.own and r.layout.global_batch is None), None)  # Not grown.
     if own is None:
         return "the config as written did not compile (see the notes)"
     if own is best:
@@ -747,7 +760,8 @@ def _render_layout(result: TuneResult, top: int = 10):
         "bubble",
     ):
         table.add_column(column, justify="left" if column == "layout" else "right", overflow="fold")
-    rows = result.ranked[:top] + [r for r in result.ranked[top:] if r["layout"]["own"]]  # Own always shown.
+    as_written = lambda r: r["layout"]["own"] and r["layout"]["global_batch"] is None  # noqa: E731
+    rows = result.ranked[:top] + [r for r in result.ranked[top:] if as_written(r)]  # Always shown.
     for i, row in enumerate(rows, 1):
         st = row["step_time"] or {}
         margin = row["margin_bytes"]

@@ -148,8 +148,8 @@ def host_rates() -> tuple[float, float]:
 @functools.cache
 def measure_host_rates() -> tuple[float, float]:
     """(matmul FLOP/s, copy bytes/s) measured on this machine, the best of 5 runs of each kernel. Other
-    jobs on the cores move them (bench/host_rates.py: 1.5x between fresh processes at a load of 20,
-    and the best of 0.25 s of runs moved 3x), so a search shares one measurement with its workers."""
+    jobs on the cores move them (bench/host_rates.py: 1.5-2x between fresh processes at a load of 18-20;
+    the best of 0.25 s of runs was no steadier), so a search shares one measurement with its workers."""
     import jax
     import jax.numpy as jnp
 
