@@ -11,9 +11,11 @@ inside a host and dividing the heads, context dividing the sequence, expert divi
 batch dividing over its shards). Each remaining candidate gets a pruning estimate of its peak memory
 and step time from a few traced quantities (FLOPs and backward residuals per policy, parameter bytes)
 and the standard communication volumes of each parallelism; the estimates are refitted to every
-compile made. The most promising are compiled (in parallel worker processes, like ``sweep``), their
-memory confirmed by XLA and their step time predicted from the compiled HLO
-(:mod:`shardmem.planning.cost`); the fitting ones are ranked by predicted step time.
+compile made. The config as written is compiled first (its rules, per-layer remat and stages as they
+are): the baseline the choice is compared with, shown whether or not it fits. The most promising layouts
+are then compiled (in parallel worker processes, like ``sweep``), their memory confirmed by XLA and their
+step time predicted from the compiled HLO (:mod:`shardmem.planning.cost`); the fitting ones are ranked
+by the objective.
 
 The estimates only order and prune: every layout shown with a step time was compiled.
 """
