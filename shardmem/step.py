@@ -341,7 +341,7 @@ def build_program(
         if finetune is not None:
             params = finetune.assemble(params, frozen)
         model = nnx.merge(graphdef, params, keys.wrap(rest)) if has_rest else nnx.merge(graphdef, params)
-        with remat_calls(modules, matched) if modules else contextlib.nullcontext():  # Linen modules inside.
+        with remat_calls(modules, matched) if custom else contextlib.nullcontext():  # Linen modules inside.
             out = loss_fn(model, batch)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         if not isinstance(metrics, dict):

@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -470,3 +471,22 @@ def test_plan_refuses_a_bare_number_for_a_rate_in_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "interconnect.network: 400 has no unit" in err and "400Gb/s" in err
+
+
+def test_host_rates_are_pinned_by_the_environment_and_shared_with_a_search_s_workers(monkeypatch):
+    """CPU plans cost the step with this machine's rates: SHARDMEM_HOST_RATES pins them (two runs then
+    agree), a malformed value is one line naming it, and a search's worker processes get the parent's
+    measured rates rather than measuring their own (their candidates' step times differed by the load)."""
+    from shardmem.errors import ConfigError
+    from shardmem.explore.sweep import planning_pool
+
+    monkeypatch.setenv(cost.HOST_RATES_ENV, "8e10,2e10")
+    assert cost.host_rates() == (8e10, 2e10) and cost.Hardware.host(8).peak("f32") == 1e10
+    for bad in ("fast", "8e10", "8e10,-1", "inf,1e9"):
+        monkeypatch.setenv(cost.HOST_RATES_ENV, bad)
+        with pytest.raises(ConfigError, match=rf"SHARDMEM_HOST_RATES='{re.escape(bad)}': write two positive"):
+            cost.host_rates()
+    monkeypatch.delenv(cost.HOST_RATES_ENV)
+    monkeypatch.setattr(cost, "measure_host_rates", lambda: (1.5e10, 3.25e9))  # the parent's measurement
+    with planning_pool(load_config("configs/tiny.yaml"), "cpu", 1, 8) as pool:
+        assert pool.submit(cost.host_rates).result() == (1.5e10, 3.25e9)

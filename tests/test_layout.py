@@ -39,7 +39,7 @@ def test_outer_axes_span_hosts_and_tensor_stays_inside_one():
 
 @pytest.fixture(scope="module")
 def searched():  # Compiles: the tests that use it are marked slow.
-    config = load_config(TINY, ["remat.layers={}", "remat.policy=full"])
+    config = load_config(TINY)  # As shipped: remat.layers {"3": none} over minimal.
     return config, tune(config, "cpu", search="layout", max_compiles=4, jobs=1)
 
 
@@ -48,11 +48,14 @@ def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_ti
     config, result = searched
     assert result.found and 2 <= result.compiles <= 4
     own = layout._own_layout(config, 8)
-    assert result.trials[0].overrides == own.overrides(config)  # the baseline to beat
+    assert result.trials[0].overrides == own.overrides(config) == ()  # the config as written, to beat
     seconds = [row["step_time"]["seconds"] for row in result.ranked]
     assert seconds == sorted(seconds)
+    assert [row["describe"] for row in result.ranked if row["layout"]["own"]] == [own.describe()]
     baseline = next(t for t in result.trials if t.overrides == own.overrides(config))
     assert result.report.step_time.seconds <= baseline.step_time["seconds"] * 1.0001
+    assert any(line.startswith("the config as written") for line in result.explanation)
+    assert any(line.startswith("CPU step times use this machine's rates") for line in result.explanation)
     assert any("beats the runner-up" in line or "only compiled" in line for line in result.explanation)
     assert all(t.how in ("compiled", "skipped") for t in result.trials)
 
@@ -143,3 +146,93 @@ def test_layouts_offer_1f1b_and_sequence_parallelism_and_estimate_their_residual
     chosen = config.replace(*overrides)
     assert chosen.pipeline.schedule == "1f1b" and chosen.rules["residual_seq"] == ["context", "tensor"]
     assert "1f1b, sequence parallel" in candidate("1f1b", sequence=True).describe()
+
+
+def _ranked(batch: int | None, seconds: float, tokens_per_second: float, compute: float) -> layout.Ranked:
+    breakdown = {"compute": compute, "memory_bound": 0.3 * compute, "exposed_communication": 0.01 * seconds,
+                 "launch": 0.0, "exposed_host_transfers": 0.0}  # fmt: skip
+    step_time = {"seconds": seconds, "tokens_per_second": tokens_per_second, "breakdown": breakdown,
+                 "bubble_seconds": 0.0}  # fmt: skip
+    sizes = tuple((a, {"fsdp": 4, "context": 2}.get(a, 1)) for a in layout.AXES)
+    return layout.Ranked(layout.Layout(sizes, 1, "none", False, batch), (), 1, 1, True, step_time)
+
+
+def test_the_winner_is_explained_in_what_the_objective_ranks():
+    """Throughput ranks tokens/s: a winner that runs a 4x larger batch has the longer step, and the line
+    says by how many tokens/s per device it wins, and where, per token (issue 30: "by -44.2 s (-299%)")."""
+    big, small = _ranked(4096, 59.0, 35_560.0, 40.0), _ranked(1024, 14.8, 35_488.0, 10.3)
+    line = layout.why_winner(big, small, "throughput", devices=8)
+    assert "by 9.0 tokens/s per device (+0.2%)" in line and "per 1,000 tokens" in line, line
+    assert "-" not in line.split("by ")[1], line  # Nothing it wins by is negative.
+    fast, slow = _ranked(None, 1.0, 16_384.0, 0.6), _ranked(None, 1.25, 13_107.0, 0.8)
+    assert "by 250 ms per step (20%), most of it in compute (200 ms less)" in layout.why_winner(fast, slow)
+
+
+def test_estimates_refit_to_a_compile_keep_its_launch_gaps_for_pipelines():
+    """A tiny model on GPUs is all kernel gaps: once a compile says so, the estimate of that layout is
+    its compiled time, and a pipeline (more layer passes) is estimated slower, never in µs."""
+    from shardmem.planning import cost
+
+    config = load_config(TINY)
+    hardware = cost.Hardware("gpu", {"bf16": 1e15, "f32": 5e14}, 3e12, 4e11, 5e10, 5e10)
+    policies = ("none", "minimal", "full")
+    estimator = layout.Estimator(
+        config, hardware, 8, dict.fromkeys(policies, 1e9), dict.fromkeys(policies, 1e6)
+    )
+    own = layout._own_layout(config, 8)  # tiny: data 2, fsdp 4, remat 0-2: minimal, 3: none
+    assert (
+        own.own and own.overrides(config) == () and own.describe().startswith("as configured: data=2 fsdp=4")
+    )
+    breakdown = {"compute": 6e-6, "memory_bound": 5e-6, "launch": 2.6e-3, "exposed_communication": 5e-5,
+                 "exposed_host_transfers": 0.0}  # fmt: skip
+    estimator.refit(own, 2 << 20, 2.67e-3, breakdown)
+    assert estimator(own).seconds == pytest.approx(2.67e-3, rel=0.05)
+    sizes = tuple((a, {"stage": 4, "data": 2}.get(a, 1)) for a in layout.AXES)
+    pipeline = layout.Layout(sizes, 8, "none")
+    assert estimator(pipeline).seconds > 2.67e-3  # 11 layer passes per device against the own layout's 4
+
+
+def test_a_refused_own_layout_is_a_compile_that_does_not_fit_and_is_shown(monkeypatch):
+    """On TPU, libtpu refuses a program over the HBM (no report, only what it needed): the config as
+    written is still compiled, counted and shown, as not fitting (issue 30: "0 compiled layouts did not
+    fit" and no sign of it)."""
+    from shardmem.explore import sweep
+    from shardmem.planning.memory import make_target
+
+    config = load_config(TINY)
+    step_time = {"seconds": 0.01, "tokens_per_second": 2e5, "bubble_seconds": 0.0, "mfu": 0.1,
+                 "breakdown": {"compute": 0.004, "memory_bound": 0.004, "launch": 0.001,
+                               "exposed_communication": 0.001, "exposed_host_transfers": 0.0}}  # fmt: skip
+
+    def planned(config, combos, target, **_):
+        return [sweep.SweepRow(o, error="libtpu: over the HBM", fits=False, peak_bytes=64 << 30) if o == ()
+                else sweep.SweepRow(o, peak_bytes=1 << 20, budget_bytes=1 << 30, fits=True,
+                                    margin_bytes=(1 << 30) - (1 << 20), step_time=step_time, host_bytes=0)
+                for o in combos]  # fmt: skip
+
+    monkeypatch.setattr(sweep, "plan_candidates", planned)
+    trials = []
+    ranked, compiles, notes = layout.search_layouts(
+        config, "cpu", make_target(config, "cpu"), max_compiles=3, jobs=1, objective="step_time",
+        allow_offload=False, progress=lambda m: None, note=lambda *a, **k: trials.append(a),
+    )  # fmt: skip
+    own = ranked[-1]
+    assert own.layout.own and not own.fits and own.peak_bytes == 64 << 30 and own.margin_bytes < 0
+    assert all(r.fits for r in ranked[:-1]) and len(ranked) == compiles == 3
+    assert trials[0][6] == "compiled" and "libtpu refused it: 64.00 GiB needed" in trials[0][7]
+    assert "1 compiled layouts did not fit" in notes[-1]
+
+
+def test_the_choice_is_compared_with_the_config_as_written_not_with_its_grown_batch():
+    import dataclasses
+
+    from shardmem.explore.tune import _against_own
+
+    def own(batch, seconds, rate):
+        row = _ranked(batch, seconds, rate, 1e-4)
+        return dataclasses.replace(row, layout=dataclasses.replace(row.layout, own=True))
+
+    grown, as_written = own(128, 1.3e-3, 6_316_739.0), own(None, 1.22e-3, 840_754.0)
+    line = _against_own(grown, [grown, as_written], "throughput", 8)
+    assert line == "the config as written: 105,094.2 tokens/s per device; the choice +651.3%", line
+    assert _against_own(as_written, [as_written, grown], "step_time", 8).endswith("keep it")

@@ -209,8 +209,9 @@ def test_planning_workers_stay_off_the_gpu_unless_they_plan_for_it(target, cpu_o
     monkeypatch.setattr(sweep_module.concurrent.futures, "ProcessPoolExecutor", FakePool)
     grid = {"remat.policy": ["none", "full"], "memory.usable_fraction": [0.5, 0.8]}
     sweep(load_config(TINY), grid, target, jobs=2)
-    ((cpu_devices, cpu_only_flag, local_memory),) = started
+    ((cpu_devices, cpu_only_flag, local_memory, host_rates),) = started
     assert cpu_only_flag is cpu_only
+    assert (host_rates is not None) == (target == "cpu")  # The parent's rates, for every worker's plans.
     if target == "local":  # The allocator limit of the candidate with the largest usable fraction.
         assert local_memory.memory.usable_fraction == 0.8
     else:

@@ -419,3 +419,53 @@ def test_remat_modules_patterns_are_checked_and_unmatched_ones_warn():
         "remat.modules.Blok: no module of the model matches 'Blok', so nothing is rematerialized for it; "
         "match a submodule's path (decoder/blocks_0), name (blocks_0) or class name (DecoderBlock)"
     ]
+
+
+def _third_party_plan(build, modules=None):
+    """One H100, deviceless (XLA:CPU merges unscanned blocks' recomputation back into the forward)."""
+    config = config_from_dict({
+        "mesh": {"axes": {"data": 1}, "devices_per_host": 1}, "train": {"global_batch": 8},
+        "precision": {"compute": "float32"}, "remat": {"modules": modules} if modules else {},
+    })  # fmt: skip
+    loss = shardmem.step.next_token_loss
+    return shardmem.plan(config, target="h100-sxm", model_factory=build, loss_fn=loss, batch=TOKENS, top=1)
+
+
+def test_an_unedited_third_party_model_gets_a_model_flops_baseline_and_mfu():
+    """No remat argument, no remat.modules: the traced step has no jax.checkpoint, so it is its own
+    no-remat baseline, and the plan reports MFU."""
+    report = _third_party_plan(third_party.build_linen)
+    assert report.remat == "the model's own"
+    assert report.flops_no_remat == report.flops_per_step > 0 and report.recompute_overhead == 0
+    assert report.step_time.mfu is not None and 0 < report.step_time.mfu < 1
+
+
+@pytest.mark.slow
+def test_remat_modules_reach_a_model_under_nn_jit_in_any_order_of_plans():
+    """nn.jit reuses its first trace in a process: a plan after one under another remat plan (or none)
+    still gets its own remat, and the no-remat baseline is not the remat trace."""
+    build = third_party.build_linen_jit
+    full = _third_party_plan(build, {"blocks_*": "full"})
+    none = _third_party_plan(build, {"blocks_*": "none"})
+    plain = _third_party_plan(build)
+    again = _third_party_plan(build, {"blocks_*": "full"})
+    for report in (full, again):  # after nothing (or a plain trace of another test) and after "none"
+        assert report.recompute_overhead > 0, report.remat
+        assert report.per_device["temp"] <= 0.5 * none.per_device["temp"], report.per_device
+        assert not any("remat" in w for w in report.warnings), report.warnings
+    assert none.recompute_overhead == 0 and plain.recompute_overhead == 0
+    assert plain.per_device["temp"] == none.per_device["temp"] and plain.step_time.mfu is not None
+    assert full.step_time.mfu == pytest.approx(plain.step_time.mfu, rel=0.3)  # Model FLOPs, not the remat's.
+
+
+def test_a_remat_that_did_not_happen_is_reported_as_not_applied(monkeypatch):
+    """With JAX's trace caches left as they are, nn.jit reuses the trace made without remat: the plan
+    says so instead of reporting the remat it asked for."""
+    from shardmem.models import linen
+
+    build = third_party.build_linen_jit
+    _third_party_plan(build, {"blocks_*": "none"})  # Traced without remat ...
+    monkeypatch.setattr(linen, "_fresh_traces", lambda plan: None)
+    report = _third_party_plan(build, {"blocks_*": "full"})  # ... and reused.
+    assert report.remat == "modules blocks_*: full (not applied)" and report.recompute_overhead == 0
+    assert any("the traced step has no jax.checkpoint" in w for w in report.warnings), report.warnings

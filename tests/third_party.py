@@ -4,6 +4,7 @@ are plain Flax modules, called in a Python loop, with no ``remat`` argument and 
 
     build_linen(rngs)   # Linen: blocks named blocks_0 ... blocks_{n-1}, made inside an nn.compact call
     build_nnx(rngs)     # NNX: DecoderBlock instances in an nnx.List, at paths blocks/0 ... blocks/{n-1}
+    build_linen_jit(rngs)  # Linen, its call wrapped in nn.jit as gemma's is: traced once per process
 """
 
 import flax.linen as nn
@@ -50,6 +51,21 @@ def build_linen(rngs):
     from shardmem.models.linen import from_linen  # The only shardmem call: Flax's own bridge.
 
     return from_linen(Decoder(), jnp.zeros((1, SEQ_LEN), jnp.int32), rngs=rngs)
+
+
+class JitDecoder(Decoder):
+    """The same decoder, its call under ``nn.jit`` (as gemma's): Flax traces it once per process and
+    shape, and reuses that trace whatever surrounds a later call."""
+
+    @nn.jit
+    def __call__(self, tokens_BxL):
+        return super().__call__(tokens_BxL)
+
+
+def build_linen_jit(rngs):
+    from shardmem.models.linen import from_linen
+
+    return from_linen(JitDecoder(), jnp.zeros((1, SEQ_LEN), jnp.int32), rngs=rngs)
 
 
 class DecoderBlock(nnx.Module):

@@ -13,9 +13,11 @@ dividing the heads, context dividing the sequence, expert dividing the experts, 
 batch dividing over its shards). Each remaining candidate gets a pruning estimate of its peak memory
 and step time from a few traced quantities (FLOPs and backward residuals per policy, parameter bytes)
 and the standard communication volumes of each parallelism; the estimates are refitted to every
-compile made. The most promising are compiled (in parallel worker processes, like ``sweep``), their
-memory confirmed by XLA and their step time predicted from the compiled HLO
-(:mod:`shardmem.planning.cost`); the fitting ones are ranked by predicted step time.
+compile made. The config as written is compiled first (its rules, per-layer remat and stages as they
+are): the baseline the choice is compared with, shown whether or not it fits. The most promising layouts
+are then compiled (in parallel worker processes, like ``sweep``), their memory confirmed by XLA and their
+step time predicted from the compiled HLO (:mod:`shardmem.planning.cost`); the fitting ones are ranked
+by the objective.
 
 The estimates only order and prune: every layout shown with a step time was compiled.
 """
@@ -52,7 +54,8 @@ _SCHEDULES = {False: ("gpipe", "1f1b"), True: ("circular", "interleaved")}
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One candidate: mesh sizes by axis, micro-batches, a uniform remat policy, ZeRO-1, the pipeline
-    schedule (with a stage axis) and sequence parallelism (with a tensor axis)."""
+    schedule (with a stage axis) and sequence parallelism (with a tensor axis); or, with ``own``, the
+    config as written (its rules, per-layer remat and stages too), described by ``remat``."""
 
     sizes: tuple[tuple[str, int], ...]
     micro_batches: int
@@ -61,12 +64,16 @@ class Layout:
     global_batch: int | None = None  # None: the config's.
     schedule: str | None = None  # pipeline.schedule with a stage axis (None: no pipeline).
     sequence: bool = False  # Sequence parallelism: rules.residual_seq over the tensor axis too.
+    own: bool = False
+    remat: str = ""  # The own layout's remat plan, as RematPlan.describe() gives it.
 
     @property
     def axes(self) -> dict[str, int]:
-        return dict(self.sizes)
+        return {a: 1 for a in AXES} | dict(self.sizes)
 
     def overrides(self, config: Config) -> tuple[str, ...]:
+        if self.own:  # The config as written: nothing replaced but a grown batch.
+            return () if self.global_batch is None else (f"train.global_batch={self.global_batch}",)
         axes = ", ".join(f"{a}: {n}" for a, n in self.sizes)
         rules = "rules={residual_seq: [context, tensor]}" if self.sequence else "rules={}"
         out = (f"mesh.axes={{{axes}}}", rules, "param_rules={}",
@@ -85,7 +92,8 @@ class Layout:
         extra += ", sequence parallel" if self.sequence else ""
         batch = f", batch {self.global_batch}" if self.global_batch else ""
         micro = f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}"
-        return f"{mesh}; {micro}; {self.policy}{extra}{batch}"
+        own = "as configured: " if self.own else ""
+        return f"{own}{mesh}; {micro}; {self.remat or self.policy}{extra}{batch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +278,10 @@ class Estimator:
         seconds = (work + max(0.0, comm - 0.5 * work)) * self.time_scale
         return Estimate(static, activations, seconds)
 
+    def knows(self, layout: Layout) -> bool:
+        """Whether the layout's remat policy was traced for the estimates (the config's own may not be)."""
+        return layout.policy in self.flops
+
     def _passes(self, layout: Layout) -> float:
         """Layer passes a device runs per step: its layers times micro-batches (a pipeline's ticks)."""
         s = layout.axes["stage"]
@@ -277,19 +289,23 @@ class Estimator:
         return self.config.model.n_layers / s * (m + s - 1 if s > 1 else m)
 
     def refit(self, layout: Layout, peak: int, seconds: float | None, breakdown: dict | None) -> None:
-        """Scales the estimates to a compiled plan's peak and predicted time (least squares through 0)."""
-        saved, self.activation_scale, self.time_scale = (self.activation_scale, self.time_scale), {}, 1.0
-        raw = self(layout)  # Unscaled activations: the scales stand for themselves.
-        self.activation_scale, self.time_scale = saved
-        key = (layout.policy, layout.axes["stage"] > 1, layout.sequence)
-        points = self._activations.setdefault(key, [])
-        points.append((raw.activations, max(peak - raw.static, 0.0)))
-        self.activation_scale[key] = sum(x * y for x, y in points) / max(sum(x * x for x, _ in points), 1.0)
-        if seconds:
-            if breakdown and breakdown.get("compute"):
+        """Scales the estimates to a compiled plan's peak and predicted time (least squares through 0).
+        A layout with a per-layer remat plan (the config's own) refits the time only: its peak is no
+        uniform policy's."""
+        if seconds and breakdown:  # First, so that the unscaled time below has the launch gaps in it.
+            if breakdown.get("compute"):
                 self.memory_share = breakdown["memory_bound"] / breakdown["compute"]
-            if breakdown:
-                self.launch_per_layer_pass = breakdown["launch"] / self._passes(layout)
+            self.launch_per_layer_pass = breakdown["launch"] / self._passes(layout)
+        saved, self.activation_scale, self.time_scale = (self.activation_scale, self.time_scale), {}, 1.0
+        raw = self(layout)  # Unscaled: the scales stand for themselves.
+        self.activation_scale, self.time_scale = saved
+        if not layout.remat:
+            key = (layout.policy, layout.axes["stage"] > 1, layout.sequence)
+            points = self._activations.setdefault(key, [])
+            points.append((raw.activations, max(peak - raw.static, 0.0)))
+            fitted = sum(x * y for x, y in points) / max(sum(x * x for x, _ in points), 1.0)
+            self.activation_scale[key] = fitted
+        if seconds:
             self._times.append((raw.seconds, seconds))
             self.time_scale = sum(x * y for x, y in self._times) / sum(x * x for x, _ in self._times)
 
@@ -331,8 +347,9 @@ def search_layouts(
     progress: Callable[[str], None],
     note: Callable[..., None],
 ) -> tuple[list[Ranked], int, list[str]]:
-    """Compiles the most promising layouts and returns them ranked by the objective (fitting first),
-    the number of compiles and notes on what was pruned."""
+    """Compiles the config as written and the most promising layouts, and returns the fitting ones ranked
+    by the objective (the config's own after them when it does not fit), the number of compiles and
+    notes on what was pruned."""
     import contextlib
 
     from shardmem.explore.sweep import plan_candidates, planning_pool
@@ -379,22 +396,37 @@ def search_layouts(
     )
     layouts = enumerate_layouts(config, n, per_host, policies)
     own = _own_layout(config, n)
+    twin = _twin(config, own)  # Compiled as the config as written: not again.
     notes = [f"{len(layouts)} layouts enumerated over {', '.join(AXES)} x micro-batches x remat x ZeRO-1"]
 
     compiled: dict[Layout, Ranked] = {}
+    refused: set[Layout] = set()  # Compiles libtpu refused as over the chip's HBM: no figures but the need.
     compiles = 0
 
     def run(batch: list[Layout]) -> None:
         nonlocal compiles
         combos = [layout.overrides(config) for layout in batch]
         for layout in batch:
+            if not estimator.knows(layout):
+                progress(f"compiling {layout.describe()}")
+                continue
             guess = estimator(layout)
             progress(f"compiling {layout.describe()} (estimated {format_bytes(guess.peak_bytes)}, "
                      f"{format_seconds(guess.seconds)})")  # fmt: skip
         rows = plan_candidates(config, combos, target, jobs=1, pool=pool)
         for layout, overrides, row in zip(batch, combos, rows, strict=True):
+            if row.error and row.fits is False and row.peak_bytes:  # libtpu refused it as over the HBM.
+                compiles += 1
+                refused.add(layout)
+                compiled[layout] = Ranked(layout, overrides, row.peak_bytes, budget - row.peak_bytes, False,
+                                          None)  # fmt: skip
+                note(layout.describe(), overrides, row.peak_bytes, 0, None, False, "compiled",
+                     f"does not fit (libtpu refused it: {format_bytes(row.peak_bytes)} needed)")  # fmt: skip
+                continue
             if row.error:
                 note(layout.describe(), overrides, None, None, None, False, "skipped", row.error[:200])
+                if layout.own:
+                    notes.append(f"the config as written did not compile: {row.error[:200]}")
                 compiled[layout] = Ranked(layout, overrides, 0, 0, False, None)
                 continue
             compiles += 1
@@ -402,8 +434,9 @@ def search_layouts(
                             row.step_time,
                             row.host_bytes or 0)  # fmt: skip
             compiled[layout] = ranked
-            estimator.refit(layout, row.peak_bytes, ranked.seconds if row.step_time else None,
-                            row.step_time["breakdown"] if row.step_time else None)  # fmt: skip
+            if estimator.knows(layout):
+                estimator.refit(layout, row.peak_bytes, ranked.seconds if row.step_time else None,
+                                row.step_time["breakdown"] if row.step_time else None)  # fmt: skip
             verdict = "fits" if row.fits else "does not fit"
             seconds = f", {format_seconds(ranked.seconds)} per step" if row.step_time else ""
             note(layout.describe(), overrides, row.peak_bytes, row.host_bytes, row.recompute_overhead,
@@ -413,10 +446,12 @@ def search_layouts(
     workers = max(1, jobs if jobs is not None else (os.cpu_count() or 1))
     with contextlib.ExitStack() as stack:  # One pool of workers for every compile of the search.
         pool = stack.enter_context(planning_pool(config, target, workers, n)) if workers > 1 else None
-        if own is not None and own in layouts:
-            run([own])  # The config's own layout first: the baseline the search must beat.
-        while compiles < max_compiles:
-            estimates = {layout: estimator(layout) for layout in layouts if layout not in compiled}
+        run([own])  # The config as written first: the baseline the search must beat, always shown.
+        # Throughput keeps a third of the compiles for growing the best layouts' batches.
+        layout_compiles = max_compiles - (max(1, max_compiles // 3) if objective == "throughput" else 0)
+        while compiles < layout_compiles:
+            estimates = {layout: estimator(layout) for layout in layouts
+                         if layout not in compiled and layout != twin}  # fmt: skip
             fitting = [lay for lay, est in estimates.items() if est.peak_bytes <= budget * _ESTIMATE_REJECT]
             best_mesh: dict[tuple, Layout] = {}
 
@@ -434,15 +469,17 @@ def search_layouts(
             if compiles >= min(8, max_compiles // 2) and estimates[order[0]].seconds > 1.3 * best:
                 notes.append("stopped: no remaining layout is estimated within 1.3x of the best compiled")
                 break
-            run(order[: min(workers, max_compiles - compiles)])
+            run(order[: min(workers, layout_compiles - compiles)])
         fits = sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
         if objective == "throughput" and fits:
             fits = _grow_batches(fits[:3], config, budget, estimator, max_compiles, lambda: compiles, run,
                                  compiled) + fits  # fmt: skip
             fits = sorted({r.overrides: r for r in fits}.values(), key=lambda r: -r.throughput_per_device(n))
-    over = sum(1 for r in compiled.values() if not r.fits and r.step_time is not None)
-    notes.append(f"{over} compiled layouts did not fit; {len(layouts) - len(compiled)} left to the "
-                 "estimates")  # fmt: skip
+    if not compiled[own].fits and compiled[own].peak_bytes:
+        fits.append(compiled[own])  # Shown, after the layouts that fit.
+    over = sum(1 for lay, r in compiled.items() if not r.fits and (r.step_time is not None or lay in refused))
+    left = sum(lay not in compiled and lay != twin for lay in layouts)
+    notes.append(f"{over} compiled layouts did not fit; {left} left to the estimates")
     return fits, compiles, notes
 
 
@@ -452,6 +489,8 @@ def _grow_batches(top, config, budget, estimator, max_compiles, count, run, comp
     grown = []
     for ranked in top:
         layout = ranked.layout
+        if not estimator.knows(layout):
+            continue
         batch = config.train.global_batch
         while count() < max_compiles:
             bigger = dataclasses.replace(layout, global_batch=batch * 2)
@@ -467,39 +506,60 @@ def _grow_batches(top, config, budget, estimator, max_compiles, count, run, comp
     return grown
 
 
-def _own_layout(config: Config, n: int) -> Layout | None:
-    """The config's own mesh as a layout of the searched axes, when it is one."""
-    axes = {a: size for a, size in config.mesh.axes.items()}
-    if set(axes) - set(AXES):
-        return None
+def _own_layout(config: Config, n: int) -> Layout:
+    """The config as written, as a layout: its mesh (``-1`` resolved for ``n`` devices), micro-batches and
+    remat plan. It is always compiled: the baseline the search must beat."""
+    axes = dict(config.mesh.axes)
     fixed = math.prod(v for v in axes.values() if v > 0)
-    axes = {a: (n // fixed if v == -1 else v) for a, v in axes.items()}
-    sizes = tuple((a, axes.get(a, 1)) for a in AXES)
-    if math.prod(v for _, v in sizes) != n or config.remat.layers:
-        return None
+    axes = {a: (max(n // fixed, 1) if v == -1 else v) for a, v in axes.items()}
+    sizes = tuple((a, axes.get(a, 1)) for a in AXES) if set(axes) <= set(AXES) else tuple(axes.items())
+    remat = config.remat_plan().describe() if config.remat.layers else ""
     stages, tensor = axes.get("stage", 1), axes.get("tensor", 1)
     schedule = (config.pipeline.schedule or ("gpipe" if config.pipeline.repeats == 1 else "circular")
                 if stages > 1 else None)  # fmt: skip
     sequence = tensor > 1 and "tensor" in _as_list((config.rules or {}).get("residual_seq"))
     return Layout(sizes, config.train.micro_batches, config.remat.policy, config.optimizer.shard_over_data,
-                  None, schedule, sequence)  # fmt: skip
+                  schedule=schedule, sequence=sequence, own=True, remat=remat)  # fmt: skip
+
+
+def _twin(config: Config, own: Layout) -> Layout | None:
+    """The enumerated layout the config as written stands for (its rules aside), when it has one: the same
+    mesh, micro-batches, uniform policy and ZeRO-1, without pipeline.stages."""
+    if own.remat or config.pipeline.stages or {a for a, _ in own.sizes} != set(AXES):
+        return None
+    return dataclasses.replace(own, own=False)
 
 
 def _as_list(axes) -> list:
     return [axes] if isinstance(axes, str) else list(axes or ())
 
 
-def why_winner(first: Ranked, second: Ranked | None) -> str:
-    """One line on why the winner beats the runner-up: the term of the step time that differs most."""
+def why_winner(first: Ranked, second: Ranked | None, objective: str = "step_time", devices: int = 1) -> str:
+    """One line on why the winner beats the runner-up, in what ``objective`` ranks (seconds per step, or
+    tokens per second per device), and the term of the step time that differs most (per token when the
+    objective is throughput: the two may run different batches)."""
     if second is None or not first.step_time or not second.step_time:
         return "the only compiled layout that fits"
-    a, b = first.step_time["breakdown"], second.step_time["breakdown"]
-    terms = {k: b[k] - a[k] for k in a}
-    bubble = second.step_time["bubble_seconds"] - first.step_time["bubble_seconds"]
-    if abs(bubble) > max(abs(v) for v in terms.values()):
-        terms = {"pipeline bubble": bubble}
-    term, gain = max(terms.items(), key=lambda kv: kv[1])
+    rows = (first, second)
+    throughput = objective == "throughput" and all(r.step_time.get("tokens_per_second") for r in rows)
+
+    def terms(r: Ranked) -> tuple[dict[str, float], float]:  # Seconds per step (per token) by term.
+        tokens = r.step_time["tokens_per_second"] * r.seconds if throughput else 1.0
+        by_term = {k: v / tokens for k, v in r.step_time["breakdown"].items()}
+        return by_term, r.step_time["bubble_seconds"] / tokens
+
+    (a, a_bubble), (b, b_bubble) = terms(first), terms(second)
+    gains = {k: b[k] - a[k] for k in a}
+    if abs(b_bubble - a_bubble) > max(abs(v) for v in gains.values()):
+        gains = {"pipeline bubble": b_bubble - a_bubble}
+    term, gain = max(gains.items(), key=lambda kv: kv[1])
+    term = term.replace("_", " ")
+    if throughput:
+        rate, runner_up = first.throughput_per_device(devices), second.throughput_per_device(devices)
+        return (f"it beats the runner-up ({second.layout.describe()}) by {rate - runner_up:,.1f} tokens/s "
+                f"per device ({rate / runner_up - 1:+.1%}), most of it in {term} "
+                f"({format_seconds(1000 * gain)} less per 1,000 tokens)")  # fmt: skip
     faster = second.seconds - first.seconds
     return (f"it beats the runner-up ({second.layout.describe()}) by {format_seconds(faster)} per step "
-            f"({faster / second.seconds:.0%}), most of it in {term.replace('_', ' ')} "
+            f"({faster / second.seconds:.0%}), most of it in {term} "
             f"({format_seconds(gain)} less)")  # fmt: skip

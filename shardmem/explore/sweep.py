@@ -232,13 +232,19 @@ def time_steps(program: Program, step_fn: Callable, steps: int) -> tuple[float, 
     return statistics.median(times), (max(peaks) if peaks else None)
 
 
-def _worker_init(cpu_devices: int, cpu_only: bool, local_memory: Config | None) -> None:
+def _worker_init(cpu_devices: int, cpu_only: bool, local_memory: Config | None,
+                 host_rates: tuple[float, float] | None = None) -> None:  # fmt: skip
     """Prepares a worker before JAX starts: ``cpu_only`` (any target but ``local``) keeps it off an
     attached GPU, whose client would otherwise start in every worker; ``local_memory`` is the config
     whose allocator limit a worker planning or measuring on the attached devices gets, as ``shardmem
-    train`` would."""
+    train`` would; ``host_rates`` are the parent's measured CPU rates, which every worker's CPU plans
+    use (each measuring its own made the candidates' step times incomparable)."""
     # Planning allocates nothing; several workers (and the measuring one) may share one GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if host_rates is not None:
+        from shardmem.planning.cost import HOST_RATES_ENV
+
+        os.environ[HOST_RATES_ENV] = ",".join(repr(rate) for rate in host_rates)
     import shardmem  # noqa: F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
     from shardmem.planning.targets import configure_local_memory, ensure_cpu_devices
 
@@ -329,11 +335,12 @@ def plan_candidates(
     cpu_devices = _cpu_devices(config, combos)
     local = (target or config.memory.target) == "local"
     context = multiprocessing.get_context("spawn")
+    rates = _shared_host_rates(config, target) if pool is None and (measure or jobs != 1) else None
     if measure:
         # One fresh process per candidate, one at a time: timings are not shared with other work, and
         # the device's peak-bytes counter (which cannot be reset) is the candidate's own.
         for i, overrides in enumerate(combos):
-            settings = (cpu_devices, not local, _replaced(config, overrides) if local else None)
+            settings = (cpu_devices, not local, _replaced(config, overrides) if local else None, rates)
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_worker_init,
                                                         initargs=settings) as pool:  # fmt: skip
                 future = pool.submit(plan_candidate, config, overrides, target, measure_steps)
@@ -341,13 +348,13 @@ def plan_candidates(
         return rows  # type: ignore[return-value]
     # The budget is the lower of the allocator's limit and each candidate's usable_fraction: the
     # largest fraction of the grid leaves every candidate its own.
-    settings = (cpu_devices, not local, _widest_memory(config, combos) if local else None)
+    settings = (cpu_devices, not local, _widest_memory(config, combos) if local else None, rates)
     if pool is not None:
         futures = {pool.submit(plan_candidate, config, o, target): i for i, o in enumerate(combos)}
         for future in concurrent.futures.as_completed(futures):
             finished(futures[future], _result(future, combos[futures[future]]))
     elif jobs == 1:
-        _worker_init(*settings)
+        _worker_init(*settings[:3])  # This process: its own rates.
         for i, overrides in enumerate(combos):
             finished(i, plan_candidate(config, overrides, target))
     else:
@@ -365,8 +372,18 @@ def planning_pool(config: Config, target: str | None, jobs: int, cpu_devices: in
     local = (target or config.memory.target) == "local"
     return concurrent.futures.ProcessPoolExecutor(
         jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-        initargs=(cpu_devices, not local, config if local else None),
+        initargs=(cpu_devices, not local, config if local else None, _shared_host_rates(config, target)),
     )  # fmt: skip
+
+
+def _shared_host_rates(config: Config, target: str | None) -> tuple[float, float] | None:
+    """For a ``cpu`` target, this process's host rates, which its workers plan with (each measuring its
+    own, under a load that changes, costed the candidates of one search unalike)."""
+    if (target or config.memory.target) != "cpu":
+        return None
+    from shardmem.planning.cost import host_rates
+
+    return host_rates()
 
 
 def _result(future: concurrent.futures.Future, overrides: tuple[str, ...]) -> SweepRow:

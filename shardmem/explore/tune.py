@@ -520,12 +520,15 @@ def _tune_layout(
     planner.compiles = compiles
     searched = compiles
     budget = plan_budget(config, target)
-    if not ranked:
-        return _no_fit(planner, target, budget, "layout", [
+    shown = [dataclasses.asdict(r) | {"describe": r.layout.describe()} for r in ranked]
+    fitting = [r for r in ranked if r.fits]
+    if not fitting:
+        result = _no_fit(planner, target, budget, "layout", [
             "no compiled layout fits the budget", *notes,
             "shard over more devices, or tune with a smaller train.global_batch",
         ])  # fmt: skip
-    best = ranked[0]
+        return dataclasses.replace(result, ranked=shown)
+    best = fitting[0]
     tuned = config.replace(*best.overrides)
     report = plan(tuned, planner.target, top=5)  # The winner's full report (one more compile).
     compiles += 1
@@ -565,9 +568,11 @@ def _tune_layout(
         + (f", {st['tokens_per_second']:,.0f} tokens/s" if st.get("tokens_per_second") else "")
         + (f", MFU {st['mfu']:.1%}" if st.get("mfu") is not None else "")
         + f"; peak {format_bytes(report.per_device['peak'])}, {_margin(report.margin_bytes)}",
-        why_winner(best, ranked[1] if len(ranked) > 1 else None),
+        why_winner(best, fitting[1] if len(fitting) > 1 else None, objective, len(target.devices)),
+        _against_own(best, ranked, objective, len(target.devices)),
         *([refined] if refined else []),
         *notes[:-1],
+        *_host_rates_note(target),
         f"{compiles} compiles in all: {searched} of layouts, 1 of the winner's full report"
         + (f", {mixed.compiles} of its per-layer remat search" if mixed is not None else "")
         + f" ({notes[-1]})",
@@ -577,8 +582,37 @@ def _tune_layout(
         chosen = mixed.chosen
         planner.trials.extend(mixed.trials)
     return TuneResult("layout", tuned, report, chosen, planner.trials, compiles, budget, target.label,
-                      explanation, ranked=[dataclasses.asdict(r) | {"describe": r.layout.describe()}
-                                           for r in ranked])  # fmt: skip
+                      explanation, ranked=shown)  # fmt: skip
+
+
+def _host_rates_note(target) -> list[str]:
+    """On a CPU target, the rates every candidate was costed with, and what they do to near-ties."""
+    if target.platform != "cpu":
+        return []
+    from shardmem.planning.cost import HOST_RATES_ENV, host_rates
+
+    flops, bandwidth = host_rates()
+    return [f"CPU step times use this machine's rates, {flops / 1e9:,.1f} GFLOP/s and {bandwidth / 1e9:,.1f} "
+            f"GB/s, measured once for the whole search; they move with the machine's load, which can "
+            f"reorder near-ties in another run; {HOST_RATES_ENV}=FLOPS,BYTES pins them"]  # fmt: skip
+
+
+def _against_own(best, ranked: list, objective: str, devices: int) -> str:
+    """One line on the winner against the config as written (compiled first, whether or not it fits)."""
+    own = next((r for r in ranked if r.layout.own and r.layout.global_batch is None), None)  # Not grown.
+    if own is None:
+        return "the config as written did not compile (see the notes)"
+    if own is best:
+        return "the config as written is the best compiled layout: keep it"
+    if not own.fits:
+        return (f"the config as written does not fit: peak {format_bytes(own.peak_bytes)}, "
+                f"{_margin(own.margin_bytes)}")  # fmt: skip
+    if objective == "throughput":
+        rate = own.throughput_per_device(devices)
+        return (f"the config as written: {rate:,.1f} tokens/s per device; the choice "
+                f"{best.throughput_per_device(devices) / rate - 1:+.1%}")  # fmt: skip
+    return (f"the config as written: {format_seconds(own.seconds)} per step; the choice "
+            f"{best.seconds / own.seconds - 1:+.1%}")  # fmt: skip
 
 
 def plan_budget(config: Config, target) -> int:
@@ -749,15 +783,19 @@ def _render_layout(result: TuneResult, top: int = 10):
         "bubble",
     ):
         table.add_column(column, justify="left" if column == "layout" else "right", overflow="fold")
-    for i, row in enumerate(result.ranked[:top], 1):
-        st = row["step_time"]
-        table.add_row(str(i), row["describe"], format_bytes(row["peak_bytes"]),
-                      format_bytes(row["margin_bytes"]),
-                      format_seconds(st["seconds"]),
+    as_written = lambda r: r["layout"]["own"] and r["layout"]["global_batch"] is None  # noqa: E731
+    rows = result.ranked[:top] + [r for r in result.ranked[top:] if as_written(r)]  # Always shown.
+    for i, row in enumerate(rows, 1):
+        st = row["step_time"] or {}
+        margin = row["margin_bytes"]
+        over = Text(f"{format_bytes(-margin)} over", style="red")
+        table.add_row("-" if not row["fits"] else str(i), row["describe"], format_bytes(row["peak_bytes"]),
+                      format_bytes(margin) if margin >= 0 else over,
+                      format_seconds(st["seconds"]) if st else "-",
                       f"{st['tokens_per_second']:,.0f}" if st.get("tokens_per_second") else "-",
                       "-" if st.get("mfu") is None else f"{st['mfu']:.1%}",
-                      format_seconds(st["breakdown"]["exposed_communication"]),
-                      format_seconds(st["bubble_seconds"]) if st["bubble_seconds"] else "-")  # fmt: skip
+                      format_seconds(st["breakdown"]["exposed_communication"]) if st else "-",
+                      format_seconds(st["bubble_seconds"]) if st.get("bubble_seconds") else "-")  # fmt: skip
     over = [t for t in result.trials if t.how == "compiled" and not t.fits]
     style = "bold green" if result.found else "bold red"
     lines = [Text(result.explanation[0]), table]

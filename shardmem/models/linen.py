@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 from flax.nnx import bridge
 from flax.nnx.bridge import variables as bridge_variables
@@ -101,6 +102,11 @@ def remat_calls(plan: ModulePlan, matched: set[str] | None = None) -> Iterator[N
     through ``nn.intercept_methods``: the model's code is not edited. The patterns that named a module
     are added to ``matched``."""
 
+    _fresh_traces(plan)
+    if not plan:  # Nothing to intercept; the caches are fresh for a plan without remat.
+        yield
+        return
+
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         if context.method_name != "__call__" or getattr(_INSIDE, "active", False) or module.scope is None:
@@ -121,6 +127,20 @@ def remat_calls(plan: ModulePlan, matched: set[str] | None = None) -> Iterator[N
 
     with nn.intercept_methods(interceptor):
         yield
+
+
+_TRACED_UNDER: list[str] = []  # The plan (describe()) of the last trace through remat_calls, in this process.
+
+
+def _fresh_traces(plan: ModulePlan) -> None:
+    """Clears JAX's trace caches when ``plan`` differs from the last traced plan. ``nn.jit`` (gemma wraps
+    its call in it), like any ``jax.jit`` inside a model, reuses its first trace for the same shapes in
+    a process, and the interceptor is no part of that trace's key: a later trace under another plan
+    would get the earlier plan's remat (or none), and say nothing."""
+    key = plan.describe()
+    if not _TRACED_UNDER or _TRACED_UNDER[-1] != key:  # The first: traces made before shardmem's.
+        jax.clear_caches()
+    _TRACED_UNDER[:] = [key]
 
 
 def _outermost(run):

@@ -119,10 +119,10 @@ class Hardware:
 
     @classmethod
     def host(cls, n_devices: int) -> Hardware:
-        """This machine as ``n_devices`` simulated CPU devices: its matmul rate and copy bandwidth, measured
-        once per process (about half a second), shared by the devices, which run on the same cores. The
-        estimate ranks CPU layouts; it is no GPU prediction."""
-        flops, bandwidth = _host_rates()
+        """This machine as ``n_devices`` simulated CPU devices: its matmul rate and copy bandwidth
+        (:func:`host_rates`), shared by the devices, which run on the same cores. The estimate ranks CPU
+        layouts; it is no GPU prediction."""
+        flops, bandwidth = host_rates()
         per_device = {"bf16": flops / n_devices, "f32": flops / n_devices}
         rate = bandwidth / n_devices
         return cls(f"cpu (this machine's rates / {n_devices} devices)", per_device, rate, rate, rate, rate)
@@ -169,10 +169,37 @@ def _gbs(rate: float) -> str:
     return f"{rate / 1e9:.3g} GB/s"
 
 
+#: Pins the host rates, ``FLOPS,BYTES`` per second (e.g. ``6e10,8e9``), instead of measuring them: CPU
+#: plans that must agree from run to run. A search's parent process sets it for its workers.
+HOST_RATES_ENV = "SHARDMEM_HOST_RATES"
+
+
+def host_rates() -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) of one CPU device running this machine's cores, divided by the
+    efficiencies so that the model's kernels reach them: from ``$SHARDMEM_HOST_RATES`` when set, else
+    measured once per process (:func:`measure_host_rates`). A malformed value is a ConfigError."""
+    import os
+
+    pinned = os.environ.get(HOST_RATES_ENV)
+    if not pinned:
+        return measure_host_rates()
+    try:
+        flops, bandwidth = (float(part) for part in pinned.split(","))
+    except ValueError:
+        flops = bandwidth = 0.0
+    if not (math.isfinite(flops) and math.isfinite(bandwidth) and flops > 0 and bandwidth > 0):
+        from shardmem.errors import ConfigError
+
+        raise ConfigError(f"{HOST_RATES_ENV}={pinned!r}: write two positive rates, FLOPS,BYTES per second "
+                          f"(e.g. 6e10,8e9), or unset it to measure them")  # fmt: skip
+    return flops, bandwidth
+
+
 @functools.cache
-def _host_rates() -> tuple[float, float]:
-    """(matmul FLOP/s, copy bytes/s) of one CPU device running this machine's cores, best of a few runs,
-    divided by the efficiencies so that the model's kernels reach the measured rates."""
+def measure_host_rates() -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) measured on this machine, the best of 5 runs of each kernel. Other
+    jobs on the cores move them (bench/host_rates.py: 1.5-2x between fresh processes at a load of 18-20;
+    the best of 0.25 s of runs was no steadier), so a search shares one measurement with its workers."""
     import jax
     import jax.numpy as jnp
 

@@ -119,6 +119,18 @@ def _shards(mesh, in_specs) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+#: ``jax.checkpoint``'s primitive, by its names across JAX versions.
+_REMAT_PRIMITIVES = {"checkpoint", "remat", "remat2"}
+
+
+def remat_count(jaxpr) -> int:
+    """Returns how many ``jax.checkpoint`` (remat) calls a (closed) jaxpr makes, scan bodies counted once:
+    0 means the traced step recomputes nothing, whatever a plan asked for."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return sum((eqn.primitive.name in _REMAT_PRIMITIVES) + sum(remat_count(sub)
+               for sub in _sub_jaxprs(eqn.params)) for eqn in jaxpr.eqns)  # fmt: skip
+
+
 def checkpoint_tags(jaxpr) -> set[str]:
     """Returns the names given with ``checkpoint_name`` anywhere in a (closed) jaxpr."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)

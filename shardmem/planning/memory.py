@@ -258,12 +258,24 @@ def plan_program(
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
                                  sharding=rows, attention=attention, pipeline=pipeline,
                                  load_host_bytes=_load_host_bytes(program))  # fmt: skip
+    rematted = hlo.remat_count(traced.jaxpr) > 0
     if layer_plan is None and not modules:  # A model that remats itself: no plan of ours to compare with.
-        report = dataclasses.replace(report, remat="the model's own")
+        # A step without any jax.checkpoint is its own no-remat baseline: the model FLOPs MFU counts.
+        baseline = None if rematted else report.flops_per_step
+        report = dataclasses.replace(report, remat="the model's own", flops_no_remat=baseline)
     else:
         baseline = report.flops_per_step  # Without remat the step is its own baseline.
         policies = (layer_plan.policies if layer_plan else ()) + tuple(p for _, p in modules.rules)
-        if any(p.remats for p in policies):
+        label = "; ".join(
+            part for part in (layer_plan.describe() if layer_plan else "", modules.describe()) if part
+        )
+        if any(p.remats for p in policies) and not rematted:  # Never report a remat that did not happen.
+            report = dataclasses.replace(report, warnings=[*report.warnings, (
+                f"remat {label}: the traced step has no jax.checkpoint, so nothing is recomputed and this is "
+                "the plan without remat; a jax.jit inside the model (nn.jit) may have reused a trace made "
+                "without it: plan in a fresh process")])  # fmt: skip
+            label += " (not applied)"
+        elif any(p.remats for p in policies):
             baseline = None
             if count_remat_overhead:  # Tracing the step without remat costs no compile.
                 plain = config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}")
@@ -271,9 +283,6 @@ def plan_program(
                 baseline = hlo.matmul_flops(
                     plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
                 )
-        label = "; ".join(
-            part for part in (layer_plan.describe() if layer_plan else "", modules.describe()) if part
-        )
         report = dataclasses.replace(report, flops_no_remat=baseline, remat=label)
     tokens = None
     if program.token_batch:  # [batch, length + 1]: each row predicts its last `length` tokens.
@@ -307,8 +316,11 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
     note = cost.ASSUMPTIONS
     if target.platform == "cpu":
+        flops, bandwidth = cost.host_rates()
         note = ("approximate: simulated CPU devices share this machine's cores, so the estimate ranks CPU "
-                "layouts (check with shardmem sweep --measure) and is no GPU prediction; "
+                "layouts (check with shardmem sweep --measure) and is no GPU prediction; the machine's "
+                f"rates, {flops / 1e9:,.1f} GFLOP/s and {bandwidth / 1e9:,.1f} GB/s, are measured once per "
+                f"process and vary with its load ({cost.HOST_RATES_ENV}=FLOPS,BYTES pins them); "
                 + note)  # fmt: skip
     elif target.platform == "tpu":
         note += ("; TPU: not calibrated (the efficiencies were measured on an H200); \"nvlink\" is ICI, "
