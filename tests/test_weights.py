@@ -3,6 +3,7 @@ checkpoint written here with numpy, loaded into the reference model, compared wi
 forward pass of Hugging Face's Llama on the same tokens."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -341,4 +342,5 @@ def test_an_orbax_checkpoint_of_a_run_loads_its_parameters_into_a_lora_program(t
     wrong = build_program(lora.replace("model.d_ff=128"), pretrained.mesh)
     with pytest.raises(ConfigError, match="do not restore into the model's") as error:
         wrong.init()
-    assert "\n" not in str(error.value) and "(2, 96, 64)" in str(error.value)
+    # Orbax names the first mismatched tensor it meets: w_down (2, 96, 64) or w_gate / w_up (2, 64, 96).
+    assert "\n" not in str(error.value) and re.search(r"\(2, (96, 64|64, 96)\)", str(error.value))
