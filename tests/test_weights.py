@@ -171,7 +171,7 @@ def test_mismatched_checkpoints_are_one_line_errors_naming_the_tensor(checkpoint
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     with pytest.raises(ConfigError) as error:
         program.init()
-    assert message in str(error.value) and "\n" not in str(error.value)
+    assert f"{message} [128, 64]" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_folder_without_safetensors_is_a_config_error(tmp_path):
@@ -387,6 +387,20 @@ def _transformers_checkpoints(folder, model_class, config, seed):
     return loaded
 
 
+def _transformers_models(transformers) -> dict:
+    """{name: (transformers' Flax class, its config, shardmem's model section)} for Llama and Gemma."""
+    # Weights of 0.2 (not 0.02) for logits of order 1; RoPE's base is 10,000 (transformers' Flax ignores
+    # rope_theta), as MODEL's.
+    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+                  num_attention_heads=H, num_key_value_heads=G, rms_norm_eps=1e-6,
+                  max_position_embeddings=64, initializer_range=0.2)  # fmt: skip
+    llama = transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    gemma = transformers.GemmaConfig(**common, head_dim=GEMMA["head_dim"],
+                                     hidden_activation="gelu_pytorch_tanh")  # fmt: skip
+    return {"llama": (transformers.FlaxLlamaForCausalLM, llama, MODEL),
+            "gemma": (transformers.FlaxGemmaForCausalLM, gemma, GEMMA)}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def transformers_models(tmp_path_factory):
     """{name: (model section, checkpoints folder, transformers' logits)} for a random Llama and Gemma,
@@ -397,20 +411,9 @@ def transformers_models(tmp_path_factory):
     transformers = pytest.importorskip("transformers", "4", reason=TRANSFORMERS_REASON)
     if not hasattr(transformers, "FlaxLlamaForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no Flax models; {TRANSFORMERS_REASON}")
-    # Weights of 0.2 (not 0.02) for logits of order 1; RoPE's base is 10,000 (transformers' Flax ignores
-    # rope_theta), as MODEL's.
-    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
-                  num_attention_heads=H, num_key_value_heads=G, rms_norm_eps=1e-6,
-                  max_position_embeddings=64, initializer_range=0.2)  # fmt: skip
-    llama = transformers.LlamaConfig(**common, tie_word_embeddings=False)
-    gemma = transformers.GemmaConfig(**common, head_dim=GEMMA["head_dim"],
-                                     hidden_activation="gelu_pytorch_tanh")  # fmt: skip
     tokens = np.random.default_rng(7).integers(0, V, (8, 16), dtype=np.int32)
     models = {}
-    for name, model_class, config, section in (
-        ("llama", transformers.FlaxLlamaForCausalLM, llama, MODEL),
-        ("gemma", transformers.FlaxGemmaForCausalLM, gemma, GEMMA),
-    ):
+    for name, (model_class, config, section) in _transformers_models(transformers).items():
         folder = tmp_path_factory.mktemp(f"transformers-{name}")
         loaded = _transformers_checkpoints(folder, model_class, config, seed=len(models))
         models[name] = section, folder, np.asarray(loaded(tokens).logits)
@@ -429,6 +432,18 @@ def test_a_checkpoint_of_transformers_loads_with_its_logits(transformers_models,
     program = build_program(config, build_mesh(config.mesh.axes, devices))
     got = _logits(program, program.init()["params"], tokens)
     assert np.abs(expected).max() > 1  # Logits of order 1: near-zero ones would meet any tolerance.
-    # 1e-4 of a logit and of its size: fp32's rounding over two layers (Gemma's reach 13; shardmem's are
-    # 6e-5 from a float64 port of the same forward, transformers' 1e-4).
+    # 1e-4 absolute and of the logit: fp32's rounding over two layers, in Gemma's of up to 13 (transformers'
+    # own is 1e-4 from a float64 forward on JAX 0.10: BENCHMARKS.md).
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_misshapen_flax_layout_checkpoint_is_a_one_line_error_naming_its_kernel(transformers_models):
+    models, _ = transformers_models
+    _, folder, _ = models["llama"]
+    config = config_from_dict({"model": {**MODEL, "d_ff": 128}, "mesh": {"axes": {"fsdp": 8}},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder / "flax")}})  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        build_program(config, build_mesh(config.mesh.axes, jax.devices())).init()
+    message = "model.layers.0.mlp.down_proj.kernel has shape [96, 64], but the model's layers/w_down needs"
+    assert f"{message} [128, 64]" in str(error.value) and "\n" not in str(error.value)

@@ -11,6 +11,9 @@ The reference model reads the Llama layout that Llama, Mistral, Gemma (with the 
 checkpoints share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]``
 and transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own
 parameter paths with ``.`` for ``/`` (what :func:`export_safetensors` writes for it), in its own layout.
+For the reference model, files whose metadata says ``format: flax`` (transformers' Flax
+``save_pretrained``) are read in that layout: ``kernel`` matrices ``[in, out]`` and
+``model.embed_tokens.embedding``.
 
 Every array is made by :func:`jax.make_array_from_callback`: each device's callback reads only its own
 block of each layer's tensor through safetensors' lazy ``safe_open`` slices, so neither the model nor one
