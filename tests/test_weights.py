@@ -171,7 +171,7 @@ def test_mismatched_checkpoints_are_one_line_errors_naming_the_tensor(checkpoint
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     with pytest.raises(ConfigError) as error:
         program.init()
-    assert f"{message} [128, 64]" in str(error.value) and "\n" not in str(error.value)
+    assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_folder_without_safetensors_is_a_config_error(tmp_path):
