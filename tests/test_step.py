@@ -149,7 +149,9 @@ def test_float16_gradients_vanish_without_a_loss_scale_and_survive_with_one():
         params, batch = program.init()["params"], _batch(program)
         grads[compute] = jax.jit(jax.grad(lambda p, b, loss=program.loss: loss(p, {}, b)[0]))(params, batch)
     scaled = scaled_value_and_grad(program.loss)
-    grads["float16 scaled"] = jax.jit(lambda p, b: scaled(p, {}, b, scale=jnp.float32(2**15))[1])(params, batch)
+    grads["float16 scaled"] = jax.jit(lambda p, b: scaled(p, {}, b, scale=jnp.float32(2**15))[1])(
+        params, batch
+    )
 
     def flat(tree):
         return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(tree)])

@@ -344,3 +344,108 @@ def test_an_orbax_checkpoint_of_a_run_loads_its_parameters_into_a_lora_program(t
         wrong.init()
     # Orbax names the first mismatched tensor it meets: w_down (2, 96, 64) or w_gate / w_up (2, 64, 96).
     assert "\n" not in str(error.value) and re.search(r"\(2, (96, 64|64, 96)\)", str(error.value))
+
+
+# The bar against the real library: Hugging Face `transformers` 4.x (the last line with Flax models, so no
+# torch) random-initialises a tiny Llama and Gemma. Two checkpoints of each: the Flax-layout one its own
+# save_pretrained writes, and the PyTorch-layout one (what the Hub holds) written here from its parameters
+# and read back by its from_pretrained (the torch-free PyTorch-to-Flax path) to prove the layout its own.
+TRANSFORMERS_REASON = "needs transformers<5 (its Flax Llama and Gemma; pip install -e '.[dev]')"
+
+
+def _pt_layout(params) -> dict:
+    """A transformers Flax model's parameters under its PyTorch twin's names and layout: the inverse of
+    transformers' ``rename_key_and_reshape_tensor`` (``kernel`` [in, out] -> ``weight`` [out, in],
+    ``embedding`` -> ``weight``, norms' ``weight`` as they are)."""
+    from flax.traverse_util import flatten_dict
+
+    tensors = {}
+    for (*module, leaf), value in flatten_dict(params).items():
+        value = np.asarray(value, np.float32)
+        name = ".".join((*module, "weight" if leaf in ("kernel", "embedding") else leaf))
+        tensors[name] = np.ascontiguousarray(value.T if leaf == "kernel" else value)
+    return tensors
+
+
+def _transformers_checkpoints(folder, model_class, config, seed):
+    """Random-initialises ``model_class(config)`` in transformers (its norm scales random too, where it
+    starts them at 1 or 0), writes ``folder/pt`` and ``folder/flax``, and returns the model transformers
+    loads back from ``pt``: the one whose logits shardmem's must equal."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    model = model_class(config, seed=seed, dtype=jnp.float32)
+    rng = np.random.default_rng(seed)
+    flat = flatten_dict(model.params)
+    for path in [p for p in flat if "norm" in p[-2]]:
+        flat[path] = flat[path] + (rng.normal(size=flat[path].shape) * 0.1).astype(np.float32)
+    model.params = unflatten_dict(flat)
+    model.save_pretrained(folder / "flax", safe_serialization=True)  # Metadata format: flax.
+    (folder / "pt").mkdir()
+    save_file(_pt_layout(model.params), str(folder / "pt" / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(folder / "pt")
+    loaded = model_class.from_pretrained(folder / "pt", dtype=jnp.float32)
+    for path, value in flatten_dict(loaded.params).items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[path]), err_msg="/".join(path))
+    return loaded
+
+
+def _transformers_models(transformers) -> dict:
+    """{name: (transformers' Flax class, its config, shardmem's model section)} for Llama and Gemma."""
+    # Weights of 0.2 (not 0.02) for logits of order 1; RoPE's base is 10,000 (transformers' Flax ignores
+    # rope_theta), as MODEL's.
+    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+                  num_attention_heads=H, num_key_value_heads=G, rms_norm_eps=1e-6,
+                  max_position_embeddings=64, initializer_range=0.2)  # fmt: skip
+    llama = transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    gemma = transformers.GemmaConfig(**common, head_dim=GEMMA["head_dim"],
+                                     hidden_activation="gelu_pytorch_tanh")  # fmt: skip
+    return {"llama": (transformers.FlaxLlamaForCausalLM, llama, MODEL),
+            "gemma": (transformers.FlaxGemmaForCausalLM, gemma, GEMMA)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def transformers_models(tmp_path_factory):
+    """{name: (model section, checkpoints folder, transformers' logits)} for a random Llama and Gemma,
+    and the tokens."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Everything is local; never ask the Hub.
+    transformers = pytest.importorskip("transformers", "4", reason=TRANSFORMERS_REASON)
+    if not hasattr(transformers, "FlaxLlamaForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Flax models; {TRANSFORMERS_REASON}")
+    tokens = np.random.default_rng(7).integers(0, V, (8, 16), dtype=np.int32)
+    models = {}
+    for name, (model_class, config, section) in _transformers_models(transformers).items():
+        folder = tmp_path_factory.mktemp(f"transformers-{name}")
+        loaded = _transformers_checkpoints(folder, model_class, config, seed=len(models))
+        models[name] = section, folder, np.asarray(loaded(tokens).logits)
+    return models, tokens
+
+
+@pytest.mark.parametrize("layout, axes", [("pt", {"data": 1}), ("pt", {"fsdp": 8}), ("flax", {"fsdp": 8})])
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_a_checkpoint_of_transformers_loads_with_its_logits(transformers_models, name, layout, axes):
+    models, tokens = transformers_models
+    section, folder, expected = models[name]
+    config = config_from_dict({"model": section, "mesh": {"axes": axes}, "precision": {"compute": "float32"},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder / layout)}})  # fmt: skip
+    devices = jax.devices()[: np.prod(list(axes.values()))]
+    program = build_program(config, build_mesh(config.mesh.axes, devices))
+    got = _logits(program, program.init()["params"], tokens)
+    assert np.abs(expected).max() > 1  # Logits of order 1: near-zero ones would meet any tolerance.
+    # 1e-4 absolute and of the logit: fp32's rounding over two layers, in Gemma's of up to 13 (transformers'
+    # own is 1e-4 from a float64 forward on JAX 0.10: BENCHMARKS.md).
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_misshapen_flax_layout_checkpoint_is_a_one_line_error_naming_its_kernel(transformers_models):
+    models, _ = transformers_models
+    _, folder, _ = models["llama"]
+    config = config_from_dict({"model": {**MODEL, "d_ff": 128}, "mesh": {"axes": {"fsdp": 8}},
+                               "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder / "flax")}})  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        build_program(config, build_mesh(config.mesh.axes, jax.devices())).init()
+    message = "model.layers.0.mlp.down_proj.kernel has shape [96, 64], but the model's layers/w_down needs"
+    assert f"{message} [128, 64]" in str(error.value) and "\n" not in str(error.value)

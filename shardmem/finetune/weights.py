@@ -11,6 +11,9 @@ The reference model reads the Llama layout that Llama, Mistral, Gemma (with the 
 checkpoints share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]``
 and transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own
 parameter paths with ``.`` for ``/`` (what :func:`export_safetensors` writes for it), in its own layout.
+For the reference model, files whose metadata says ``format: flax`` (transformers' Flax
+``save_pretrained``) are read in that layout: ``kernel`` matrices ``[in, out]`` and
+``model.embed_tokens.embedding``.
 
 Every array is made by :func:`jax.make_array_from_callback`: each device's callback reads only its own
 block of each layer's tensor through safetensors' lazy ``safe_open`` slices, so neither the model nor one
@@ -60,16 +63,29 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16, "F64": np
 
 class _Tensor:
     """Where one of the model's parameters comes from: a file tensor per layer (``layers`` of them, or
-    one), and whether it is a Hugging Face ``[out, in]`` matrix of the parameter's ``in_dims`` inputs."""
+    one), and whether it is a Hugging Face ``[out, in]`` matrix of the parameter's ``in_dims`` inputs
+    (or, with ``kernel``, the ``[in, out]`` one of a checkpoint in transformers' Flax layout)."""
 
-    def __init__(self, names: list[str], matrix: bool | str, in_dims: int = 1, stacked: bool = False):
+    def __init__(self, names: list[str], matrix: bool | str, in_dims: int = 1, stacked: bool = False,
+                 kernel: bool = False):  # fmt: skip
         self.flat = matrix == "flat"  # A vector in the file, an array of the same entries in the model.
-        self.names, self.matrix, self.in_dims, self.stacked = names, matrix is True, in_dims, stacked
+        self.kernel = kernel and matrix is True
+        self.matrix = matrix is True and not kernel
+        self.names, self.in_dims, self.stacked = names, in_dims, stacked
 
 
-def _layout(program, full_shapes: dict) -> dict:
-    """Path -> :class:`_Tensor` for the program's model."""
+def _flax_name(name: str, matrix: bool | str) -> str:
+    """The name transformers' Flax models give a PyTorch-layout tensor (``kernel``, ``embedding``)."""
+    if matrix is True:
+        return name.removesuffix(".weight") + ".kernel"
+    return "model.embed_tokens.embedding" if name == "model.embed_tokens.weight" else name
+
+
+def _layout(program, full_shapes: dict, flax: bool = False) -> dict:
+    """Path -> :class:`_Tensor` for the program's model; ``flax``: names and ``[in, out]`` matrices as
+    transformers' Flax models save them (``safetensors`` metadata ``format: flax``)."""
     layout = {}
+    rename = _flax_name if flax else (lambda name, matrix: name)
     if program.custom_model:
         names = program.config.finetune.init_names
         for path in full_shapes:
@@ -87,11 +103,11 @@ def _layout(program, full_shapes: dict) -> dict:
                     f"finetune.init_from: the reference model's {name} has no Hugging Face Llama tensor: "
                     "a mixture of experts cannot load safetensors yet"
                 )
-            names = [f"model.layers.{i}.{hf}" for i in range(n_layers)]
-            layout[path] = _Tensor(names, matrix, lora_input_dims(name), stacked=True)
+            names = [rename(f"model.layers.{i}.{hf}", matrix) for i in range(n_layers)]
+            layout[path] = _Tensor(names, matrix, lora_input_dims(name), stacked=True, kernel=flax)
         else:
             hf, matrix = _TOP_NAMES[name]
-            layout[path] = _Tensor([hf], matrix, 1)
+            layout[path] = _Tensor([rename(hf, matrix)], matrix, 1, kernel=flax)
     return layout
 
 
@@ -111,13 +127,25 @@ def _files(path: str | Path) -> dict[str, Path]:
     return index
 
 
+def _is_flax(index: dict) -> bool:
+    """Whether the files say they hold a Flax model's tensors (transformers' Flax ``save_pretrained``)."""
+    from safetensors import safe_open
+
+    formats = set()
+    for file in set(index.values()):
+        with safe_open(str(file), "numpy") as f:
+            formats.add((f.metadata() or {}).get("format"))
+    return formats == {"flax"}
+
+
 def _expected(shape, tensor: _Tensor) -> list[int]:
     layer = shape[1:] if tensor.stacked else shape
     if tensor.flat:
         return [math.prod(layer)]
-    if not tensor.matrix:
-        return list(layer)
-    return [math.prod(layer[tensor.in_dims :]), math.prod(layer[: tensor.in_dims])]
+    ins_outs = [math.prod(layer[: tensor.in_dims]), math.prod(layer[tensor.in_dims :])]
+    if tensor.kernel:
+        return ins_outs
+    return ins_outs[::-1] if tensor.matrix else list(layer)
 
 
 def _check(layout: dict, full_shapes: dict, index: dict, where: str) -> None:
@@ -139,7 +167,7 @@ def _check(layout: dict, full_shapes: dict, index: dict, where: str) -> None:
                                   f"model's {_name(path)} needs {want}; does the model section match the "
                                   "checkpoint?")  # fmt: skip
     extra = sorted(n for n in index if n not in wanted and not _IGNORED.search(n))
-    tied = [n for n in extra if n == "lm_head.weight"]
+    tied = [n for n in extra if n in ("lm_head.weight", "lm_head.kernel")]
     if extra and extra != tied:
         raise ConfigError(f"finetune.init_from={where!r} has tensors the model has no place for, such as "
                           f"{', '.join(extra[:3])}; check the model section (a Qwen2 or Gemma layout is not "
@@ -153,12 +181,16 @@ def _block(sl, tensor: _Tensor, layer_shape, index) -> np.ndarray:
         first, rest = index[0], math.prod(layer_shape[1:])
         block = sl[first.start * rest : first.stop * rest].reshape(first.stop - first.start, *layer_shape[1:])
         return block[(slice(None), *index[1:])]
-    if not tensor.matrix:
+    if not (tensor.matrix or tensor.kernel):
         return sl[index] if index else sl[:]
     ins, outs = layer_shape[: tensor.in_dims], layer_shape[tensor.in_dims :]
     idx_in, idx_out = index[: tensor.in_dims], index[tensor.in_dims :]
     rest_in, rest_out = math.prod(ins[1:]), math.prod(outs[1:])
     o, i = idx_out[0], idx_in[0]
+    if tensor.kernel:  # [in, out] already: only the flattened dimensions to unfold.
+        block = sl[i.start * rest_in : i.stop * rest_in, o.start * rest_out : o.stop * rest_out]
+        block = block.reshape(i.stop - i.start, *ins[1:], o.stop - o.start, *outs[1:])
+        return block[(slice(None), *idx_in[1:], slice(None), *idx_out[1:])]
     block = sl[o.start * rest_out : o.stop * rest_out, i.start * rest_in : i.stop * rest_in]
     block = block.reshape(o.stop - o.start, *outs[1:], i.stop - i.start, *ins[1:])
     block = block[(slice(None), *idx_out[1:], slice(None), *idx_in[1:])]
@@ -229,8 +261,8 @@ def load_safetensors(path: str | Path, program) -> dict:
 
     abstract = _as_stored(program)
     full_shapes = {p: leaf.shape for p, leaf in _flat(abstract).items()}
-    layout = _layout(program, full_shapes)
     index = _files(path)
+    layout = _layout(program, full_shapes, flax=not program.custom_model and _is_flax(index))
     _check(layout, full_shapes, index, str(path))
     params: dict = {}
     for p, leaf in _flat(abstract).items():
