@@ -36,7 +36,7 @@ from shardmem.remat import PRESETS
 from shardmem.step import build_program, pipeline_for
 from shardmem.units import format_bytes, format_seconds
 
-SEARCHES = ("remat", "batch", "micro_batches", "layout")
+SEARCHES = ("remat", "batch", "micro_batches", "layout", "finetune")
 
 #: Policy -> policies that keep a superset of what it keeps on the device (so need no less memory).
 _SAVES_MORE = {
@@ -86,6 +86,7 @@ class TuneResult:
     target_label: str
     explanation: list[str]
     ranked: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # layout search: best first
+    costs: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # finetune search: per knob value
 
     @property
     def found(self) -> bool:
@@ -103,6 +104,7 @@ class TuneResult:
             "trials": [dataclasses.asdict(t) for t in self.trials],
             "explanation": self.explanation,
             "ranked": self.ranked,
+            "costs": self.costs,
             "report": self.report.to_json() if self.report else None,
         }
 
@@ -166,7 +168,7 @@ class _Planner:
                 verdict = f"does not fit (libtpu refused it: {needed} needed)"
             self.note(candidate, overrides, report.per_device["peak"], report.per_device["host"],
                       report.recompute_overhead or 0.0, report.fits, "compiled",
-                      f"{verdict}: {_margin(report.margin_bytes)}")  # fmt: skip
+                      f"{verdict}: {_margin(report.margin_bytes)}", step_time=_step_json(report))  # fmt: skip
         return self.reports[overrides]
 
     def note(self, *args, **kwargs) -> None:
@@ -176,6 +178,11 @@ class _Planner:
         """Makes ``overrides`` part of every later candidate (earlier compiles no longer apply)."""
         self.base = self.base.replace(*overrides)
         self.reports.clear()
+
+
+def _step_json(report) -> dict[str, Any] | None:
+    step = getattr(report, "step_time", None)  # A refused compile has none.
+    return step.to_json() if step else None
 
 
 _STATE_KEYS = ("optimizer.shard_over_data", "optimizer.mu_dtype", "memory.offload_optimizer")
@@ -194,12 +201,13 @@ def tune(
     config: Config,
     target: str | None = None,
     *,
-    search: str = "remat",
+    search: str | None = None,
     allow_offload: bool | None = None,
     max_compiles: int = 12,
     progress: Callable[[str], None] | None = None,
     objective: str = "step_time",
     jobs: int | None = None,
+    min_seq_len: int | None = None,
 ) -> TuneResult:
     """Searches for the best config that fits the budget of ``target`` (default ``memory.target``).
 
@@ -208,11 +216,19 @@ def tune(
     fewest ``train.micro_batches`` for the configured global batch; ``"layout"`` the mesh, micro-batches,
     remat and ZeRO-1 with the shortest predicted step time (``objective="throughput"``: the most tokens
     per second per device, each top layout at the largest global batch that fits), compiling in ``jobs``
-    worker processes (:mod:`shardmem.explore.layout`). ``allow_offload`` defaults to whether the target
+    worker processes (:mod:`shardmem.explore.layout`); ``"finetune"`` the LoRA rank, base quantization,
+    remat, micro-batches and (down to ``min_seq_len``, where given) sequence length of a fine-tune, with
+    what each knob costs (:mod:`shardmem.explore.finetune`). ``search`` defaults to ``"finetune"`` for
+    a config with a ``finetune:`` section, else ``"remat"``. ``allow_offload`` defaults to whether the target
     is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
     """
+    if search is None:
+        search = "finetune" if config.finetune.active else "remat"
     if search not in SEARCHES:
         raise ConfigError(f"--search {search!r}: use {one_of(SEARCHES)}")
+    if min_seq_len is not None and search != "finetune":
+        raise ConfigError(f"--min-seq-len {min_seq_len}: only --search finetune shortens the sequence; "
+                          "leave it out or use --search finetune")  # fmt: skip
     if max_compiles < 2:
         raise ConfigError(f"--max-compiles {max_compiles}: the search needs at least 2")
     from shardmem.explore.layout import OBJECTIVES
@@ -227,6 +243,10 @@ def tune(
         result = _tune_remat(planner, resolved, allow_offload)
     elif search == "layout":
         result = _tune_layout(planner, resolved, allow_offload, objective, jobs)
+    elif search == "finetune":
+        from shardmem.explore.finetune import tune_finetune
+
+        result = tune_finetune(planner, resolved, min_seq_len)
     elif search == "batch":
         result = _tune_batch(planner, resolved)
     else:
@@ -687,6 +707,10 @@ def render_tune(result: TuneResult):
 
     if result.search == "layout":
         return _render_layout(result)
+    if result.search == "finetune":
+        from shardmem.explore.finetune import render_costs
+
+        return render_costs(result)
     table = Table(title=f"shardmem tune --search {result.search}", title_justify="left", show_edge=False)
     for column in ("candidate", "peak / device", "host", "recompute", "verdict", "how", "why"):
         figure = column in ("peak / device", "host", "recompute")  # Never "0" over "B": the why wraps.
