@@ -149,3 +149,28 @@ def test_llama3_8b_on_one_rtx_4090():
     assert reports["lora"].per_device["params"] == reports["qlora"].per_device["params"] == adapters
     peak = {name: r.per_device["peak"] for name, r in reports.items()}
     assert peak["full"] > peak["lora"] > peak["qlora"]
+
+
+def test_knobs_list_every_value_the_search_tries_and_each_sets_a_valid_config():
+    from shardmem.explore.finetune import knobs
+
+    config = _tiny_lora().replace("train.global_batch=16", "train.micro_batches=2")
+    settings = knobs(config, shards=2, min_seq_len=16)
+    values = {name: [s.value for s in values] for name, values in settings.items()}
+    assert values == {
+        "quantize": ["none", "int8", "nf4"],
+        "rank": [4, 2, 8],
+        "remat": ["none", "dots", "minimal", "full"],
+        "micro_batches": [2, 1, 4, 8],  # The config's, one fewer, two more that split over 2 shards.
+        "seq_len": [64, 32, 16],
+    }
+    assert [s.choosable for s in settings["rank"]] == [True, True, False]  # Above the config's: costed only.
+    assert all(s.own == (i == 0) for values in settings.values() for i, s in enumerate(values))
+    for values in settings.values():
+        for s in values[1:]:
+            moved = config.replace(*s.overrides)
+            assert moved != config
+    assert config.replace(*settings["rank"][1].overrides).finetune.lora.alpha == 4  # alpha / rank kept.
+    nf4 = config.replace(*settings["quantize"][2].overrides).finetune.quantize
+    assert (nf4.format, nf4.group, nf4.targets) == ("nf4", 64, ["layers/*"])
+    assert "seq_len" not in knobs(config, shards=2)  # Only where --min-seq-len allows it.
