@@ -381,7 +381,8 @@ def _add_explore_commands(commands) -> None:
 
     p = commands.add_parser(
         "tune",
-        help="find the cheapest remat plan, largest batch, fewest micro-batches or fastest layout that fit",
+        help="find the cheapest remat plan, largest batch, fewest micro-batches, fastest layout or the "
+        "fine-tuning settings that fit",
         description="Searches with few compiles (analytic estimates order the candidates, compiles "
         "confirm, monotonicity prunes) and explains the choice against the rejected alternatives. "
         "Exit 0: found (written to --out); 3: nothing fits; 2: config error.",

@@ -1,16 +1,19 @@
 """Tuning a fine-tune to its card: ``shardmem tune`` on a config with a ``finetune:`` section.
 
     result = tune(load_config("configs/llama3-8b-qlora.yaml"), target="rtx-4090")  # search="finetune"
-    result.chosen.candidate     # e.g. "quantize none, rank 16, remat full"
+    result.chosen.candidate     # what moved from the config's setting, e.g. "quantize none"
     result.costs                # what each knob's values cost against the config's own setting
 
 The knobs are the LoRA rank, the frozen base's quantization (none, int8, nf4), a uniform remat policy,
 the micro-batches of the global batch and, where ``min_seq_len`` allows it, shorter sequences (halvings
 of ``model.seq_len``). The config's own setting is compiled first; then each knob alone is moved to each
 of its other values and compiled: the difference to the config's peak and predicted step time is what
-that value costs (the cost table). A combination of several moves is estimated by adding their
-differences (weights, adapters and their optimizer state, and activations add up); combinations are
-ranked by preference and the first ones estimated to fit are compiled until one does:
+that value costs (the cost table). The quality knobs (base, sequence, rank) are then taken level by
+level in order of preference; a level is feasible when it fits with the time knobs at their leanest
+(full remat, the most micro-batches: memory only falls along those), compiled, and a level that needs
+no less memory than one that failed is skipped. In the first feasible level the time knobs' settings
+are estimated by adding their costs (weights, adapters and activations add up) and compiled fastest
+first until one fits. The order of preference:
 
 1. the least quantized base (none, int8, nf4, int4): quantization costs accuracy;
 2. the longest sequence (shorter ones only where allowed): the sequence is what the model learns from;
@@ -277,8 +280,9 @@ def tune_finetune(planner, target, min_seq_len: int | None = None):
 
     if best is None:
         smallest = min(points.values(), key=lambda p: p.peak_bytes)
+        spent = " (the compile budget is spent: raise --max-compiles)" if planner.exhausted else ""
         result = _no_fit(planner, target, budget, "finetune", [
-            f"no fine-tuning setting tried fits: the smallest peak compiled is "
+            f"no fine-tuning setting tried fits{spent}: the smallest peak compiled is "
             f"{format_bytes(smallest.peak_bytes)} against a budget of {format_bytes(budget)}",
             "quantize the base (finetune.quantize.format=nf4), lower train.global_batch, allow shorter "
             "sequences (--min-seq-len), or shard over more devices",

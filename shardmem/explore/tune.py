@@ -1,5 +1,6 @@
 """Tuning a config to its memory budget with few compiles: the cheapest per-layer remat plan that fits,
-the largest global batch that fits, or the fewest micro-batches that fit.
+the largest global batch that fits, or the fewest micro-batches that fit; the fastest layout
+(:mod:`shardmem.explore.layout`) and a fine-tune's knobs (:mod:`shardmem.explore.finetune`) too.
 
     result = tune(load_config("configs/llama-7b.yaml"), target="h100-sxm")
     result.config.remat_plan().describe()   # e.g. "0-25: minimal, 26-31: dots"
