@@ -420,20 +420,20 @@ def _tune(args, trials) -> int:
     config = _load(args, planning_only=True)
     if args.out:
         _check_writable(args.out, "--out")
-    max_compiles = (
-        args.max_compiles if args.max_compiles is not None else (40 if args.search == "layout" else 12)
-    )
+    search = args.search or ("finetune" if config.finetune.active else "remat")
+    default_compiles = {"layout": 40, "finetune": 16}.get(search, 12)
+    max_compiles = args.max_compiles if args.max_compiles is not None else default_compiles
     progress = None
     if args.search == "layout" and not args.json:
         progress = lambda message: print(f"  {message}", file=sys.stderr, flush=True)  # noqa: E731
-    result = tune(config, args.target, search=args.search, allow_offload=False if args.no_offload else None,
+    result = tune(config, args.target, search=search, allow_offload=False if args.no_offload else None,
                   max_compiles=max_compiles, objective=args.objective, jobs=args.jobs,
-                  progress=progress, trials=trials)  # fmt: skip
+                  min_seq_len=args.min_seq_len, progress=progress, trials=trials)  # fmt: skip
     if result.found and args.out:
         header = "".join(f"# {line}\n" for line in result.explanation)
         try:
             with open(args.out, "w") as f:
-                f.write(f"# shardmem tune --search {args.search}\n{header}{result.config.to_yaml()}")
+                f.write(f"# shardmem tune --search {search}\n{header}{result.config.to_yaml()}")
         except OSError as e:
             raise ConfigError(f"--out {args.out!r}: cannot write the tuned config: {e.strerror}") from None
     if args.json:
@@ -470,16 +470,21 @@ def _add_explore_commands(commands) -> None:
 
     p = commands.add_parser(
         "tune",
-        help="find the cheapest remat plan, largest batch, fewest micro-batches or fastest layout that fit",
+        help="find the cheapest remat plan, largest batch, fewest micro-batches, fastest layout or the "
+        "fine-tuning settings that fit",
         description="Searches with few compiles (analytic estimates order the candidates, compiles "
         "confirm, monotonicity prunes) and explains the choice against the rejected alternatives. "
         "Exit 0: found (written to --out); 3: nothing fits; 2: config error.",
     )
     _config_args(p)
     p.add_argument("--target", type=_target, metavar="TARGET", help=target_help)
-    p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout"), default="remat",
-                   help="what to tune (default: remat); layout: the mesh, micro-batches, remat and ZeRO-1 "
-                   "with the shortest predicted step time")  # fmt: skip
+    p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout", "finetune"),
+                   help="what to tune (default: finetune for a config with a finetune section, else remat); "
+                   "layout: the mesh, micro-batches, remat and ZeRO-1 with the shortest predicted step "
+                   "time; finetune: LoRA rank, base quantization, remat, micro-batches (and sequence "
+                   "length with --min-seq-len), with what each costs")  # fmt: skip
+    p.add_argument("--min-seq-len", type=int, metavar="N",
+                   help="--search finetune may halve model.seq_len down to N (default: never)")  # fmt: skip
     p.add_argument("--objective", choices=("step_time", "throughput"),
                    help="--search layout ranks by predicted step time (default), or by tokens/s per device "
                    "at the largest batch that fits (throughput)")  # fmt: skip
@@ -490,7 +495,7 @@ def _add_explore_commands(commands) -> None:
     p.add_argument("--no-offload", action="store_true", help="never move activations to host memory")
     p.add_argument("--max-compiles", type=int,
                    help="compile budget of the search, at least 2 (default: 12; for --search layout 40, "
-                   "at least 3)")  # fmt: skip
+                   "at least 3; for --search finetune 16)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(run=cmd_tune)
 

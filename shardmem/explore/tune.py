@@ -1,5 +1,6 @@
 """Tuning a config to its memory budget with few compiles: the cheapest per-layer remat plan that fits,
-the largest global batch that fits, or the fewest micro-batches that fit.
+the largest global batch that fits, or the fewest micro-batches that fit; the fastest layout
+(:mod:`shardmem.explore.layout`) and a fine-tune's knobs (:mod:`shardmem.explore.finetune`) too.
 
     result = tune(load_config("configs/llama-7b.yaml"), target="h100-sxm")
     result.config.remat_plan().describe()   # e.g. "0-25: minimal, 26-31: dots"
@@ -36,7 +37,7 @@ from shardmem.remat import PRESETS
 from shardmem.step import build_program, pipeline_for
 from shardmem.units import format_bytes, format_seconds
 
-SEARCHES = ("remat", "batch", "micro_batches", "layout")
+SEARCHES = ("remat", "batch", "micro_batches", "layout", "finetune")
 
 #: Policy -> policies that keep a superset of what it keeps on the device (so need no less memory).
 _SAVES_MORE = {
@@ -86,6 +87,7 @@ class TuneResult:
     target_label: str
     explanation: list[str]
     ranked: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # layout search: best first
+    costs: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # finetune search: per knob value
 
     @property
     def found(self) -> bool:
@@ -103,6 +105,7 @@ class TuneResult:
             "trials": [dataclasses.asdict(t) for t in self.trials],
             "explanation": self.explanation,
             "ranked": self.ranked,
+            "costs": self.costs,
             "report": self.report.to_json() if self.report else None,
         }
 
@@ -167,7 +170,7 @@ class _Planner:
                 verdict = f"does not fit (libtpu refused it: {needed} needed)"
             self.note(candidate, overrides, report.per_device["peak"], report.per_device["host"],
                       report.recompute_overhead or 0.0, report.fits, "compiled",
-                      f"{verdict}: {_margin(report.margin_bytes)}")  # fmt: skip
+                      f"{verdict}: {_margin(report.margin_bytes)}", step_time=_step_json(report))  # fmt: skip
         return self.reports[overrides]
 
     def note(self, *args, **kwargs) -> None:
@@ -177,6 +180,11 @@ class _Planner:
         """Makes ``overrides`` part of every later candidate (earlier compiles no longer apply)."""
         self.base = self.base.replace(*overrides)
         self.reports.clear()
+
+
+def _step_json(report) -> dict[str, Any] | None:
+    step = getattr(report, "step_time", None)  # A refused compile has none.
+    return step.to_json() if step else None
 
 
 _STATE_KEYS = ("optimizer.shard_over_data", "optimizer.mu_dtype", "memory.offload_optimizer")
@@ -195,13 +203,14 @@ def tune(
     config: Config,
     target: str | None = None,
     *,
-    search: str = "remat",
+    search: str | None = None,
     allow_offload: bool | None = None,
     max_compiles: int = 12,
     progress: Callable[[str], None] | None = None,
     objective: str | None = None,
     jobs: int | None = None,
     trials: list[Trial] | None = None,
+    min_seq_len: int | None = None,
 ) -> TuneResult:
     """Searches for the best config that fits the budget of ``target`` (default ``memory.target``).
 
@@ -210,14 +219,22 @@ def tune(
     fewest ``train.micro_batches`` for the configured global batch; ``"layout"`` the mesh, micro-batches,
     remat and ZeRO-1 with the shortest predicted step time (``objective="throughput"``: the most tokens
     per second per device, each top layout at the largest global batch that fits), compiling in ``jobs``
-    worker processes (:mod:`shardmem.explore.layout`); ``objective`` and ``jobs`` are for that search
-    only, and it needs ``max_compiles`` of 3 or more (the others: 2). ``allow_offload`` defaults to
-    whether the target is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
+    worker processes (:mod:`shardmem.explore.layout`; ``objective`` and ``jobs`` are for that search
+    only, and it needs ``max_compiles`` of 3 or more, the others 2); ``"finetune"`` the LoRA rank, base quantization,
+    remat, micro-batches and (down to ``min_seq_len``, where given) sequence length of a fine-tune, with
+    what each knob costs (:mod:`shardmem.explore.finetune`). ``search`` defaults to ``"finetune"`` for
+    a config with a ``finetune:`` section, else ``"remat"``. ``allow_offload`` defaults to whether the target
+    is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
     ``trials``: a list the search appends each trial to as it goes (what a caller interrupted mid-search
     still has).
     """
+    if search is None:
+        search = "finetune" if config.finetune.active else "remat"
     if search not in SEARCHES:
         raise ConfigError(f"--search {search!r}: use {one_of(SEARCHES)}")
+    if min_seq_len is not None and search != "finetune":
+        raise ConfigError(f"--min-seq-len {min_seq_len}: only --search finetune shortens the sequence; "
+                          "leave it out or use --search finetune")  # fmt: skip
     from shardmem.explore.layout import OBJECTIVES
     from shardmem.explore.sweep import JOBS_FIX
 
@@ -242,6 +259,10 @@ def tune(
         result = _tune_remat(planner, resolved, allow_offload)
     elif search == "layout":
         result = _tune_layout(planner, resolved, allow_offload, objective, jobs)
+    elif search == "finetune":
+        from shardmem.explore.finetune import tune_finetune
+
+        result = tune_finetune(planner, resolved, min_seq_len)
     elif search == "batch":
         result = _tune_batch(planner, resolved)
     else:
@@ -742,6 +763,10 @@ def render_tune(result: TuneResult):
 
     if result.search == "layout":
         return _render_layout(result)
+    if result.search == "finetune":
+        from shardmem.explore.finetune import render_costs
+
+        return render_costs(result)
     table = Table(title=f"shardmem tune --search {result.search}", title_justify="left", show_edge=False)
     for column in ("candidate", "peak / device", "host", "recompute", "verdict", "how", "why"):
         figure = column in ("peak / device", "host", "recompute")  # Never "0" over "B": the why wraps.
