@@ -220,11 +220,11 @@ def tune(
     remat and ZeRO-1 with the shortest predicted step time (``objective="throughput"``: the most tokens
     per second per device, each top layout at the largest global batch that fits), compiling in ``jobs``
     worker processes (:mod:`shardmem.explore.layout`; ``objective`` and ``jobs`` are for that search
-    only, and it needs ``max_compiles`` of 3 or more, the others 2); ``"finetune"`` the LoRA rank, base quantization,
-    remat, micro-batches and (down to ``min_seq_len``, where given) sequence length of a fine-tune, with
-    what each knob costs (:mod:`shardmem.explore.finetune`). ``search`` defaults to ``"finetune"`` for
-    a config with a ``finetune:`` section, else ``"remat"``. ``allow_offload`` defaults to whether the target
-    is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
+    only, and it needs ``max_compiles`` of 3 or more, the others 2); ``"finetune"`` the LoRA rank, base
+    quantization, remat, micro-batches and (down to ``min_seq_len``, where given) sequence length of a
+    fine-tune, with what each knob costs (:mod:`shardmem.explore.finetune`). ``search`` defaults to
+    ``"finetune"`` for a config with a ``finetune:`` section, else ``"remat"``. ``allow_offload`` defaults
+    to whether the target is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
     ``trials``: a list the search appends each trial to as it goes (what a caller interrupted mid-search
     still has).
     """
