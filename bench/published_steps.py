@@ -143,6 +143,7 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
                 "kv_heads": "tensor",
                 "mlp": "tensor",
                 "vocab": "tensor",
+                "residual_seq": "tensor",
             },
             "optimizer": {"name": "adamw", "shard_over_data": True},
             "remat": {"policy": "none"},
@@ -151,8 +152,8 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
         (
             "squared-ReLU MLP 24576 (no gate) -> SwiGLU 16384 (2F/3)",
             "LayerNorm -> RMSNorm",
-            "sequence parallelism -> none (tensor-parallel all-reduces, not reduce-scatter + all-gather "
-            "pairs: the same bytes, more activation memory)",
+            "sequence parallelism -> rules.residual_seq: tensor (norms and residuals on a quarter of the "
+            "sequence; reduce-scatter + all-gather pairs in place of the tensor-parallel all-reduces)",
             "distributed optimizer -> optimizer.shard_over_data",
         ),
     ),
