@@ -20,6 +20,9 @@ How each row maps (every assumption is in ``ROWS``' ``assumptions`` and printed 
   its parameters are bf16.
 - the network is the target's default (h100-sxm: 400 Gb/s per GPU, a100-80g: 200 Gb/s per GPU) unless
   the row states it; mpt-70b-64xa100's "1600 Gb/s per node" is 200 Gb/s per GPU.
+- Nemotron's tensor 4 "(sequence parallel)" is ``rules.residual_seq: tensor`` (norms and residual adds on
+  a quarter of the sequence each, docs/guides/sharding.md); Megatron's distributed optimizer is
+  ``optimizer.shard_over_data``.
 - recomputation: "none" is ``remat.policy: none``, "full" is ``full``; torchtitan's selective per-op
   recompute (every second matmul) has no exact policy here: ``minimal`` (saves the projections,
   recomputes the rest) recomputes less.
@@ -143,6 +146,7 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
                 "kv_heads": "tensor",
                 "mlp": "tensor",
                 "vocab": "tensor",
+                "residual_seq": "tensor",
             },
             "optimizer": {"name": "adamw", "shard_over_data": True},
             "remat": {"policy": "none"},
@@ -151,8 +155,8 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
         (
             "squared-ReLU MLP 24576 (no gate) -> SwiGLU 16384 (2F/3)",
             "LayerNorm -> RMSNorm",
-            "sequence parallelism -> none (tensor-parallel all-reduces, not reduce-scatter + all-gather "
-            "pairs: the same bytes, more activation memory)",
+            "sequence parallelism -> rules.residual_seq: tensor (norms and residuals on a quarter of the "
+            "sequence; reduce-scatter + all-gather pairs in place of the tensor-parallel all-reduces)",
             "distributed optimizer -> optimizer.shard_over_data",
         ),
     ),

@@ -18,7 +18,8 @@ unsharded over them (a parameter's size / its other shards, in the parameters' d
 shard, PyTorch FSDP's ``no_sync``; by default FSDP gradients are reduce-scattered per micro-batch, as
 PyTorch FSDP and MaxText do. With ``optimizer.shard_over_data`` (ZeRO-1) the data axes are deferred
 too, so each device accumulates its whole gradient (as Megatron's distributed optimizer does) where XLA
-could otherwise have reduce-scattered into a data-sharded one. Axes the model itself splits work over
+could otherwise have reduce-scattered into a data-sharded one; the one reduction after the loop is
+then a reduce-scatter onto the optimizer's shards (``grad_shardings``). Axes the model itself splits work over
 (``seq``, ``expert``, ``layers`` rules) are never deferred.
 
 Only a loss whose rows are independent and equal in weight may be split so: the reference model's
@@ -97,11 +98,14 @@ def accumulate_gradients(
     batch_sharding,
     fsdp_reduce_once: bool = False,
     rows_independent: bool = True,
+    grad_shardings=None,
 ) -> tuple[jax.Array, dict, Any, Any]:
     """Returns ``(loss, metrics, grads, rest)`` of ``grad_fn`` (``jax.value_and_grad(loss, has_aux=True)``
     of ``(params, rest, batch) -> (loss, (metrics, rest))``) averaged over ``micro_batches`` of ``batch``,
     the gradients reduced across the deferred batch axes once (see the module docstring). Without
-    ``rows_independent`` (a loss that may couple rows) nothing is deferred: XLA reduces per micro-batch."""
+    ``rows_independent`` (a loss that may couple rows) nothing is deferred: XLA reduces per micro-batch.
+    ``grad_shardings`` (default ``param_shardings``) is how the step's gradients leave: split over the data
+    axes for a data-sharded optimizer, the one reduction is a reduce-scatter."""
     k = micro_batches
     axes = (
         deferred_axes(rules, mesh, param_shardings, batch_sharding, fsdp_reduce_once)
@@ -164,5 +168,5 @@ def accumulate_gradients(
     count = k * groups
     with jax.named_scope("gradient_reduction"):  # The step's one reduction over the deferred axes.
         grads = jax.tree.map(lambda g: g.sum(0) / count, grads)
-        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings or param_shardings)
     return loss.sum() / count, jax.tree.map(lambda m: m.sum(0) / count, metrics), grads, rest

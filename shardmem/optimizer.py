@@ -8,8 +8,9 @@
 Adam's two moments are two thirds of a mixed-precision model's state. Three keys shrink what a device holds:
 ``optimizer.mu_dtype`` stores the first moment in a narrower dtype (Optax's ``mu_dtype``);
 ``optimizer.shard_over_data`` (ZeRO-1) splits the state over the batch axes that parameters are
-replicated over; ``memory.offload_optimizer`` keeps the state in pinned host memory and moves it to the
-device only for the update.
+replicated over, and the gradients reach the update split the same way (reduce-scattered, not
+all-reduced: :func:`gradient_shardings`); ``memory.offload_optimizer`` keeps the state in pinned host
+memory and moves it to the device only for the update.
 
 With ``precision.compute: float16`` the optimizer keeps a dynamic loss scale (:func:`dynamic_loss_scaling`,
 ``precision.loss_scale``): the step multiplies the loss by ``loss_scale(opt_state)`` before differentiating,
@@ -116,17 +117,25 @@ def optimizer_shardings(config: Config, tx, abstract_opt, abstract_params, param
     """Returns the optimizer state's shardings: each moment like its parameter, further split over the
     batch axes the parameter is replicated over with ``optimizer.shard_over_data``, in pinned host memory
     with ``memory.offload_optimizer``; counters replicated on the device."""
-    shardings = param_shardings
-    if config.optimizer.shard_over_data:
-        batch_axes = spec_axes(rules.spec(("batch",))[0] if rules.spec(("batch",)) else None)
-        shardings = jax.tree.map(lambda leaf, s: _split_over(leaf.shape, s, batch_axes, mesh),
-                                 abstract_params, param_shardings)  # fmt: skip
+    shardings = gradient_shardings(config, abstract_params, param_shardings, rules, mesh)
     if config.memory.offload_optimizer:
         _check_host_memory(mesh)
         shardings = jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings)
     replicated = NamedSharding(mesh, P())
     return optax.tree_map_params(tx, lambda _, sharding: sharding, abstract_opt, shardings,
                                  transform_non_params=lambda _: replicated)  # fmt: skip
+
+
+def gradient_shardings(config: Config, abstract_params, param_shardings, rules: Rules, mesh: Mesh):
+    """Returns the shardings the optimizer reads each gradient in: its parameter's, further split over the
+    batch axes the parameter is replicated over with ``optimizer.shard_over_data`` (as its moments are),
+    so that the gradients are reduce-scattered over those axes, not all-reduced (half the bytes) and then
+    sliced, as Megatron's distributed optimizer does."""
+    if not config.optimizer.shard_over_data:
+        return param_shardings
+    batch_axes = spec_axes(rules.spec(("batch",))[0] if rules.spec(("batch",)) else None)
+    return jax.tree.map(lambda leaf, s: _split_over(leaf.shape, s, batch_axes, mesh),
+                        abstract_params, param_shardings)  # fmt: skip
 
 
 def to_device(opt_state, shardings):

@@ -45,7 +45,14 @@ from shardmem.models.attention import AttentionKernel, device_class, resolve_att
 from shardmem.models.linen import remat_calls
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig, lora_input_dims
 from shardmem.models.user import import_object, search_from, takes
-from shardmem.optimizer import loss_scale, make_optimizer, optimizer_shardings, to_device, to_host
+from shardmem.optimizer import (
+    gradient_shardings,
+    loss_scale,
+    make_optimizer,
+    optimizer_shardings,
+    to_device,
+    to_host,
+)
 from shardmem.parallel.mesh import auto_axes
 from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
 from shardmem.parallel.rules import Rules, sharding_table, spec_axes
@@ -320,6 +327,7 @@ def build_program(
     opt_shardings = optimizer_shardings(
         config, tx, abstract_opt, abstract_params, param_shardings, storage, mesh
     )
+    grad_shardings = gradient_shardings(config, abstract_params, param_shardings, storage, mesh)
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     abstract_tree = {"params": abstract_params, "opt_state": abstract_opt,
                      "step": jax.ShapeDtypeStruct((), jnp.int32)}  # fmt: skip
@@ -365,8 +373,9 @@ def build_program(
                     lambda p, r, b: grad_fn(p, r, b, frozen), params, rest, batch,
                     micro_batches=train.micro_batches, mesh=mesh,
                     rules=rules, param_shardings=param_shardings, batch_sharding=batch_sharding,
-                    fsdp_reduce_once=train.fsdp_reduce_once,
+                    fsdp_reduce_once=train.fsdp_reduce_once, grad_shardings=grad_shardings,
                     rows_independent=not custom and loss_fn is next_token_loss)  # fmt: skip
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             with jax.named_scope("optimizer_update"):  # Names its buffers in the plan's timeline.
                 opt_state = to_device(state["opt_state"], opt_shardings)  # No-op unless offloaded.
                 updates, opt_state = tx.update(grads, opt_state, params)

@@ -9,6 +9,7 @@ from shardmem.accumulation import deferred_axes
 from shardmem.config import config_from_dict
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning import hlo
+from shardmem.planning.memory import plan
 from shardmem.step import build_program
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
@@ -76,3 +77,18 @@ def test_fsdp_gradients_wait_for_the_step_only_when_asked():
     assert _deferred({"fsdp": 8}) == ()  # A sharded gradient per micro-batch, as PyTorch FSDP does.
     assert _deferred({"data": 2, "fsdp": 4}, fsdp_reduce_once=True) == ("data", "fsdp")
     assert _deferred({"data": 4, "tensor": 2}) == ("data",)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_a_data_sharded_optimizer_reduce_scatters_the_gradients(micro_batches):
+    # With optimizer.shard_over_data each device updates its share of every parameter, so the step's one
+    # gradient reduction is a reduce-scatter (Megatron's distributed optimizer). With 4 micro-batches it
+    # was an all-reduce of the whole fp32 gradient (twice the bytes), then sliced. Planned deviceless for
+    # H100s: the CPU compiler leaves an all-reduce and a slice where the GPU's makes a reduce-scatter.
+    config = _config({"data": 8}, micro_batches).replace("optimizer.name=adamw",
+                                                         "optimizer.shard_over_data=true")  # fmt: skip
+    report = plan(config, "h100-sxm", count_remat_overhead=False)
+    gradient_bytes = report.per_device["params"]  # fp32, replicated over data: the whole gradient.
+    assert report.collectives["all-reduce"] < 1024  # The loss and the gradient norm: scalars.
+    # Each device's result is its eighth (small tensors such as the norms' scales stay whole).
+    assert gradient_bytes / 8 <= report.collectives["reduce-scatter"] <= gradient_bytes / 4

@@ -4,6 +4,8 @@ deviceless H100 plan, the saved layer inputs shrink by the tensor size, and the 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import pytest
 from strategies import assert_same_training, trained
@@ -12,6 +14,7 @@ from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import Rules
+from shardmem.planning import hlo
 from shardmem.planning.memory import plan
 from shardmem.step import build_program
 
@@ -72,3 +75,33 @@ def test_residual_seq_follows_seq_unless_set_and_must_refine_it():
                r"rules.residual_seq: \['context', 'tensor'\]$")  # fmt: skip
     with pytest.raises(ConfigError, match=message):
         Rules.from_config({"residual_seq": "tensor"}, axes)
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_accumulating_step():
+    """The optimized HLO of a tiny bf16 step planned deviceless for H100s (the CPU backend computes bf16
+    in fp32): data 4 x tensor 2 with sequence parallelism, 2 micro-batches (their gradients reduced once:
+    shardmem.accumulation's per-group vmap), the vocabulary-chunked loss."""
+    config = _config({"data": 4, "tensor": 2}, {"residual_seq": ["tensor"]},
+                     model={"preset": "tiny", "loss_chunk": 64},
+                     precision={"params": "float32", "compute": "bfloat16"},
+                     train={"global_batch": 16, "micro_batches": 2, "steps": 10})  # fmt: skip
+    return plan(config, "h100-sxm", count_remat_overhead=False).module
+
+
+def test_the_norms_outputs_are_gathered_in_the_compute_dtype(sequence_parallel_accumulating_step):
+    # Each norm runs on the device's share of the sequence; what the tensor-parallel matmuls gather is its
+    # bf16 output (Megatron's), not the fp32 residual the norm reads (twice the bytes).
+    # The dtypes of every [rows, seq_len 64, d_model 64] array that an all-gather (or a combined one) makes.
+    gathered = [dtype for instructions in sequence_parallel_accumulating_step.computations.values()
+                for ins in instructions if hlo.collective_kind(ins) == "all-gather"
+                for dtype in re.findall(r"(\w+)\[\d+,64,64\]", ins.shape)]  # fmt: skip
+    assert gathered and set(gathered) == {"bf16"}, gathered
+
+
+def test_the_chunked_loss_picks_its_targets_without_an_all_to_all(sequence_parallel_accumulating_step):
+    # take_along_axis over the tensor-split vocabulary became an all-to-all of the logits over the batch's
+    # devices inside the accumulation's vmap; a masked sum is a local sum and a [B, L] reduction.
+    computations = sequence_parallel_accumulating_step.computations.values()
+    kinds = [hlo.collective_kind(ins) for instructions in computations for ins in instructions]
+    assert "all-to-all" not in kinds

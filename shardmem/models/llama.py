@@ -264,8 +264,9 @@ class Block(nnx.Module):
 
         with jax.named_scope("attention"):
             # With sequence parallelism (rules.residual_seq over tensor) the norm runs on its share of
-            # the sequence and its output is all-gathered for the tensor-parallel matmuls.
-            h_BxLxD = _whole_seq(self.attn_norm(x_BxLxD), ("batch", "seq", None))
+            # the sequence and its output is all-gathered for the tensor-parallel matmuls: pinned to the
+            # share first, or XLA gathers the fp32 residual the norm reads (twice the bytes).
+            h_BxLxD = _whole_seq(_split_seq(self.attn_norm(x_BxLxD)), ("batch", "seq", None))
             q_BxLxHxK = _whole_seq(self._project("bld,dhk->blhk", h_BxLxD, self.wq), _HEADS)
             k_BxLxGxK = _whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wk), _KV_HEADS)
             v_BxLxGxK = _whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wv), _KV_HEADS)
@@ -288,7 +289,7 @@ class Block(nnx.Module):
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
-            h_BxLxD = _whole_seq(self.mlp_norm(x_BxLxD), ("batch", "seq", None))
+            h_BxLxD = _whole_seq(_split_seq(self.mlp_norm(x_BxLxD)), ("batch", "seq", None))
             if cfg.n_experts:
                 return x_BxLxD + self.moe(h_BxLxD)
             gate_BxLxF = _whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_gate), _MLP)
@@ -357,7 +358,7 @@ class Llama(nnx.Module):
             x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.compute_dtype)
         run_layers = self.pipeline.run if self.pipeline else remat_scan
         x_BxLxD = run_layers(self.layers, x_BxLxD, self.remat)
-        h_BxLxD = _whole_seq(self.final_norm(x_BxLxD), ("batch", "seq", None))  # For the head: see Block.
+        h_BxLxD = _whole_seq(_split_seq(self.final_norm(x_BxLxD)), ("batch", "seq", None))  # See Block.
         return (
             h_BxLxD
             if shards == 1
@@ -378,7 +379,7 @@ class Llama(nnx.Module):
 
         def head_loss(params, x_bxLxD, targets_bxL):
             h_bxLxD = _rms_norm(x_bxLxD, params["norm"], cfg.norm_eps, dtype)
-            h_bxLxD = _whole_seq(h_bxLxD, ("batch", "seq", None))
+            h_bxLxD = _whole_seq(_split_seq(h_bxLxD), ("batch", "seq", None))
             head_DxV = params["head"].astype(dtype)
             return cross_entropy(h_bxLxD, head_DxV.T if cfg.tie_embeddings else head_DxV, targets_bxL, chunk)
 
