@@ -136,6 +136,8 @@ class TrainConfig:
 
     global_batch: int = 16  # Sequences (rows) per step, over all devices.
     micro_batches: int = 1  # Gradient-accumulation steps per step (with a stage axis: the pipeline's).
+    # FSDP gradients reduce-scattered once per step too, accumulated unsharded (shardmem.accumulation).
+    fsdp_reduce_once: bool = False
     steps: int = 1000  # Steps to train; also the horizon of the learning-rate schedule.
     seed: int = 0  # Seeds the initialization and the data: the batch of step k depends on (seed, k).
     log_every: int = 10  # Steps between logged lines (metrics.jsonl has a line per logged step).

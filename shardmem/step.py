@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardmem.accumulation import accumulate_gradients
 from shardmem.batch import BatchLeaf, parse_batch, token_batch
 from shardmem.batch import is_leaf as is_batch_leaf
 from shardmem.config import Config
@@ -310,7 +311,6 @@ def build_program(
         return jnp.asarray(loss, jnp.float32), (metrics, new_rest)
 
     grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
-    micro_shardings = jax.tree.map(lambda s: NamedSharding(mesh, P(None, *s.spec)), batch_sharding)
 
     def train_step(state, batch):
         with rules.activate(mesh):
@@ -318,26 +318,11 @@ def build_program(
             if train.micro_batches == 1 or pipeline:  # A pipeline runs its micro-batches itself.
                 (loss, (metrics, rest)), grads = grad_fn(params, rest, batch)
             else:
-                # Micro-batch i takes every k-th row, so each device keeps its own rows.
-                k = train.micro_batches
-                micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
-                                     batch)  # fmt: skip
-                micro = jax.lax.with_sharding_constraint(micro, micro_shardings)
-
-                def accumulate(carry, one_batch):
-                    loss_sum, metric_sum, grad_sum, rest = carry
-                    (loss, (metrics, rest)), grads = grad_fn(params, rest, one_batch)
-                    metric_sum = jax.tree.map(jnp.add, metric_sum, metrics)
-                    return (loss_sum + loss, metric_sum, jax.tree.map(jnp.add, grad_sum, grads), rest), None
-
-                first = jax.tree.map(lambda x: x[0], micro)
-                metric_shapes = jax.eval_shape(lambda: grad_fn(params, rest, first)[0][1][0])
-                zeros = (jnp.zeros((), jnp.float32),
-                         jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
-                         jax.tree.map(jnp.zeros_like, params), rest)  # fmt: skip
-                (loss, metrics, grads, rest), _ = jax.lax.scan(accumulate, zeros, micro)
-                loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
-                metrics = jax.tree.map(lambda m: m / k, metrics)
+                loss, metrics, grads, rest = accumulate_gradients(
+                    grad_fn, params, rest, batch, micro_batches=train.micro_batches, mesh=mesh,
+                    rules=rules, param_shardings=param_shardings, batch_sharding=batch_sharding,
+                    fsdp_reduce_once=train.fsdp_reduce_once,
+                    rows_independent=not custom and loss_fn is next_token_loss)  # fmt: skip
             with jax.named_scope("optimizer_update"):  # Names its buffers in the plan's timeline.
                 opt_state = to_device(state["opt_state"], opt_shardings)  # No-op unless offloaded.
                 updates, opt_state = tx.update(grads, opt_state, params)

@@ -23,7 +23,7 @@ import shardmem
 from shardmem.config import config_from_dict, load_config
 from shardmem.errors import ConfigError, PlanError
 from shardmem.parallel.mesh import build_mesh
-from shardmem.planning import codegen, hlo, memory
+from shardmem.planning import codegen, hlo, memory, overlap
 from shardmem.run.training import train
 from shardmem.step import build_program
 
@@ -235,11 +235,12 @@ def test_deviceless_compile_failure_retries_without_triton_gemm(monkeypatch):
     report = shardmem.plan(config, target="h100-sxm", count_remat_overhead=False)
     cheap = {*codegen.UNOPTIMIZED, codegen.CUDA_DIR}  # Both compiles generate their kernels cheaply.
     assert all(cheap <= set(options) for options in calls)
+    overlapped = overlap.gpu_options()  # Both compile with train's overlap options.
     assert [{k: v for k, v in c.items() if k not in cheap} for c in calls] == [
-        {},
-        {memory.TRITON_GEMM: False},
+        overlapped,
+        {**overlapped, memory.TRITON_GEMM: False},
     ]
-    assert report.compiler_options == {memory.TRITON_GEMM: False}
+    assert report.compiler_options == {**overlapped, memory.TRITON_GEMM: False}
     assert any("planned with xla_gpu_enable_triton_gemm=false" in w for w in report.warnings)
 
     monkeypatch.setattr(memory, "_compile", lambda *a: (_ for _ in ()).throw(RuntimeError("INTERNAL: no")))

@@ -29,7 +29,7 @@ from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
-from shardmem.planning import codegen, cost, hlo, kernel_cache
+from shardmem.planning import codegen, cost, hlo, kernel_cache, overlap
 from shardmem.planning.targets import (
     Target,
     ensure_cpu_devices,
@@ -470,7 +470,8 @@ def _compile_and_analyze(
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
     limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
     start = time.perf_counter()
-    options = dict(memory.compiler_options)
+    # The GPU overlap options train runs with (overlap.py), the user's memory.compiler_options over them.
+    options = overlap.step_options(target, memory.compiler_options)
     # Kernels a deviceless compile generated before: skipped again (kernel_cache.py). A user's own wins.
     shared = None if kernel_cache.OPTION in options else kernel_cache.cache_file(target)
     # Kernels it generates now are generated cheaply (codegen.py): XLA's options, not the user's to report.

@@ -358,8 +358,8 @@ def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
     """Plans the step for the attached devices and returns the report with the step function to train
     with. One process: the plan's compiled step, so the step is compiled once. Several: process 0 plans
     and gives every process the report, so that all of them take the same decision, and each compiles
-    ``program.step`` itself. A planning error on process 0 is raised on every process, so that all of
-    them exit alike."""
+    ``program.step`` itself, with the plan's XLA options (:func:`compiled_step`). A planning error on
+    process 0 is raised on every process, so that all of them exit alike."""
     target = make_target(program.config, "local")
     if jax.process_count() == 1:
         return plan_program(program, target, top=5)
@@ -386,7 +386,15 @@ def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
     if isinstance(outcome, tuple):
         kind, message = outcome
         raise kind(message)
-    return outcome, program.step
+    return outcome, compiled_step(program, outcome)
+
+
+def compiled_step(program: Program, report: MemoryReport) -> Callable:
+    """Returns ``program.step`` compiled with the XLA options its plan was compiled with (``report``'s:
+    the GPU overlap options of :mod:`shardmem.planning.overlap`, the user's, any retry's), so that the
+    step that trains is the one planned."""
+    lowered = program.step.lower(program.abstract_state, program.abstract_batch)
+    return lowered.compile(compiler_options=dict(report.compiler_options))
 
 
 def _lock_run_dir(run_dir: Path, console: Console) -> RunDirLock:

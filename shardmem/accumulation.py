@@ -1,0 +1,166 @@
+"""Gradient accumulation over micro-batches, with the gradients reduced across devices once per step.
+
+    loss, metrics, grads, rest = accumulate_gradients(grad_fn, params, rest, batch, micro_batches=16,
+                                                      mesh=mesh, rules=rules, ...)
+
+Summing each micro-batch's gradient as XLA partitions it would reduce it across the batch's devices
+inside the accumulation loop: an all-reduce (data parallel) or reduce-scatter (FSDP) of every gradient
+on every micro-batch, 16 micro-batches 16 times the traffic. Production trainers sum locally and
+reduce once. Here each micro-batch is split into one group of rows per device of the *deferred* batch
+mesh axes, and the gradient is taken per group (``jax.vmap`` with ``spmd_axis_name``): each device's
+gradient is its own group's, summed in the loop in a ``[groups, *param]`` accumulator split over those
+axes, and the sum over groups after the loop is the one reduction of the step.
+
+Which batch axes are deferred (:func:`deferred_axes`): those the parameters are replicated over (data
+parallelism), always; the accumulator then costs what the summed gradient did. Axes that also shard
+parameters (FSDP) only with ``train.fsdp_reduce_once``: each device then holds its group's gradient
+unsharded over them (a parameter's size / its other shards, in the parameters' dtype) instead of its
+shard, PyTorch FSDP's ``no_sync``; by default FSDP gradients are reduce-scattered per micro-batch, as
+PyTorch FSDP and MaxText do. Axes the model itself splits work over (``seq``, ``expert``, ``layers``
+rules) are never deferred.
+
+Only a loss whose rows are independent and equal in weight may be split so: the reference model's
+next-token loss. A model of your own, or a ``train.loss``, may couple rows (batch statistics, a
+contrastive loss), so its gradients are reduced per micro-batch as XLA partitions them.
+
+The loss and metrics are averaged over groups and micro-batches, which equals the whole batch's when the
+loss is a mean over rows (the accumulation assumes that already). Model state other than parameters
+(``rest``) is averaged over groups where floating point, taken from the first group otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardmem.parallel.rules import Rules, spec_axes
+
+#: Rules whose mesh axes the model splits its own work over: a batch axis they use is never deferred.
+_WORK_RULES = ("seq", "expert", "layers")
+
+
+def deferred_axes(rules: Rules, mesh: Mesh, param_shardings, batch_sharding, fsdp_reduce_once: bool = False):
+    """Returns the batch mesh axes (size > 1) whose gradient reduction waits for the end of the step:
+    the leading batch axes of every batch array that no work rule uses, and that shard no parameter
+    unless ``fsdp_reduce_once``. Leading, so that each group of rows is one device's own."""
+    busy = {a for name in _WORK_RULES for a in rules.mesh_axes(name) or ()}
+    sharding_params = {a for s in jax.tree.leaves(param_shardings) for e in s.spec for a in spec_axes(e)}
+    leading = [
+        [a for a in spec_axes(s.spec[0] if s.spec else None) if mesh.shape[a] > 1]
+        for s in jax.tree.leaves(batch_sharding)
+    ]
+    deferred = []
+    for i, axis in enumerate(leading[0] if leading else ()):
+        if axis in busy or (axis in sharding_params and not fsdp_reduce_once):
+            break
+        if any(len(axes) <= i or axes[i] != axis for axes in leading):
+            break
+        deferred.append(axis)
+    return tuple(deferred)
+
+
+def _without(spec: P, axes: tuple[str, ...]) -> list:
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in spec_axes(entry) if a not in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return entries
+
+
+def _inner_rules(rules: Rules, axes: tuple[str, ...]) -> Rules:
+    """The rules with ``axes`` removed: inside the per-group ``vmap`` those axes carry the groups."""
+    logical = tuple(
+        (name, tuple(a for a in mapped or () if a not in axes) or None) for name, mapped in rules.logical
+    )
+    return dataclasses.replace(rules, logical=logical)
+
+
+def accumulate_gradients(
+    grad_fn: Callable,
+    params,
+    rest,
+    batch,
+    *,
+    micro_batches: int,
+    mesh: Mesh,
+    rules: Rules,
+    param_shardings,
+    batch_sharding,
+    fsdp_reduce_once: bool = False,
+    rows_independent: bool = True,
+) -> tuple[jax.Array, dict, Any, Any]:
+    """Returns ``(loss, metrics, grads, rest)`` of ``grad_fn`` (``jax.value_and_grad(loss, has_aux=True)``
+    of ``(params, rest, batch) -> (loss, (metrics, rest))``) averaged over ``micro_batches`` of ``batch``,
+    the gradients reduced across the deferred batch axes once (see the module docstring). Without
+    ``rows_independent`` (a loss that may couple rows) nothing is deferred: XLA reduces per micro-batch."""
+    k = micro_batches
+    axes = (
+        deferred_axes(rules, mesh, param_shardings, batch_sharding, fsdp_reduce_once)
+        if rows_independent
+        else ()
+    )
+    groups = math.prod(mesh.shape[a] for a in axes)
+    group_entry = (axes[0] if len(axes) == 1 else axes) if axes else None
+
+    def split(x, sharding):
+        # Micro-batch i takes every k-th row, so each device keeps its own rows; then one group per
+        # device of the deferred axes: [k, groups, rows / (k * groups), ...].
+        rows = x.shape[0] // k
+        x = x.reshape(rows, k, *x.shape[1:]).swapaxes(0, 1).reshape(k, groups, rows // groups, *x.shape[1:])
+        spec = list(sharding.spec) or [None]
+        inner = _without(P(spec[0]), axes)[0]
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, P(None, group_entry, inner, *spec[1:]))
+        )
+
+    micro = jax.tree.map(split, batch, batch_sharding)
+    accumulator_shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, P(group_entry, *_without(s.spec, axes))), param_shardings
+    )
+    inner_rules = _inner_rules(rules, axes)
+
+    def per_group(rest, one_batch):
+        with inner_rules.activate(mesh):
+            if not axes:
+                return jax.tree.map(
+                    lambda x: x[None], grad_fn(params, rest, jax.tree.map(lambda x: x[0], one_batch))
+                )
+            return jax.vmap(grad_fn, in_axes=(None, None, 0), spmd_axis_name=axes)(params, rest, one_batch)
+
+    def one_rest(rest_G):
+        return jax.tree.map(
+            lambda x: x.mean(0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x[0], rest_G
+        )
+
+    def accumulate(carry, one_batch):
+        loss_sum, metric_sum, grad_sum, rest = carry
+        (loss_G, (metrics_G, rest_G)), grads_G = per_group(rest, one_batch)
+        grads_G = jax.lax.with_sharding_constraint(grads_G, accumulator_shardings)
+        # Per group, like the gradients: a sum over groups here would be a collective per micro-batch.
+        metric_sum = jax.tree.map(jnp.add, metric_sum, metrics_G)
+        grad_sum = jax.tree.map(jnp.add, grad_sum, grads_G)
+        return (loss_sum + loss_G, metric_sum, grad_sum, one_rest(rest_G)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    metric_shapes = jax.eval_shape(lambda: per_group(rest, first)[0][1][0])
+    zeros = (
+        jnp.zeros((groups,), jnp.float32),
+        jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
+        jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda p: jnp.zeros((groups, *p.shape), p.dtype), params), accumulator_shardings
+        ),
+        rest,
+    )
+    (loss, metrics, grads, rest), _ = jax.lax.scan(accumulate, zeros, micro)
+    count = k * groups
+    with jax.named_scope("gradient_reduction"):  # The step's one reduction over the deferred axes.
+        grads = jax.tree.map(lambda g: g.sum(0) / count, grads)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+    return loss.sum() / count, jax.tree.map(lambda m: m.sum(0) / count, metrics), grads, rest

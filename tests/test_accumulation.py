@@ -1,0 +1,78 @@
+"""Gradient accumulation reduces the gradients across devices once per step (shardmem.accumulation)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardmem.accumulation import deferred_axes
+from shardmem.config import config_from_dict
+from shardmem.parallel.mesh import build_mesh
+from shardmem.planning import hlo
+from shardmem.step import build_program
+
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def _config(axes, micro_batches, **train):
+    return config_from_dict({
+        "model": {"preset": "tiny", "n_layers": 2},
+        "mesh": {"axes": axes},
+        "remat": {"policy": "minimal"},
+        "precision": {"params": "float32", "compute": "float32"},
+        "optimizer": {"name": "sgd", "warmup_steps": 0, "learning_rate": 1.0, "grad_clip": None},
+        "train": {"global_batch": 128, "micro_batches": micro_batches, "steps": 10, **train},
+    })  # fmt: skip
+
+
+def _one_step(axes, micro_batches, **train):
+    """(bytes per device of each collective kind in the compiled step, loss, grad_norm, the gradients)."""
+    config = _config(axes, micro_batches, **train)
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    compiled = program.step.lower(program.abstract_state, program.abstract_batch).compile()
+    state = program.init()
+    before = jax.device_get(state["params"])
+    tokens = jax.random.randint(jax.random.key(1), program.abstract_batch.shape, 0, 256, jnp.int32)
+    new, metrics = compiled(state, jax.device_put(tokens, program.batch_sharding))
+    grads = jax.tree.map(np.subtract, before, jax.device_get(new["params"]))  # SGD, learning rate 1.
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    return hlo.collective_bytes(compiled.as_text()), loss, grad_norm, grads
+
+
+@pytest.fixture(scope="module", params=[({"data": 8}, {}), ({"fsdp": 8}, {"fsdp_reduce_once": True})],
+                ids=["data", "fsdp-reduce-once"])  # fmt: skip
+def one_and_sixteen(request):
+    axes, train = request.param
+    return _one_step(axes, 1, **train), _one_step(axes, 16, **train)
+
+
+def test_gradient_reductions_do_not_grow_with_micro_batches(one_and_sixteen):
+    (one, *_), (sixteen, *_) = one_and_sixteen
+    reduced_one = sum(one[kind] for kind in REDUCTIONS)
+    reduced_sixteen = sum(sixteen[kind] for kind in REDUCTIONS)
+    assert reduced_one > 200_000  # The tiny model's gradients (fp32), reduced once.
+    # Inside the accumulation loop they were 16 x reduced_one; a few bytes of scalars may differ.
+    assert reduced_one <= reduced_sixteen <= reduced_one + 1024
+
+
+def test_accumulated_loss_and_gradients_equal_the_whole_batch(one_and_sixteen):
+    (_, loss_one, norm_one, grads_one), (_, loss_sixteen, norm_sixteen, grads_sixteen) = one_and_sixteen
+    assert loss_sixteen == pytest.approx(loss_one, rel=1e-5)
+    assert norm_sixteen == pytest.approx(norm_one, rel=1e-4)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-7)  # noqa: E731
+    jax.tree.map(close, grads_sixteen, grads_one)
+
+
+def _deferred(axes, **train):
+    config = _config(axes, 16, **train)
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    params = program.state_shardings["params"]
+    return deferred_axes(program.rules, program.mesh, params, program.batch_sharding,
+                         config.train.fsdp_reduce_once)  # fmt: skip
+
+
+def test_fsdp_gradients_wait_for_the_step_only_when_asked():
+    assert _deferred({"data": 2, "fsdp": 4}) == ("data",)  # Replicated over data: deferred for free.
+    assert _deferred({"fsdp": 8}) == ()  # A sharded gradient per micro-batch, as PyTorch FSDP does.
+    assert _deferred({"data": 2, "fsdp": 4}, fsdp_reduce_once=True) == ("data", "fsdp")
+    assert _deferred({"data": 4, "tensor": 2}) == ("data",)

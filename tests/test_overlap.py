@@ -1,0 +1,47 @@
+"""The GPU overlap options: one set, which plans for GPUs and training both compile with."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from shardmem.config import load_config
+from shardmem.parallel.mesh import build_mesh
+from shardmem.planning import overlap
+from shardmem.planning.memory import plan
+from shardmem.run.training import compiled_step
+from shardmem.step import build_program
+
+LHS = "xla_gpu_enable_latency_hiding_scheduler"
+
+
+def test_every_overlap_option_has_a_spelling_this_xla_accepts():
+    options = overlap.gpu_options()
+    assert len(options) == len(overlap.GPU_OVERLAP)  # One per option, none dropped as unknown.
+    assert options[LHS] is True
+    assert not overlap.supported("xla_gpu_no_such_option", True)
+
+
+@pytest.fixture(scope="module")
+def gpu_plan():
+    config = load_config("configs/tiny.yaml", [f"memory.compiler_options={{{LHS}: false}}"])
+    return config, plan(config, "h100-sxm")
+
+
+def test_gpu_plans_compile_with_the_overlap_options_and_the_users_win(gpu_plan):
+    _, report = gpu_plan
+    want = {**overlap.gpu_options(), LHS: False}
+    assert {k: report.compiler_options[k] for k in want} == want
+
+
+def test_cpu_plans_take_no_gpu_options():
+    report = plan(load_config("configs/tiny.yaml", ["model.n_layers=1", "remat.layers={}"]), "cpu")
+    assert not set(report.compiler_options) & set(overlap.gpu_options())
+
+
+def test_training_compiles_its_step_with_the_plans_options(gpu_plan):
+    config, report = gpu_plan
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    assert compiled_step(program, dataclasses.replace(report, compiler_options={LHS: True})) is not None
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):  # The options reach XLA.
+        compiled_step(program, dataclasses.replace(report, compiler_options={"xla_gpu_no_such_option": 1}))
