@@ -67,12 +67,20 @@ class Layout:
             out += (f"train.global_batch={self.global_batch}",)
         return out
 
-    def describe(self) -> str:
+    def batch(self, config: Config) -> int:
+        """The global batch this layout runs (its micro-batches split it): the config's unless grown."""
+        return self.global_batch or config.train.global_batch
+
+    def describe(self, batch: bool = True) -> str:
+        """``"fsdp=8 tensor=8; 2 micro-batches; full"``; without the micro-batches and a grown batch
+        when ``batch`` is false (the table gives them columns of their own)."""
         mesh = " ".join(f"{a}={n}" for a, n in self.sizes if n > 1) or "one device"
         extra = ", ZeRO-1" if self.zero1 else ""
-        batch = f", batch {self.global_batch}" if self.global_batch else ""
+        if not batch:
+            return f"{mesh}; {self.policy}{extra}"
+        grown = f", batch {self.global_batch}" if self.global_batch else ""
         micro = f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}"
-        return f"{mesh}; {micro}; {self.policy}{extra}{batch}"
+        return f"{mesh}; {micro}; {self.policy}{extra}{grown}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +177,11 @@ class Estimator:
     device holds (all of a pipeline stage's in-flight micro-batches), times a factor fitted to compiles.
     Time: matmul FLOPs per device (traced per policy, the pipeline's idle ticks included) at the peak's
     efficiency, memory-bound work as a fitted share of it, and each parallelism's usual communication:
-    FSDP's weight all-gathers per micro-batch and gradient reduce-scatter, data parallelism's gradient
-    all-reduce, tensor parallelism's two activation all-reduces per layer and pass, pipeline hand-offs,
-    context parallelism's key/value all-gathers, each at the bandwidth NCCL's rings reach over its
-    group (on GPUs: NVLink inside a node, the group's share of the node's NICs across)."""
+    FSDP's weight all-gathers and gradient reduce-scatters per micro-batch, data parallelism's gradient
+    all-reduce once per step (:mod:`shardmem.accumulation`), tensor parallelism's two activation
+    all-reduces per layer and pass, pipeline hand-offs, context parallelism's key/value all-gathers,
+    each at the bandwidth NCCL's rings reach over its group (on GPUs: NVLink inside a node, the group's
+    share of the node's NICs across)."""
 
     def __init__(self, config: Config, hardware, per_host: int, flops: dict[str, float],
                  residuals: dict[str, float]):  # fmt: skip
@@ -186,12 +195,13 @@ class Estimator:
         self.launch_per_layer_pass = 0.0  # kernel gaps per layer and micro-batch pass, fitted
         self._activations: dict[tuple[str, bool], list[tuple[float, float]]] = {}
         self._times: list[tuple[float, float]] = []
+        self._links: dict[tuple, float] = {}
 
     def __call__(self, layout: Layout) -> Estimate:
         config, model, axes = self.config, self.config.model, layout.axes
         n = math.prod(axes.values())
         t, s, c, d, f, e = (axes[a] for a in ("tensor", "stage", "context", "data", "fsdp", "expert"))
-        batch = layout.global_batch or config.train.global_batch
+        batch = layout.batch(config)
         m = layout.micro_batches
         weight_shards = t * s * f * c * (e if model.n_experts else 1)
         param_bytes = self.params * _itemsize(config.precision.params) / weight_shards
@@ -215,14 +225,16 @@ class Estimator:
         flops = self.flops[layout.policy] * batch / config.train.global_batch / n * ticks
         dtype = "f32" if config.precision.compute == "float32" else "bf16"
         compute = flops / (self.hardware.peak(dtype) * MATMUL_EFFICIENCY)
-        link = functools.partial(_link, self.hardware, axes, self.per_host)
+        link = functools.partial(self._link, layout.sizes)
         weights_bf16 = self.params * 2 / (t * s * (e if model.n_experts else 1))
         comm = 0.0
         g = f * c
         if g > 1:
             passes = 3 if layout.policy != "none" else 2
             comm += passes * m * weights_bf16 * (g - 1) / g / link("fsdp", "context")
-            comm += self.params * 4 / (t * s) * (g - 1) / g / link("fsdp", "context")
+            # The program reduce-scatters FSDP gradients per micro-batch (train.fsdp_reduce_once: once).
+            scatters = 1 if config.train.fsdp_reduce_once else m
+            comm += scatters * self.params * 4 / (t * s) * (g - 1) / g / link("fsdp", "context")
         if d > 1:
             comm += 2 * (d - 1) / d * self.params * 4 / weight_shards / link("data")
         micro_rows = rows / m
@@ -241,6 +253,14 @@ class Estimator:
         work = compute * (1 + self.memory_share) + self.launch_per_layer_pass * self._passes(layout)
         seconds = (work + max(0.0, comm - 0.5 * work)) * self.time_scale
         return Estimate(static, activations, seconds)
+
+    def _link(self, sizes: tuple[tuple[str, int], ...], *names: str) -> float:
+        """:func:`_link`, once per mesh and group: every variant of a mesh (micro-batches, remat, ZeRO-1)
+        and every round of the search asks again, and 512 GPUs have ~11,000 layouts."""
+        key = (sizes, names)
+        if key not in self._links:
+            self._links[key] = _link(self.hardware, dict(sizes), self.per_host, *names)
+        return self._links[key]
 
     def _passes(self, layout: Layout) -> float:
         """Layer passes a device runs per step: its layers times micro-batches (a pipeline's ticks)."""
