@@ -144,20 +144,10 @@ def test_a_layout_that_holds_only_part_of_the_batch_is_compared_at_the_full_batc
     budget = budget_of(config.memory, resolved.memory_bytes, resolved.allocator_limit)
 
     def compiled(config, combos, target, *, jobs=None, pool=None):
-        rows = []
-        for overrides in combos:
-            micro = int(next(o for o in overrides if o.startswith("train.micro_batches=")).split("=")[1])
-            peak = budget * 3 // 2 if micro == 1 else budget // 2
-            seconds = 1.0 + 0.1 * micro
-            terms = {"compute": seconds, "memory_bound": 0.0, "launch": 0.0, "exposed_communication": 0.0,
-                     "exposed_host_transfers": 0.0}  # fmt: skip
-            step = {"seconds": seconds, "breakdown": terms, "bubble_seconds": 0.0, "mfu": None,
-                    "tokens_per_second": 16 * 64 / seconds}  # fmt: skip
-            rows.append(sweep.SweepRow(overrides, peak_bytes=peak, budget_bytes=budget, fits=peak <= budget,
-                                       margin_bytes=budget - peak, host_bytes=0, step_time=step))  # fmt: skip
-        return rows
+        return _plans(combos, budget, lambda micro, policy: (1.5 if micro == 1 else 0.5, 1.0 + 0.1 * micro))
 
     monkeypatch.setattr(sweep, "plan_candidates", compiled)
+    monkeypatch.setattr(layout, "_other_policies", lambda *args: [])  # Only the accumulation here.
     fits, _, _ = layout.search_layouts(config, "cpu", resolved, max_compiles=8, jobs=1, objective="step_time",
                                        allow_offload=False, progress=lambda message: None,
                                        note=lambda *args, **kwargs: None)  # fmt: skip
@@ -206,3 +196,50 @@ def test_the_winners_per_layer_remat_mixes_in_offload_only_where_the_winner_offl
     monkeypatch.setattr(tune_module, "tune", per_layer)
     result = search(config, "h100-sxm", search="layout", max_compiles=12)  # offload allowed on GPUs
     assert result.found and asked == {"search": "remat", "allow_offload": policy == "offload"}
+
+
+def _plans(combos, budget: int, figures) -> list:
+    """Stand-ins for compiled plans: ``figures(micro_batches, policy)`` gives (peak / budget, seconds)."""
+    from shardmem.explore import sweep
+
+    rows = []
+    for overrides in combos:
+        settings = dict(o.split("=", 1) for o in overrides)
+        share, seconds = figures(int(settings["train.micro_batches"]), settings["remat.policy"])
+        peak = int(budget * share)
+        terms = {"compute": seconds, "memory_bound": 0.0, "launch": 0.0, "exposed_communication": 0.0,
+                 "exposed_host_transfers": 0.0}  # fmt: skip
+        step = {"seconds": seconds, "breakdown": terms, "bubble_seconds": 0.0, "mfu": None,
+                "tokens_per_second": 16 * 64 / seconds}  # fmt: skip
+        rows.append(sweep.SweepRow(overrides, peak_bytes=peak, budget_bytes=budget, fits=peak <= budget,
+                                   margin_bytes=budget - peak, host_bytes=0, step_time=step))  # fmt: skip
+    return rows
+
+
+def test_the_best_mesh_is_compiled_with_its_other_remat_policies(monkeypatch):
+    """One variant of each mesh is compiled, the one estimated fastest (the least recomputation here);
+    whether a policy's recomputation hides the mesh's collectives only a compile says. Stand-ins in which
+    full remat is the fastest on every mesh: the winner must be the best mesh with full remat."""
+    from shardmem.explore import sweep
+    from shardmem.planning.memory import budget as budget_of
+    from shardmem.planning.memory import make_target
+
+    config = load_config(TINY, ["remat.layers={}", "remat.policy=minimal"])
+    resolved = make_target(config, "cpu")
+    budget = budget_of(config.memory, resolved.memory_bytes, resolved.allocator_limit)
+    asked = []
+
+    def compiled(config, combos, target, *, jobs=None, pool=None):
+        asked.extend(combos)
+        return _plans(combos, budget, lambda micro, policy: (0.5, 1.0 if policy == "full" else 2.0))
+
+    monkeypatch.setattr(sweep, "plan_candidates", compiled)
+    fits, compiles, notes = layout.search_layouts(config, "cpu", resolved, max_compiles=8, jobs=1,
+                                                  objective="step_time", allow_offload=False,
+                                                  progress=lambda message: None,
+                                                  note=lambda *args, **kwargs: None)  # fmt: skip
+    assert compiles == len(asked) <= 8
+    assert fits[0].layout.policy == "full" and fits[0].seconds == 1.0
+    assert any("other remat policies" in line for line in notes)
+    assert {r.layout.policy for r in fits if r.layout.sizes == fits[0].layout.sizes} >= {"full", "none"}
+    assert sum(r.layout.policy == "full" for r in fits) == 1  # no other mesh was compiled with full

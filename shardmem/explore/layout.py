@@ -13,7 +13,9 @@ and step time from a few traced quantities (FLOPs and backward residuals per pol
 and the standard communication volumes of each parallelism; the estimates are refitted to every
 compile made. The most promising are compiled (in parallel worker processes, like ``sweep``), their
 memory confirmed by XLA and their step time predicted from the compiled HLO
-(:mod:`shardmem.planning.cost`); the fitting ones are ranked by predicted step time.
+(:mod:`shardmem.planning.cost`), one variant per mesh, then the best mesh with each other remat policy;
+the fitting ones are ranked by predicted step time, all at the config's global batch (a layout that
+cannot hold it at once accumulates over more micro-batches).
 
 The estimates only order and prune: every layout shown with a step time was compiled.
 """
@@ -374,6 +376,7 @@ def search_layouts(
     notes = [f"{len(layouts)} layouts enumerated over {', '.join(AXES)} x micro-batches x remat x ZeRO-1"]
 
     compiled: dict[Layout, Ranked] = {}
+    reserve = min(len(policies) - 1, max_compiles // 4)  # For the best mesh's other remat policies.
     compiles = 0
 
     def run(batch: list[Layout]) -> None:
@@ -407,7 +410,7 @@ def search_layouts(
         pool = stack.enter_context(planning_pool(config, target, workers, n)) if workers > 1 else None
         if own is not None and own in layouts:
             run([own])  # The config's own layout first: the baseline the search must beat.
-        while compiles < max_compiles:
+        while compiles < max_compiles - reserve:
             estimates = {layout: estimator(layout) for layout in layouts if layout not in compiled}
             fitting = [lay for lay, est in estimates.items() if est.peak_bytes <= budget * _ESTIMATE_REJECT]
             best_mesh: dict[tuple, Layout] = {}
@@ -426,8 +429,18 @@ def search_layouts(
             if compiles >= min(8, max_compiles // 2) and estimates[order[0]].seconds > 1.3 * best:
                 notes.append("stopped: no remaining layout is estimated within 1.3x of the best compiled")
                 break
-            run(order[: min(workers, max_compiles - compiles)])
-        fits = sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
+            run(order[: min(workers, max_compiles - reserve - compiles)])
+
+        def fitting() -> list[Ranked]:
+            return sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
+
+        fits = fitting()
+        variants = _other_policies(fits[0].layout, layouts, compiled, estimator, budget) if fits else []
+        if variants and compiles < max_compiles:
+            variants = variants[: max_compiles - compiles]
+            notes.append(f"the best mesh with its other remat policies: {len(variants)} compiles")
+            run(variants)
+            fits = fitting()
         if objective == "throughput" and fits:
             fits = _grow_batches(fits[:3], config, budget, estimator, max_compiles, lambda: compiles, run,
                                  compiled) + fits  # fmt: skip
@@ -436,6 +449,21 @@ def search_layouts(
     notes.append(f"{compiles} compiles; {over} compiled layouts did not fit; "
                  f"{len(layouts) - len(compiled)} left to the estimates")  # fmt: skip
     return fits, compiles, notes
+
+
+def _other_policies(best: Layout, layouts, compiled, estimator: Estimator, budget: float) -> list[Layout]:
+    """The best compiled mesh with each remat policy it was not compiled with, at the fewest
+    micro-batches estimated to fit. The search compiles one variant per mesh, and the estimate cannot
+    rank policies of one mesh: how much of FSDP's weight gathers a policy's recomputation hides is the
+    compiled schedule's to say (FSDP over 512 H100s: minimal's 1.58 s of exposed gathers against full's
+    recomputation)."""
+    variants: dict[str, Layout] = {}
+    for lay in sorted(layouts, key=lambda lay: lay.micro_batches):
+        if lay.sizes != best.sizes or lay.zero1 != best.zero1 or lay.policy == best.policy or lay in compiled:
+            continue
+        if lay.policy not in variants and estimator(lay).peak_bytes <= budget * _ESTIMATE_REJECT:
+            variants[lay.policy] = lay
+    return list(variants.values())
 
 
 def _grow_batches(top, config, budget, estimator, max_compiles, count, run, compiled):
