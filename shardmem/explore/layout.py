@@ -376,7 +376,9 @@ def search_layouts(
     notes = [f"{len(layouts)} layouts enumerated over {', '.join(AXES)} x micro-batches x remat x ZeRO-1"]
 
     compiled: dict[Layout, Ranked] = {}
-    reserve = min(len(policies) - 1, max_compiles // 4)  # For the best mesh's other remat policies.
+    # Compiles kept for the best mesh's other remat policies (--objective throughput spends what is left
+    # on growing batches instead).
+    reserve = min(len(policies) - 1, max_compiles // 4) if objective == "step_time" else 0
     compiles = 0
 
     def run(batch: list[Layout]) -> None:
@@ -435,7 +437,9 @@ def search_layouts(
             return sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
 
         fits = fitting()
-        variants = _other_policies(fits[0].layout, layouts, compiled, estimator, budget) if fits else []
+        variants = []
+        if reserve and fits:
+            variants = _other_policies(fits[0].layout, layouts, compiled, estimator, budget)
         if variants and compiles < max_compiles:
             variants = variants[: max_compiles - compiles]
             notes.append(f"the best mesh with its other remat policies: {len(variants)} compiles")
