@@ -179,10 +179,17 @@ def plan_row(row_id: str) -> dict:
     st = report.step_time
     return {
         "id": row_id, "published_seconds": published, "predicted_seconds": st.seconds,
-        "ratio": st.seconds / published, "breakdown": st.breakdown(), "mfu": st.mfu,
+        "ratio": st.seconds / published, "breakdown": st.breakdown(), "mfu": st.mfu, "hfu": st.hfu,
         "peak_gib": report.per_device["peak"] / 2**30, "fits": report.fits,
         "plan_seconds": time.perf_counter() - start, "assumptions": assumptions,
     }  # fmt: skip
+
+
+def _utilization(result: dict) -> str:
+    # MFU needs the FLOPs without recomputation, a second compile that plan_row skips; HFU counts it.
+    if result["mfu"] is not None:
+        return f"MFU {result['mfu']:.1%}; "
+    return f"HFU {result['hfu']:.1%}; " if result["hfu"] is not None else ""
 
 
 def main(argv=None) -> int:
@@ -203,7 +210,7 @@ def main(argv=None) -> int:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in result["breakdown"].items() if v)
         print(f"{row_id:24} {result['published_seconds']:9.3f} {result['predicted_seconds']:9.3f} "
               f"{result['ratio']:6.2f}  {parts}; peak {result['peak_gib']:.1f} GiB"
-              f"{'' if result['fits'] else ' (does not fit)'}; MFU {result['mfu']:.1%}; "
+              f"{'' if result['fits'] else ' (does not fit)'}; {_utilization(result)}"
               f"planned in {result['plan_seconds']:.0f} s", flush=True)  # fmt: skip
         for assumption in result["assumptions"]:
             print(f"{'':26}assumes: {assumption}")

@@ -16,8 +16,10 @@ parallelism), always; the accumulator then costs what the summed gradient did. A
 parameters (FSDP) only with ``train.fsdp_reduce_once``: each device then holds its group's gradient
 unsharded over them (a parameter's size / its other shards, in the parameters' dtype) instead of its
 shard, PyTorch FSDP's ``no_sync``; by default FSDP gradients are reduce-scattered per micro-batch, as
-PyTorch FSDP and MaxText do. Axes the model itself splits work over (``seq``, ``expert``, ``layers``
-rules) are never deferred.
+PyTorch FSDP and MaxText do. With ``optimizer.shard_over_data`` (ZeRO-1) the data axes are deferred
+too, so each device accumulates its whole gradient (as Megatron's distributed optimizer does) where XLA
+could otherwise have reduce-scattered into a data-sharded one. Axes the model itself splits work over
+(``seq``, ``expert``, ``layers`` rules) are never deferred.
 
 Only a loss whose rows are independent and equal in weight may be split so: the reference model's
 next-token loss. A model of your own, or a ``train.loss``, may couple rows (batch statistics, a

@@ -43,6 +43,42 @@ def test_a_loops_body_is_found_after_its_condition():
     assert hlo.collective_bytes(module)["all-gather"] == 4 * 256 * 256 * 4
 
 
+PIPELINED_LOOP = """\
+%fused_compare (param_0.5852: s32[]) -> pred[] {
+  %param_0.5852 = s32[] parameter(0), metadata={scheduling_name="param_0.5852"}
+  %constant_1397_2 = s32[] constant(3)
+  ROOT %compare.11.2 = pred[] compare(%param_0.5852, %constant_1397_2), direction=LT, metadata={scheduling_name="compare.11.2"}
+}
+
+%cond (cond_param.5: (s32[], f32[1])) -> pred[] {
+  %cond_param.5 = (s32[], f32[1]{0}) parameter(0), metadata={scheduling_name="cond_param.5"}
+  %get-tuple-element.2745 = s32[] get-tuple-element(%cond_param.5), index=0, metadata={scheduling_name="get-tuple-element.2745"}
+  ROOT %loop_compare_fusion.5 = pred[] fusion(%get-tuple-element.2745), kind=kLoop, calls=%fused_compare, metadata={scheduling_name="loop_compare_fusion.5"}
+}
+
+%body (p: (s32[], f32[1])) -> (s32[], f32[1]) {
+  %p = (s32[], f32[1]{0}) parameter(0)
+  %ar = f32[1024]{0} all-reduce(%y), to_apply=%add
+}
+
+ENTRY %main (a: f32[1]) -> f32[1] {
+  %constant_607_clone_1 = s32[] constant(0)
+  %copy.555 = s32[] copy(%constant_607_clone_1)
+  %copy.276 = s32[] copy(%copy.555)
+  %tuple.342 = (s32[], f32[1]{0}) tuple(%copy.276, %a)
+  %while.235 = (s32[], f32[1]{0}) while(%tuple.342), condition=%cond, body=%body, metadata={scheduling_name="while.235"}, backend_config={"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":[]}
+}
+"""
+
+
+def test_trips_of_a_loop_whose_condition_compares_in_a_fusion():
+    # XLA's GPU compiler with pipelined collectives (planning/overlap.py) writes the micro-batch loop's
+    # condition as a fusion and drops known_trip_count; read as 1 trip, the step's compute halved.
+    module = hlo.parse_module(PIPELINED_LOOP)
+    assert module.by_name["while.235"].trip_count == 3
+    assert hlo.collective_bytes(module)["all-reduce"] == 3 * 1024 * 4
+
+
 def test_readable_scopes():
     assert hlo.readable_scope("jit(step)/while/body/transpose(jvp(layers_0-7))/attention/dot_general") == (
         "layers_0-7/attention/dot_general (backward)"

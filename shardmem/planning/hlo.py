@@ -646,10 +646,7 @@ def _condition_trips(loop: Instruction, computations, by_name) -> int | None:
     counter starts at a constant (JAX's scans and fori_loops), or None."""
     condition = re.search(r"condition=%?([\w.\-]+)", loop.attributes)
     body = computations.get(condition.group(1), ()) if condition else ()
-    compares = [i for i in body if i.opcode == "compare" and "direction=LT" in i.attributes]
-    if len(compares) != 1 or len(compares[0].operands) != 2:
-        return None
-    counter, limit = (by_name.get(name) for name in compares[0].operands)
+    counter, limit = _compared(body, computations, by_name)
     if not (counter and limit and limit.opcode == "constant" and counter.opcode == "get-tuple-element"):
         return None
     index = re.search(r"index=(\d+)", counter.attributes)
@@ -661,10 +658,35 @@ def _condition_trips(loop: Instruction, computations, by_name) -> int | None:
         initial = by_name.get(initial.operands[0])
     if initial is None or initial.opcode != "constant":
         return None
+    step = re.search(r'"known_init_step":\{"init":"-?\d+","step":"(\d+)"', loop.attributes)
     try:
-        return max(int(limit.arguments) - int(initial.arguments), 0)
-    except ValueError:
+        return max(
+            -(-(int(limit.arguments) - int(initial.arguments)) // int(step.group(1) if step else 1)), 0
+        )
+    except (ValueError, ZeroDivisionError):
         return None
+
+
+def _compared(condition, computations, by_name) -> tuple[Instruction | None, Instruction | None]:
+    """The (counter, limit) of a loop condition's one ``counter < limit``, written in the condition or,
+    as XLA's GPU compiler writes it once collectives are pipelined, in the one fusion it calls."""
+    compares = [i for i in condition if i.opcode == "compare" and "direction=LT" in i.attributes]
+    if len(compares) == 1 and len(compares[0].operands) == 2:
+        counter, limit = (by_name.get(name) for name in compares[0].operands)
+        return counter, limit
+    fusions = [i for i in condition if i.opcode == "fusion" and len(i.called) == 1]
+    if compares or len(fusions) != 1:
+        return None, None
+    fused = computations.get(fusions[0].called[0], ())
+    inner = [i for i in fused if i.opcode == "compare" and "direction=LT" in i.attributes]
+    if len(inner) != 1 or len(inner[0].operands) != 2:
+        return None, None
+    parameter, limit = (by_name.get(name) for name in inner[0].operands)
+    if parameter is None or parameter.opcode != "parameter" or not parameter.arguments.strip().isdigit():
+        return None, None
+    index = int(parameter.arguments)
+    operands = fusions[0].operands
+    return (by_name.get(operands[index]) if index < len(operands) else None), limit
 
 
 # --- Collective traffic ----------------------------------------------------------------------------

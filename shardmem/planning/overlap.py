@@ -57,10 +57,15 @@ GPU_OVERLAP: dict[str, tuple[tuple[str, Any], ...]] = {
 
 @functools.cache
 def supported(name: str, value: Any) -> bool:
-    """Whether the running XLA accepts compile option ``name=value`` (a trivial CPU compile: the options
-    are one proto for every backend, and an unknown name or enum value is refused)."""
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32, sharding=cpu))
+    """Whether the running XLA accepts compile option ``name=value`` (a trivial compile, on the CPU where
+    JAX has one: the options are one proto for every backend, and an unknown name or enum value is
+    refused)."""
+    try:
+        device = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS names no CPU: the attached GPU compiles it as well.
+        device = jax.devices()[0]
+    one = jax.sharding.SingleDeviceSharding(device)
+    lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32, sharding=one))
     try:
         lowered.compile(compiler_options={name: value})
     except Exception:  # XLA's INVALID_ARGUMENT, a plain runtime error.
