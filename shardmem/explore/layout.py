@@ -16,8 +16,9 @@ and the standard communication volumes of each parallelism; the estimates are re
 compile made. The config as written is compiled first (its rules, per-layer remat and stages as they
 are): the baseline the choice is compared with, shown whether or not it fits. The most promising layouts
 are then compiled (in parallel worker processes, like ``sweep``), their memory confirmed by XLA and their
-step time predicted from the compiled HLO (:mod:`shardmem.planning.cost`); the fitting ones are ranked
-by the objective.
+step time predicted from the compiled HLO (:mod:`shardmem.planning.cost`), one variant per mesh, then the
+best mesh with each other remat policy; the fitting ones are ranked by the objective, all at the config's
+global batch (a layout that cannot hold it at once accumulates over more micro-batches).
 
 The estimates only order and prune: every layout shown with a step time was compiled.
 """
@@ -85,15 +86,24 @@ class Layout:
             out += (f"train.global_batch={self.global_batch}",)
         return out
 
-    def describe(self) -> str:
+    def batch(self, config: Config) -> int:
+        """The global batch this layout runs (its micro-batches split it): the config's unless grown."""
+        return self.global_batch or config.train.global_batch
+
+    def describe(self, batch: bool = True) -> str:
+        """``"fsdp=8 tensor=8; 2 micro-batches; full"``; without the micro-batches and a grown batch
+        when ``batch`` is false (the table gives them columns of their own)."""
         mesh = " ".join(f"{a}={n}" for a, n in self.sizes if n > 1) or "one device"
         extra = ", ZeRO-1" if self.zero1 else ""
         extra += f", {self.schedule}" if self.schedule else ""
         extra += ", sequence parallel" if self.sequence else ""
-        batch = f", batch {self.global_batch}" if self.global_batch else ""
-        micro = f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}"
         own = "as configured: " if self.own else ""
-        return f"{own}{mesh}; {micro}; {self.remat or self.policy}{extra}{batch}"
+        policy = self.remat or self.policy
+        if not batch:
+            return f"{own}{mesh}; {policy}{extra}"
+        grown = f", batch {self.global_batch}" if self.global_batch else ""
+        micro = f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}"
+        return f"{own}{mesh}; {micro}; {policy}{extra}{grown}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +208,11 @@ class Estimator:
     parallelism), times a factor fitted to compiles.
     Time: matmul FLOPs per device (traced per policy, the pipeline's idle ticks included) at the peak's
     efficiency, memory-bound work as a fitted share of it, and each parallelism's usual communication:
-    FSDP's weight all-gathers per micro-batch and gradient reduce-scatter, data parallelism's gradient
-    all-reduce, tensor parallelism's two activation all-reduces per layer and pass, pipeline hand-offs,
-    context parallelism's key/value all-gathers, each at the bandwidth NCCL's rings reach over its
-    group (on GPUs: NVLink inside a node, the group's share of the node's NICs across)."""
+    FSDP's weight all-gathers and gradient reduce-scatters per micro-batch, data parallelism's gradient
+    all-reduce once per step (:mod:`shardmem.accumulation`), tensor parallelism's two activation
+    all-reduces per layer and pass, pipeline hand-offs, context parallelism's key/value all-gathers,
+    each at the bandwidth NCCL's rings reach over its group (on GPUs: NVLink inside a node, the group's
+    share of the node's NICs across)."""
 
     def __init__(self, config: Config, hardware, per_host: int, flops: dict[str, float],
                  residuals: dict[str, float]):  # fmt: skip
@@ -216,12 +227,13 @@ class Estimator:
         self.launch_per_layer_pass = 0.0  # kernel gaps per layer and micro-batch pass, fitted
         self._activations: dict[tuple[str, bool, bool], list[tuple[float, float]]] = {}
         self._times: list[tuple[float, float]] = []
+        self._links: dict[tuple, float] = {}
 
     def __call__(self, layout: Layout) -> Estimate:
         config, model, axes = self.config, self.config.model, layout.axes
         n = math.prod(axes.values())
         t, s, c, d, f, e = (axes[a] for a in ("tensor", "stage", "context", "data", "fsdp", "expert"))
-        batch = layout.global_batch or config.train.global_batch
+        batch = layout.batch(config)
         m = layout.micro_batches
         weight_shards = t * s * f * c * (e if model.n_experts else 1)
         param_bytes = self.params * _itemsize(config.precision.params) / weight_shards
@@ -251,14 +263,16 @@ class Estimator:
         flops = self.flops[layout.policy] * batch / config.train.global_batch / n * ticks
         dtype = "f32" if config.precision.compute == "float32" else "bf16"
         compute = flops / (self.hardware.peak(dtype) * MATMUL_EFFICIENCY)
-        link = functools.partial(_link, self.hardware, axes, self.per_host)
+        link = functools.partial(self._link, layout.sizes)
         weights_bf16 = self.params * 2 / (t * s * (e if model.n_experts else 1))
         comm = 0.0
         g = f * c
         if g > 1:
             passes = 3 if layout.policy != "none" else 2
             comm += passes * m * weights_bf16 * (g - 1) / g / link("fsdp", "context")
-            comm += self.params * 4 / (t * s) * (g - 1) / g / link("fsdp", "context")
+            # The program reduce-scatters FSDP gradients per micro-batch (train.fsdp_reduce_once: once).
+            scatters = 1 if config.train.fsdp_reduce_once else m
+            comm += scatters * self.params * 4 / (t * s) * (g - 1) / g / link("fsdp", "context")
         if d > 1:
             comm += 2 * (d - 1) / d * self.params * 4 / weight_shards / link("data")
         micro_rows = rows / m
@@ -281,6 +295,14 @@ class Estimator:
     def knows(self, layout: Layout) -> bool:
         """Whether the layout's remat policy was traced for the estimates (the config's own may not be)."""
         return layout.policy in self.flops
+
+    def _link(self, sizes: tuple[tuple[str, int], ...], *names: str) -> float:
+        """:func:`_link`, once per mesh and group: every variant of a mesh (micro-batches, remat, ZeRO-1)
+        and every round of the search asks again, and 512 GPUs have ~11,000 layouts."""
+        key = (sizes, names)
+        if key not in self._links:
+            self._links[key] = _link(self.hardware, dict(sizes), self.per_host, *names)
+        return self._links[key]
 
     def _passes(self, layout: Layout) -> float:
         """Layer passes a device runs per step: its layers times micro-batches (a pipeline's ticks)."""
@@ -401,6 +423,9 @@ def search_layouts(
 
     compiled: dict[Layout, Ranked] = {}
     refused: set[Layout] = set()  # Compiles libtpu refused as over the chip's HBM: no figures but the need.
+    # Compiles kept for the best mesh's other remat policies (--objective throughput spends what is left
+    # on growing batches instead).
+    reserve = min(len(policies) - 1, max_compiles // 4) if objective == "step_time" else 0
     compiles = 0
 
     def run(batch: list[Layout]) -> None:
@@ -447,8 +472,9 @@ def search_layouts(
     with contextlib.ExitStack() as stack:  # One pool of workers for every compile of the search.
         pool = stack.enter_context(planning_pool(config, target, workers, n)) if workers > 1 else None
         run([own])  # The config as written first: the baseline the search must beat, always shown.
-        # Throughput keeps a third of the compiles for growing the best layouts' batches.
-        layout_compiles = max_compiles - (max(1, max_compiles // 3) if objective == "throughput" else 0)
+        # Throughput keeps a third of the compiles for growing the best layouts' batches; step time keeps
+        # ``reserve`` for the best mesh's other remat policies.
+        layout_compiles = max_compiles - (max(1, max_compiles // 3) if objective == "throughput" else reserve)
         while compiles < layout_compiles:
             estimates = {layout: estimator(layout) for layout in layouts
                          if layout not in compiled and layout != twin}  # fmt: skip
@@ -470,7 +496,19 @@ def search_layouts(
                 notes.append("stopped: no remaining layout is estimated within 1.3x of the best compiled")
                 break
             run(order[: min(workers, layout_compiles - compiles)])
-        fits = sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
+
+        def ranked_fits() -> list[Ranked]:
+            return sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
+
+        fits = ranked_fits()
+        variants = []
+        if reserve and fits:
+            variants = _other_policies(fits[0].layout, layouts, compiled, estimator, budget)
+        if variants and compiles < max_compiles:
+            variants = variants[: max_compiles - compiles]
+            notes.append(f"the best mesh with its other remat policies: {len(variants)} compiles")
+            run(variants)
+            fits = ranked_fits()
         if objective == "throughput" and fits:
             fits = _grow_batches(fits[:3], config, budget, estimator, max_compiles, lambda: compiles, run,
                                  compiled) + fits  # fmt: skip
@@ -481,6 +519,23 @@ def search_layouts(
     left = sum(lay not in compiled and lay != twin for lay in layouts)
     notes.append(f"{over} compiled layouts did not fit; {left} left to the estimates")
     return fits, compiles, notes
+
+
+def _other_policies(best: Layout, layouts, compiled, estimator: Estimator, budget: float) -> list[Layout]:
+    """The best compiled mesh with each remat policy it was not compiled with, at the fewest
+    micro-batches estimated to fit. The search compiles one variant per mesh, and the estimate cannot
+    rank policies of one mesh: how much of FSDP's weight gathers a policy's recomputation hides is the
+    compiled schedule's to say (FSDP over 512 H100s: minimal's 1.58 s of exposed gathers against full's
+    recomputation)."""
+    variants: dict[str, Layout] = {}
+    for lay in sorted(layouts, key=lambda lay: lay.micro_batches):
+        same_mesh = (lay.sizes, lay.zero1, lay.schedule, lay.sequence) == (
+            best.sizes, best.zero1, best.schedule, best.sequence)  # fmt: skip
+        if not same_mesh or lay.policy == best.policy or lay in compiled:
+            continue
+        if lay.policy not in variants and estimator(lay).peak_bytes <= budget * _ESTIMATE_REJECT:
+            variants[lay.policy] = lay
+    return list(variants.values())
 
 
 def _grow_batches(top, config, budget, estimator, max_compiles, count, run, compiled):
