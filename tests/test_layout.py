@@ -280,14 +280,22 @@ def test_a_layout_that_holds_only_part_of_the_batch_is_compared_at_the_full_batc
     budget = budget_of(config.memory, resolved.memory_bytes, resolved.allocator_limit)
 
     def compiled(config, combos, target, *, jobs=None, pool=None):
-        return _plans(combos, budget, lambda micro, policy: (1.5 if micro == 1 else 0.5, 1.0 + 0.1 * micro))
+        return _plans(
+            combos,
+            budget,
+            lambda micro, policy: (1.5 if micro == 1 else 0.5, 1.0 + 0.1 * micro),
+            own=(1, "full"),
+        )
 
     monkeypatch.setattr(sweep, "plan_candidates", compiled)
     monkeypatch.setattr(layout, "_other_policies", lambda *args: [])  # Only the accumulation here.
     fits, _, _ = layout.search_layouts(config, "cpu", resolved, max_compiles=8, jobs=1, objective="step_time",
                                        allow_offload=False, progress=lambda message: None,
                                        note=lambda *args, **kwargs: None)  # fmt: skip
-    assert fits and all(r.layout.batch(config) == 16 and r.layout.micro_batches >= 2 for r in fits)
+    # The config as written (one micro-batch, over the budget here) is shown last, as not fitting.
+    assert fits[-1].layout.own and not fits[-1].fits
+    fitting = [r for r in fits if r.fits]
+    assert fitting and all(r.layout.batch(config) == 16 and r.layout.micro_batches >= 2 for r in fitting)
     assert fits[0].layout.micro_batches == 2  # the fewest micro-batches that fit: the fastest here
     rows = ranked_rows(fits, config)
     assert {(row["global_batch"], row["micro_batches"]) for row in rows} >= {(16, 2)}
@@ -334,13 +342,15 @@ def test_the_winners_per_layer_remat_mixes_in_offload_only_where_the_winner_offl
     assert result.found and asked == {"search": "remat", "allow_offload": policy == "offload"}
 
 
-def _plans(combos, budget: int, figures) -> list:
-    """Stand-ins for compiled plans: ``figures(micro_batches, policy)`` gives (peak / budget, seconds)."""
+def _plans(combos, budget: int, figures, own: tuple[int, str]) -> list:
+    """Stand-ins for compiled plans: ``figures(micro_batches, policy)`` gives (peak / budget, seconds);
+    ``own``: the micro-batches and policy of the config as written (compiled without overrides)."""
     from shardmem.explore import sweep
 
     rows = []
     for overrides in combos:
-        settings = dict(o.split("=", 1) for o in overrides)
+        settings = {"train.micro_batches": str(own[0]), "remat.policy": own[1]}
+        settings |= dict(o.split("=", 1) for o in overrides)
         share, seconds = figures(int(settings["train.micro_batches"]), settings["remat.policy"])
         peak = int(budget * share)
         terms = {"compute": seconds, "memory_bound": 0.0, "launch": 0.0, "exposed_communication": 0.0,
@@ -367,7 +377,9 @@ def test_the_best_mesh_is_compiled_with_its_other_remat_policies(monkeypatch):
 
     def compiled(config, combos, target, *, jobs=None, pool=None):
         asked.extend(combos)
-        return _plans(combos, budget, lambda micro, policy: (0.5, 1.0 if policy == "full" else 2.0))
+        return _plans(
+            combos, budget, lambda micro, policy: (0.5, 1.0 if policy == "full" else 2.0), own=(1, "minimal")
+        )
 
     monkeypatch.setattr(sweep, "plan_candidates", compiled)
     fits, compiles, notes = layout.search_layouts(config, "cpu", resolved, max_compiles=8, jobs=1,
