@@ -372,13 +372,15 @@ class Llama(nnx.Module):
         table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
         shards = context.shards()  # Context parallelism: the loss sums over positions in zigzag order.
         x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], RESIDUAL)
+        if self.cfg.scale_embeddings:  # Gemma, as in the unpipelined forward.
+            x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.compute_dtype)
         targets_BxL = context.to_zigzag(targets_BxL, shards)
         cfg, dtype, chunk = self.cfg, self.compute_dtype, self.loss_chunk
         head_params = {"norm": self.final_norm.scale[...],
                        "head": self.embedding[...] if cfg.tie_embeddings else self.lm_head[...]}  # fmt: skip
 
         def head_loss(params, x_bxLxD, targets_bxL):
-            h_bxLxD = _rms_norm(x_bxLxD, params["norm"], cfg.norm_eps, dtype)
+            h_bxLxD = _rms_norm(x_bxLxD, params["norm"], cfg.norm_eps, dtype, cfg.norm_offset)
             h_bxLxD = _whole_seq(_split_seq(h_bxLxD), ("batch", "seq", None))
             head_DxV = params["head"].astype(dtype)
             return cross_entropy(h_bxLxD, head_DxV.T if cfg.tie_embeddings else head_DxV, targets_bxL, chunk)
