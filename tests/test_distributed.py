@@ -327,6 +327,25 @@ def test_the_launcher_names_the_process_that_died_and_how(clean_env, tmp_path):
     assert out.count("got 15") == 2, out  # The others were told to stop (and save).
 
 
+@pytest.mark.parametrize(
+    "line, chatter",
+    [
+        ("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", True),
+        # Two gloo contexts writing at once (seen in CI): the pieces interleave across two lines.
+        ("[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+         True),
+        ("1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", True),
+        ("[Gloo] Rank 0 is connected to 3 1 peer ranks. Expected number of connected peer ranks is : 3", True),
+        ("step 3  loss 5.9449  grad norm 3.31", False),
+        ("12", False),
+        ("[Gloo] Rank 1: connection refused", False),
+        ("", False),
+    ],
+)  # fmt: skip
+def test_gloo_start_up_chatter_is_dropped_even_when_its_threads_interleave(line, chatter):
+    assert distributed._is_gloo_chatter(line) is chatter
+
+
 def test_how_a_process_ended_reads_like_a_sentence():
     assert distributed._how_it_ended(3) == "exited with code 3"
     assert distributed._how_it_ended(-15) == "was killed by SIGTERM (signal 15)"

@@ -55,8 +55,14 @@ _DIE_WITH_PARENT = (
     "if sys.platform.startswith('linux'): ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
     "os.execvp(sys.argv[1], sys.argv[1:])"
 )
-# Start-up chatter of the gloo CPU collectives, one line per process and peer.
-_GLOO_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# Start-up chatter of the gloo CPU collectives: "[Gloo] Rank R is connected to P peer ranks. Expected
+# number of connected peer ranks is : P", once per process and collective context. gloo writes it in
+# pieces from several threads, so two contexts' lines can interleave ("[Gloo] Rank [Gloo] Rank 1 is
+# connected ..." then "1 is connected ..."): a line made only of its pieces and numbers is chatter.
+_GLOO_PIECES = re.compile(
+    r"\[Gloo\] Rank | is connected to | peer ranks\. Expected number of connected peer ranks is : |\d+"
+)
+_GLOO_FIRST_PIECES = re.compile(r"\[Gloo\] Rank | is connected to | peer ranks\. Expected number")
 
 
 def detected_cluster() -> str | None:
@@ -335,9 +341,14 @@ def _print_lines(prefix: str, lines: list[bytes], lock: threading.Lock) -> None:
     with lock:
         for raw in lines:
             line = raw.decode("utf-8", errors="replace")
-            if not _GLOO_CHATTER.match(line):
+            if not _is_gloo_chatter(line):
                 sys.stdout.write(f"{prefix}{line}\n")
         sys.stdout.flush()
+
+
+def _is_gloo_chatter(line: str) -> bool:
+    stripped = line.strip()
+    return bool(_GLOO_FIRST_PIECES.search(stripped)) and not _GLOO_PIECES.sub("", stripped).strip()
 
 
 def _free_port() -> int:
