@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem.accumulation import accumulate_gradients
+from shardmem.accumulation import accumulate_gradients, deferred_axes
 from shardmem.batch import BatchLeaf, parse_batch, token_batch
 from shardmem.batch import is_leaf as is_batch_leaf
 from shardmem.config import Config
@@ -55,7 +55,7 @@ from shardmem.optimizer import (
 )
 from shardmem.parallel.mesh import auto_axes
 from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
-from shardmem.parallel.rules import Rules, sharding_table, spec_axes
+from shardmem.parallel.rules import Rules, sequence_parallel, sharding_table, spec_axes
 from shardmem.remat import LayerPlan, ModulePlan, remat_modules
 
 ModelFactory = Callable[..., nnx.Module]
@@ -161,6 +161,9 @@ class Program:
     model_params: Any = None
     start_from: Callable | None = None  # (model params) -> state: pretrained weights in (donated).
     frozen_logical: Any = None  # The logical axis names of state["frozen"] (with finetune).
+    # GPU overlap options (names of shardmem.planning.overlap.GPU_OVERLAP) this step compiles without,
+    # plan and train alike: see overlap_exceptions().
+    overlap_off: tuple[str, ...] = ()
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter (trainable ones,
@@ -436,9 +439,32 @@ def build_program(
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
                    pipeline=pipeline, finetune=finetune, model_params=model_params, start_from=start,
                    frozen_logical=frozen_logical,
+                   overlap_off=overlap_exceptions(config, mesh, rules, param_shardings, batch_sharding,
+                                                  rows_independent=not custom and loss_fn is next_token_loss,
+                                                  pipelined=pipeline is not None),
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
     return program
+
+
+def overlap_exceptions(config: Config, mesh: Mesh, rules: Rules, param_shardings, batch_sharding, *,
+                       rows_independent: bool, pipelined: bool) -> tuple[str, ...]:
+    """Returns the GPU overlap options the step compiles without (:data:`overlap.GPU_OVERLAP` names).
+
+    One so far: with sequence parallelism and gradients accumulated per device over data axes
+    (:mod:`shardmem.accumulation`), XLA's all-gather pipeliner moves the next micro-batch's sequence
+    gathers into the accumulation loop's previous trip and clones the whole forward layer loop that
+    feeds them: every micro-batch's forward ran twice (tests/test_overlap.py; Nemotron-4 15B at tensor 4
+    x data 4, BENCHMARKS.md). It is there to prefetch FSDP weight gathers across layers; sequence-parallel
+    gathers depend on the layer before them and have nothing to prefetch.
+    """
+    if pipelined or config.train.micro_batches == 1 or not rows_independent:
+        return ()
+    with rules.activate(mesh):
+        if not sequence_parallel():
+            return ()
+    axes = deferred_axes(rules, mesh, param_shardings, batch_sharding, config.train.fsdp_reduce_once)
+    return ("pipelined all-gather",) if axes else ()
 
 
 def scaled_value_and_grad(loss_of_params: Callable) -> Callable:

@@ -45,3 +45,15 @@ def test_training_compiles_its_step_with_the_plans_options(gpu_plan):
     assert compiled_step(program, dataclasses.replace(report, compiler_options={LHS: True})) is not None
     with pytest.raises(Exception, match="xla_gpu_no_such_option"):  # The options reach XLA.
         compiled_step(program, dataclasses.replace(report, compiler_options={"xla_gpu_no_such_option": 1}))
+
+
+def test_sequence_parallel_accumulation_runs_each_micro_batchs_forward_once():
+    # With pipelined all-gather XLA moved the next micro-batch's sequence gathers into the accumulation
+    # loop and cloned the forward layer loop feeding them: 1.4x the program's matmul FLOPs here.
+    overrides = ["precision.compute=bfloat16", "mesh.axes={data: 4, fsdp: 1, tensor: 2}", "rules.batch=data",
+                 "rules.embed=null", "rules.residual_seq=tensor", "train.micro_batches=2",
+                 "remat.layers={}"]  # fmt: skip
+    report = plan(load_config("configs/tiny.yaml", overrides), "h100-sxm")
+    assert report.step_time.kernel_flops == pytest.approx(report.flops_per_step / report.devices, rel=1e-6)
+    off = overlap.gpu_options(off=["pipelined all-gather"])
+    assert {k: report.compiler_options[k] for k in off} == off != overlap.gpu_options()

@@ -242,6 +242,7 @@ def plan_program(
     }
     config = program.config
     report, compiled = _compile_and_analyze(traced, target, config.memory, groups=groups, top=top,
+                                            overlap_off=program.overlap_off,
                                             name=config.name)  # fmt: skip
     rows = program.sharding_table()
     warnings = rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
@@ -501,12 +502,13 @@ def _libtpu_figures(message: str) -> tuple[int | None, int | None]:
 
 
 def _compile_and_analyze(
-    traced, target: Target, memory: MemoryConfig, *, groups: Mapping[str, Any], top: int, name: str
+    traced, target: Target, memory: MemoryConfig, *, groups: Mapping[str, Any], top: int, name: str,
+    overlap_off: tuple[str, ...] = (),
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
     limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
     start = time.perf_counter()
     # The GPU overlap options train runs with (overlap.py), the user's memory.compiler_options over them.
-    options = overlap.step_options(target, memory.compiler_options)
+    options = overlap.step_options(target, memory.compiler_options, off=overlap_off)
     # Kernels a deviceless compile generated before: skipped again (kernel_cache.py). A user's own wins.
     shared = None if kernel_cache.OPTION in options else kernel_cache.cache_file(target)
     # Kernels it generates now are generated cheaply (codegen.py): XLA's options, not the user's to report.

@@ -10,10 +10,13 @@ What production JAX training on GPUs sets (MaxText's GPU scripts, NVIDIA JAX-Too
   late, across independent compute. Taken.
 - pipelined all-gather / reduce-scatter / all-reduce: move a loop's collective into the previous (for
   all-gathers) or next (reduce-scatters, all-reduces) iteration, so that the layer scan's FSDP
-  gather of layer i + 1 runs under layer i's compute. Taken. XLA 0.10 (JAX 0.10.2) spells them
-  ``xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}=true``; XLA 0.12 replaced them with
-  ``xla_gpu_pipeline_{...}=COLLECTIVE_PIPELINING_MODE_ON`` (the old names are refused as compile
-  options). Each is written in the spelling the running XLA accepts (:func:`supported`).
+  gather of layer i + 1 runs under layer i's compute. Taken, except where a program turns pipelined
+  all-gather off (``Program.overlap_off``, :func:`shardmem.step.overlap_exceptions`: sequence
+  parallelism with per-device gradient accumulation, whose forward XLA's pipeliner cloned). XLA 0.10
+  (JAX 0.10.2) spells them ``xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}=true``;
+  XLA 0.12 replaced them with ``xla_gpu_pipeline_{...}=COLLECTIVE_PIPELINING_MODE_ON`` (the old names
+  are refused as compile options; ``_OFF`` turns one off). Each is written in the spelling the
+  running XLA accepts (:func:`supported`).
 - ``xla_gpu_enable_while_loop_double_buffering``: unrolls loops by two so a pipelined collective has
   a buffer to land in. Taken; it can raise the peak, which the plan then shows (MaxText notes an OOM
   for 405B with it).
@@ -29,7 +32,7 @@ What production JAX training on GPUs sets (MaxText's GPU scripts, NVIDIA JAX-Too
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -73,18 +76,27 @@ def supported(name: str, value: Any) -> bool:
     return True
 
 
-def gpu_options() -> dict[str, Any]:
-    """Returns the overlap options for a GPU step in the running XLA's spelling."""
+def gpu_options(off: Collection[str] = ()) -> dict[str, Any]:
+    """Returns the overlap options for a GPU step in the running XLA's spelling, those named in ``off``
+    (keys of :data:`GPU_OVERLAP`) set off."""
+    unknown = set(off) - set(GPU_OVERLAP)
+    if unknown:
+        raise ValueError(f"not overlap options: {sorted(unknown)}; known: {sorted(GPU_OVERLAP)}")
     options = {}
-    for spellings in GPU_OVERLAP.values():
+    for key, spellings in GPU_OVERLAP.items():
         found = next(((name, value) for name, value in spellings if supported(name, value)), None)
         if found:
-            options[found[0]] = found[1]
+            options[found[0]] = _off(found[1]) if key in off else found[1]
     return options
 
 
-def step_options(target, user_options: Mapping[str, Any]) -> dict[str, Any]:
+def _off(value: Any) -> Any:
+    return value.replace("_MODE_ON", "_MODE_OFF") if isinstance(value, str) else False
+
+
+def step_options(target, user_options: Mapping[str, Any], off: Collection[str] = ()) -> dict[str, Any]:
     """Returns the XLA options to compile a training step for ``target`` with: the overlap options on
-    GPU targets (deviceless or attached), then ``user_options`` (``memory.compiler_options``) over them."""
-    ours = gpu_options() if target.platform in ("cuda", "gpu", "rocm") else {}
+    GPU targets (deviceless or attached), less those the program turns ``off`` (``Program.overlap_off``),
+    then ``user_options`` (``memory.compiler_options``) over them."""
+    ours = gpu_options(off) if target.platform in ("cuda", "gpu", "rocm") else {}
     return {**ours, **user_options}
