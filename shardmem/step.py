@@ -447,8 +447,16 @@ def build_program(
     return program
 
 
-def overlap_exceptions(config: Config, mesh: Mesh, rules: Rules, param_shardings, batch_sharding, *,
-                       rows_independent: bool, pipelined: bool) -> tuple[str, ...]:
+def overlap_exceptions(
+    config: Config,
+    mesh: Mesh,
+    rules: Rules,
+    param_shardings,
+    batch_sharding,
+    *,
+    rows_independent: bool,
+    pipelined: bool,
+) -> tuple[str, ...]:
     """Returns the GPU overlap options the step compiles without (:data:`overlap.GPU_OVERLAP` names).
 
     One so far: with sequence parallelism and gradients accumulated per device over data axes

@@ -502,7 +502,13 @@ def _libtpu_figures(message: str) -> tuple[int | None, int | None]:
 
 
 def _compile_and_analyze(
-    traced, target: Target, memory: MemoryConfig, *, groups: Mapping[str, Any], top: int, name: str,
+    traced,
+    target: Target,
+    memory: MemoryConfig,
+    *,
+    groups: Mapping[str, Any],
+    top: int,
+    name: str,
     overlap_off: tuple[str, ...] = (),
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
     limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
