@@ -105,3 +105,16 @@ def test_the_chunked_loss_picks_its_targets_without_an_all_to_all(sequence_paral
     computations = sequence_parallel_accumulating_step.computations.values()
     kinds = [hlo.collective_kind(ins) for instructions in computations for ins in instructions]
     assert "all-to-all" not in kinds
+
+
+def test_the_layers_keep_their_share_of_the_sequence_not_the_gathered_one():
+    # Megatron's sequence-parallel linear layers: the norm's output is saved as the device's share and
+    # gathered again for the weight gradients, not saved gathered (tensor x the bytes, twice per layer).
+    config = _config({"data": 4, "tensor": 2}, {"residual_seq": ["tensor"]}, remat={"policy": "none"},
+                     model={"preset": "tiny", "seq_len": 256},
+                     precision={"params": "float32", "compute": "bfloat16"})  # fmt: skip
+    report = plan(config, "h100-sxm", count_remat_overhead=False, top=40)
+    stacked = [sorted(map(int, re.findall(r"\d+", b.shape.split("[")[1]))) for b in report.top_buffers
+               if "stacked" in b.scope]  # fmt: skip
+    # [layers 4, rows 2, seq, d_model 64] in any order: the whole sequence (256) is never kept, its half is.
+    assert [2, 4, 64, 128] in stacked and [2, 4, 64, 256] not in stacked, stacked

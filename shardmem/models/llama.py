@@ -217,6 +217,18 @@ def _split_seq(x_BxLxD):
     return constrain(x_BxLxD, RESIDUAL) if sequence_parallel() else x_BxLxD
 
 
+def _gathered_projections(project, h_BxLxD, names):
+    """Returns ``project(h)`` (a tuple of tensor-parallel projections of ``h``, tagged ``names``) of the
+    whole sequence. With sequence parallelism ``h`` is the device's share: gathered for the matmuls, and
+    for their weight gradients gathered again in the backward pass, so that the layer keeps its share
+    rather than the whole sequence (Korthikanti et al. 2022, as Megatron's sequence-parallel linear
+    layers): a checkpoint that saves the projections' outputs, so only the all-gather is recomputed."""
+    if not sequence_parallel():
+        return project(h_BxLxD)
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    return jax.checkpoint(lambda h: project(_whole_seq(h, ("batch", "seq", None))), policy=policy)(h_BxLxD)
+
+
 class Block(nnx.Module):
     """One decoder layer: pre-norm grouped-query attention, then a pre-norm SwiGLU MLP (or, with
     ``n_experts``, a mixture of SwiGLU experts)."""
@@ -266,13 +278,20 @@ class Block(nnx.Module):
             # With sequence parallelism (rules.residual_seq over tensor) the norm runs on its share of
             # the sequence and its output is all-gathered for the tensor-parallel matmuls: pinned to the
             # share first, or XLA gathers the fp32 residual the norm reads (twice the bytes).
-            h_BxLxD = _whole_seq(_split_seq(self.attn_norm(x_BxLxD)), ("batch", "seq", None))
-            q_BxLxHxK = _whole_seq(self._project("bld,dhk->blhk", h_BxLxD, self.wq), _HEADS)
-            k_BxLxGxK = _whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wk), _KV_HEADS)
-            v_BxLxGxK = _whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wv), _KV_HEADS)
-            q_BxLxHxK = checkpoint_name(q_BxLxHxK, "query_proj")
-            k_BxLxGxK = checkpoint_name(k_BxLxGxK, "key_proj")
-            v_BxLxGxK = checkpoint_name(v_BxLxGxK, "value_proj")
+            # The layer keeps that share for the backward pass, not the gathered sequence.
+            def qkv(h_BxLxD):
+                return (
+                    checkpoint_name(_whole_seq(self._project("bld,dhk->blhk", h_BxLxD, self.wq), _HEADS),
+                                    "query_proj"),
+                    checkpoint_name(_whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wk), _KV_HEADS),
+                                    "key_proj"),
+                    checkpoint_name(_whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wv), _KV_HEADS),
+                                    "value_proj"),
+                )  # fmt: skip
+
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = _gathered_projections(
+                qkv, _split_seq(self.attn_norm(x_BxLxD)), ("query_proj", "key_proj", "value_proj")
+            )
             if cfg.qkv_bias:
                 q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
                 k_BxLxGxK = k_BxLxGxK + weight(value_of(self.bk), self.compute_dtype)
@@ -289,13 +308,21 @@ class Block(nnx.Module):
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
-            h_BxLxD = _whole_seq(_split_seq(self.mlp_norm(x_BxLxD)), ("batch", "seq", None))
             if cfg.n_experts:
+                h_BxLxD = _whole_seq(_split_seq(self.mlp_norm(x_BxLxD)), ("batch", "seq", None))
                 return x_BxLxD + self.moe(h_BxLxD)
-            gate_BxLxF = _whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_gate), _MLP)
-            up_BxLxF = _whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_up), _MLP)
-            gate_BxLxF = checkpoint_name(gate_BxLxF, "mlp_gate")
-            up_BxLxF = checkpoint_name(up_BxLxF, "mlp_up")
+
+            def gate_up(h_BxLxD):
+                return (
+                    checkpoint_name(_whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_gate), _MLP),
+                                    "mlp_gate"),
+                    checkpoint_name(_whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_up), _MLP),
+                                    "mlp_up"),
+                )  # fmt: skip
+
+            gate_BxLxF, up_BxLxF = _gathered_projections(
+                gate_up, _split_seq(self.mlp_norm(x_BxLxD)), ("mlp_gate", "mlp_up")
+            )
             act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF, cfg.mlp_activation)
             down_BxLxD = _split_seq(self._project("blf,fd->bld", act_BxLxF, self.w_down))
             return x_BxLxD + checkpoint_name(down_BxLxD, "mlp_out")
