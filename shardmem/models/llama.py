@@ -217,6 +217,29 @@ def _split_seq(x_BxLxD):
     return constrain(x_BxLxD, RESIDUAL) if sequence_parallel() else x_BxLxD
 
 
+def _scatter_seq(x_BxLxD):
+    """``x`` (a tensor-parallel matmul's output, summed over the tensor axis) onto the residual stream's
+    share of the sequence: a reduce-scatter with sequence parallelism. Its gradient is gathered once,
+    for both of the matmul's backward products; as a plain constraint each product gathered its own."""
+    return _scatter_to_share(x_BxLxD) if sequence_parallel() else x_BxLxD
+
+
+@jax.custom_vjp
+def _scatter_to_share(x_BxLxD):
+    return constrain(x_BxLxD, RESIDUAL)
+
+
+def _scatter_to_share_fwd(x_BxLxD):
+    return _scatter_to_share(x_BxLxD), None
+
+
+def _scatter_to_share_bwd(_, g_BxLxD):
+    return (constrain(g_BxLxD, ("batch", "seq", None)),)
+
+
+_scatter_to_share.defvjp(_scatter_to_share_fwd, _scatter_to_share_bwd)
+
+
 def _gathered_projections(project, h_BxLxD, names):
     """Returns ``project(h)`` (a tuple of tensor-parallel projections of ``h``, tagged ``names``) of the
     whole sequence. With sequence parallelism ``h`` is the device's share: gathered for the matmuls, and
@@ -303,7 +326,7 @@ class Block(nnx.Module):
             # Summed over the tensor-parallel heads: an all-reduce, or a reduce-scatter onto the residual
             # stream's share of the sequence with sequence parallelism.
             out_BxLxD = checkpoint_name(
-                _split_seq(self._project("blhk,hkd->bld", ctx_BxLxHxK, self.wo)), "out_proj"
+                _scatter_seq(self._project("blhk,hkd->bld", ctx_BxLxHxK, self.wo)), "out_proj"
             )
             x_BxLxD = x_BxLxD + out_BxLxD
 
@@ -324,7 +347,7 @@ class Block(nnx.Module):
                 gate_up, _split_seq(self.mlp_norm(x_BxLxD)), ("mlp_gate", "mlp_up")
             )
             act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF, cfg.mlp_activation)
-            down_BxLxD = _split_seq(self._project("blf,fd->bld", act_BxLxF, self.w_down))
+            down_BxLxD = _scatter_seq(self._project("blf,fd->bld", act_BxLxF, self.w_down))
             return x_BxLxD + checkpoint_name(down_BxLxD, "mlp_out")
 
 
