@@ -16,8 +16,9 @@ How each row maps (every assumption is in ``ROWS``' ``assumptions`` and printed 
   convention), rounded to an integer; MPT's ALiBi becomes rotary positions (no matmul FLOPs either way).
 - MHA is ``n_kv_heads = n_heads``; tied embeddings are ``tie_embeddings``; vocab and sequence as given.
 - FSDP full shard over N GPUs is ``mesh.axes.fsdp = N`` over N / 8 hosts of 8 GPUs (``mesh.hosts``),
-  ``rules.embed: fsdp``, the batch over fsdp; fp32 master weights and bf16 compute unless the row says
-  its parameters are bf16.
+  ``rules.embed: fsdp``, the batch over fsdp; fp32 weights and bf16 compute unless the row says its
+  parameters are bf16: then bf16 weights with fp32 master weights (``precision.master``), as FSDP's
+  mixed precision and Megatron's keep them.
 - the network is the target's default (h100-sxm: 400 Gb/s per GPU, a100-80g: 200 Gb/s per GPU) unless
   the row states it; mpt-70b-64xa100's "1600 Gb/s per node" is 200 Gb/s per GPU.
 - Nemotron's tensor 4 "(sequence parallel)" is ``rules.residual_seq: tensor`` (norms and residual adds on
@@ -106,7 +107,7 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
             "mesh": _fsdp(64),
             "rules": FSDP_RULES,
             "remat": {"policy": "full"},
-            "precision": {"params": "bfloat16", "compute": "bfloat16"},
+            "precision": {"params": "bfloat16", "compute": "bfloat16", "master": "float32"},
             "interconnect": {"network": "200Gb/s"},
             "train": {"global_batch": 2048, "micro_batches": 4},
         },
@@ -114,7 +115,7 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
             "GELU MLP 32768 -> SwiGLU 21845 (2F/3)",
             "ALiBi -> rotary",
             "LayerNorm -> RMSNorm",
-            "params/grads bf16 -> precision.params bfloat16 (bf16 master weights too; the run's were fp32)",
+            "params/grads bf16 (FSDP's fp32 shards) -> precision.params bfloat16, precision.master float32",
             "1600 Gb/s per node -> 200 Gb/s per GPU",
         ),
     ),
@@ -149,6 +150,7 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
                 "residual_seq": "tensor",
             },
             "optimizer": {"name": "adamw", "shard_over_data": True},
+            "precision": {"params": "bfloat16", "compute": "bfloat16", "master": "float32"},
             "remat": {"policy": "none"},
             "train": {"global_batch": 64, "micro_batches": 4},
         },
@@ -158,6 +160,8 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
             "sequence parallelism -> rules.residual_seq: tensor (norms and residuals on a quarter of the "
             "sequence; reduce-scatter + all-gather pairs in place of the tensor-parallel all-reduces)",
             "distributed optimizer -> optimizer.shard_over_data",
+            "bf16 model, fp32 main weights and gradients (Megatron's mixed precision) -> precision.params "
+            "bfloat16 with precision.master float32 (split over data with the optimizer state)",
         ),
     ),
 }

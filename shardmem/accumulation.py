@@ -99,13 +99,16 @@ def accumulate_gradients(
     fsdp_reduce_once: bool = False,
     rows_independent: bool = True,
     grad_shardings=None,
+    grad_dtype=None,
 ) -> tuple[jax.Array, dict, Any, Any]:
     """Returns ``(loss, metrics, grads, rest)`` of ``grad_fn`` (``jax.value_and_grad(loss, has_aux=True)``
     of ``(params, rest, batch) -> (loss, (metrics, rest))``) averaged over ``micro_batches`` of ``batch``,
     the gradients reduced across the deferred batch axes once (see the module docstring). Without
     ``rows_independent`` (a loss that may couple rows) nothing is deferred: XLA reduces per micro-batch.
     ``grad_shardings`` (default ``param_shardings``) is how the step's gradients leave: split over the data
-    axes for a data-sharded optimizer, the one reduction is a reduce-scatter."""
+    axes for a data-sharded optimizer, the one reduction is a reduce-scatter. ``grad_dtype`` (default: each
+    parameter's) is the dtype the gradients are summed in: float32 for bfloat16 weights with master
+    weights (``precision.master``), as Megatron sums into float32 main gradients."""
     k = micro_batches
     axes = (
         deferred_axes(rules, mesh, param_shardings, batch_sharding, fsdp_reduce_once)
@@ -160,7 +163,8 @@ def accumulate_gradients(
         jnp.zeros((groups,), jnp.float32),
         jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
         jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: jnp.zeros((groups, *p.shape), p.dtype), params), accumulator_shardings
+            jax.tree.map(lambda p: jnp.zeros((groups, *p.shape), grad_dtype or p.dtype), params),
+            accumulator_shardings,
         ),
         rest,
     )

@@ -108,15 +108,20 @@ LOSS_SCALES = ("auto", "dynamic", "none")
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    """Dtypes: ``params`` for the master weights and optimizer, ``compute`` for the forward and
-    backward passes (weights are cast where they are used). ``loss_scale``: ``dynamic`` multiplies the
-    loss by a scale the optimizer keeps (:func:`shardmem.optimizer.dynamic_loss_scaling`), so that float16
-    gradients do not underflow, skipping the steps that overflow; ``auto`` is ``dynamic`` with float16
-    compute and ``none`` otherwise (bfloat16 has float32's range)."""
+    """Dtypes: ``params`` for the weights and optimizer, ``compute`` for the forward and backward passes
+    (weights are cast where they are used). ``master: float32`` under ``params: bfloat16`` (or float16)
+    keeps a float32 copy of the weights in the optimizer state, updates it and rounds it to ``params``
+    after each step, with the gradients accumulated in float32: mixed-precision training as Megatron's
+    (bf16 model, fp32 main weights and gradients), which with ``optimizer.shard_over_data`` splits the
+    master copy over the data axes as its distributed optimizer does. ``loss_scale``: ``dynamic``
+    multiplies the loss by a scale the optimizer keeps (:func:`shardmem.optimizer.dynamic_loss_scaling`),
+    so that float16 gradients do not underflow, skipping the steps that overflow; ``auto`` is ``dynamic``
+    with float16 compute and ``none`` otherwise (bfloat16 has float32's range)."""
 
-    params: str = "float32"  # Master weights and optimizer state.
+    params: str = "float32"  # The weights (and, without master, the optimizer state).
     compute: str = "bfloat16"  # The forward and backward passes.
     loss_scale: str = "auto"  # auto (dynamic with float16), dynamic or none.
+    master: str | None = None  # float32: master weights in the optimizer state (None: params are).
 
     @property
     def loss_scaling(self) -> bool:
@@ -1010,6 +1015,13 @@ def _validate_rest(config: Config) -> None:
                        ("precision.compute", config.precision.compute)):  # fmt: skip
         if dtype not in DTYPES:
             raise ConfigError(f"{key}={dtype!r}: use {one_of(DTYPES)}")
+    master = config.precision.master
+    if master is not None and (master != "float32" or config.precision.params == "float32"):
+        raise ConfigError(
+            f"precision.master={master!r} with precision.params={config.precision.params!r}: master "
+            "weights are a float32 copy of narrower weights; use precision.master: float32 with "
+            "precision.params: bfloat16 (or float16), or null"
+        )
     if config.precision.loss_scale not in LOSS_SCALES:
         scale = config.precision.loss_scale
         raise ConfigError(f"precision.loss_scale={scale!r}{did_you_mean(scale, LOSS_SCALES)}: use "

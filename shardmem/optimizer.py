@@ -10,7 +10,8 @@ Adam's two moments are two thirds of a mixed-precision model's state. Three keys
 ``optimizer.shard_over_data`` (ZeRO-1) splits the state over the batch axes that parameters are
 replicated over, and the gradients reach the update split the same way (reduce-scattered, not
 all-reduced: :func:`gradient_shardings`); ``memory.offload_optimizer`` keeps the state in pinned host
-memory and moves it to the device only for the update.
+memory and moves it to the device only for the update. ``precision.master`` keeps float32 master
+weights of bfloat16 ones in the state (:func:`with_master_weights`), split as the moments are.
 
 With ``precision.compute: float16`` the optimizer keeps a dynamic loss scale (:func:`dynamic_loss_scaling`,
 ``precision.loss_scale``): the step multiplies the loss by ``loss_scale(opt_state)`` before differentiating,
@@ -84,6 +85,42 @@ def dynamic_loss_scaling(inner: optax.GradientTransformation, *, initial: float 
     return optax.GradientTransformation(init, update)
 
 
+class MasterState(NamedTuple):
+    """The optimizer state under :func:`with_master_weights`: the master copy of the weights, and the
+    inner optimizer's state (of the master copy)."""
+
+    master: optax.Params
+    inner: optax.OptState
+
+
+def with_master_weights(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """Runs ``inner`` on a ``dtype`` (float32) copy of narrower weights: the gradients are cast up, the
+    copy is updated, and the updates it returns take the weights to the copy rounded to their dtype
+    (:func:`master_weights` gives the copy; the step assigns it rounded rather than adding updates)."""
+
+    def init(params):
+        master = jax.tree.map(lambda p: p.astype(dtype), params)
+        return MasterState(master, inner.init(master))
+
+    def update(grads, state: MasterState, params=None):
+        grads = jax.tree.map(lambda g: g.astype(dtype), grads)
+        updates, inner_state = inner.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        new = MasterState(master, inner_state)
+        if params is None:
+            return updates, new
+        return jax.tree.map(lambda m, p: m - p.astype(dtype), master, params), new
+
+    return optax.GradientTransformation(init, update)
+
+
+def master_weights(opt_state):
+    """Returns the master copy of the weights in an optimizer state (None without master weights)."""
+    if isinstance(opt_state, LossScaleState):
+        return master_weights(opt_state.inner)
+    return opt_state.master if isinstance(opt_state, MasterState) else None
+
+
 def loss_scale(opt_state) -> jax.Array | None:
     """Returns the loss scale of an optimizer state under :func:`dynamic_loss_scaling` (None without)."""
     return opt_state.scale if isinstance(opt_state, LossScaleState) else None
@@ -107,6 +144,8 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
         tx = optax.sgd(schedule)
     if opt.grad_clip:
         tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
+    if config.precision.master:
+        tx = with_master_weights(tx, jnp.dtype(config.precision.master))
     if config.precision.loss_scaling:
         tx = dynamic_loss_scaling(tx, initial=INITIAL_LOSS_SCALE)
     return tx

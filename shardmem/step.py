@@ -49,6 +49,7 @@ from shardmem.optimizer import (
     gradient_shardings,
     loss_scale,
     make_optimizer,
+    master_weights,
     optimizer_shardings,
     to_device,
     to_host,
@@ -377,14 +378,21 @@ def build_program(
                     micro_batches=train.micro_batches, mesh=mesh,
                     rules=rules, param_shardings=param_shardings, batch_sharding=batch_sharding,
                     fsdp_reduce_once=train.fsdp_reduce_once, grad_shardings=grad_shardings,
-                    rows_independent=not custom and loss_fn is next_token_loss)  # fmt: skip
+                    rows_independent=not custom and loss_fn is next_token_loss,
+                    grad_dtype=config.precision.master)  # fmt: skip
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             with jax.named_scope("optimizer_update"):  # Names its buffers in the plan's timeline.
                 opt_state = to_device(state["opt_state"], opt_shardings)  # No-op unless offloaded.
                 updates, opt_state = tx.update(grads, opt_state, params)
+                master = master_weights(opt_state)  # precision.master: the weights are it, rounded.
+                new_params = (
+                    optax.apply_updates(params, updates)
+                    if master is None
+                    else jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+                )
                 opt_state = to_host(opt_state, opt_shardings)
                 new_state = {
-                    "params": optax.apply_updates(params, updates),
+                    "params": new_params,
                     "opt_state": opt_state,
                     "step": state["step"] + 1,
                 }

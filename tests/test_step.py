@@ -5,6 +5,7 @@ import pytest
 
 from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
+from shardmem.optimizer import master_weights
 from shardmem.parallel.mesh import build_mesh
 from shardmem.step import build_program
 
@@ -162,3 +163,47 @@ def test_float16_gradients_vanish_without_a_loss_scale_and_survive_with_one():
     assert error["float16"] > 0.99 and zeros["float16"] > 0.9, (error, zeros)  # Nearly all underflowed.
     assert error["float16 scaled"] < 0.02, error  # Scaled into float16's range: 0.16% off float32.
     assert zeros["float16 scaled"] < zeros["float32"] + 0.01, zeros
+
+
+def _master_run(master, **optimizer):
+    config = config_from_dict({
+        **_config({"data": 4}).to_dict(),
+        "precision": {"params": "bfloat16", "compute": "bfloat16", "master": master},
+        "optimizer": {"name": "sgd", "warmup_steps": 0, "learning_rate": 1e-4, **optimizer},
+        "train": {"global_batch": 8, "steps": 10, "micro_batches": 2},
+    })  # fmt: skip
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()[:4]))
+    state = program.init()
+    first = jax.device_get(state)  # The step donates its state.
+    for step in range(3):
+        state, _ = program.step(state, _batch(program, step))
+    return program, first, jax.device_get(state)
+
+
+def test_master_weights_keep_the_updates_bfloat16_weights_round_away():
+    # Steps of lr x gradient ~1e-6 against weights ~1e-1: under bfloat16's resolution (~4e-4 there).
+    _, first, plain = _master_run(None)
+    changed = jax.tree.map(lambda a, b: np.mean(a != b), plain["params"], first["params"])
+    assert max(jax.tree.leaves(changed)) < 0.1, changed  # Lost, but for the tiniest weights.
+    program, first, kept = _master_run("float32")
+    master = master_weights(kept["opt_state"])
+    assert {x.dtype for x in jax.tree.leaves(master)} == {np.dtype("float32")}
+    moved = jax.tree.map(lambda m, p: np.abs(m - p.astype(np.float32)).max(), master, first["params"])
+    assert min(jax.tree.leaves(moved)) > 0  # Every weight's float32 copy took the steps ...
+    rounded = jax.tree.map(lambda m, p: np.array_equal(m.astype(p.dtype), p), master, kept["params"])
+    assert jax.tree.all(rounded)  # ... and the bfloat16 weights are it, rounded.
+
+
+def test_master_weights_are_split_with_the_optimizer_state():
+    program, _, _ = _master_run("float32", shard_over_data=True)
+    wq = program.abstract_state["params"]["layers"]["wq"]
+    master = master_weights(program.abstract_state["opt_state"])["layers"]["wq"]
+    assert (wq.dtype, master.dtype) == (jnp.bfloat16, jnp.float32)
+    # Split over the 4 data devices as the moments are: a quarter of the weights' elements each.
+    elements = [np.prod(x.sharding.shard_shape(x.shape)) for x in (master, wq)]
+    assert elements[0] * 4 == elements[1]
+
+
+def test_master_weights_need_narrower_weights():
+    with pytest.raises(ConfigError, match=r"^precision.master='float32' with precision.params='float32'"):
+        config_from_dict({"precision": {"params": "float32", "master": "float32"}})
