@@ -222,11 +222,16 @@ class Estimator:
         # Compiled activation bytes over estimated ones, per (policy, pipelined, sequence parallel): fitted
         # to compiles.
         self.activation_scale: dict[tuple[str, bool, bool], float] = {}
-        self.memory_share = 0.8  # memory-bound seconds per compute second (the H200 trials: 0.7-1.4)
-        self.time_scale = 1.0
-        self.launch_per_layer_pass = 0.0  # kernel gaps per layer and micro-batch pass, fitted
+        # The time's fitted terms, per family of layouts (pipelined, sequence parallel): a pipeline's
+        # compile says little of an FSDP layout's memory-bound work or misestimate, and one scale for
+        # both let two pipeline compiles push every layout without stages past the search's stop.
+        # A family not compiled yet takes the latest compile's (memory share, launch gaps) or the fit
+        # over every compile (time scale).
+        self.memory_share = {None: 0.8}  # memory-bound s per compute s (the H200 trials: 0.7-1.4)
+        self.time_scale = {None: 1.0}
+        self.launch_per_layer_pass = {None: 0.0}  # kernel gaps per layer and micro-batch pass, fitted
         self._activations: dict[tuple[str, bool, bool], list[tuple[float, float]]] = {}
-        self._times: list[tuple[float, float]] = []
+        self._times: dict[tuple[bool, bool] | None, list[tuple[float, float]]] = {}
         self._links: dict[tuple, float] = {}
 
     def __call__(self, layout: Layout) -> Estimate:
@@ -288,8 +293,11 @@ class Estimator:
             comm += layers * m * 3 * kv * (c - 1) / c / link("context")
         if e > 1:
             comm += layers * m * 4 * activation * model.experts_per_token * (e - 1) / e / link("expert")
-        work = compute * (1 + self.memory_share) + self.launch_per_layer_pass * self._passes(layout)
-        seconds = (work + max(0.0, comm - 0.5 * work)) * self.time_scale
+        family = _family(layout)
+        fits = (self.memory_share, self.launch_per_layer_pass, self.time_scale)
+        share, launch, time_scale = (fitted.get(family, fitted[None]) for fitted in fits)
+        work = compute * (1 + share) + launch * self._passes(layout)
+        seconds = (work + max(0.0, comm - 0.5 * work)) * time_scale
         return Estimate(static, activations, seconds)
 
     def knows(self, layout: Layout) -> bool:
@@ -314,11 +322,15 @@ class Estimator:
         """Scales the estimates to a compiled plan's peak and predicted time (least squares through 0).
         A layout with a per-layer remat plan (the config's own) refits the time only: its peak is no
         uniform policy's."""
+        family = _family(layout)
         if seconds and breakdown:  # First, so that the unscaled time below has the launch gaps in it.
             if breakdown.get("compute"):
-                self.memory_share = breakdown["memory_bound"] / breakdown["compute"]
-            self.launch_per_layer_pass = breakdown["launch"] / self._passes(layout)
-        saved, self.activation_scale, self.time_scale = (self.activation_scale, self.time_scale), {}, 1.0
+                share = breakdown["memory_bound"] / breakdown["compute"]
+                self.memory_share[family] = self.memory_share[None] = share
+            launch = breakdown["launch"] / self._passes(layout)
+            self.launch_per_layer_pass[family] = self.launch_per_layer_pass[None] = launch
+        saved = self.activation_scale, self.time_scale
+        self.activation_scale, self.time_scale = {}, {None: 1.0}
         raw = self(layout)  # Unscaled: the scales stand for themselves.
         self.activation_scale, self.time_scale = saved
         if not layout.remat:
@@ -328,8 +340,15 @@ class Estimator:
             fitted = sum(x * y for x, y in points) / max(sum(x * x for x, _ in points), 1.0)
             self.activation_scale[key] = fitted
         if seconds:
-            self._times.append((raw.seconds, seconds))
-            self.time_scale = sum(x * y for x, y in self._times) / sum(x * x for x, _ in self._times)
+            for key in (family, None):
+                points = self._times.setdefault(key, [])
+                points.append((raw.seconds, seconds))
+                self.time_scale[key] = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+
+
+def _family(layout: Layout) -> tuple[bool, bool]:
+    """The family whose compiles refit a layout's time: (pipelined, sequence parallel)."""
+    return layout.axes["stage"] > 1, layout.sequence
 
 
 def _itemsize(dtype: str) -> int:
