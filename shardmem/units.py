@@ -109,3 +109,10 @@ def format_seconds(seconds: float) -> str:
             value = seconds / scale
             return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
     raise AssertionError("unreachable")
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, with " ..." when cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."

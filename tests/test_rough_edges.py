@@ -298,3 +298,22 @@ def test_unannotated_parameters_are_no_news_on_a_data_parallel_mesh():
     sharded = warnings({"data": 2, "fsdp": 4, "tensor": 1})  # Here the rules could have sharded them.
     assert any(w.startswith("parameters without logical axes (replicated): transformer/h_0") for w in sharded)
     assert any(w.startswith("logical axes with no rule (replicated): rotary") for w in sharded)
+
+
+FAILED = "XLA failed: xla_gpu_enable_triton_gemm=False"
+
+
+@pytest.mark.parametrize(
+    "text, limit, clipped",
+    [
+        ("short", 10, "short"),
+        (f"{FAILED} was set", 46, f"{FAILED} ..."),
+        (f"{FAILED} was set", 40, "XLA failed ..."),
+        ("one, two, three", 12, "one, two ..."),
+    ],
+)  # fmt: skip
+def test_long_notes_are_cut_at_a_word(text, limit, clipped):
+    # layout.md once showed a note cut at "...triton_gemm=Fals" (issue 30, item 10).
+    from shardmem.units import clip
+
+    assert clip(text, limit) == clipped

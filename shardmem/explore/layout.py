@@ -40,7 +40,7 @@ from shardmem.errors import ConfigError
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.planning.collectives import Group, ring_bandwidth
 from shardmem.planning.cost import MATMUL_EFFICIENCY
-from shardmem.units import format_bytes, format_seconds
+from shardmem.units import clip, format_bytes, format_seconds
 
 #: Mesh axes of a layout, outermost (across hosts) first.
 AXES = ("stage", "data", "fsdp", "context", "expert", "tensor")
@@ -468,9 +468,9 @@ def search_layouts(
                      f"does not fit (libtpu refused it: {format_bytes(row.peak_bytes)} needed)")  # fmt: skip
                 continue
             if row.error:
-                note(layout.describe(), overrides, None, None, None, False, "skipped", row.error[:200])
+                note(layout.describe(), overrides, None, None, None, False, "skipped", clip(row.error, 200))
                 if layout.own:
-                    notes.append(f"the config as written did not compile: {row.error[:200]}")
+                    notes.append(f"the config as written did not compile: {clip(row.error, 200)}")
                 compiled[layout] = Ranked(layout, overrides, 0, 0, False, None)
                 continue
             compiles += 1

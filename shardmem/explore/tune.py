@@ -35,7 +35,7 @@ from shardmem.planning import hlo
 from shardmem.planning.memory import MemoryReport, make_target, plan
 from shardmem.remat import PRESETS
 from shardmem.step import build_program, pipeline_for
-from shardmem.units import format_bytes, format_seconds
+from shardmem.units import clip, format_bytes, format_seconds
 
 SEARCHES = ("remat", "batch", "micro_batches", "layout", "finetune")
 
@@ -570,8 +570,7 @@ def _tune_layout(
             notes.insert(
                 -1,
                 "per-layer remat search stopped by a compile failure (its compiles are not counted): "
-                + str(e)[:150].rsplit(" ", 1)[0]
-                + " ...",
+                + clip(str(e), 150),
             )
         compiles += mixed.compiles if mixed else 0
         if (
