@@ -12,8 +12,10 @@ which it sends to pinned host memory, and which it recomputes.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import fnmatch
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
@@ -361,6 +363,15 @@ def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
     return first, last + 1
 
 
+_RECOMPUTES_EVERYTHING = contextvars.ContextVar("shardmem_layer_recomputes_everything", default=False)
+
+
+def recomputes_everything() -> bool:
+    """Whether the layer :func:`remat_scan` is tracing saves nothing for its backward pass (policy
+    ``full``): its forward runs again there, all of it."""
+    return _RECOMPUTES_EVERYTHING.get()
+
+
 def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None):
     """Runs stacked layers (an ``nnx.vmap``-created module with a leading ``layers`` axis) over ``x``.
 
@@ -380,12 +391,16 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
     # layer returns its own, and the stack is updated with them after the scans.
     mutable = bool(jax.tree.leaves(rest))
 
-    def body(carry, layer):
+    def body(carry, layer, policy):
         layer, keep = layer if mask is not None else (layer, None)
         if prepare is not None:
             layer = (prepare(layer[0]), layer[1])
         module = nnx.merge(graphdef, *layer)
-        y = module(carry)
+        token = _RECOMPUTES_EVERYTHING.set(policy.saves == "nothing")
+        try:
+            y = module(carry)
+        finally:
+            _RECOMPUTES_EVERYTHING.reset(token)
         if keep is not None:
             y = jax.numpy.where(keep, y, carry)
         return y, (nnx.split(module, nnx.Param, ...)[2] if mutable else None)
@@ -395,7 +410,8 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
         segment = (params, rest) if mask is None else ((params, rest), mask)
         if (start, stop) != (0, n_layers):
             segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], segment)
-        step = jax.checkpoint(body, policy=policy.lower(), prevent_cse=False) if policy.remats else body
+        step = functools.partial(body, policy=policy)
+        step = jax.checkpoint(step, policy=policy.lower(), prevent_cse=False) if policy.remats else step
         with jax.named_scope(f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"):
             x, new_rest = jax.lax.scan(step, x, segment)
         updates.append(new_rest)
