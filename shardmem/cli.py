@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import io
 import json
 import os
 import signal
@@ -158,6 +159,7 @@ def _plan(args) -> int:
                        "refused_by_compiler": True, "required_bytes": e.required_bytes,
                        "available_bytes": e.available_bytes, "error": str(e)}  # fmt: skip
             print(json.dumps(verdict, indent=2), flush=True)
+            e.json_printed = True  # main() prints no second object.
         raise
     if args.json:
         data = report.to_json()
@@ -526,12 +528,32 @@ def cmd_policies(args) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # With --json an error is a JSON object on stdout too ({"error": ..., "exit_code": ...}), so that a
+    # script reading stdout always parses it; the message stays on stderr.
+    wants_json = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
+    if wants_json:
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                args = parser.parse_args(argv)
+        except SystemExit as e:
+            sys.stderr.write(captured.getvalue())
+            if e.code:  # argparse's own errors: usage, then "shardmem ...: error: ...".
+                message = captured.getvalue().strip().splitlines()[-1] if captured.getvalue().strip() else ""
+                print(json.dumps({"error": message, "exit_code": e.code}))
+            raise
+        sys.stderr.write(captured.getvalue())
+    else:
+        args = parser.parse_args(argv)
     try:
         return args.run(args)
     except ShardmemError as e:
         print(f"shardmem: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", EXIT_USAGE)  # DoesNotFit is a verdict: 3.
+        code = getattr(e, "exit_code", EXIT_USAGE)  # DoesNotFit is a verdict: 3.
+        if wants_json and not getattr(e, "json_printed", False):
+            print(json.dumps({"error": str(e), "exit_code": code}))
+        return code
     except KeyboardInterrupt:
         print("shardmem: interrupted", file=sys.stderr)
         return 130

@@ -260,6 +260,35 @@ def test_numeric_and_search_options_are_checked_alike_before_any_compile(command
     assert err.count("\n") == 1 and err.startswith(f"shardmem: error: {OPTIONS[command]}"), err
 
 
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["plan", TINY, "--set", "model.n_heads=3"], "model.n_kv_heads=2 does not divide model.n_heads=3"),
+        (["tune", TINY, "--max-compiles", "0"], "--max-compiles 0: --search remat needs at least 2"),
+        (["sweep", TINY, "--grid", "remat.policy=none", "--jobs", "0"], "--jobs 0: use 1 or more"),
+        (["plan", TINY, "--bogus"], "unrecognized arguments: --bogus"),  # argparse's own.
+    ],
+)
+def test_with_json_an_error_is_a_json_object_on_stdout_too(args, error, capsys, monkeypatch):
+    # A script reading `--json` output got nothing to parse on a malformed input (issue 30's bar).
+    import json
+
+    from shardmem.cli import main
+    from shardmem.planning import memory
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled before checking the input")
+
+    monkeypatch.setattr(memory, "_compile", compiled)
+    try:
+        code = main([*args, "--target", "cpu", "--json"])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and json.loads(out)["exit_code"] == 2
+    assert error in json.loads(out)["error"] and error in err and "Traceback" not in err
+
+
 def test_tune_out_never_overwrites_the_input_config(tmp_path, capsys, monkeypatch):
     # It did: the file's comments and its remat plan were lost (issue 30, item 7).
     from shardmem.cli import main
