@@ -390,7 +390,8 @@ def _transformers_checkpoints(folder, model_class, config, seed):
 
 
 def _transformers_models(transformers) -> dict:
-    """{name: (transformers' Flax class, its config, shardmem's model section)} for Llama and Gemma."""
+    """{name: (transformers' Flax class, its config, shardmem's model section)} for Llama, Gemma and
+    Mistral."""
     # Weights of 0.2 (not 0.02) for logits of order 1; RoPE's base is 10,000 (transformers' Flax ignores
     # rope_theta), as MODEL's.
     common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
@@ -399,14 +400,17 @@ def _transformers_models(transformers) -> dict:
     llama = transformers.LlamaConfig(**common, tie_word_embeddings=False)
     gemma = transformers.GemmaConfig(**common, head_dim=GEMMA["head_dim"],
                                      hidden_activation="gelu_pytorch_tanh")  # fmt: skip
+    # Mistral's layout is Llama's (its sliding window, 4,096 by default, is longer than these sequences).
+    mistral = transformers.MistralConfig(**common, tie_word_embeddings=False)
     return {"llama": (transformers.FlaxLlamaForCausalLM, llama, MODEL),
-            "gemma": (transformers.FlaxGemmaForCausalLM, gemma, GEMMA)}  # fmt: skip
+            "gemma": (transformers.FlaxGemmaForCausalLM, gemma, GEMMA),
+            "mistral": (transformers.FlaxMistralForCausalLM, mistral, MODEL)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def transformers_models(tmp_path_factory):
-    """{name: (model section, checkpoints folder, transformers' logits)} for a random Llama and Gemma,
-    and the tokens."""
+    """{name: (model section, checkpoints folder, transformers' logits)} for a random Llama, Gemma and
+    Mistral, and the tokens."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Everything is local; never ask the Hub.
@@ -423,7 +427,7 @@ def transformers_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout, axes", [("pt", {"data": 1}), ("pt", {"fsdp": 8}), ("flax", {"fsdp": 8})])
-@pytest.mark.parametrize("name", ["llama", "gemma"])
+@pytest.mark.parametrize("name", ["llama", "gemma", "mistral"])
 def test_a_checkpoint_of_transformers_loads_with_its_logits(transformers_models, name, layout, axes):
     models, tokens = transformers_models
     section, folder, expected = models[name]
@@ -449,3 +453,40 @@ def test_a_misshapen_flax_layout_checkpoint_is_a_one_line_error_naming_its_kerne
         build_program(config, build_mesh(config.mesh.axes, jax.devices())).init()
     message = "model.layers.0.mlp.down_proj.kernel has shape [96, 64], but the model's layers/w_down needs"
     assert f"{message} [128, 64]" in str(error.value) and "\n" not in str(error.value)
+
+
+class _Mlp(nnx.Module):
+    """A model of the user's own, nothing like the reference model."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def _mlp_loss(model, batch):
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+
+def test_a_users_own_model_loads_its_checkpoint_by_path_into_a_lora_program(tmp_path):
+    # Issue 32 item 1: weights into "a user's model" as well as the reference one, tensors named by path.
+    spec = {"x": {"shape": ["global_batch", 8], "dtype": "float32", "axes": ["batch", None]},
+            "y": {"shape": ["global_batch"], "dtype": "int32", "axes": ["batch"]}}  # fmt: skip
+    base = {"mesh": {"axes": {"data": 1}}, "train": {"global_batch": 4},
+            "precision": {"params": "float32", "compute": "float32"}}  # fmt: skip
+    mesh = build_mesh({"data": 1}, jax.devices()[:1])
+    plain = build_program(config_from_dict(base), mesh, model_factory=_Mlp, loss_fn=_mlp_loss, batch=spec)
+    original = jax.device_get(plain.init()["params"])
+    original["up"]["kernel"] = original["up"]["kernel"] + 1.0  # Not what a fresh init would give.
+    export_safetensors(plain, {"params": original}, tmp_path, dtype=jnp.float32)
+    finetune = {"init_from": str(tmp_path), "base_dtype": "float32",
+                "lora": {"rank": 2, "targets": ["up/kernel"]}}  # fmt: skip
+    config = config_from_dict({**base, "finetune": finetune})
+    adapted = build_program(config, mesh, model_factory=_Mlp, loss_fn=_mlp_loss, batch=spec)
+    state = adapted.init()
+    loaded = jax.device_get(adapted.finetune.assemble(state["params"], state["frozen"]))
+    jax.tree.map(np.testing.assert_array_equal, loaded, original)  # LoRA's B starts at zero.
