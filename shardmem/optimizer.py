@@ -64,6 +64,10 @@ def dynamic_loss_scaling(inner: optax.GradientTransformation, *, initial: float 
     are all finite it applies ``inner`` and doubles the scale after ``growth_interval`` such steps in a row;
     where any is not, it skips the step (zero updates, ``inner``'s state unchanged), halves the scale (not
     below 1) and counts the skip, as :func:`optax.apply_if_finite` does.
+
+    Written here rather than taken from DeepMind's jmp (its last release, 0.0.4, is from January 2023):
+    jmp's ``DynamicLossScale`` is a separate value the training loop threads and checkpoints itself,
+    where an Optax transformation's state is checkpointed, sharded and resumed with the optimizer's.
     """
 
     def init(params):
