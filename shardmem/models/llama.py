@@ -294,6 +294,17 @@ class Block(nnx.Module):
         # The weight may be frozen, quantized or adapted (shardmem.finetune): read through project.
         return project(spec, x, value_of(param), self.compute_dtype)
 
+    def _projections(self, normed_BxLxD, *specs):
+        """The tensor-parallel projections ``(einsum spec, weight, output axes, checkpoint name)`` of a
+        norm's output over the whole sequence (:func:`_gathered_projections`)."""
+
+        def project(h_BxLxD):
+            return tuple(checkpoint_name(_whole_seq(self._project(spec, h_BxLxD, param), axes), name)
+                         for spec, param, axes, name in specs)  # fmt: skip
+
+        names = tuple(name for *_, name in specs)
+        return _gathered_projections(project, _split_seq(normed_BxLxD), names)
+
     def __call__(self, x_BxLxD):
         cfg = self.cfg
         x_BxLxD = checkpoint_name(constrain(x_BxLxD, RESIDUAL), "layer_input")
@@ -304,18 +315,11 @@ class Block(nnx.Module):
             # the sequence and its output is all-gathered for the tensor-parallel matmuls: pinned to the
             # share first, or XLA gathers the fp32 residual the norm reads (twice the bytes).
             # The layer keeps that share for the backward pass, not the gathered sequence.
-            def qkv(h_BxLxD):
-                return (
-                    checkpoint_name(_whole_seq(self._project("bld,dhk->blhk", h_BxLxD, self.wq), _HEADS),
-                                    "query_proj"),
-                    checkpoint_name(_whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wk), _KV_HEADS),
-                                    "key_proj"),
-                    checkpoint_name(_whole_seq(self._project("bld,dgk->blgk", h_BxLxD, self.wv), _KV_HEADS),
-                                    "value_proj"),
-                )  # fmt: skip
-
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = _gathered_projections(
-                qkv, _split_seq(self.attn_norm(x_BxLxD)), ("query_proj", "key_proj", "value_proj")
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self._projections(
+                self.attn_norm(x_BxLxD),
+                ("bld,dhk->blhk", self.wq, _HEADS, "query_proj"),
+                ("bld,dgk->blgk", self.wk, _KV_HEADS, "key_proj"),
+                ("bld,dgk->blgk", self.wv, _KV_HEADS, "value_proj"),
             )
             if cfg.qkv_bias:
                 q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
@@ -337,16 +341,10 @@ class Block(nnx.Module):
                 h_BxLxD = _whole_seq(_split_seq(self.mlp_norm(x_BxLxD)), ("batch", "seq", None))
                 return x_BxLxD + self.moe(h_BxLxD)
 
-            def gate_up(h_BxLxD):
-                return (
-                    checkpoint_name(_whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_gate), _MLP),
-                                    "mlp_gate"),
-                    checkpoint_name(_whole_seq(self._project("bld,df->blf", h_BxLxD, self.w_up), _MLP),
-                                    "mlp_up"),
-                )  # fmt: skip
-
-            gate_BxLxF, up_BxLxF = _gathered_projections(
-                gate_up, _split_seq(self.mlp_norm(x_BxLxD)), ("mlp_gate", "mlp_up")
+            gate_BxLxF, up_BxLxF = self._projections(
+                self.mlp_norm(x_BxLxD),
+                ("bld,df->blf", self.w_gate, _MLP, "mlp_gate"),
+                ("bld,df->blf", self.w_up, _MLP, "mlp_up"),
             )
             act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF, cfg.mlp_activation)
             down_BxLxD = _scatter_seq(self._project("blf,fd->bld", act_BxLxF, self.w_down))
