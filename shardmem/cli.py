@@ -159,7 +159,8 @@ def _plan(args) -> int:
                        "refused_by_compiler": True, "required_bytes": e.required_bytes,
                        "available_bytes": e.available_bytes, "error": str(e)}  # fmt: skip
             print(json.dumps(verdict, indent=2), flush=True)
-            e.json_printed = True  # main() prints no second object.
+            print(f"shardmem: error: {e}", file=sys.stderr)
+            return e.exit_code  # The verdict is the JSON object: main() adds no error object.
         raise
     if args.json:
         data = report.to_json()
@@ -551,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardmemError as e:
         print(f"shardmem: error: {e}", file=sys.stderr)
         code = getattr(e, "exit_code", EXIT_USAGE)  # DoesNotFit is a verdict: 3.
-        if wants_json and not getattr(e, "json_printed", False):
+        if wants_json:
             print(json.dumps({"error": str(e), "exit_code": code}))
         return code
     except KeyboardInterrupt:

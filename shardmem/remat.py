@@ -363,13 +363,19 @@ def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
     return first, last + 1
 
 
-_RECOMPUTES_EVERYTHING = contextvars.ContextVar("shardmem_layer_recomputes_everything", default=False)
+_LAYER_POLICY: contextvars.ContextVar[RematPolicy | None] = contextvars.ContextVar(
+    "shardmem_layer_policy", default=None
+)
 
 
-def recomputes_everything() -> bool:
-    """Whether the layer :func:`remat_scan` is tracing saves nothing for its backward pass (policy
-    ``full``): its forward runs again there, all of it."""
-    return _RECOMPUTES_EVERYTHING.get()
+def layer_saves(names: Sequence[str]) -> bool:
+    """Whether the layer :func:`remat_scan` is tracing keeps the outputs tagged ``names`` (projections)
+    for its backward pass rather than recomputing them: with no remat, ``dots`` policies, or a policy
+    that saves (or offloads) all of those names. Outside a scan: yes."""
+    policy = _LAYER_POLICY.get()
+    if policy is None or policy.saves in ("everything", "dots", "dots_no_batch"):
+        return True
+    return policy.saves == "names" and set(names) <= set(policy.save + policy.offload)
 
 
 def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None):
@@ -396,11 +402,11 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
         if prepare is not None:
             layer = (prepare(layer[0]), layer[1])
         module = nnx.merge(graphdef, *layer)
-        token = _RECOMPUTES_EVERYTHING.set(policy.saves == "nothing")
+        token = _LAYER_POLICY.set(policy)
         try:
             y = module(carry)
         finally:
-            _RECOMPUTES_EVERYTHING.reset(token)
+            _LAYER_POLICY.reset(token)
         if keep is not None:
             y = jax.numpy.where(keep, y, carry)
         return y, (nnx.split(module, nnx.Param, ...)[2] if mutable else None)

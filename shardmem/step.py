@@ -6,7 +6,8 @@
 
 The model declares logical axes; the config's rules turn them into NamedShardings for parameters and
 optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Parameters are kept in
-``precision.params`` (fp32 master weights) and cast to ``precision.compute`` where they are used; in
+``precision.params`` (float32 by default; narrower ones with a float32 copy in the optimizer state under
+``precision.master``) and cast to ``precision.compute`` where they are used; in
 float16 the loss is scaled by the optimizer's dynamic loss scale before differentiating and the
 gradients divided by it again (:func:`scaled_value_and_grad`, :mod:`shardmem.optimizer`). Only
 ``nnx.Param`` variables are differentiated; a model's other variables (batch statistics, RNG streams)
@@ -362,8 +363,10 @@ def build_program(
         new_rest = keys.unwrap(nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])) if has_rest else {}
         return jnp.asarray(loss, jnp.float32), (metrics, new_rest)
 
+    # The reference model's next-token loss: rows independent, so accumulation may defer reductions.
+    rows_independent = not custom and loss_fn is next_token_loss
     plain_grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
-    scaled_grad_fn = scaled_value_and_grad(loss_of_params)
+    scaled_grad_fn = scaled_value_and_grad(loss_of_params, grad_dtype=config.precision.master)
 
     def train_step(state, batch):
         with rules.activate(mesh):
@@ -378,8 +381,7 @@ def build_program(
                     micro_batches=train.micro_batches, mesh=mesh,
                     rules=rules, param_shardings=param_shardings, batch_sharding=batch_sharding,
                     fsdp_reduce_once=train.fsdp_reduce_once, grad_shardings=grad_shardings,
-                    rows_independent=not custom and loss_fn is next_token_loss,
-                    grad_dtype=config.precision.master)  # fmt: skip
+                    rows_independent=rows_independent, grad_dtype=config.precision.master)  # fmt: skip
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             with jax.named_scope("optimizer_update"):  # Names its buffers in the plan's timeline.
                 opt_state = to_device(state["opt_state"], opt_shardings)  # No-op unless offloaded.
@@ -448,7 +450,7 @@ def build_program(
                    pipeline=pipeline, finetune=finetune, model_params=model_params, start_from=start,
                    frozen_logical=frozen_logical,
                    overlap_off=overlap_exceptions(config, mesh, rules, param_shardings, batch_sharding,
-                                                  rows_independent=not custom and loss_fn is next_token_loss,
+                                                  rows_independent=rows_independent,
                                                   pipelined=pipeline is not None),
                    build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
                                    batch_shape=batch_shape))  # fmt: skip
@@ -471,24 +473,29 @@ def overlap_exceptions(
     (:mod:`shardmem.accumulation`), XLA's all-gather pipeliner moves the next micro-batch's sequence
     gathers into the accumulation loop's previous trip and clones the whole forward layer loop that
     feeds them: every micro-batch's forward ran twice (tests/test_overlap.py; Nemotron-4 15B at tensor 4
-    x data 4, BENCHMARKS.md). It is there to prefetch FSDP weight gathers across layers; sequence-parallel
-    gathers depend on the layer before them and have nothing to prefetch.
+    x data 4, BENCHMARKS.md). It is there to prefetch FSDP weight gathers across layers, which such a
+    step has none of when no parameter is split over a batch axis; with FSDP as well, XLA did not clone
+    (data 2 x FSDP 2 x tensor 4) and the prefetch stays.
     """
     if pipelined or config.train.micro_batches == 1 or not rows_independent:
         return ()
     with rules.activate(mesh):
         if not sequence_parallel():
             return ()
+    batch_axes = set(spec_axes(rules.spec(("batch",))[0] if rules.spec(("batch",)) else None))
+    fsdp = any(a in batch_axes and mesh.shape[a] > 1
+               for s in jax.tree.leaves(param_shardings) for e in s.spec for a in spec_axes(e))  # fmt: skip
     axes = deferred_axes(rules, mesh, param_shardings, batch_sharding, config.train.fsdp_reduce_once)
-    return ("pipelined all-gather",) if axes else ()
+    return ("pipelined all-gather",) if axes and not fsdp else ()
 
 
-def scaled_value_and_grad(loss_of_params: Callable) -> Callable:
+def scaled_value_and_grad(loss_of_params: Callable, grad_dtype=None) -> Callable:
     """Returns ``(params, rest, batch, frozen=None, *, scale) -> ((loss, aux), grads)``:
     ``jax.value_and_grad`` of ``loss_of_params`` (see :attr:`Program.loss`) differentiated as
     ``loss x scale``, so that float16 gradients too small for its range are scaled into it, with the
-    loss and the gradients divided by ``scale`` again (in the parameters' dtype, float32 master weights:
-    they no longer underflow)."""
+    loss and the gradients divided by ``scale`` again, in ``grad_dtype`` (default: the parameters' own;
+    float32 for float16 weights with master weights, ``precision.master``, where a gradient divided in
+    float16 would underflow before it reached the float32 copy)."""
 
     def scaled(params, rest, batch, frozen, scale):
         loss, aux = loss_of_params(params, rest, batch, frozen)
@@ -498,7 +505,12 @@ def scaled_value_and_grad(loss_of_params: Callable) -> Callable:
 
     def value_and_grad(params, rest, batch, frozen=None, *, scale):
         grads, (loss, aux) = grad(params, rest, batch, frozen, scale)
-        return (loss, aux), jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+
+        def unscale(g):
+            g = g.astype(grad_dtype or g.dtype)
+            return g / scale.astype(g.dtype)
+
+        return (loss, aux), jax.tree.map(unscale, grads)
 
     return value_and_grad
 

@@ -112,7 +112,7 @@ def format_seconds(seconds: float) -> str:
 
 
 def clip(text: str, limit: int) -> str:
-    """``text`` cut to at most ``limit`` characters at a word boundary, with " ..." when cut."""
+    """``text`` if it has at most ``limit`` characters, else its words that fit in ``limit`` and " ..."."""
     if len(text) <= limit:
         return text
     return text[:limit].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."

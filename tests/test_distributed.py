@@ -338,6 +338,9 @@ _EXPECTED = "Expected number of connected peer ranks is : "
         (f"[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. {_EXPECTED}1", True),
         (f"1 is connected to 1 peer ranks. {_EXPECTED}1", True),
         (f"[Gloo] Rank 0 is connected to 3 1 peer ranks. {_EXPECTED}3", True),
+        ("[Gloo] Rank ", True),  # A line holding the first piece alone.
+        ("peer ranks. Expected number of connected peer ranks is : 1", True),
+        ("1 is connected to 2", False),  # Not gloo's without its marks.
         ("step 3  loss 5.9449  grad norm 3.31", False),
         ("12", False),
         ("[Gloo] Rank 1: connection refused", False),

@@ -260,6 +260,22 @@ def test_a_pipelines_compile_refits_pipelines_not_the_layouts_without_stages():
     assert estimator(fsdp).seconds == pytest.approx(before)  # ... the others are not.
 
 
+def test_the_estimate_counts_master_weights_and_their_float32_gradients():
+    from shardmem.planning import cost
+
+    hardware = cost.Hardware("gpu", {"bf16": 1e15, "f32": 5e14}, 3e12, 4e11, 5e10, 5e10)
+    sizes = tuple((a, 64 if a == "fsdp" else 1) for a in layout.AXES)
+    static = {}
+    for master in ("null", "float32"):
+        overrides = ["precision.params=bfloat16", f"precision.master={master}", "optimizer.mu_dtype=null"]
+        config = load_config("configs/llama-70b.yaml", overrides)
+        estimator = layout.Estimator(config, hardware, 8, {"full": 0.0}, {"full": 0.0})
+        static[master] = estimator(layout.Layout(sizes, 1, "full")).static * 64 / config.model.param_count()
+    # Bytes per parameter: bf16 weights, gradients and Adam's two moments; with master weights the
+    # gradients summed in float32, the float32 copy and moments in float32.
+    assert static == pytest.approx({"null": 2 + 2 + 2 * 2, "float32": 2 + 4 + 4 + 2 * 4})
+
+
 def test_the_estimate_reduce_scatters_fsdp_gradients_per_micro_batch_as_the_program_does():
     """shardmem.accumulation reduces data-parallel gradients once per step but reduce-scatters FSDP
     gradients per micro-batch unless train.fsdp_reduce_once: the estimate charges what the program sends."""

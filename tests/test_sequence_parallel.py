@@ -120,13 +120,14 @@ def test_the_layers_keep_their_share_of_the_sequence_not_the_gathered_one():
     assert [2, 4, 64, 128] in stacked and [2, 4, 64, 256] not in stacked, stacked
 
 
-@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("policy", ["none", "full", "minimal", "save_out_proj"])
 def test_each_scattered_sum_gathers_its_gradient_once(policy):
     # The out-projection's and the down-projection's reduce-scatters: in the backward pass their gradient
     # is gathered once for both backward matmuls (dgrad, wgrad), as Megatron's: the backward layer loop
     # gathers at most twice the forward's bytes (the two gradients, and the two saved shards gathered
-    # again for the weight gradients, or with full remat the recomputed forward's two), where each matmul
-    # gathering its own made it 3x (2.3x on XLA 0.12); so did full remat gathering the shards again.
+    # again for the weight gradients, or the recomputed forward's two where remat recomputes the
+    # projections), where each matmul gathering its own made it 3x (2.3x on XLA 0.12); so did a remat
+    # that recomputes the projections (full, save_out_proj) gathering the shards once more.
     config = _config({"data": 4, "tensor": 2}, {"residual_seq": ["tensor"]}, remat={"policy": policy},
                      precision={"params": "float32", "compute": "bfloat16"},
                      train={"global_batch": 16, "micro_batches": 2, "steps": 10})  # fmt: skip

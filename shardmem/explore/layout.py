@@ -242,11 +242,16 @@ class Estimator:
         m = layout.micro_batches
         weight_shards = t * s * f * c * (e if model.n_experts else 1)
         param_bytes = self.params * _itemsize(config.precision.params) / weight_shards
+        # The optimizer's dtype: the master copy's (precision.master, itself in the state), else the
+        # weights'; the gradients are summed in it.
+        state_dtype = config.precision.master or config.precision.params
         moments = 1 if config.optimizer.name == "sgd" else 2
-        mu = _itemsize(config.optimizer.mu_dtype or config.precision.params)
-        optimizer = self.params * (mu + _itemsize(config.precision.params) * (moments - 1)) / weight_shards
+        mu = _itemsize(config.optimizer.mu_dtype or state_dtype)
+        master = _itemsize(state_dtype) if config.precision.master else 0
+        optimizer = self.params * (mu + _itemsize(state_dtype) * (moments - 1) + master) / weight_shards
         if layout.zero1:
             optimizer /= d * e
+        grad_bytes = self.params * _itemsize(state_dtype) / weight_shards
         rows = batch / (d * f * e)  # sequences per device per step
         live_rows = rows if s > 1 else rows / m  # GPipe keeps all its micro-batches' residuals
         if layout.schedule in ("1f1b", "interleaved"):  # 1F1B at most 2 x stages - 1 micro-batches' worth
@@ -257,7 +262,7 @@ class Estimator:
             residual /= t
         else:
             residual *= 1.0 if layout.policy == "full" else (1 + 1 / t) / 2  # tensor splits the wide ones
-        static = 2 * param_bytes + optimizer
+        static = param_bytes + grad_bytes + optimizer
         key = (layout.policy, s > 1, layout.sequence)
         scales = self.activation_scale
         scale = scales.get(key, 1.0)  # Unscaled until a compile of the same kind says otherwise.
@@ -294,8 +299,8 @@ class Estimator:
         if e > 1:
             comm += layers * m * 4 * activation * model.experts_per_token * (e - 1) / e / link("expert")
         family = _family(layout)
-        fits = (self.memory_share, self.launch_per_layer_pass, self.time_scale)
-        share, launch, time_scale = (fitted.get(family, fitted[None]) for fitted in fits)
+        terms = (self.memory_share, self.launch_per_layer_pass, self.time_scale)
+        share, launch, time_scale = (fitted.get(family, fitted[None]) for fitted in terms)
         work = compute * (1 + share) + launch * self._passes(layout)
         seconds = (work + max(0.0, comm - 0.5 * work)) * time_scale
         return Estimate(static, activations, seconds)

@@ -33,7 +33,7 @@ from shardmem.models.moe import MoEFeedForward
 from shardmem.parallel import context
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import constrain, sequence_parallel
-from shardmem.remat import LayerPlan, recomputes_everything, remat_scan
+from shardmem.remat import LayerPlan, layer_saves, remat_scan
 
 #: The intermediates a layer tags for remat policies, in the order they are computed.
 CHECKPOINT_TAGS = (
@@ -246,9 +246,10 @@ def _gathered_projections(project, h_BxLxD, names):
     for their weight gradients gathered again in the backward pass, so that the layer keeps its share
     rather than the whole sequence (Korthikanti et al. 2022, as Megatron's sequence-parallel linear
     layers): a checkpoint that saves the projections' outputs, so only the all-gather is recomputed.
-    Not in a layer that recomputes everything (remat ``full``): its forward runs again in the backward
-    pass, gather included, and the checkpoint would gather once more."""
-    if not sequence_parallel() or recomputes_everything():
+    Only in a layer that keeps those outputs (:func:`~shardmem.remat.layer_saves`): one whose remat
+    recomputes them (``full``, a policy saving other names) runs the gather again in the backward pass
+    anyway, and the checkpoint would gather once more."""
+    if not sequence_parallel() or not layer_saves(names):
         return project(_whole_seq(h_BxLxD, ("batch", "seq", None)))
     policy = jax.checkpoint_policies.save_only_these_names(*names)
     return jax.checkpoint(lambda h: project(_whole_seq(h, ("batch", "seq", None))), policy=policy)(h_BxLxD)

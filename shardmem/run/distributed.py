@@ -58,11 +58,12 @@ _DIE_WITH_PARENT = (
 # Start-up chatter of the gloo CPU collectives: "[Gloo] Rank R is connected to P peer ranks. Expected
 # number of connected peer ranks is : P", once per process and collective context. gloo writes it in
 # pieces from several threads, so two contexts' lines can interleave ("[Gloo] Rank [Gloo] Rank 1 is
-# connected ..." then "1 is connected ..."): a line made only of its pieces and numbers is chatter.
+# connected ..." then "1 is connected ..."): a line made only of its pieces and numbers, with "[Gloo]"
+# or "peer ranks" in it, is chatter.
 _GLOO_PIECES = re.compile(
-    r"\[Gloo\] Rank | is connected to | peer ranks\. Expected number of connected peer ranks is : |\d+"
+    r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is\s*:|\d+|\s+"
 )
-_GLOO_FIRST_PIECES = re.compile(r"\[Gloo\] Rank | is connected to | peer ranks\. Expected number")
+_GLOO_MARKS = re.compile(r"\[Gloo\]|peer ranks")
 
 
 def detected_cluster() -> str | None:
@@ -347,8 +348,7 @@ def _print_lines(prefix: str, lines: list[bytes], lock: threading.Lock) -> None:
 
 
 def _is_gloo_chatter(line: str) -> bool:
-    stripped = line.strip()
-    return bool(_GLOO_FIRST_PIECES.search(stripped)) and not _GLOO_PIECES.sub("", stripped).strip()
+    return bool(_GLOO_MARKS.search(line)) and not _GLOO_PIECES.sub("", line)
 
 
 def _free_port() -> int:
