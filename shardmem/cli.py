@@ -533,20 +533,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     # With --json an error is a JSON object on stdout too ({"error": ..., "exit_code": ...}), so that a
     # script reading stdout always parses it; the message stays on stderr.
     wants_json = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
-    if wants_json:
+    if not wants_json:
+        args = parser.parse_args(argv)
+    else:
         captured = io.StringIO()
         try:
             with contextlib.redirect_stderr(captured):
                 args = parser.parse_args(argv)
         except SystemExit as e:
-            sys.stderr.write(captured.getvalue())
-            if e.code:  # argparse's own errors: usage, then "shardmem ...: error: ...".
-                message = captured.getvalue().strip().splitlines()[-1] if captured.getvalue().strip() else ""
-                print(json.dumps({"error": message, "exit_code": e.code}))
+            if e.code:  # argparse's own errors: usage, then "shardmem ...: error: ..." last.
+                said = captured.getvalue().strip().splitlines()
+                print(json.dumps({"error": said[-1] if said else "", "exit_code": e.code}))
             raise
-        sys.stderr.write(captured.getvalue())
-    else:
-        args = parser.parse_args(argv)
+        finally:
+            sys.stderr.write(captured.getvalue())
     try:
         return args.run(args)
     except ShardmemError as e:

@@ -482,7 +482,7 @@ def overlap_exceptions(
     with rules.activate(mesh):
         if not sequence_parallel():
             return ()
-    batch_axes = set(spec_axes(rules.spec(("batch",))[0] if rules.spec(("batch",)) else None))
+    batch_axes = set(rules.mesh_axes("batch") or ())
     fsdp = any(a in batch_axes and mesh.shape[a] > 1
                for s in jax.tree.leaves(param_shardings) for e in s.spec for a in spec_axes(e))  # fmt: skip
     axes = deferred_axes(rules, mesh, param_shardings, batch_sharding, config.train.fsdp_reduce_once)

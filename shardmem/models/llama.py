@@ -230,7 +230,7 @@ def _scatter_to_share(x_BxLxD):
 
 
 def _scatter_to_share_fwd(x_BxLxD):
-    return _scatter_to_share(x_BxLxD), None
+    return constrain(x_BxLxD, RESIDUAL), None
 
 
 def _scatter_to_share_bwd(_, g_BxLxD):
@@ -249,10 +249,13 @@ def _gathered_projections(project, h_BxLxD, names):
     Only in a layer that keeps those outputs (:func:`~shardmem.remat.layer_saves`): one whose remat
     recomputes them (``full``, a policy saving other names) runs the gather again in the backward pass
     anyway, and the checkpoint would gather once more."""
-    if not sequence_parallel() or not layer_saves(names):
+
+    def gathered(h_BxLxD):
         return project(_whole_seq(h_BxLxD, ("batch", "seq", None)))
-    policy = jax.checkpoint_policies.save_only_these_names(*names)
-    return jax.checkpoint(lambda h: project(_whole_seq(h, ("batch", "seq", None))), policy=policy)(h_BxLxD)
+
+    if not sequence_parallel() or not layer_saves(names):
+        return gathered(h_BxLxD)
+    return jax.checkpoint(gathered, policy=jax.checkpoint_policies.save_only_these_names(*names))(h_BxLxD)
 
 
 class Block(nnx.Module):
