@@ -4,7 +4,7 @@
 
 A tiny Llama (8 layers of width 128, sequences of 128, minimal remat, fp32) over 4 stages x 2 data,
 compiled for ``--target local``: micro-batches of one sequence per device, so M micro-batches are a batch
-of 2 M. GPipe keeps every tick's residuals until the backward pass, 1F1B at most ``2 S - 1`` passes' (the
+of 2 M. GPipe keeps every tick's residuals until the backward pass, 1F1B at most ``S`` passes' (the
 report's ``in_flight``). Prints one markdown row per schedule: the peak and the passes held at each M.
 """
 

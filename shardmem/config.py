@@ -174,9 +174,9 @@ class PipelineConfig:
     circular schedule, a smaller bubble for moving the strided chunks' weights each step); ``stages``:
     each stage's range of layers, e.g. ``["0-7", "8-15", "16-22", "23-29"]`` (GPipe and 1F1B only;
     default: the most even split, the first stages one layer more); ``schedule``: ``gpipe``,
-    ``circular`` (repeats > 1), ``1f1b`` (a forward and a backward each tick, so the residuals of at most
-    2 x stages - 1 micro-batches live, whatever their number) or ``interleaved`` (1F1B with ``repeats``
-    virtual stages per stage)."""
+    ``circular`` (repeats > 1), ``1f1b`` (each stage alternates forwards and backwards, out of step with
+    its neighbours, so it holds the residuals of at most stages micro-batches, whatever their number) or
+    ``interleaved`` (1F1B with ``repeats`` virtual stages per stage)."""
 
     repeats: int = 1  # Layer chunks per stage: 1 is GPipe, more the circular schedule.
     stages: list[str | int] | None = None  # Each stage's layers, e.g. ["0-7", "8-15"] (None: most even).

@@ -606,6 +606,9 @@ def pipeline_for(
     train, schedule = config.train, config.pipeline
     pipeline = Pipeline(stages, train.micro_batches, schedule.repeats, counts, schedule.schedule)
     pipeline.check(n_layers, config.remat_plan())
+    # 1F1B splits a chunk's backward in two parts of its layers, each about a forward's work, so that a
+    # tick's ops cost alike; a chunk of one layer runs its backward whole.
+    pipeline = dataclasses.replace(pipeline, backward_parts=min(2, pipeline.chunk_layers(n_layers)))
     rules = rules or Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     stage_users = [
         (name, axes) for name, axes in rules.logical if name != "layers" and STAGE_AXIS in (axes or ())

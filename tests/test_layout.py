@@ -136,9 +136,9 @@ def test_layouts_offer_1f1b_and_sequence_parallelism_and_estimate_their_residual
         return layout.Layout(tuple(sizes.items()), 32, "full", schedule=schedule, sequence=sequence)
 
     gpipe, one_f_one_b = candidate("gpipe"), candidate("1f1b")
-    # GPipe keeps all 32 micro-batches' layer inputs, 1F1B 2 x 2 - 1 = 3 of them; sequence parallelism
-    # splits full remat's layer inputs over tensor=2.
-    assert estimator(one_f_one_b).activations == pytest.approx(estimator(gpipe).activations * 3 / 32)
+    # GPipe keeps all 32 micro-batches' layer inputs, 1F1B 2 of them (one per stage, as Megatron-LM's);
+    # sequence parallelism splits full remat's layer inputs over tensor=2.
+    assert estimator(one_f_one_b).activations == pytest.approx(estimator(gpipe).activations * 2 / 32)
     tensor, sequence = candidate(stage=1), candidate(stage=1, sequence=True)
     assert estimator(sequence).activations == pytest.approx(estimator(tensor).activations / 2)
     overrides = candidate("1f1b", sequence=True).overrides(config)

@@ -78,19 +78,69 @@ def test_bubble_fraction_is_gpipes_and_shrinks_with_chunks_per_stage():
     )
 
 
-def test_1f1b_keeps_gpipes_bubble_and_at_most_2s_minus_1_micro_batches_in_flight():
+def test_1f1b_keeps_gpipes_bubble_and_holds_s_micro_batches_as_megatron():
     one = Pipeline(4, 16, schedule="1f1b")
     assert one.bubble_fraction == Pipeline(4, 16).bubble_fraction == pytest.approx(3 / 19)
-    assert one.in_flight == 7 and Pipeline(4, 16).in_flight == 19  # GPipe saves every tick's residuals.
-    assert Pipeline(4, 4, schedule="1f1b").in_flight == 4  # Fewer micro-batches than the ring's slots.
-    assert one.ticks == 16 + 2 * 4 - 2  # Forwards alone in the first S - 1, backwards alone in the last.
+    assert one.in_flight == 4 and Pipeline(4, 16).in_flight == 19  # GPipe saves every tick's residuals.
+    assert Pipeline(4, 4, schedule="1f1b").in_flight == 4
+    # A tick runs a forward or one of two backward parts: 3 ticks a micro-batch, plus S - 1 rounds of fill
+    # and drain, so the idle share is the formula's.
+    assert one.ticks == (16 + 4 - 1) * 3
+    assert 1 - one.table.busy / one.ticks == pytest.approx(one.bubble_fraction)
     interleaved = Pipeline(4, 16, repeats=2, schedule="interleaved")
-    assert interleaved.bubble_fraction == pytest.approx(3 / 35) and interleaved.in_flight == 15
+    # Megatron's warm-up: 2 (S - 1) + (R - 1) S + 1 = 11 chunk passes of half a stage, 5.5 micro-batches'
+    # worth, S (1 + (S - 1) / (S R)) in Narayanan et al.; the table idles the formula's share.
+    assert interleaved.in_flight == 11
+    assert (
+        interleaved.bubble_fraction == pytest.approx(3 / 35) == 1 - interleaved.table.busy / interleaved.ticks
+    )
     assert Pipeline.from_json(interleaved.to_json()) == interleaved
     assert interleaved.describe() == (
         "4 stages x 16 micro-batches (interleaved 1F1B, 2 layer chunks per stage): bubble (4-1)/(16x2+4-1) "
-        "= 8.6%, 15 micro-batch passes in flight per stage"
+        "= 8.6%, 11 micro-batch passes in flight per stage"
     )
+
+
+@pytest.mark.parametrize("stages, micro_batches, repeats, parts", [(4, 8, 1, 2), (4, 8, 1, 1), (3, 7, 1, 2),
+                                                                   (2, 4, 2, 2), (4, 8, 2, 1)])  # fmt: skip
+def test_the_1f1b_table_runs_every_pass_once_after_its_inputs_and_stage_s_holds_s_minus_s(
+    stages, micro_batches, repeats, parts
+):
+    from shardmem.parallel.pipeline import BACKWARD, FORWARD, FORWARD_AND_HEAD, IDLE, schedule_table
+
+    table = schedule_table(stages, micro_batches, repeats, parts)
+    done, held, most = {}, [0] * stages, [0] * stages
+    for tick, row in enumerate(table.rows):
+        for stage in range(stages):
+            op, micro, repeat = row[:3, stage]
+            chunk = repeat * stages + stage
+            if op == IDLE:
+                continue
+            if op in (FORWARD, FORWARD_AND_HEAD):
+                assert (op == FORWARD_AND_HEAD) == (chunk == repeats * stages - 1)
+                assert chunk == 0 or done[("F", micro, chunk - 1)] < tick  # Its input was made before.
+                key = ("F", micro, chunk)
+                held[stage] += 1
+            else:
+                part = op - BACKWARD
+                before = (
+                    ("B", micro, chunk, part + 1)
+                    if part < parts - 1
+                    else (
+                        ("F", micro, chunk) if chunk == repeats * stages - 1 else ("B", micro, chunk + 1, 0)
+                    )
+                )
+                assert done[before] < tick
+                key = ("B", micro, chunk, part)
+                held[stage] -= part == 0
+            assert key not in done
+            done[key] = tick
+            most[stage] = max(most[stage], held[stage])
+    assert len(done) == micro_batches * repeats * stages * (1 + parts)
+    assert max(most) == table.ring_slots
+    assert table.ticks == (micro_batches * repeats + stages - 1) * (1 + parts)  # The bubble formula's.
+    if repeats == 1:
+        assert most == [stages - s for s in range(stages)]  # Megatron-LM's 1F1B.
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +153,7 @@ def one_f_one_b():
 @pytest.mark.slow
 def test_1f1b_training_matches_one_device(one_f_one_b, one_device):
     program, losses, params = one_f_one_b
-    assert program.pipeline.schedule == "1f1b" and program.pipeline.in_flight == 7
+    assert program.pipeline.schedule == "1f1b" and program.pipeline.in_flight == 4  # S, as Megatron-LM's
     assert_same_training(losses, params, one_device)
 
 

@@ -254,7 +254,7 @@ class Estimator:
         grad_bytes = self.params * _itemsize(state_dtype) / weight_shards
         rows = batch / (d * f * e)  # sequences per device per step
         live_rows = rows if s > 1 else rows / m  # GPipe keeps all its micro-batches' residuals
-        if layout.schedule in ("1f1b", "interleaved"):  # 1F1B at most 2 x stages - 1 micro-batches' worth
+        if layout.schedule in ("1f1b", "interleaved"):  # 1F1B: at most stages micro-batches' worth
             r = config.pipeline.repeats
             live_rows = rows / m * Pipeline(s, m, r, schedule=layout.schedule).in_flight / r
         residual = self.residuals[layout.policy] / config.train.global_batch * live_rows / c / s

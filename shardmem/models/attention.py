@@ -196,8 +196,7 @@ def _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
     kv_spec = rules.spec(("batch", None, "kv_heads", None))
     if q_spec[2:3] != kv_spec[2:3]:  # Heads and KV heads split differently: split the batch only.
         q_spec = kv_spec = P(*rules.spec(("batch",)), None, None, None)
-    sharded = jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                            check_vma=False)  # fmt: skip
+    sharded = _rules.shard_map(fn, mesh, (q_spec, kv_spec, kv_spec), q_spec)
     return sharded(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 

@@ -72,7 +72,11 @@ def cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk: int | None) -> jax
         return chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk=chunk)
     logits_BxLxV = constrain(hidden_BxLxD @ head_DxV, ("batch", "seq", "vocab"))
     logits_BxLxV = logits_BxLxV.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
+    # The target's logit as a masked sum, as the chunked loss takes it (optax gathers it: over a vocabulary
+    # split across devices inside the 1F1B pipeline's shard_map, XLA's partitioner aborts on that gather).
+    hit_BxLxV = targets_BxL[..., None] == jnp.arange(logits_BxLxV.shape[-1])
+    target_BxL = jnp.where(hit_BxLxV, logits_BxLxV, 0.0).sum(axis=-1)
+    return (jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_BxL).mean()
 
 
 def chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int) -> jax.Array:

@@ -150,8 +150,7 @@ def flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, interpret: bool = False)
     def local(q, key, value):
         return _flash(q, key, value, seq_axes, n, k**-0.5, interpret)
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                            check_vma=False)  # fmt: skip
+    sharded = _rules.shard_map(local, mesh, (q_spec, kv_spec, kv_spec), q_spec)
     return sharded(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 

@@ -3,7 +3,7 @@
     pipeline = Pipeline(stages=4, micro_batches=8)          # GPipe; repeats=2 for the circular schedule
     x_BxLxD = pipeline.run(model.layers, x_BxLxD, plan)      # in place of remat_scan(model.layers, ...)
     pipeline.bubble_fraction                                 # (S - 1) / (M * R + S - 1)
-    Pipeline(4, 8, schedule="1f1b").in_flight                # 7 = 2 * S - 1 micro-batches' residuals
+    Pipeline(4, 8, schedule="1f1b").in_flight                # 4 = S micro-batches' residuals, at most
 
 The scan-over-ticks formulation (as in MaxText): every tick, each of the S stages runs its chunk of K
 layers on one micro-batch -- one ``jax.vmap`` over the stage dimension of the state ``[S, mb, L, D]``,
@@ -21,21 +21,23 @@ peak grows with the micro-batches. ``schedule="1f1b"`` (and ``"interleaved"``, i
 
     loss = pipeline.loss(model.layers, x_BxLxD, plan, head_params, targets_BxL, head_loss)
 
-Each tick every stage runs one forward pass (``jax.vjp`` of its chunk: the output, and the residuals it
-keeps in a ring of :attr:`Pipeline.in_flight` slots, less the weights) and one backward pass (the
-pullback of a pass whose output gradient arrived, from its slot). The last chunk's output goes through
-``head_loss`` in the tick it is made, whose gradient starts that micro-batch's backward at once; each
-gradient reaches the stage before one tick later. Micro-batches go in groups of S, each group through
-all R repeats, so a pass at stage s, repeat r waits ``2 * ((R - r) * S - 1 - s)`` ticks for its backward
-and the ring needs ``min(M * R, 2 * R * S - 1)`` slots whatever M: the peak stays flat as micro-batches
-are added. (Megatron-LM's 1F1B keeps ``S - s`` micro-batches at stage s; its stages run out of step, a
-forward on one while its neighbour runs a backward. Here every stage runs the same program in step, so a
-micro-batch takes a tick per stage each way, and the first stage holds about twice as many.) The first
-``R * S - 1`` ticks run forwards alone and the last ``R * S - 1`` backwards alone, so the bubble is
-``(S - 1) / (M * R + S - 1)``, GPipe's and circular's. The gradients come out of a ``jax.custom_vjp``
-whose forward runs the schedule, so the step differentiates the loss as any other. Every stage runs the
-head on its output, masked but for the last stage's last chunk (one program for all): the plan counts
-those FLOPs.
+1F1B runs its stages out of step, as Megatron-LM's: a stage runs a forward while its neighbour runs a
+backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage) and
+a ``jax.lax.switch`` per tick, which runs on each device only the branch its stage takes: the chunk's
+forward (``jax.vjp``: the output and the residuals, kept in a ring of slots, less the weights), or one of
+``backward_parts`` parts of its backward (the pullback of the part's layers: a chunk's backward is about
+twice its forward, so in two parts every tick costs about a forward, and no stage waits on a slower
+neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute`` calls); the stage it is
+for queues it. Which op each stage runs at each tick is a table built in Python by running the schedule
+(:func:`schedule_table`): with R = 1, Megatron's 1F1B (stage s holds ``S - s`` micro-batches' residuals,
+the first stage ``S``: the peak stays flat as micro-batches are added; the bubble ``(S - 1) / (M + S - 1)``);
+with R > 1, Megatron's order of chunk passes, each stage holding as few as give the shortest table (its
+bubble a little above the formula's, which counts hand-offs as free). The last chunk's forward also runs
+the head and the loss, whose gradient starts that micro-batch's backward. The body splits the batch by hand
+too, over the data axes that split nothing else (:meth:`Rules.batch_only_axes`), so each device sums its
+own rows' weight gradients over the ticks and they are all-reduced once, after the last; the compiler
+splits the tensor and FSDP axes inside it as everywhere. The gradients come out of a ``jax.custom_vjp``
+whose forward runs the schedule, so the step differentiates the loss as any other.
 
 Stages need not be even (GPipe and 1F1B): ``layer_counts`` gives each stage's number of contiguous layers
 (``pipeline.stages: ["0-7", "8-15", "16-22", "23-29"]`` in the config, see :func:`parse_stages`); without
@@ -56,16 +58,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
 from shardmem.parallel.rules import Rules, constrain
+from shardmem.parallel.rules import active as rules_active
 from shardmem.remat import LayerPlan, layer_span, remat_scan
 
 #: The mesh axis whose size is the number of pipeline stages.
@@ -75,7 +80,7 @@ STAGE_AXIS = "stage"
 SCHEDULES = {
     "gpipe": "every micro-batch forward, then every one backward (JAX differentiates the forward ticks)",
     "circular": "GPipe with pipeline.repeats layer chunks per stage: a smaller bubble",
-    "1f1b": "a forward and a backward each tick: the residuals of at most 2 x stages - 1 micro-batches",
+    "1f1b": "each stage alternates forwards and backwards: the residuals of at most stages micro-batches",
     "interleaved": "1F1B with pipeline.repeats layer chunks (virtual stages) per stage: a smaller bubble",
 }
 
@@ -84,7 +89,7 @@ class _Stages(NamedTuple):
     """The layers as the stages run them (:meth:`Pipeline._stages`)."""
 
     weights_S: dict  # The stored parameters with a leading stage axis: [S, K, ...] or [S, K, R, ...].
-    run_stage: Callable  # (weights, x_bxLxD, repeat, valid_K) -> one stage's chunk applied to x.
+    run_stage: Callable  # (weights, x_bxLxD, repeat, valid_K[, first]) -> one stage's chunk applied to x.
     valid_SxK: jax.Array | None  # Which of each stage's K layer slots hold a layer (None: all do).
 
 
@@ -98,6 +103,7 @@ class Pipeline:
     repeats: int = 1
     layer_counts: tuple[int, ...] = ()  # Layers per stage, in order (empty: the most even split).
     schedule: str | None = None  # None: "gpipe", or "circular" for repeats > 1.
+    backward_parts: int = 2  # 1F1B: the ticks a chunk's backward takes (about a forward's work each).
 
     def __post_init__(self):
         if self.schedule is None:
@@ -117,6 +123,10 @@ class Pipeline:
         base, extra = divmod(n_layers, self.stages)
         return (base + 1,) * extra + (base,) * (self.stages - extra)
 
+    def chunk_layers(self, n_layers: int) -> int:
+        """Layer slots of one stage chunk: ``n_layers / (S * R)``, or the largest stage's layers."""
+        return n_layers // (self.stages * self.repeats) if self.repeats > 1 else max(self.split(n_layers))
+
     def padded_slots(self, n_layers: int) -> int:
         """Layer slots that run masked (stages with fewer layers than the largest): ``S * K_max - n``."""
         counts = self.split(n_layers)
@@ -135,27 +145,33 @@ class Pipeline:
         return dataclasses.replace(rules, logical=tuple((n, kept(n, a)) for n, a in rules.logical))
 
     @property
+    def table(self) -> ScheduleTable:
+        """The 1F1B schedule's table of ticks (:func:`schedule_table`); only for :attr:`runs_loss`."""
+        return schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
+
+    @property
     def ticks(self) -> int:
         """Steps of the schedule: every micro-batch through every chunk, plus the fill and drain (each of
-        the forward and backward loops for GPipe; 1F1B's one loop runs both, forwards alone in its first
-        ``R * S - 1`` ticks and backwards alone in its last ``R * S - 1``)."""
+        the forward and backward loops for GPipe; for 1F1B, a tick runs a chunk's forward or one of its
+        backward parts on each stage)."""
         m, r, s = self.micro_batches, self.repeats, self.stages
-        return m * r + r * s + s - 2 if self.runs_loss else m * r + s - 1
+        return self.table.ticks if self.runs_loss else m * r + s - 1
 
     @property
     def bubble_fraction(self) -> float:
         """Share of each stage's time spent idle: ``(S - 1) / (M * R + S - 1)``, every schedule's (GPipe
-        and 1F1B for R = 1; Narayanan et al. 2021, eq. 1 and its interleaved form)."""
+        and 1F1B for R = 1; Narayanan et al. 2021, eq. 1 and its interleaved form; the 1F1B tables idle
+        exactly that share of their ticks)."""
         return (self.stages - 1) / (self.micro_batches * self.repeats + self.stages - 1)
 
     @property
     def in_flight(self) -> int:
         """Micro-batch passes through one stage chunk whose residuals a stage holds at its peak: every
         tick's for GPipe and circular (JAX saves each forward tick's for the backward pass, idle ones
-        too), ``min(M * R, 2 * R * S - 1)`` for 1F1B and interleaved (a ring of that many slots: a pass
-        at stage s waits ``2 * ((R - r) * S - 1 - s)`` ticks for its backward)."""
+        too); for 1F1B the first stage's ``S`` (stage s holds ``S - s``, as Megatron-LM's), for
+        interleaved Megatron's ``2 (S - 1) + (R - 1) S + 1`` (of chunks 1/R of a stage)."""
         m, r, s = self.micro_batches, self.repeats, self.stages
-        return min(m * r, 2 * r * s - 1) if self.runs_loss else m * r + s - 1
+        return self.table.ring_slots if self.runs_loss else m * r + s - 1
 
     def describe(self) -> str:
         """Returns e.g. "4 stages x 8 micro-batches (GPipe): bubble (4-1)/(8+4-1) = 27.3%, 11 micro-batch
@@ -171,7 +187,13 @@ class Pipeline:
     @classmethod
     def from_json(cls, data: dict) -> Pipeline:
         """The inverse of :meth:`to_json` (a report's ``pipeline`` entry)."""
-        return cls(data["stages"], data["micro_batches"], data["repeats"], schedule=data.get("schedule"))
+        return cls(
+            data["stages"],
+            data["micro_batches"],
+            data["repeats"],
+            schedule=data.get("schedule"),
+            backward_parts=data.get("backward_parts", 2),
+        )
 
     def to_json(self, n_layers: int | None = None) -> dict:
         """Returns the schedule as JSON-ready data (the plan's ``pipeline`` entry); with ``n_layers``, also
@@ -179,6 +201,8 @@ class Pipeline:
         out = {"stages": self.stages, "micro_batches": self.micro_batches, "repeats": self.repeats,
                "schedule": self.schedule, "ticks": self.ticks, "bubble_fraction": self.bubble_fraction,
                "in_flight": self.in_flight}  # fmt: skip
+        if self.runs_loss:
+            out["backward_parts"] = self.backward_parts
         if n_layers is not None:
             out["layers_per_stage"] = list(self.split(n_layers))
             out["padded_slots"] = self.padded_slots(n_layers)
@@ -335,12 +359,15 @@ class Pipeline:
 
             return select
 
-        def run_stage(weights, x_mbxLxD, repeat, valid_K):
-            """One stage's chunk at ``repeat`` (weights [K, ...], or [K, R, ...] for R > 1) on ``x``."""
+        def run_stage(weights, x_mbxLxD, repeat, valid_K, first=0):
+            """One stage's chunk at ``repeat`` (weights [K, ...], or [K, R, ...] for R > 1) on ``x``; or,
+            given the weights of its slots ``first`` onwards alone, those slots."""
             module = nnx.merge(graphdef, weights, rest)
+            slots = jax.tree.leaves(weights)[0].shape[0]
+            slot_plan = LayerPlan(chunk_plan.policies[first : first + slots])
             if r > 1:
-                return remat_scan(module, x_mbxLxD, chunk_plan, prepare=select_repeat(repeat))
-            return remat_scan(module, x_mbxLxD, chunk_plan, mask=valid_K)
+                return remat_scan(module, x_mbxLxD, slot_plan, prepare=select_repeat(repeat))
+            return remat_scan(module, x_mbxLxD, slot_plan, mask=valid_K)
 
         return _Stages(weights_S, run_stage, valid_SxK)
 
@@ -399,139 +426,167 @@ class Pipeline:
         ``y`` the last layer's output, the gradients of ``layers``, ``head_params`` and ``x_BxLxD``
         computed by the 1F1B schedule (:attr:`schedule` ``1f1b`` or ``interleaved``) as it runs: see the
         module docstring. Differentiate it as any loss; its backward pass only scales those gradients."""
+        active = rules_active()
+        if active is None:
+            raise ValueError("Pipeline.loss runs inside Rules.activate(mesh): it needs the stage mesh axis")
+        mesh, rules = active
         stages = self._stages(layers, plan)
-        s, m, r = self.stages, self.micro_batches, self.repeats
-        chunks, slots = r * s, self.in_flight
-        stage_ids_S = jnp.arange(s)
-        is_first, is_last = stage_ids_S == 0, stage_ids_S == s - 1
-        spec = ("layers", "batch", "residual_seq", None)
-        pullback_layout: dict = {}  # The forward pullback's structure, recorded when it is traced.
+        table = schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
+        s, m, n_parts = self.stages, self.micro_batches, self.backward_parts
+        k = jax.tree.leaves(stages.weights_S)[0].shape[1]
+        bounds = [round(i * k / n_parts) for i in range(n_parts + 1)]  # Part p: layer slots [b_p, b_p+1).
+        spec = ("batch", "residual_seq", None)
+        layouts: list[dict] = [{} for _ in range(n_parts)]  # Each part's pullback structure, when traced.
+
+        def part_weights(weights, p):
+            return jax.tree.map(lambda w: w[bounds[p] : bounds[p + 1]], weights)
+
+        def run_part(p, weights_p, x_bxLxD, repeat, valid_K):
+            valid = None if valid_K is None else valid_K[bounds[p] : bounds[p + 1]]
+            return stages.run_stage(weights_p, x_bxLxD, repeat, valid, first=bounds[p])
 
         def forward(weights, x_bxLxD, repeat, valid_K):
-            """One stage's chunk forward; returns its output and the residuals its backward needs, less
-            the weights (the same every tick, so not stored per micro-batch)."""
+            """The chunk's forward, part by part; returns its output and the residuals each part's
+            backward needs, less the weights (the same every tick, so not stored per micro-batch)."""
+            residuals = []
+            for p in range(n_parts):
+                weights_p = part_weights(weights, p)
+                x_bxLxD, pullback = jax.vjp(functools.partial(run_part, p, repeat=repeat, valid_K=valid_K),
+                                            weights_p, x_bxLxD)  # fmt: skip
+                leaves, layouts[p]["treedef"] = jax.tree.flatten(pullback)
+                weight_at = {id(w): i for i, w in enumerate(jax.tree.leaves(weights_p))}
+                layouts[p]["weight_at"] = [weight_at.get(id(leaf)) for leaf in leaves]
+                residuals.append([leaf for leaf in leaves if id(leaf) not in weight_at])
+            return x_bxLxD, residuals
 
-            def run(w, x):
-                return stages.run_stage(w, x, repeat, valid_K)
+        def backward(p, weights, residuals_p, dy_bxLxD):
+            """Part ``p`` of the chunk's backward from the residuals ``forward`` kept for it: (d its
+            weights, d input)."""
+            weight_leaves, stored = jax.tree.leaves(part_weights(weights, p)), iter(residuals_p)
+            leaves = [next(stored) if at is None else weight_leaves[at] for at in layouts[p]["weight_at"]]
+            return jax.tree.unflatten(layouts[p]["treedef"], leaves)(dy_bxLxD)
 
-            y_bxLxD, pullback = jax.vjp(run, weights, x_bxLxD)
-            leaves, pullback_layout["treedef"] = jax.tree.flatten(pullback)
-            weight_at = {id(w): i for i, w in enumerate(jax.tree.leaves(weights))}
-            pullback_layout["weight_at"] = [weight_at.get(id(leaf)) for leaf in leaves]
-            return y_bxLxD, [leaf for leaf in leaves if id(leaf) not in weight_at]
+        def body(weights_1xS, valid_1xK, head_params, micro_MxbxLxD, targets_MxbxA, table_TxN):
+            """One stage's whole schedule (inside ``jax.shard_map`` over ``stage``): every tick it runs the
+            table's op for it, then hands its output on to both neighbours."""
+            weights = jax.tree.map(lambda w: w[0], weights_1xS)
+            valid_K = None if valid_1xK is None else valid_1xK[0]
+            stage = jax.lax.axis_index(STAGE_AXIS)
+            zeros_bxLxD = jnp.zeros_like(micro_MxbxLxD[0])
+            _, residual_shapes = jax.eval_shape(forward, weights, zeros_bxLxD, 0, valid_K)
+            # What the ops change: the residual rings, the gradient sums and the loss. Each branch of the
+            # switch takes them all and returns them with its own change, so XLA updates them in place.
+            state = dict(
+                rings=[[jnp.zeros((table.ring_slots, *a.shape), a.dtype) for a in part]
+                       for part in residual_shapes],
+                d_parts=[jax.tree.map(jnp.zeros_like, part_weights(weights, p)) for p in range(n_parts)],
+                d_head=jax.tree.map(jnp.zeros_like, head_params), loss=jnp.zeros((), jnp.float32),
+            )  # fmt: skip
 
-        def backward(weights, residuals, dy_bxLxD):
-            """One stage's chunk backward from the residuals ``forward`` kept: (d weights, d input)."""
-            weight_leaves, stored = jax.tree.leaves(weights), iter(residuals)
-            at_weights = pullback_layout["weight_at"]
-            leaves = [next(stored) if at is None else weight_leaves[at] for at in at_weights]
-            return jax.tree.unflatten(pullback_layout["treedef"], leaves)(dy_bxLxD)
+            def store(rings, ring, residuals):
+                put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=ring, axis=0)
+                return [[put(r, new) for r, new in zip(rs, news, strict=True)]
+                        for rs, news in zip(rings, residuals, strict=True)]  # fmt: skip
 
-        def head(head_params, y_bxLxD, targets_bxA, scale):
-            loss, pullback = jax.vjp(lambda h, y: head_loss(h, y, targets_bxA), head_params, y_bxLxD)
-            return (loss, *pullback(scale))
+            def done(state, out=None, kept=None):
+                """A branch's results: the state, what it sends on and what it keeps for itself."""
+                return (state, constrain(zeros_bxLxD if out is None else out, spec),
+                        constrain(zeros_bxLxD if kept is None else kept, spec))  # fmt: skip
 
-        def store(ring_NxA, slot, live, new_A):
-            old_A = jax.lax.dynamic_index_in_dim(ring_NxA, slot, 0, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(ring_NxA, jnp.where(live, new_A, old_A), slot, 0)
+            def idle(state, x, dy, targets, ring, repeat):
+                return done(state)
 
-        def load(ring_NxA, slot):
-            return jax.lax.dynamic_index_in_dim(ring_NxA, slot, 0, keepdims=False)
+            def run_forward(state, x, dy, targets, ring, repeat):
+                y, residuals = forward(weights, constrain(x, spec), repeat, valid_K)
+                return done(dict(state, rings=store(state["rings"], ring, residuals)), out=y)
 
-        valid_axis = 0 if stages.valid_SxK is not None else None
-        forward_S = jax.vmap(forward, in_axes=(0, 0, 0, valid_axis), spmd_axis_name=STAGE_AXIS)
-        backward_S = jax.vmap(backward, spmd_axis_name=STAGE_AXIS)
-        head_S = jax.vmap(head, in_axes=(None, 0, None, 0), spmd_axis_name=STAGE_AXIS)
-        store_S = jax.vmap(store, spmd_axis_name=STAGE_AXIS)
-        load_S = jax.vmap(load, spmd_axis_name=STAGE_AXIS)
+            def run_forward_and_head(state, x, dy, targets, ring, repeat):
+                # The last chunk: the head's gradient is the first backward part's input, kept here.
+                y, residuals = forward(weights, constrain(x, spec), repeat, valid_K)
+                loss, pullback = jax.vjp(lambda h, y: head_loss(h, y, targets), head_params, y)
+                d_head, dy = pullback(jnp.asarray(1.0 / m, loss.dtype))
+                d_head = jax.tree.map(jnp.add, state["d_head"], d_head)
+                rings = store(state["rings"], ring, residuals)
+                state = dict(state, rings=rings, d_head=d_head, loss=state["loss"] + loss / m)
+                return done(state, kept=dy.astype(y.dtype))
 
-        def where_S(mask_S, a, b):
-            return jax.tree.map(lambda x, y: jnp.where(mask_S.reshape(s, *(1,) * (x.ndim - 1)), x, y), a, b)
+            def run_backward(p):
+                def branch(state, x, dy, targets, ring, repeat):
+                    held = [jax.lax.dynamic_index_in_dim(r, ring, 0, False) for r in state["rings"][p]]
+                    d_part, dx = backward(p, weights, held, constrain(dy, spec))
+                    d_parts = list(state["d_parts"])
+                    d_parts[p] = jax.tree.map(jnp.add, d_parts[p], d_part)
+                    # Part 0's input gradient goes to the stage before; a later part's stays for the next.
+                    sent, kept = (dx, None) if p == 0 else (None, dx)
+                    return done(dict(state, d_parts=d_parts), out=sent, kept=kept)
 
-        def position(order):
-            """Micro-batch and repeat of a stage's forward pass number ``order`` (its backward passes run
-            the repeats in reverse): groups of S micro-batches, each group through all R repeats."""
-            group, within = order // chunks, order % chunks
-            return jnp.clip(group * s + within % s, 0, m - 1), within // s
+                return branch
+
+            branches = [idle, run_forward, run_forward_and_head, *[run_backward(p) for p in range(n_parts)]]
+            # Queues of the inputs and gradients waiting for their op, and the inputs' gradient.
+            queue = functools.partial(jnp.zeros, dtype=zeros_bxLxD.dtype)
+            carry = dict(state=state, inputs=queue((table.input_slots, *zeros_bxLxD.shape)),
+                         grads=queue((table.grad_slots, *zeros_bxLxD.shape)),
+                         d_micro=jnp.zeros_like(micro_MxbxLxD))  # fmt: skip
+
+            def tick(carry, row_Nx1):
+                op, micro, repeat, ring, source, local, from_before, from_after = row_Nx1[:, 0]
+                carry = dict(carry)
+                first_chunk = (stage == 0) & (repeat == 0)
+                fresh = jax.lax.dynamic_index_in_dim(micro_MxbxLxD, micro, 0, keepdims=False)
+                queued = jax.lax.dynamic_index_in_dim(carry["inputs"], source, 0, keepdims=False)
+                x = jnp.where(first_chunk, fresh, queued)
+                dy = jax.lax.dynamic_index_in_dim(carry["grads"], source, 0, keepdims=False)
+                targets = jax.lax.dynamic_index_in_dim(targets_MxbxA, micro, 0, keepdims=False)
+                carry["state"], out, kept = jax.lax.switch(op, branches, carry["state"], x, dy, targets, ring,
+                                                           repeat)  # fmt: skip
+                carry["grads"] = _put(carry["grads"], local, kept)
+                input_grad = (op == BACKWARD) & first_chunk  # Part 0 of the first chunk: d input.
+                carry["d_micro"] = _put(carry["d_micro"], jnp.where(input_grad, micro, -1), out)
+                # What a stage made moves to both neighbours; each keeps what the table says is for it.
+                ring_of = functools.partial(jax.lax.ppermute, axis_name=STAGE_AXIS)
+                to_next = ring_of(out, perm=[(i, (i + 1) % s) for i in range(s)])
+                to_previous = ring_of(out, perm=[(i, (i - 1) % s) for i in range(s)])
+                carry["inputs"] = _put(carry["inputs"], from_before, to_next)
+                carry["grads"] = _put(carry["grads"], from_after, to_previous)
+                return carry, None
+
+            with jax.named_scope("pipeline_1f1b"):
+                carry, _ = jax.lax.scan(tick, carry, table_TxN)
+
+            # Each device's loss and gradients are of its rows' mean: the batch's mean over the data axes
+            # (reduced once here, not every micro-batch) and the last stage's over the stages.
+            def mean(x, over_stages=True):
+                x = jax.lax.psum(x, data_axes) / n_data if data_axes else x
+                return jax.lax.psum(x, STAGE_AXIS) if over_stages else x
+
+            state = carry["state"]
+            d_weights = jax.tree.map(lambda *parts: jnp.concatenate(parts), *state["d_parts"])
+            d_weights_1xS = jax.tree.map(lambda d: mean(d, over_stages=False)[None], d_weights)
+            d_micro = jax.lax.psum(carry["d_micro"], STAGE_AXIS) / n_data
+            return mean(state["loss"]), (d_weights_1xS, jax.tree.map(mean, state["d_head"]), d_micro)
+
+        # The body splits the stages by hand, and the batch over the data axes that split nothing else
+        # (so each device sums its own rows' weight gradients over the ticks); the compiler splits the
+        # rest (tensor, fsdp) as everywhere.
+        data_axes = rules.batch_only_axes()
+        n_data = math.prod(mesh.shape[a] for a in data_axes)
+        stage_spec, whole, rows = P(STAGE_AXIS), P(), P(None, data_axes or None)
+        weight_specs = jax.tree.map(lambda _: stage_spec, stages.weights_S)
+        head_specs = jax.tree.map(lambda _: whole, head_params)
+        valid_spec = None if stages.valid_SxK is None else stage_spec
+        sharded = jax.shard_map(
+            body, mesh=mesh, axis_names={STAGE_AXIS, *data_axes}, check_vma=False,
+            in_specs=(weight_specs, valid_spec, head_specs, rows, rows, P(None, None, STAGE_AXIS)),
+            out_specs=(whole, (weight_specs, head_specs, rows)),
+        )  # fmt: skip
+        table_TxNxS = jnp.asarray(table.rows)  # [ticks, 8 columns, stages]
 
         def schedule(weights_S, head_params, micro_MxbxLxD, targets_MxbxA):
             """Runs every tick; returns the loss and the gradients of the three differentiable inputs."""
-            # One copy per stage of the inputs and of their gradients, sharded over stage (as in run).
-            inputs_SxMxbxLxD = constrain(jnp.broadcast_to(micro_MxbxLxD, (s, *micro_MxbxLxD.shape)),
-                                         ("layers", None, "batch", "residual_seq", None))  # fmt: skip
-            zeros_SxbxLxD = constrain(jnp.zeros_like(inputs_SxMxbxLxD[:, 0]), spec)
-            _, residual_shapes = jax.eval_shape(forward_S, weights_S, zeros_SxbxLxD, stage_ids_S,
-                                                stages.valid_SxK)  # fmt: skip
-            carry = dict(
-                forward_in=zeros_SxbxLxD, backward_in=zeros_SxbxLxD,
-                rings=[jnp.zeros((s, slots, *a.shape[1:]), a.dtype) for a in residual_shapes],
-                d_weights=jax.tree.map(jnp.zeros_like, weights_S),
-                d_head=jax.tree.map(lambda h: jnp.zeros((s, *h.shape), h.dtype), head_params),
-                d_inputs=jnp.zeros_like(inputs_SxMxbxLxD), loss=jnp.zeros((s,), jnp.float32),
-            )  # fmt: skip
-
-            def tick(carry, t, forwards, backwards):
-                carry = dict(carry)
-                dy_head_S = None
-                if forwards:
-                    order_S = t - stage_ids_S  # Each stage's forward pass number.
-                    valid_S = (order_S >= 0) & (order_S < m * r)
-                    _, repeat_S = position(order_S)
-                    fresh = jax.lax.dynamic_index_in_dim(inputs_SxMxbxLxD, position(t)[0], 1, keepdims=False)
-                    x_SxbxLxD = where_S(is_first & (repeat_S == 0), fresh, carry["forward_in"])
-                    y_SxbxLxD, residuals = forward_S(weights_S, constrain(x_SxbxLxD, spec), repeat_S,
-                                                     stages.valid_SxK)  # fmt: skip
-                    rings = zip(carry["rings"], residuals, strict=True)
-                    carry["rings"] = [store_S(ring, order_S % slots, valid_S, new) for ring, new in rings]
-                    # The last chunk's output goes through the head, whose gradient starts its backward.
-                    ends_S = valid_S & is_last & (repeat_S == r - 1)
-                    targets = jax.lax.dynamic_index_in_dim(targets_MxbxA, position(t - (s - 1))[0], 0, False)
-                    loss_S, d_head_S, dy_head_S = head_S(head_params, y_SxbxLxD, targets,
-                                                         jnp.where(ends_S, 1.0 / m, 0.0))  # fmt: skip
-                    carry["loss"] = carry["loss"] + jnp.where(ends_S, loss_S / m, 0.0)
-                    carry["d_head"] = jax.tree.map(jnp.add, carry["d_head"], d_head_S)
-                    # Stage s's output moves to stage s + 1, the last's to stage 0: a collective-permute.
-                    carry["forward_in"] = constrain(jnp.roll(y_SxbxLxD, 1, axis=0), spec)
-                if backwards:
-                    # Each stage's backward pass number: the last stage's first runs in the tick of its
-                    # forward, and each pass reaches the stage before one tick later.
-                    order_S = t - (chunks - 1) - (s - 1 - stage_ids_S)
-                    valid_S = (order_S >= 0) & (order_S < m * r)
-                    micro_S, reverse_S = position(order_S)
-                    repeat_S = r - 1 - reverse_S
-                    forward_order_S = order_S // chunks * chunks + repeat_S * s + order_S % s
-                    dy_SxbxLxD = carry["backward_in"]
-                    if dy_head_S is not None:
-                        dy_SxbxLxD = where_S(is_last & (repeat_S == r - 1), dy_head_S, dy_SxbxLxD)
-                    residuals = [load_S(ring, forward_order_S % slots) for ring in carry["rings"]]
-                    # An idle stage's pass gets a zero output gradient, so zero weight gradients: added
-                    # unmasked, so XLA may move their data-parallel all-reduce out of the loop.
-                    dy_SxbxLxD = where_S(valid_S, dy_SxbxLxD, jnp.zeros_like(dy_SxbxLxD))
-                    d_weights_S, dx_SxbxLxD = backward_S(weights_S, residuals, constrain(dy_SxbxLxD, spec))
-                    carry["d_weights"] = jax.tree.map(jnp.add, carry["d_weights"], d_weights_S)
-                    # Stage 0's first chunk gives the gradient of the layers' input.
-                    at = position(t - (chunks - 1) - (s - 1))[0]
-                    old = jax.lax.dynamic_index_in_dim(carry["d_inputs"], at, 1, keepdims=False)
-                    new = where_S(valid_S & is_first & (repeat_S == 0), dx_SxbxLxD, old)
-                    carry["d_inputs"] = jax.lax.dynamic_update_index_in_dim(carry["d_inputs"], new, at, 1)
-                    # Stage s's input gradient moves to stage s - 1, stage 0's to the last stage.
-                    carry["backward_in"] = constrain(jnp.roll(dx_SxbxLxD, -1, axis=0), spec)
-                return carry, None
-
-            # Fill: forwards only; steady: a forward and a backward each tick; drain: backwards only.
-            phases = (("fill", 0, chunks - 1, True, False),
-                      ("steady", chunks - 1, m * r + s - 1, True, True),
-                      ("drain", m * r + s - 1, m * r + chunks + s - 2, False, True))  # fmt: skip
-            for name, first, stop, forwards, backwards in phases:
-                if stop > first:
-                    with jax.named_scope(f"pipeline_{name}"):
-                        body = functools.partial(tick, forwards=forwards, backwards=backwards)
-                        carry, _ = jax.lax.scan(body, carry, jnp.arange(first, stop))
-            # Masked sums over stages: one all-reduce each (taking index 0 of a stage-sharded axis would
-            # gather all S copies).
-            d_micro = jnp.sum(jnp.where(is_first.reshape(s, 1, 1, 1, 1), carry["d_inputs"], 0), axis=0)
-            d_head = jax.tree.map(lambda d: jnp.sum(d, axis=0), carry["d_head"])
-            return jnp.sum(carry["loss"]), (carry["d_weights"], d_head, d_micro)
+            return sharded(
+                weights_S, stages.valid_SxK, head_params, micro_MxbxLxD, targets_MxbxA, table_TxNxS
+            )
 
         @jax.custom_vjp
         def pipelined(weights_S, head_params, micro_MxbxLxD, targets_MxbxA):
@@ -579,3 +634,151 @@ def parse_stages(ranges: Sequence[object], n_layers: int) -> tuple[int, ...]:
             f"{n_layers - 1}"
         )
     return tuple(counts)
+
+
+def _put(buffer_NxA: jax.Array, slot, value_A: jax.Array) -> jax.Array:
+    """Returns ``buffer`` with ``value`` at ``slot``, unchanged where ``slot`` is negative (none)."""
+    at = jnp.maximum(slot, 0)
+    old_A = jax.lax.dynamic_index_in_dim(buffer_NxA, at, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer_NxA, jnp.where(slot >= 0, value_A, old_A), at, 0)
+
+
+#: The ops of a 1F1B schedule table; backward part p is ``BACKWARD + p`` (part 0 ends the chunk's backward).
+IDLE, FORWARD, FORWARD_AND_HEAD, BACKWARD = 0, 1, 2, 3
+
+
+class ScheduleTable(NamedTuple):
+    """What each stage does at each tick of a 1F1B schedule (:func:`schedule_table`)."""
+
+    #: [ticks, 8, stages]: op, micro-batch, repeat, residual slot, source slot (the queued input of a
+    #: forward, the queued gradient of a backward part), local slot (where a gradient the stage made for
+    #: itself waits), and the input and gradient slots where what the stages before and after sent lands
+    #: (-1: none).
+    rows: np.ndarray
+    ring_slots: int  # Chunk passes whose residuals a stage holds at once, at most (the ring's size).
+    input_slots: int  # Inputs waiting for their forward at once, at most.
+    grad_slots: int  # Gradients waiting for their backward part at once, at most.
+    busy: int  # Ticks each stage runs an op: micro-batches x repeats x (1 + backward parts).
+
+    @property
+    def ticks(self) -> int:
+        return self.rows.shape[0]
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_table(stages: int, micro_batches: int, repeats: int = 1, parts: int = 2) -> ScheduleTable:
+    """Builds the 1F1B (``repeats`` 1) or interleaved 1F1B schedule as a table of ticks, by running it:
+    each tick every stage runs one op, a chunk's forward or one of its ``parts`` backward parts (about a
+    forward's work each), on the first micro-batch whose inputs are ready.
+
+    A stage runs its forwards in Megatron-LM's order (groups of S micro-batches, each group through all R
+    repeats) and its backwards in the same order with the repeats reversed, holding at most as many chunk
+    passes as Megatron's warm-up gives it: with R = 1, stage s holds ``S - s`` micro-batches (``S - s - 1``
+    warm-up forwards, then one forward, one backward) and runs a ready backward first; with R > 1,
+    ``2 (S - s - 1) + (R - 1) S + 1`` chunk passes, a ready forward first. Either way the table is as
+    short as the bubble formula says: ``(M R + S - 1) (1 + parts)`` ticks."""
+    s, m, r = stages, micro_batches, repeats
+    if r == 1:
+        return _run_schedule(s, m, r, parts, tuple(s - d for d in range(s)), backward_first=True)
+    limits = tuple(2 * (s - d - 1) + (r - 1) * s + 1 for d in range(s))
+    return _run_schedule(s, m, r, parts, limits, backward_first=False)
+
+
+def _run_schedule(s: int, m: int, r: int, parts: int, limits: tuple[int, ...],
+                  backward_first: bool) -> ScheduleTable:  # fmt: skip
+    """Runs the schedule tick by tick (see :func:`schedule_table`), each stage holding at most
+    ``limits[stage]`` chunk passes; returns its table."""
+    chunks, total = r * s, m * r
+
+    def forward_at(k):  # A stage's k-th forward: (micro-batch, repeat).
+        group, within = divmod(k, chunks)
+        return group * s + within % s, within // s
+
+    finished: dict[tuple, int] = {}  # ("F", micro, chunk) or ("B", micro, chunk, part) -> tick.
+    n_forward, n_backward, next_part, held = [0] * s, [0] * s, [parts - 1] * s, [0] * s
+    ring_of: dict[tuple, int] = {}  # (micro, chunk) -> its residual slot.
+    waiting: dict[tuple, int] = {}  # ("x", micro, chunk) or ("dy", micro, chunk, part) -> slot.
+    free = {kind: [set() for _ in range(s)] for kind in ("ring", "x", "dy")}
+    made = {kind: [0] * s for kind in free}  # Slots each stage has used so far.
+
+    def take(kind, stage):
+        if free[kind][stage]:
+            slot = min(free[kind][stage])
+            free[kind][stage].remove(slot)
+            return slot
+        made[kind][stage] += 1
+        return made[kind][stage] - 1
+
+    rows = []
+    tick = 0
+    while any(n < total for n in n_backward):
+        if tick > 4 * (total + 2 * chunks) * (1 + parts):  # Megatron's limits never stall.
+            raise AssertionError(f"the 1F1B schedule stalled: {s} stages, {m} micro-batches, {r} repeats")
+        ops = []
+        for d in range(s):
+            backward = forward = None
+            if n_backward[d] < total:
+                micro, repeat = forward_at(n_backward[d])
+                c, p = (r - 1 - repeat) * s + d, next_part[d]
+                after = ("F", micro, c) if c == chunks - 1 else ("B", micro, c + 1, 0)
+                needs = after if p == parts - 1 else ("B", micro, c, p + 1)
+                if finished.get(needs, tick) < tick:
+                    backward = ("B", micro, c, p)
+            if n_forward[d] < total and held[d] < limits[d]:
+                micro, repeat = forward_at(n_forward[d])
+                c = repeat * s + d
+                if c == 0 or finished.get(("F", micro, c - 1), tick) < tick:
+                    forward = ("F", micro, c)
+            ops.append(backward or forward if backward_first else forward or backward)
+        row = np.zeros((8, s), np.int32)
+        row[5:] = -1
+        arrivals = []
+        for d, op in enumerate(ops):  # What each op reads is freed before this tick's slots are taken.
+            if op is None:
+                continue
+            micro, c = op[1], op[2]
+            row[1, d], row[2, d] = micro, c // s
+            if op[0] == "F":
+                row[0, d] = FORWARD_AND_HEAD if c == chunks - 1 else FORWARD
+                if c > 0:
+                    row[4, d] = waiting.pop(("x", micro, c))
+                    free["x"][d].add(row[4, d])
+            else:
+                p = op[3]
+                row[0, d] = BACKWARD + p
+                row[4, d] = waiting.pop(("dy", micro, c, p))
+                free["dy"][d].add(row[4, d])
+                row[3, d] = ring_of[(micro, c)]
+                if p == 0:
+                    free["ring"][d].add(ring_of.pop((micro, c)))
+        for d, op in enumerate(ops):
+            if op is None:
+                continue
+            micro, c = op[1], op[2]
+            finished[op] = tick
+            if op[0] == "F":
+                n_forward[d] += 1
+                held[d] += 1
+                row[3, d] = ring_of[(micro, c)] = take("ring", d)
+                if c == chunks - 1:  # The head's gradient waits here for the first backward part.
+                    row[5, d] = waiting[("dy", micro, c, parts - 1)] = take("dy", d)
+                else:
+                    arrivals.append(((d + 1) % s, 6, ("x", micro, c + 1), "x"))
+            else:
+                p = op[3]
+                if p > 0:
+                    row[5, d] = waiting[("dy", micro, c, p - 1)] = take("dy", d)
+                    next_part[d] = p - 1
+                else:
+                    n_backward[d] += 1
+                    held[d] -= 1
+                    next_part[d] = parts - 1
+                    if c > 0:
+                        arrivals.append(((d - 1) % s, 7, ("dy", micro, c - 1, parts - 1), "dy"))
+        for d, column, key, kind in arrivals:
+            row[column, d] = waiting[key] = take(kind, d)
+        rows.append(row)
+        tick += 1
+    busy = total * (1 + parts)
+    ring, x, dy = (max(max(made[kind]), 1) for kind in ("ring", "x", "dy"))
+    return ScheduleTable(np.stack(rows), ring, x, dy, busy)

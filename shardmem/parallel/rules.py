@@ -16,7 +16,7 @@ import contextvars
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -119,6 +119,13 @@ class Rules:
     def spec(self, logical_axes: Sequence[str | None]) -> P:
         """Returns the PartitionSpec for an array with these logical axes."""
         return _dedupe([self.mesh_axes(name) for name in logical_axes])
+
+    def batch_only_axes(self) -> tuple[str, ...]:
+        """The batch rule's mesh axes that no other rule (nor a parameter-path rule) uses: plain data
+        parallelism, over which every device holds the same weights."""
+        others = {a for name, axes in self.logical if name != "batch" for a in axes or ()}
+        others |= {a for _, entries in self.by_path for axes in entries for a in axes or ()}
+        return tuple(a for a in self.mesh_axes("batch") or () if a not in others)
 
     def matches_path(self, path: str) -> bool:
         """Whether a parameter-path rule applies to ``path``."""
@@ -228,6 +235,38 @@ def active() -> tuple[Mesh, Rules] | None:
     return _active.get()
 
 
+def _manual_axes() -> set[str]:
+    """The mesh axes an enclosing ``jax.shard_map`` body splits by hand (the 1F1B pipeline's)."""
+    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+
+
+def without_manual(spec: P) -> P:
+    """Returns ``spec`` less the mesh axes an enclosing shard_map's body already splits by hand: inside it
+    each device sees its own shard along them."""
+    manual = _manual_axes()
+    if not manual:
+        return spec
+
+    def keep(entry):
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a and a not in manual)
+        return axes if len(axes) > 1 else axes[0] if axes else None
+
+    return P(*(keep(entry) for entry in spec))
+
+
+def shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """``jax.shard_map(fn, ...)`` over every axis of ``mesh``, or, inside another shard_map's body (the
+    1F1B pipeline's, manual over ``stage`` and the data axes), over the axes still left to the compiler."""
+    manual = _manual_axes()
+    if not manual:
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    in_specs, out_specs = jax.tree.map(
+        without_manual, (in_specs, out_specs), is_leaf=lambda x: isinstance(x, P)
+    )
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(mesh.axis_names) - manual, check_vma=False)  # fmt: skip
+
+
 def constrain(x, logical_axes: Sequence[str | None]):
     """Constrains an activation's sharding by logical axis names; a no-op outside
     :meth:`Rules.activate`."""
@@ -235,7 +274,7 @@ def constrain(x, logical_axes: Sequence[str | None]):
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(logical_axes)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, without_manual(rules.spec(logical_axes))))
 
 
 def sequence_parallel() -> bool:

@@ -887,10 +887,10 @@ def estimate_step_time(
     totals = replay.computation(module.entry)
     bubble = 0.0
     if bubble_fraction:
-        # The pipeline's ticks are its outermost loops (GPipe's forward and backward, 1F1B's fill, steady
-        # and drain), whose idle stages run too: every schedule idles that share of all of them.
+        # The pipeline's ticks are its outermost loops (GPipe's forward and backward; 1F1B's one loop,
+        # inside its shard_map), whose idle stages wait too: every schedule idles that share of them.
         ticks = {(scope, trips): trips * t.seconds for scope, trips, t in replay.loops
-                 if scope.startswith("pipeline") and "/" not in scope}  # fmt: skip
+                 if re.fullmatch(r"(shard_map/)?pipeline[^/]*", scope)}  # fmt: skip
         bubble = bubble_fraction * (sum(ticks.values()) if ticks else totals.seconds)
     collectives = tuple(
         CollectiveCost(kind, size, link, count, moved, seconds, algorithm)
