@@ -607,7 +607,9 @@ def pipeline_for(
     pipeline = Pipeline(stages, train.micro_batches, schedule.repeats, counts, schedule.schedule)
     pipeline.check(n_layers, config.remat_plan())
     # 1F1B splits a chunk's backward in two parts of its layers, each about a forward's work, so that a
-    # tick's ops cost alike; a chunk of one layer runs its backward whole.
+    # tick's ops cost alike (three parts under full remat, a forward each by FLOPs, planned slower on
+    # Megatron-LM's 39B: the forward's tensor-parallel all-reduces are exposed); a chunk of one layer
+    # runs its backward whole.
     pipeline = dataclasses.replace(pipeline, backward_parts=min(2, pipeline.chunk_layers(n_layers)))
     rules = rules or Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     stage_users = [

@@ -190,3 +190,19 @@ def test_tuple_elements_drop_xla_comments_and_layouts():
     shape = "(s32[], f32[2]{0}, /*index=2*/bf16[30,4,4096,11008]{3,2,1,0}, (s32[], /*index=1*/f32[8]{0}))"
     assert hlo._tuple_element(shape, "2") == "bf16[30,4,4096,11008]"
     assert hlo._tuple_element(shape, "3,1") == "f32[8]"
+
+
+def test_collective_bytes_count_the_branch_of_a_conditional_that_moves_most():
+    # A device runs one branch (a 1F1B tick runs its stage's op): the bytes are the larger psum's alone.
+    from jax.sharding import AxisType
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",), axis_types=(AxisType.Auto,))
+
+    def body(a_N):
+        small, big = (lambda a: jax.lax.psum(a[:16], "x").sum()), (lambda a: jax.lax.psum(a, "x").sum())
+        return jax.lax.switch(jax.lax.axis_index("x") % 2, [small, big], a_N)[None]
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    text = step.lower(jnp.ones((8 * 1024,), jnp.float32)).compile().as_text()
+    assert "conditional" in text
+    assert hlo.collective_bytes(text)["all-reduce"] == 1024 * 4

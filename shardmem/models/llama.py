@@ -420,18 +420,20 @@ class Llama(nnx.Module):
         )
 
     def pipelined_loss(self, tokens_BxL, targets_BxL):
-        """Returns the mean next-token cross-entropy of ``targets`` with the layers, the final norm and
-        the loss run by the pipeline's 1F1B schedule (:meth:`shardmem.parallel.pipeline.Pipeline.loss`),
-        which computes their gradients as it goes."""
-        table_VxD = constrain(self.embedding[...].astype(self.compute_dtype), (None, None))
-        shards = context.shards()  # Context parallelism: the loss sums over positions in zigzag order.
-        x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], RESIDUAL)
-        if self.cfg.scale_embeddings:  # Gemma, as in the unpipelined forward.
-            x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.compute_dtype)
-        targets_BxL = context.to_zigzag(targets_BxL, shards)
+        """Returns the mean next-token cross-entropy of ``targets`` with the embedding, the layers, the
+        final norm and the loss run by the pipeline's 1F1B schedule
+        (:meth:`shardmem.parallel.pipeline.Pipeline.loss`), which computes their gradients as it goes."""
         cfg, dtype, chunk = self.cfg, self.compute_dtype, self.loss_chunk
-        head_params = {"norm": self.final_norm.scale[...],
-                       "head": self.embedding[...] if cfg.tie_embeddings else self.lm_head[...]}  # fmt: skip
+        shards = context.shards()  # Context parallelism: the loss sums over positions in zigzag order.
+        tokens_BxL, targets_BxL = (context.to_zigzag(a, shards) for a in (tokens_BxL, targets_BxL))
+
+        def embed(table_VxD, tokens_bxL):
+            # From the table as stored (split over vocab, Megatron's vocab-parallel embedding): a micro-batch
+            # is a few rows, where all-gathering the table would move all of it every micro-batch.
+            x_bxLxD = constrain(table_VxD.astype(dtype)[tokens_bxL], RESIDUAL)
+            if cfg.scale_embeddings:  # Gemma, as in the unpipelined forward.
+                x_bxLxD = x_bxLxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+            return x_bxLxD
 
         def head_loss(params, x_bxLxD, targets_bxL):
             h_bxLxD = _rms_norm(x_bxLxD, params["norm"], cfg.norm_eps, dtype, cfg.norm_offset)
@@ -439,7 +441,11 @@ class Llama(nnx.Module):
             head_DxV = params["head"].astype(dtype)
             return cross_entropy(h_bxLxD, head_DxV.T if cfg.tie_embeddings else head_DxV, targets_bxL, chunk)
 
-        return self.pipeline.loss(self.layers, x_BxLxD, self.remat, head_params, targets_BxL, head_loss)
+        head_params = {"norm": self.final_norm.scale[...],
+                       "head": self.embedding[...] if cfg.tie_embeddings else self.lm_head[...]}  # fmt: skip
+        return self.pipeline.loss(self.layers, self.remat, tokens_BxL, targets_BxL, embed=embed,
+                                  embed_params=self.embedding[...], head_loss=head_loss,
+                                  head_params=head_params)  # fmt: skip
 
     def unembedding(self):
         """Returns the output projection ``head_DxV`` in the compute dtype (the embedding when tied)."""

@@ -19,25 +19,29 @@ backward loop runs them in reverse: a stage holds ``M * R + S - 1`` micro-batch 
 peak grows with the micro-batches. ``schedule="1f1b"`` (and ``"interleaved"``, its circular form with
 ``repeats`` virtual stages) runs the backward itself, so the loss runs in the last stage:
 
-    loss = pipeline.loss(model.layers, x_BxLxD, plan, head_params, targets_BxL, head_loss)
+    loss = pipeline.loss(model.layers, plan, tokens_BxL, targets_BxL, embed=embed, embed_params=table_VxD,
+                         head_loss=head_loss, head_params=head_params)
 
 1F1B runs its stages out of step, as Megatron-LM's: a stage runs a forward while its neighbour runs a
 backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage) and
-a ``jax.lax.switch`` per tick, which runs on each device only the branch its stage takes: the chunk's
-forward (``jax.vjp``: the output and the residuals, kept in a ring of slots, less the weights), or one of
-``backward_parts`` parts of its backward (the pullback of the part's layers: a chunk's backward is about
-twice its forward, so in two parts every tick costs about a forward, and no stage waits on a slower
-neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute`` calls); the stage it is
+a ``jax.lax.switch`` per tick, which runs on each device only the branch its stage takes: a chunk's forward
+(``jax.vjp``: the output, and the residuals, kept in a ring of slots, less the weights), or one of
+``backward_parts`` parts of its backward (the pullback of the part's layers: a backward is about two
+forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage waits long on a
+neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute`` calls); the one it is
 for queues it. Which op each stage runs at each tick is a table built in Python by running the schedule
-(:func:`schedule_table`): with R = 1, Megatron's 1F1B (stage s holds ``S - s`` micro-batches' residuals,
-the first stage ``S``: the peak stays flat as micro-batches are added; the bubble ``(S - 1) / (M + S - 1)``);
-with R > 1, Megatron's order of chunk passes, each stage holding as few as give the shortest table (its
-bubble a little above the formula's, which counts hand-offs as free). The last chunk's forward also runs
-the head and the loss, whose gradient starts that micro-batch's backward. The body splits the batch by hand
-too, over the data axes that split nothing else (:meth:`Rules.batch_only_axes`), so each device sums its
-own rows' weight gradients over the ticks and they are all-reduced once, after the last; the compiler
-splits the tensor and FSDP axes inside it as everywhere. The gradients come out of a ``jax.custom_vjp``
-whose forward runs the schedule, so the step differentiates the loss as any other.
+(:func:`schedule_table`): with R = 1 Megatron's 1F1B, stage s holding ``S - s`` micro-batches' residuals
+(the first stage ``S``, whatever M: the peak stays flat as micro-batches are added); with R > 1 Megatron's
+interleaved order and warm-up, ``2 (S - 1) + (R - 1) S + 1`` chunk passes at the first stage. Both tables
+are ``(M R + S - 1) (1 + parts)`` ticks long, so the bubble is the formula's. The first chunk's forward
+embeds its micro-batch (``embed``, so no stage holds the whole batch's embedded inputs or their
+gradient) and the last chunk's runs the head and the loss, whose gradient starts that micro-batch's
+backward. The body splits the batch by hand too, over the data axes that split nothing else
+(:meth:`Rules.batch_only_axes`): each device sums its own rows' weight gradients over the ticks, and they
+are all-reduced once after the last; the compiler splits the tensor and FSDP axes inside it as everywhere.
+The gradients come out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step
+differentiates the loss as any other. The price of the parts: a part's scan runs over a slice of the
+stage's stacked weights, which XLA copies (in their stored dtype) while the part runs.
 
 Stages need not be even (GPipe and 1F1B): ``layer_counts`` gives each stage's number of contiguous layers
 (``pipeline.stages: ["0-7", "8-15", "16-22", "23-29"]`` in the config, see :func:`parse_stages`); without
@@ -420,12 +424,14 @@ class Pipeline:
         out_BxLxD = out_MxBxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape)
         return constrain(out_BxLxD, ("batch", "residual_seq", None))
 
-    def loss(self, layers: nnx.Module, x_BxLxD: jax.Array, plan: LayerPlan, head_params,
-             targets_BxA: jax.Array, head_loss: Callable) -> jax.Array:  # fmt: skip
+    def loss(self, layers: nnx.Module, plan: LayerPlan, inputs_BxA: jax.Array, targets_BxA: jax.Array, *,
+             embed: Callable, embed_params, head_loss: Callable, head_params) -> jax.Array:  # fmt: skip
         """Returns the mean over the micro-batches of ``head_loss(head_params, y_bxLxD, targets_bxA)``,
-        ``y`` the last layer's output, the gradients of ``layers``, ``head_params`` and ``x_BxLxD``
-        computed by the 1F1B schedule (:attr:`schedule` ``1f1b`` or ``interleaved``) as it runs: see the
-        module docstring. Differentiate it as any loss; its backward pass only scales those gradients."""
+        ``y`` the last layer's output on ``embed(embed_params, inputs_bxA)``, the gradients of ``layers``,
+        ``embed_params`` and ``head_params`` computed by the 1F1B schedule (:attr:`schedule` ``1f1b`` or
+        ``interleaved``) as it runs: the first stage embeds each micro-batch in the tick of its first
+        forward, the last runs the head in the tick of its last (see the module docstring). Differentiate
+        it as any loss; its backward pass only scales those gradients."""
         active = rules_active()
         if active is None:
             raise ValueError("Pipeline.loss runs inside Rules.activate(mesh): it needs the stage mesh axis")
@@ -466,13 +472,13 @@ class Pipeline:
             leaves = [next(stored) if at is None else weight_leaves[at] for at in layouts[p]["weight_at"]]
             return jax.tree.unflatten(layouts[p]["treedef"], leaves)(dy_bxLxD)
 
-        def body(weights_1xS, valid_1xK, head_params, micro_MxbxLxD, targets_MxbxA, table_TxN):
+        def body(weights_1xS, valid_1xK, embed_params, head_params, inputs_MxbxA, targets_MxbxA, table_TxN):
             """One stage's whole schedule (inside ``jax.shard_map`` over ``stage``): every tick it runs the
             table's op for it, then hands its output on to both neighbours."""
             weights = jax.tree.map(lambda w: w[0], weights_1xS)
             valid_K = None if valid_1xK is None else valid_1xK[0]
-            stage = jax.lax.axis_index(STAGE_AXIS)
-            zeros_bxLxD = jnp.zeros_like(micro_MxbxLxD[0])
+            x_shape = jax.eval_shape(embed, embed_params, inputs_MxbxA[0])
+            zeros_bxLxD = jnp.zeros(x_shape.shape, x_shape.dtype)
             _, residual_shapes = jax.eval_shape(forward, weights, zeros_bxLxD, 0, valid_K)
             # What the ops change: the residual rings, the gradient sums and the loss. Each branch of the
             # switch takes them all and returns them with its own change, so XLA updates them in place.
@@ -480,6 +486,7 @@ class Pipeline:
                 rings=[[jnp.zeros((table.ring_slots, *a.shape), a.dtype) for a in part]
                        for part in residual_shapes],
                 d_parts=[jax.tree.map(jnp.zeros_like, part_weights(weights, p)) for p in range(n_parts)],
+                d_embed=jax.tree.map(jnp.zeros_like, embed_params),
                 d_head=jax.tree.map(jnp.zeros_like, head_params), loss=jnp.zeros((), jnp.float32),
             )  # fmt: skip
 
@@ -493,14 +500,18 @@ class Pipeline:
                 return (state, constrain(zeros_bxLxD if out is None else out, spec),
                         constrain(zeros_bxLxD if kept is None else kept, spec))  # fmt: skip
 
-            def idle(state, x, dy, targets, ring, repeat):
+            def idle(state, x, dy, inputs, targets, ring, repeat):
                 return done(state)
 
-            def run_forward(state, x, dy, targets, ring, repeat):
+            def run_forward(state, x, dy, inputs, targets, ring, repeat):
                 y, residuals = forward(weights, constrain(x, spec), repeat, valid_K)
                 return done(dict(state, rings=store(state["rings"], ring, residuals)), out=y)
 
-            def run_forward_and_head(state, x, dy, targets, ring, repeat):
+            def run_forward_from_input(state, x, dy, inputs, targets, ring, repeat):
+                # The first chunk embeds its micro-batch; the embedding's backward needs only the inputs.
+                return run_forward(state, embed(embed_params, inputs), dy, inputs, targets, ring, repeat)
+
+            def run_forward_and_head(state, x, dy, inputs, targets, ring, repeat):
                 # The last chunk: the head's gradient is the first backward part's input, kept here.
                 y, residuals = forward(weights, constrain(x, spec), repeat, valid_K)
                 loss, pullback = jax.vjp(lambda h, y: head_loss(h, y, targets), head_params, y)
@@ -510,39 +521,39 @@ class Pipeline:
                 state = dict(state, rings=rings, d_head=d_head, loss=state["loss"] + loss / m)
                 return done(state, kept=dy.astype(y.dtype))
 
-            def run_backward(p):
-                def branch(state, x, dy, targets, ring, repeat):
+            def run_backward(p, to_input=False):
+                def branch(state, x, dy, inputs, targets, ring, repeat):
                     held = [jax.lax.dynamic_index_in_dim(r, ring, 0, False) for r in state["rings"][p]]
                     d_part, dx = backward(p, weights, held, constrain(dy, spec))
                     d_parts = list(state["d_parts"])
                     d_parts[p] = jax.tree.map(jnp.add, d_parts[p], d_part)
+                    state = dict(state, d_parts=d_parts)
+                    if to_input:  # The first chunk's part 0: on into the embedding.
+                        (d_embed,) = jax.vjp(lambda e: embed(e, inputs), embed_params)[1](dx)
+                        return done(dict(state, d_embed=jax.tree.map(jnp.add, state["d_embed"], d_embed)))
                     # Part 0's input gradient goes to the stage before; a later part's stays for the next.
                     sent, kept = (dx, None) if p == 0 else (None, dx)
-                    return done(dict(state, d_parts=d_parts), out=sent, kept=kept)
+                    return done(state, out=sent, kept=kept)
 
                 return branch
 
-            branches = [idle, run_forward, run_forward_and_head, *[run_backward(p) for p in range(n_parts)]]
-            # Queues of the inputs and gradients waiting for their op, and the inputs' gradient.
+            backwards = [run_backward(0, to_input=True), *[run_backward(p) for p in range(n_parts)]]
+            branches = [idle, run_forward, run_forward_from_input, run_forward_and_head, *backwards]
+            # Queues of the inputs and gradients waiting for their op.
             queue = functools.partial(jnp.zeros, dtype=zeros_bxLxD.dtype)
             carry = dict(state=state, inputs=queue((table.input_slots, *zeros_bxLxD.shape)),
-                         grads=queue((table.grad_slots, *zeros_bxLxD.shape)),
-                         d_micro=jnp.zeros_like(micro_MxbxLxD))  # fmt: skip
+                         grads=queue((table.grad_slots, *zeros_bxLxD.shape)))  # fmt: skip
 
             def tick(carry, row_Nx1):
                 op, micro, repeat, ring, source, local, from_before, from_after = row_Nx1[:, 0]
                 carry = dict(carry)
-                first_chunk = (stage == 0) & (repeat == 0)
-                fresh = jax.lax.dynamic_index_in_dim(micro_MxbxLxD, micro, 0, keepdims=False)
-                queued = jax.lax.dynamic_index_in_dim(carry["inputs"], source, 0, keepdims=False)
-                x = jnp.where(first_chunk, fresh, queued)
+                x = jax.lax.dynamic_index_in_dim(carry["inputs"], source, 0, keepdims=False)
                 dy = jax.lax.dynamic_index_in_dim(carry["grads"], source, 0, keepdims=False)
-                targets = jax.lax.dynamic_index_in_dim(targets_MxbxA, micro, 0, keepdims=False)
-                carry["state"], out, kept = jax.lax.switch(op, branches, carry["state"], x, dy, targets, ring,
-                                                           repeat)  # fmt: skip
+                inputs, targets = (jax.lax.dynamic_index_in_dim(a, micro, 0, keepdims=False)
+                                   for a in (inputs_MxbxA, targets_MxbxA))  # fmt: skip
+                operands = (carry["state"], x, dy, inputs, targets, ring, repeat)
+                carry["state"], out, kept = jax.lax.switch(op, branches, *operands)
                 carry["grads"] = _put(carry["grads"], local, kept)
-                input_grad = (op == BACKWARD) & first_chunk  # Part 0 of the first chunk: d input.
-                carry["d_micro"] = _put(carry["d_micro"], jnp.where(input_grad, micro, -1), out)
                 # What a stage made moves to both neighbours; each keeps what the table says is for it.
                 ring_of = functools.partial(jax.lax.ppermute, axis_name=STAGE_AXIS)
                 to_next = ring_of(out, perm=[(i, (i + 1) % s) for i in range(s)])
@@ -563,8 +574,8 @@ class Pipeline:
             state = carry["state"]
             d_weights = jax.tree.map(lambda *parts: jnp.concatenate(parts), *state["d_parts"])
             d_weights_1xS = jax.tree.map(lambda d: mean(d, over_stages=False)[None], d_weights)
-            d_micro = jax.lax.psum(carry["d_micro"], STAGE_AXIS) / n_data
-            return mean(state["loss"]), (d_weights_1xS, jax.tree.map(mean, state["d_head"]), d_micro)
+            d_embed, d_head = (jax.tree.map(mean, state[key]) for key in ("d_embed", "d_head"))
+            return mean(state["loss"]), (d_weights_1xS, d_embed, d_head)
 
         # The body splits the stages by hand, and the batch over the data axes that split nothing else
         # (so each device sums its own rows' weight gradients over the ticks); the compiler splits the
@@ -573,31 +584,33 @@ class Pipeline:
         n_data = math.prod(mesh.shape[a] for a in data_axes)
         stage_spec, whole, rows = P(STAGE_AXIS), P(), P(None, data_axes or None)
         weight_specs = jax.tree.map(lambda _: stage_spec, stages.weights_S)
-        head_specs = jax.tree.map(lambda _: whole, head_params)
+        embed_specs, head_specs = (jax.tree.map(lambda _: whole, p) for p in (embed_params, head_params))
         valid_spec = None if stages.valid_SxK is None else stage_spec
         sharded = jax.shard_map(
             body, mesh=mesh, axis_names={STAGE_AXIS, *data_axes}, check_vma=False,
-            in_specs=(weight_specs, valid_spec, head_specs, rows, rows, P(None, None, STAGE_AXIS)),
-            out_specs=(whole, (weight_specs, head_specs, rows)),
+            in_specs=(weight_specs, valid_spec, embed_specs, head_specs, rows, rows,
+                      P(None, None, STAGE_AXIS)),
+            out_specs=(whole, (weight_specs, embed_specs, head_specs)),
         )  # fmt: skip
         table_TxNxS = jnp.asarray(table.rows)  # [ticks, 8 columns, stages]
 
-        def schedule(weights_S, head_params, micro_MxbxLxD, targets_MxbxA):
+        def schedule(weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA):
             """Runs every tick; returns the loss and the gradients of the three differentiable inputs."""
+            valid = stages.valid_SxK
             return sharded(
-                weights_S, stages.valid_SxK, head_params, micro_MxbxLxD, targets_MxbxA, table_TxNxS
+                weights_S, valid, embed_params, head_params, inputs_MxbxA, targets_MxbxA, table_TxNxS
             )
 
         @jax.custom_vjp
-        def pipelined(weights_S, head_params, micro_MxbxLxD, targets_MxbxA):
-            return schedule(weights_S, head_params, micro_MxbxLxD, targets_MxbxA)[0]
+        def pipelined(weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA):
+            return schedule(weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA)[0]
 
         def scaled(grads, g):
-            return (*jax.tree.map(lambda d: (g * d).astype(d.dtype), grads), None)
+            return (*jax.tree.map(lambda d: (g * d).astype(d.dtype), grads), None, None)
 
         pipelined.defvjp(schedule, scaled)
-        return pipelined(stages.weights_S, head_params, self._micro_batches(x_BxLxD),
-                         self._micro_batches(targets_BxA))  # fmt: skip
+        inputs_MxbxA, targets_MxbxA = self._micro_batches(inputs_BxA), self._micro_batches(targets_BxA)
+        return pipelined(stages.weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA)
 
 
 def parse_stages(ranges: Sequence[object], n_layers: int) -> tuple[int, ...]:
@@ -643,8 +656,10 @@ def _put(buffer_NxA: jax.Array, slot, value_A: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buffer_NxA, jnp.where(slot >= 0, value_A, old_A), at, 0)
 
 
-#: The ops of a 1F1B schedule table; backward part p is ``BACKWARD + p`` (part 0 ends the chunk's backward).
-IDLE, FORWARD, FORWARD_AND_HEAD, BACKWARD = 0, 1, 2, 3
+#: The ops of a 1F1B schedule table: the first chunk's forward embeds the inputs, the last's runs the head;
+#: backward part p is ``BACKWARD + p`` (part 0 ends the chunk's backward; the first chunk's goes on into
+#: the embedding instead: ``BACKWARD_TO_INPUT``).
+IDLE, FORWARD, FORWARD_FROM_INPUT, FORWARD_AND_HEAD, BACKWARD_TO_INPUT, BACKWARD = range(6)
 
 
 class ScheduleTable(NamedTuple):
@@ -739,13 +754,13 @@ def _run_schedule(s: int, m: int, r: int, parts: int, limits: tuple[int, ...],
             micro, c = op[1], op[2]
             row[1, d], row[2, d] = micro, c // s
             if op[0] == "F":
-                row[0, d] = FORWARD_AND_HEAD if c == chunks - 1 else FORWARD
+                row[0, d] = FORWARD_AND_HEAD if c == chunks - 1 else FORWARD_FROM_INPUT if c == 0 else FORWARD
                 if c > 0:
                     row[4, d] = waiting.pop(("x", micro, c))
                     free["x"][d].add(row[4, d])
             else:
                 p = op[3]
-                row[0, d] = BACKWARD + p
+                row[0, d] = BACKWARD_TO_INPUT if (c, p) == (0, 0) else BACKWARD + p
                 row[4, d] = waiting.pop(("dy", micro, c, p))
                 free["dy"][d].add(row[4, d])
                 row[3, d] = ring_of[(micro, c)]

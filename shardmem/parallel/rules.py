@@ -274,6 +274,11 @@ def constrain(x, logical_axes: Sequence[str | None]):
     if active is None:
         return x
     mesh, rules = active
+    manual = _manual_axes()
+    if manual >= set(mesh.axis_names):  # Inside a shard_map's body manual over every axis: nothing to split.
+        return x
+    if manual:  # The rest, on the body's mesh, whose manual axes each device already holds its shard of.
+        mesh = jax.sharding.get_abstract_mesh()
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, without_manual(rules.spec(logical_axes))))
 
 

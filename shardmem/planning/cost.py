@@ -834,9 +834,16 @@ class _Replay:
                 totals.add(self.computation(condition.group(1)), trips + 1)
             self.multiplier = saved
         elif ins.opcode == "conditional":
-            branches = [self.computation(name) for name in ins.called]
-            if branches:
-                totals.add(max(branches, key=lambda t: t.seconds))
+            # A device runs one branch (a 1F1B tick: its stage's op): charge the slowest, and count the
+            # collectives of that branch alone.
+            before, tallies = self.collectives, []
+            for name in ins.called:
+                self.collectives = {key: list(entry) for key, entry in before.items()}
+                tallies.append((self.computation(name), self.collectives))
+            self.collectives = before
+            if tallies:
+                slowest, self.collectives = max(tallies, key=lambda tally: tally[0].seconds)
+                totals.add(slowest)
         else:
             for name in ins.called:
                 totals.add(self.computation(name))

@@ -756,13 +756,29 @@ def collective_result_bytes(ins: Instruction) -> int:
 
 def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
     """Returns the bytes per device that each kind of collective produces in one run of an optimized
-    HLO module (result shapes), with ops inside while loops counted once per known trip."""
+    HLO module (result shapes), with ops inside while loops counted once per known trip and, of a
+    conditional's branches, the one that moves the most (a device runs one: a 1F1B tick its stage's op;
+    the step-time replay charges the slowest the same way)."""
     module = hlo_text if isinstance(hlo_text, HloModule) else parse_module(hlo_text)
-    executions = module.executions()
-    totals = dict.fromkeys(COLLECTIVES, 0)
-    for computation, instructions in module.computations.items():
-        for ins in instructions:
+    memo: dict[str, dict[str, int]] = {}
+
+    def moved(name: str, seen: tuple[str, ...] = ()) -> dict[str, int]:
+        if name in memo:
+            return memo[name]
+        totals = dict.fromkeys(COLLECTIVES, 0)
+        if name in seen:
+            return totals
+        for ins in module.computations.get(name, ()):
             kind = collective_kind(ins)
             if kind:
-                totals[kind] += collective_result_bytes(ins) * executions[computation]
-    return totals
+                totals[kind] += collective_result_bytes(ins)
+            inner = [moved(called, (*seen, name)) for called in ins.called]
+            if ins.opcode == "conditional" and inner:
+                inner = [max(inner, key=lambda branch: sum(branch.values()))]
+            for branch in inner:
+                for key, value in branch.items():
+                    totals[key] += value * (ins.trip_count or 1)
+        memo[name] = totals
+        return totals
+
+    return moved(module.entry)
