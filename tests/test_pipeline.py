@@ -106,7 +106,7 @@ def test_1f1b_keeps_gpipes_bubble_and_holds_s_micro_batches_as_megatron():
 def test_the_1f1b_table_runs_every_pass_once_after_its_inputs_and_stage_s_holds_s_minus_s(
     stages, micro_batches, repeats, parts
 ):
-    from shardmem.parallel import pipeline as ops
+    from shardmem.parallel import schedule as ops
 
     table = ops.schedule_table(stages, micro_batches, repeats, parts)
     done, held, most = {}, [0] * stages, [0] * stages
@@ -172,10 +172,13 @@ def test_interleaved_and_uneven_1f1b_training_match_one_device(one_device, one_d
 
 
 @pytest.mark.slow
-def test_1f1b_with_sequence_parallelism_and_two_backward_parts_trains_as_one_device(one_device):
-    # Two layers a stage, so each backward runs in two ticks; the residual stream split over tensor.
-    program = _program({"stage": 2, "data": 2, "tensor": 2}, jax.devices(), micro_batches=4, schedule="1f1b",
-                       rules={"residual_seq": ["tensor"]})  # fmt: skip
+@pytest.mark.parametrize("axes, rules", [
+    ({"stage": 2, "data": 2, "tensor": 2}, {"residual_seq": ["tensor"]}),  # sequence parallel
+    ({"stage": 2, "fsdp": 2, "tensor": 2}, {}),  # the embedding split over vocab and the model dimension
+])  # fmt: skip
+def test_1f1b_with_two_backward_parts_trains_as_one_device(one_device, axes, rules):
+    # Two layers a stage, so each backward runs in two ticks.
+    program = _program(axes, jax.devices(), micro_batches=4, schedule="1f1b", rules=rules)
     assert program.pipeline.backward_parts == 2 and program.pipeline.in_flight == 2
     losses, state = train_steps(program.step, program, program.init(), 3)
     assert_same_training(losses, state["params"], one_device)

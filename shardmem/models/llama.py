@@ -428,8 +428,10 @@ class Llama(nnx.Module):
         tokens_BxL, targets_BxL = (context.to_zigzag(a, shards) for a in (tokens_BxL, targets_BxL))
 
         def embed(table_VxD, tokens_bxL):
-            # From the table as stored (split over vocab, Megatron's vocab-parallel embedding): a micro-batch
-            # is a few rows, where all-gathering the table would move all of it every micro-batch.
+            # From the table split over vocab alone (Megatron's vocab-parallel embedding): a micro-batch is a
+            # few rows, where all-gathering the table would move all of it every micro-batch. (Split over
+            # the model dimension too, fsdp's or context's, XLA's partitioner aborts on the lookup.)
+            table_VxD = constrain(table_VxD, ("vocab", None))
             x_bxLxD = constrain(table_VxD.astype(dtype)[tokens_bxL], RESIDUAL)
             if cfg.scale_embeddings:  # Gemma, as in the unpipelined forward.
                 x_bxLxD = x_bxLxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
@@ -443,8 +445,10 @@ class Llama(nnx.Module):
 
         head_params = {"norm": self.final_norm.scale[...],
                        "head": self.embedding[...] if cfg.tie_embeddings else self.lm_head[...]}  # fmt: skip
+        # Gathered over the model dimension once a step, not every micro-batch (see embed).
+        table_VxD = constrain(self.embedding[...], ("vocab", None))
         return self.pipeline.loss(self.layers, self.remat, tokens_BxL, targets_BxL, embed=embed,
-                                  embed_params=self.embedding[...], head_loss=head_loss,
+                                  embed_params=table_VxD, head_loss=head_loss,
                                   head_params=head_params)  # fmt: skip
 
     def unembedding(self):

@@ -24,24 +24,24 @@ peak grows with the micro-batches. ``schedule="1f1b"`` (and ``"interleaved"``, i
 
 1F1B runs its stages out of step, as Megatron-LM's: a stage runs a forward while its neighbour runs a
 backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage) and
-a ``jax.lax.switch`` per tick, which runs on each device only the branch its stage takes: a chunk's forward
-(``jax.vjp``: the output, and the residuals, kept in a ring of slots, less the weights), or one of
+a ``jax.lax.switch`` per tick, which runs on each device only the branch its stage takes: a chunk's
+forward (``jax.vjp``: the output, and the residuals, kept in a ring of slots, less the weights), or one of
 ``backward_parts`` parts of its backward (the pullback of the part's layers: a backward is about two
-forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage waits long on a
-neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute`` calls); the one it is
-for queues it. Which op each stage runs at each tick is a table built in Python by running the schedule
-(:func:`schedule_table`): with R = 1 Megatron's 1F1B, stage s holding ``S - s`` micro-batches' residuals
-(the first stage ``S``, whatever M: the peak stays flat as micro-batches are added); with R > 1 Megatron's
-interleaved order and warm-up, ``2 (S - 1) + (R - 1) S + 1`` chunk passes at the first stage. Both tables
-are ``(M R + S - 1) (1 + parts)`` ticks long, so the bubble is the formula's. The first chunk's forward
-embeds its micro-batch (``embed``, so no stage holds the whole batch's embedded inputs or their
-gradient) and the last chunk's runs the head and the loss, whose gradient starts that micro-batch's
+forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage waits long on
+a neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute`` calls); the one it
+is for queues it. Which op each stage runs at each tick is a table built in Python by running the schedule
+(:mod:`shardmem.parallel.schedule`): with R = 1 Megatron's 1F1B, stage s holding ``S - s`` micro-batches'
+residuals (the first stage ``S``, whatever M: the peak stays flat as micro-batches are added); with R > 1
+Megatron's interleaved order and warm-up, ``2 (S - 1) + (R - 1) S + 1`` chunk passes at the first stage.
+Both tables are ``(M R + S - 1) (1 + parts)`` ticks long, so the bubble is the formula's. The first
+chunk's forward embeds its micro-batch (``embed``, so no stage holds the whole batch's embedded inputs or
+their gradient) and the last chunk's runs the head and the loss, whose gradient starts that micro-batch's
 backward. The body splits the batch by hand too, over the data axes that split nothing else
 (:meth:`Rules.batch_only_axes`): each device sums its own rows' weight gradients over the ticks, and they
 are all-reduced once after the last; the compiler splits the tensor and FSDP axes inside it as everywhere.
-The gradients come out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step
-differentiates the loss as any other. The price of the parts: a part's scan runs over a slice of the
-stage's stacked weights, which XLA copies (in their stored dtype) while the part runs.
+The gradients come out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates
+the loss as any other. The price of the parts: a part's scan runs over a slice of the stage's stacked
+weights, which XLA copies (in their stored dtype) while the part runs.
 
 Stages need not be even (GPipe and 1F1B): ``layer_counts`` gives each stage's number of contiguous layers
 (``pipeline.stages: ["0-7", "8-15", "16-22", "23-29"]`` in the config, see :func:`parse_stages`); without
@@ -68,13 +68,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
+from shardmem.parallel import schedule as ops
 from shardmem.parallel.rules import Rules, constrain
 from shardmem.parallel.rules import active as rules_active
+from shardmem.parallel.schedule import ScheduleTable, schedule_table
 from shardmem.remat import LayerPlan, layer_span, remat_scan
 
 #: The mesh axis whose size is the number of pipeline stages.
@@ -110,6 +111,10 @@ class Pipeline:
     backward_parts: int = 2  # 1F1B: the ticks a chunk's backward takes (about a forward's work each).
 
     def __post_init__(self):
+        if self.backward_parts < 1:
+            raise ValueError(
+                f"Pipeline.backward_parts={self.backward_parts}: a backward runs in 1 or more parts"
+            )
         if self.schedule is None:
             object.__setattr__(self, "schedule", "gpipe" if self.repeats == 1 else "circular")
 
@@ -150,7 +155,8 @@ class Pipeline:
 
     @property
     def table(self) -> ScheduleTable:
-        """The 1F1B schedule's table of ticks (:func:`schedule_table`); only for :attr:`runs_loss`."""
+        """The 1F1B schedule's table of ticks (:func:`~shardmem.parallel.schedule.schedule_table`); only
+        for :attr:`runs_loss`."""
         return schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
 
     @property
@@ -313,7 +319,7 @@ class Pipeline:
 
     def _stages(self, layers: nnx.Module, plan: LayerPlan) -> _Stages:
         """Returns the layers as each stage runs them: their weights with a leading stage axis and the
-        one-stage function the schedules vmap over it."""
+        one-stage function the schedules run on each stage (vmapped over it, or in 1F1B's shard_map)."""
         graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise ConfigError(
@@ -440,6 +446,8 @@ class Pipeline:
         table = schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
         s, m, n_parts = self.stages, self.micro_batches, self.backward_parts
         k = jax.tree.leaves(stages.weights_S)[0].shape[1]
+        if n_parts > k:
+            raise ValueError(f"Pipeline.backward_parts={n_parts} is more than a chunk's {k} layers")
         bounds = [round(i * k / n_parts) for i in range(n_parts + 1)]  # Part p: layer slots [b_p, b_p+1).
         spec = ("batch", "residual_seq", None)
         layouts: list[dict] = [{} for _ in range(n_parts)]  # Each part's pullback structure, when traced.
@@ -537,15 +545,18 @@ class Pipeline:
 
                 return branch
 
-            backwards = [run_backward(0, to_input=True), *[run_backward(p) for p in range(n_parts)]]
-            branches = [idle, run_forward, run_forward_from_input, run_forward_and_head, *backwards]
+            by_op = {ops.IDLE: idle, ops.FORWARD: run_forward, ops.FORWARD_FROM_INPUT: run_forward_from_input,
+                     ops.FORWARD_AND_HEAD: run_forward_and_head,
+                     ops.BACKWARD_TO_INPUT: run_backward(0, to_input=True),
+                     **{ops.BACKWARD + p: run_backward(p) for p in range(n_parts)}}  # fmt: skip
+            branches = [by_op[op] for op in range(len(by_op))]
             # Queues of the inputs and gradients waiting for their op.
             queue = functools.partial(jnp.zeros, dtype=zeros_bxLxD.dtype)
             carry = dict(state=state, inputs=queue((table.input_slots, *zeros_bxLxD.shape)),
                          grads=queue((table.grad_slots, *zeros_bxLxD.shape)))  # fmt: skip
 
             def tick(carry, row_Nx1):
-                op, micro, repeat, ring, source, local, from_before, from_after = row_Nx1[:, 0]
+                op, micro, repeat, ring, source, local, from_before, from_after = row_Nx1[:, 0]  # ops.COLUMNS
                 carry = dict(carry)
                 x = jax.lax.dynamic_index_in_dim(carry["inputs"], source, 0, keepdims=False)
                 dy = jax.lax.dynamic_index_in_dim(carry["grads"], source, 0, keepdims=False)
@@ -592,7 +603,7 @@ class Pipeline:
                       P(None, None, STAGE_AXIS)),
             out_specs=(whole, (weight_specs, embed_specs, head_specs)),
         )  # fmt: skip
-        table_TxNxS = jnp.asarray(table.rows)  # [ticks, 8 columns, stages]
+        table_TxNxS = jnp.asarray(table.rows)  # [ticks, ops.COLUMNS, stages]
 
         def schedule(weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA):
             """Runs every tick; returns the loss and the gradients of the three differentiable inputs."""
@@ -654,146 +665,3 @@ def _put(buffer_NxA: jax.Array, slot, value_A: jax.Array) -> jax.Array:
     at = jnp.maximum(slot, 0)
     old_A = jax.lax.dynamic_index_in_dim(buffer_NxA, at, 0, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(buffer_NxA, jnp.where(slot >= 0, value_A, old_A), at, 0)
-
-
-#: The ops of a 1F1B schedule table: the first chunk's forward embeds the inputs, the last's runs the head;
-#: backward part p is ``BACKWARD + p`` (part 0 ends the chunk's backward; the first chunk's goes on into
-#: the embedding instead: ``BACKWARD_TO_INPUT``).
-IDLE, FORWARD, FORWARD_FROM_INPUT, FORWARD_AND_HEAD, BACKWARD_TO_INPUT, BACKWARD = range(6)
-
-
-class ScheduleTable(NamedTuple):
-    """What each stage does at each tick of a 1F1B schedule (:func:`schedule_table`)."""
-
-    #: [ticks, 8, stages]: op, micro-batch, repeat, residual slot, source slot (the queued input of a
-    #: forward, the queued gradient of a backward part), local slot (where a gradient the stage made for
-    #: itself waits), and the input and gradient slots where what the stages before and after sent lands
-    #: (-1: none).
-    rows: np.ndarray
-    ring_slots: int  # Chunk passes whose residuals a stage holds at once, at most (the ring's size).
-    input_slots: int  # Inputs waiting for their forward at once, at most.
-    grad_slots: int  # Gradients waiting for their backward part at once, at most.
-    busy: int  # Ticks each stage runs an op: micro-batches x repeats x (1 + backward parts).
-
-    @property
-    def ticks(self) -> int:
-        return self.rows.shape[0]
-
-
-@functools.lru_cache(maxsize=64)
-def schedule_table(stages: int, micro_batches: int, repeats: int = 1, parts: int = 2) -> ScheduleTable:
-    """Builds the 1F1B (``repeats`` 1) or interleaved 1F1B schedule as a table of ticks, by running it:
-    each tick every stage runs one op, a chunk's forward or one of its ``parts`` backward parts (about a
-    forward's work each), on the first micro-batch whose inputs are ready.
-
-    A stage runs its forwards in Megatron-LM's order (groups of S micro-batches, each group through all R
-    repeats) and its backwards in the same order with the repeats reversed, holding at most as many chunk
-    passes as Megatron's warm-up gives it: with R = 1, stage s holds ``S - s`` micro-batches (``S - s - 1``
-    warm-up forwards, then one forward, one backward) and runs a ready backward first; with R > 1,
-    ``2 (S - s - 1) + (R - 1) S + 1`` chunk passes, a ready forward first. Either way the table is as
-    short as the bubble formula says: ``(M R + S - 1) (1 + parts)`` ticks."""
-    s, m, r = stages, micro_batches, repeats
-    if r == 1:
-        return _run_schedule(s, m, r, parts, tuple(s - d for d in range(s)), backward_first=True)
-    limits = tuple(2 * (s - d - 1) + (r - 1) * s + 1 for d in range(s))
-    return _run_schedule(s, m, r, parts, limits, backward_first=False)
-
-
-def _run_schedule(s: int, m: int, r: int, parts: int, limits: tuple[int, ...],
-                  backward_first: bool) -> ScheduleTable:  # fmt: skip
-    """Runs the schedule tick by tick (see :func:`schedule_table`), each stage holding at most
-    ``limits[stage]`` chunk passes; returns its table."""
-    chunks, total = r * s, m * r
-
-    def forward_at(k):  # A stage's k-th forward: (micro-batch, repeat).
-        group, within = divmod(k, chunks)
-        return group * s + within % s, within // s
-
-    finished: dict[tuple, int] = {}  # ("F", micro, chunk) or ("B", micro, chunk, part) -> tick.
-    n_forward, n_backward, next_part, held = [0] * s, [0] * s, [parts - 1] * s, [0] * s
-    ring_of: dict[tuple, int] = {}  # (micro, chunk) -> its residual slot.
-    waiting: dict[tuple, int] = {}  # ("x", micro, chunk) or ("dy", micro, chunk, part) -> slot.
-    free = {kind: [set() for _ in range(s)] for kind in ("ring", "x", "dy")}
-    made = {kind: [0] * s for kind in free}  # Slots each stage has used so far.
-
-    def take(kind, stage):
-        if free[kind][stage]:
-            slot = min(free[kind][stage])
-            free[kind][stage].remove(slot)
-            return slot
-        made[kind][stage] += 1
-        return made[kind][stage] - 1
-
-    rows = []
-    tick = 0
-    while any(n < total for n in n_backward):
-        if tick > 4 * (total + 2 * chunks) * (1 + parts):  # Megatron's limits never stall.
-            raise AssertionError(f"the 1F1B schedule stalled: {s} stages, {m} micro-batches, {r} repeats")
-        ops = []
-        for d in range(s):
-            backward = forward = None
-            if n_backward[d] < total:
-                micro, repeat = forward_at(n_backward[d])
-                c, p = (r - 1 - repeat) * s + d, next_part[d]
-                after = ("F", micro, c) if c == chunks - 1 else ("B", micro, c + 1, 0)
-                needs = after if p == parts - 1 else ("B", micro, c, p + 1)
-                if finished.get(needs, tick) < tick:
-                    backward = ("B", micro, c, p)
-            if n_forward[d] < total and held[d] < limits[d]:
-                micro, repeat = forward_at(n_forward[d])
-                c = repeat * s + d
-                if c == 0 or finished.get(("F", micro, c - 1), tick) < tick:
-                    forward = ("F", micro, c)
-            ops.append(backward or forward if backward_first else forward or backward)
-        row = np.zeros((8, s), np.int32)
-        row[5:] = -1
-        arrivals = []
-        for d, op in enumerate(ops):  # What each op reads is freed before this tick's slots are taken.
-            if op is None:
-                continue
-            micro, c = op[1], op[2]
-            row[1, d], row[2, d] = micro, c // s
-            if op[0] == "F":
-                row[0, d] = FORWARD_AND_HEAD if c == chunks - 1 else FORWARD_FROM_INPUT if c == 0 else FORWARD
-                if c > 0:
-                    row[4, d] = waiting.pop(("x", micro, c))
-                    free["x"][d].add(row[4, d])
-            else:
-                p = op[3]
-                row[0, d] = BACKWARD_TO_INPUT if (c, p) == (0, 0) else BACKWARD + p
-                row[4, d] = waiting.pop(("dy", micro, c, p))
-                free["dy"][d].add(row[4, d])
-                row[3, d] = ring_of[(micro, c)]
-                if p == 0:
-                    free["ring"][d].add(ring_of.pop((micro, c)))
-        for d, op in enumerate(ops):
-            if op is None:
-                continue
-            micro, c = op[1], op[2]
-            finished[op] = tick
-            if op[0] == "F":
-                n_forward[d] += 1
-                held[d] += 1
-                row[3, d] = ring_of[(micro, c)] = take("ring", d)
-                if c == chunks - 1:  # The head's gradient waits here for the first backward part.
-                    row[5, d] = waiting[("dy", micro, c, parts - 1)] = take("dy", d)
-                else:
-                    arrivals.append(((d + 1) % s, 6, ("x", micro, c + 1), "x"))
-            else:
-                p = op[3]
-                if p > 0:
-                    row[5, d] = waiting[("dy", micro, c, p - 1)] = take("dy", d)
-                    next_part[d] = p - 1
-                else:
-                    n_backward[d] += 1
-                    held[d] -= 1
-                    next_part[d] = parts - 1
-                    if c > 0:
-                        arrivals.append(((d - 1) % s, 7, ("dy", micro, c - 1, parts - 1), "dy"))
-        for d, column, key, kind in arrivals:
-            row[column, d] = waiting[key] = take(kind, d)
-        rows.append(row)
-        tick += 1
-    busy = total * (1 + parts)
-    ring, x, dy = (max(max(made[kind]), 1) for kind in ("ring", "x", "dy"))
-    return ScheduleTable(np.stack(rows), ring, x, dy, busy)

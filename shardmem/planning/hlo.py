@@ -758,7 +758,7 @@ def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
     """Returns the bytes per device that each kind of collective produces in one run of an optimized
     HLO module (result shapes), with ops inside while loops counted once per known trip and, of a
     conditional's branches, the one that moves the most (a device runs one: a 1F1B tick its stage's op;
-    the step-time replay charges the slowest the same way)."""
+    the step-time replay charges the slowest branch, and its collectives)."""
     module = hlo_text if isinstance(hlo_text, HloModule) else parse_module(hlo_text)
     memo: dict[str, dict[str, int]] = {}
 
