@@ -142,6 +142,9 @@ def test_the_residual_stream_splits_the_rows_where_the_tensor_axis_divides_them(
     assert residual_spec(rules, mesh, stacked, (3, 4, 64, 8)) == P(None, ("data", "tensor"), "context")
     plain = Rules.from_config({}, mesh.axis_names)  # No sequence parallelism: the rules as they are.
     assert residual_spec(plain, mesh, axes, (4, 64, 8)) is None
+    # Rows split over an axis the weights use too (FSDP's): the sequence, as XLA partitions it well.
+    fsdp = Rules.from_config({"residual_seq": ["context", "tensor"], "embed": "data"}, mesh.axis_names)
+    assert residual_spec(fsdp, mesh, axes, (4, 64, 8)) is None
 
 
 def test_the_layers_keep_their_share_of_the_sequence_not_the_gathered_one():

@@ -296,13 +296,16 @@ def residual_spec(rules: Rules, mesh: Mesh, logical_axes: Sequence[str | None], 
     transposes every one of them to and from a sequence-major layout (a read and a write of the
     gathered activation each, four per layer and pass: BENCHMARKS.md, issue 38). So where those axes
     divide the device's rows, they split the batch instead: each device holds whole sequences and the
-    collectives run along the outermost dimension. Where they do not (one row per device), the sequence.
+    collectives run along the outermost dimension. Where they do not (one row per device), the sequence;
+    and where the batch is split over axes that split the weights too (FSDP's), also the sequence: there
+    XLA partitioned the projections back onto such a split by gathering every device's rows rather than
+    the weights (torchtitan's Llama 3 70B, FSDP 32 x tensor 8: 8x the step).
     """
     if "batch" not in logical_axes or "residual_seq" not in logical_axes:
         return None
     seq = rules.mesh_axes("seq") or ()
     extra = tuple(a for a in rules.mesh_axes("residual_seq") or () if a not in seq)
-    if not extra:
+    if not extra or set(rules.mesh_axes("batch") or ()) - set(rules.batch_only_axes()):
         return None
     index = list(logical_axes).index("batch")
     entries = [rules.mesh_axes(name) for name in logical_axes]
