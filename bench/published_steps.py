@@ -84,7 +84,11 @@ LLAMA3_70B = {"vocab_size": 128256, "d_model": 8192, "n_layers": 80, "n_heads": 
 #: residual stream's tokens too (rules.residual_seq); plain data parallelism over ``data``.
 MEGATRON_RULES = {"batch": "data", "embed": None, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
                   "vocab": "tensor", "residual_seq": "tensor"}  # fmt: skip
-MEGATRON_PRECISION = {"params": "bfloat16", "compute": "bfloat16", "master": "float32"}
+#: Megatron's runs without recomputation: those rules, the distributed optimizer, bf16 weights with fp32
+#: main weights (Megatron's mixed precision).
+MEGATRON = {"rules": MEGATRON_RULES, "optimizer": {"name": "adamw", "shard_over_data": True},
+            "precision": {"params": "bfloat16", "compute": "bfloat16", "master": "float32"},
+            "remat": {"policy": "none"}}  # fmt: skip
 MEGATRON_ASSUMPTIONS = (
     "sequence parallelism -> rules.residual_seq: tensor (norms and residuals on a quarter of the tokens; "
     "reduce-scatter + all-gather pairs in place of the tensor-parallel all-reduces)",
@@ -165,12 +169,9 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
         64 * 4096 / 92630,
         "h100-sxm",
         {
+            **MEGATRON,
             "model": NEMOTRON4_15B,
             "mesh": {"axes": {"data": 4, "fsdp": 1, "tensor": 4}, "hosts": 2, "devices_per_host": 8},
-            "rules": MEGATRON_RULES,
-            "optimizer": {"name": "adamw", "shard_over_data": True},
-            "precision": MEGATRON_PRECISION,
-            "remat": {"policy": "none"},
             "train": {"global_batch": 64, "micro_batches": 4},
         },
         (
@@ -183,13 +184,11 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
         256 * 2048 / 58843,
         "h100-sxm",
         {
+            **MEGATRON,
             "model": GPT3_175B,
             "mesh": {"axes": {"data": 4, "stage": 8, "tensor": 4}, "hosts": 16, "devices_per_host": 8},
             "rules": {**MEGATRON_RULES, "layers": "stage"},
             "pipeline": {"schedule": "interleaved", "repeats": 12},
-            "optimizer": {"name": "adamw", "shard_over_data": True},
-            "precision": MEGATRON_PRECISION,
-            "remat": {"policy": "none"},
             "train": {"global_batch": 256, "micro_batches": 64},
         },
         (

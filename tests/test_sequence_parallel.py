@@ -108,6 +108,7 @@ def test_the_chunked_loss_picks_its_targets_without_an_all_to_all(sequence_paral
     assert "all-to-all" not in kinds
 
 
+@pytest.mark.newest
 def test_the_collectives_around_the_tensor_parallel_matmuls_need_no_transposes(
     sequence_parallel_accumulating_step,
 ):
