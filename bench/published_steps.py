@@ -21,9 +21,20 @@ How each row maps (every assumption is in ``ROWS``' ``assumptions`` and printed 
   mixed precision and Megatron's keep them.
 - the network is the target's default (h100-sxm: 400 Gb/s per GPU, a100-80g: 200 Gb/s per GPU) unless
   the row states it; mpt-70b-64xa100's "1600 Gb/s per node" is 200 Gb/s per GPU.
-- Nemotron's tensor 4 "(sequence parallel)" is ``rules.residual_seq: tensor`` (norms and residual adds on
-  a quarter of the sequence each, docs/guides/sharding.md); Megatron's distributed optimizer is
-  ``optimizer.shard_over_data``.
+- Megatron's (Nemotron's, GPT-3's) tensor parallelism "with sequence parallelism" is every matrix split
+  over ``tensor`` and ``rules.residual_seq: tensor`` (norms and residual adds on a quarter of the tokens
+  each, docs/guides/sharding.md); its distributed optimizer is ``optimizer.shard_over_data``; its bf16
+  model with fp32 main weights is ``precision.master: float32``. Megatron orders ranks tensor, then
+  pipeline, then data: the mesh axes ``{data, stage, tensor}`` put tensor inside a node.
+- GPT-3's interleaved pipeline (8 stages x 12 virtual stages) is ``pipeline.schedule: interleaved`` with
+  ``pipeline.repeats: 12`` over ``mesh.axes.stage: 8`` (one layer per chunk), its 64 micro-batches per
+  pipeline ``train.micro_batches: 64``; GPT-3's LayerNorm, biases and learned positions become RMSNorm,
+  no biases and rotary positions (no matmul FLOPs either way).
+- torchtitan's 2D layout is ``mesh.axes.fsdp: 32`` across nodes and ``tensor: 8`` inside them, its TP
+  plan's sequence-parallel norms ``rules.residual_seq: tensor``. Its GPUs are H100s with 96 GB of HBM2e at
+  2.4 TB/s at a 500 W power limit: target ``h100-sxm-96g`` (the H100 SXM's row with that memory); no
+  clock at 500 W is published, so the matmul rates are the 700 W datasheet's and the row is predicted
+  fast by what that leaves out.
 - recomputation: "none" is ``remat.policy: none``, "full" is ``full``; torchtitan's selective per-op
   recompute (every second matmul) has no exact policy here: ``minimal`` (saves the projections,
   recomputes the rest) recomputes less.
@@ -65,6 +76,26 @@ LLAMA3_8B = {"vocab_size": 128256, "d_model": 4096, "n_layers": 32, "n_heads": 3
              "d_ff": 14336, "seq_len": 8192, "rope_theta": 500000.0}  # fmt: skip
 NEMOTRON4_15B = {"vocab_size": 256000, "d_model": 6144, "n_layers": 32, "n_heads": 48, "n_kv_heads": 8,
                  "d_ff": round(2 * 24576 / 3), "seq_len": 4096}  # fmt: skip
+GPT3_175B = {"vocab_size": 51200, "d_model": 12288, "n_layers": 96, "n_heads": 96, "n_kv_heads": 96,
+             "d_ff": round(2 * 49152 / 3), "seq_len": 2048}  # fmt: skip
+LLAMA3_70B = {"vocab_size": 128256, "d_model": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8,
+              "d_ff": 28672, "seq_len": 8192, "rope_theta": 500000.0}  # fmt: skip
+#: Megatron's tensor parallelism with sequence parallelism: every matrix split over ``tensor``, the
+#: residual stream's tokens too (rules.residual_seq); plain data parallelism over ``data``.
+MEGATRON_RULES = {"batch": "data", "embed": None, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+                  "vocab": "tensor", "residual_seq": "tensor"}  # fmt: skip
+#: Megatron's runs without recomputation: those rules, the distributed optimizer, bf16 weights with fp32
+#: main weights (Megatron's mixed precision).
+MEGATRON = {"rules": MEGATRON_RULES, "optimizer": {"name": "adamw", "shard_over_data": True},
+            "precision": {"params": "bfloat16", "compute": "bfloat16", "master": "float32"},
+            "remat": {"policy": "none"}}  # fmt: skip
+MEGATRON_ASSUMPTIONS = (
+    "sequence parallelism -> rules.residual_seq: tensor (norms and residuals on a quarter of the tokens; "
+    "reduce-scatter + all-gather pairs in place of the tensor-parallel all-reduces)",
+    "distributed optimizer -> optimizer.shard_over_data",
+    "bf16 model, fp32 main weights and gradients (Megatron's mixed precision) -> precision.params "
+    "bfloat16 with precision.master float32 (split over data with the optimizer state)",
+)
 
 MPT_MAPPING = ("GELU MLP 16384 -> SwiGLU 10923 (2F/3)", "ALiBi -> rotary", "LayerNorm -> RMSNorm")
 
@@ -138,30 +169,54 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
         64 * 4096 / 92630,
         "h100-sxm",
         {
+            **MEGATRON,
             "model": NEMOTRON4_15B,
             "mesh": {"axes": {"data": 4, "fsdp": 1, "tensor": 4}, "hosts": 2, "devices_per_host": 8},
-            "rules": {
-                "batch": "data",
-                "embed": None,
-                "heads": "tensor",
-                "kv_heads": "tensor",
-                "mlp": "tensor",
-                "vocab": "tensor",
-                "residual_seq": "tensor",
-            },
-            "optimizer": {"name": "adamw", "shard_over_data": True},
-            "precision": {"params": "bfloat16", "compute": "bfloat16", "master": "float32"},
-            "remat": {"policy": "none"},
             "train": {"global_batch": 64, "micro_batches": 4},
         },
         (
             "squared-ReLU MLP 24576 (no gate) -> SwiGLU 16384 (2F/3)",
             "LayerNorm -> RMSNorm",
-            "sequence parallelism -> rules.residual_seq: tensor (norms and residuals on a quarter of the "
-            "sequence; reduce-scatter + all-gather pairs in place of the tensor-parallel all-reduces)",
-            "distributed optimizer -> optimizer.shard_over_data",
-            "bf16 model, fp32 main weights and gradients (Megatron's mixed precision) -> precision.params "
-            "bfloat16 with precision.master float32 (split over data with the optimizer state)",
+            *MEGATRON_ASSUMPTIONS,
+        ),
+    ),
+    "gpt3-175b-128xh100": (
+        256 * 2048 / 58843,
+        "h100-sxm",
+        {
+            **MEGATRON,
+            "model": GPT3_175B,
+            "mesh": {"axes": {"data": 4, "stage": 8, "tensor": 4}, "hosts": 16, "devices_per_host": 8},
+            "rules": {**MEGATRON_RULES, "layers": "stage"},
+            "pipeline": {"schedule": "interleaved", "repeats": 12},
+            "train": {"global_batch": 256, "micro_batches": 64},
+        },
+        (
+            "GELU MLP 49152 -> SwiGLU 32768 (2F/3)",
+            "LayerNorm with biases -> RMSNorm, no biases; learned positions -> rotary",
+            "pipeline 8 x 12 virtual stages (interleaved 1F1B) -> mesh.axes.stage 8, pipeline.schedule "
+            "interleaved, pipeline.repeats 12 (one layer per chunk); 64 micro-batches of one sequence",
+            "tensor 4 within a node, then pipeline, then data (Megatron's rank order) -> mesh.axes "
+            "{data: 4, stage: 8, tensor: 4} over 16 hosts of 8",
+            *MEGATRON_ASSUMPTIONS,
+        ),
+    ),
+    "llama3-70b-256xh100-2d": (
+        512 * 8192 / (597.3 * 256),
+        "h100-sxm-96g",
+        {
+            "model": LLAMA3_70B,
+            "mesh": {"axes": {"data": 1, "fsdp": 32, "tensor": 8}, "hosts": 32, "devices_per_host": 8},
+            "rules": {**FSDP_RULES, "residual_seq": "tensor"},
+            "remat": {"policy": "full"},
+            "train": {"global_batch": 512, "micro_batches": 1},
+        },
+        (
+            "torchtitan's TP plan (norms sequence-parallel) -> rules.residual_seq: tensor, tensor 8 "
+            "within a node, FSDP 32 across nodes",
+            "FSDP2 mixed precision (fp32 shards, bf16 compute) -> precision.params float32, compute bfloat16",
+            "H100 96GB HBM2e at 500 W (Grand Teton) -> target h100-sxm-96g: 96 GiB at 2.4 TB/s, 400 Gb/s "
+            "per GPU; matmul rates of the 700 W datasheet (none is published at 500 W): predicted fast",
         ),
     ),
 }

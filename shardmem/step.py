@@ -42,7 +42,12 @@ from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
 from shardmem.finetune import FineTune
 from shardmem.models import losses
-from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
+from shardmem.models.attention import (
+    AttentionKernel,
+    device_class,
+    resolve_attention,
+    shared_memory_per_block,
+)
 from shardmem.models.linen import remat_calls
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig, lora_input_dims
 from shardmem.models.user import import_object, search_from, takes
@@ -262,9 +267,11 @@ def build_program(
     if attention is None and not custom:
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
                                       where=device_class(mesh.devices.flat),
-                                      dtype=config.precision.compute, context=context)  # fmt: skip
+                                      dtype=config.precision.compute, context=context,
+                                      shared_memory=shared_memory_per_block(mesh.devices.flat))  # fmt: skip
     if attention is not None and not custom:
         attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
+        attention.check_head_dim(config.model.head_size)
     if not custom and config.remat.tags:
         raise ConfigError(
             f"remat.tags={config.remat.tags} lists the checkpoint_name tags of a model of your own, but the "

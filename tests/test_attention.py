@@ -33,11 +33,18 @@ def test_chunked_attention_matches_full_attention_and_its_gradients():
         assert jnp.allclose(a, b, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", [AttentionKernel("chunked", chunk=16),
-                                    AttentionKernel("pallas", interpret=True)])  # fmt: skip
+@pytest.mark.parametrize("kernel", [
+    AttentionKernel("chunked", chunk=16),
+    AttentionKernel("pallas", interpret=True),
+    # Tiles for 5 KiB of shared memory: blocks of 32 queries and 32 keys, two of each over 64 positions.
+    pytest.param(AttentionKernel("pallas", interpret=True, shared_memory=5120), marks=pytest.mark.slow),
+])  # fmt: skip
 def test_kernels_match_xla_in_bf16_with_grouped_query_heads(kernel):
     """Pallas runs in interpret mode on CPU: the same kernel code a GPU compiles, forward and backward."""
     q, k, v = _qkv(jnp.bfloat16)
+    if kernel.shared_memory:
+        blocks = kernel.flash_blocks(16, 64, 2)
+        assert (blocks.block_q, blocks.block_k) == (32, 32)
     reference = attend(AttentionKernel("xla"), q, k, v).astype(jnp.float32)
     out = attend(kernel, q, k, v).astype(jnp.float32)
     assert jnp.abs(out - reference).max() < 0.05  # bf16 has 8 bits of mantissa: ~1% of values near 1.
@@ -118,3 +125,97 @@ def test_fused_kernel_runs_per_shard_in_the_sharded_step():
         _, metrics = program.step(program.init(), jax.device_put(batch, program.batch_sharding))
         losses[kernel] = float(metrics["loss"])
     assert losses["pallas"] == pytest.approx(losses["xla"], rel=2e-3)
+
+
+# --- Every head size on every GPU target -----------------------------------------------------------
+
+#: Head dims of published models (Llama and Mistral 128; GPT-2 and Falcon 64; Phi-2 80; Qwen 112;
+#: GPT-J 256; Nemotron-4 340B 192; a 530B model 160).
+HEAD_DIMS = (64, 80, 96, 112, 128, 160, 192, 256)
+
+
+def _gpu_classes():
+    """One GPU target per (compute capability, shared memory per block): what the flash kernel's
+    compile depends on (Triton's shared-memory request on the architecture, XLA's limit on the opt-in
+    figure); the targets alike in both compile alike. Every target of GPU_TARGETS is in one."""
+    from shardmem.planning.targets import GPU_TARGETS
+
+    classes = {}
+    for name, spec in GPU_TARGETS.items():
+        classes.setdefault((spec.compute_capability, spec.shared_memory_per_block_optin), name)
+    fast = {"h100-sxm"}  # The issue's case (Nemotron-4 340B); the others are slow.
+    return [name if name in fast else pytest.param(name, marks=pytest.mark.slow) for name in classes.values()]
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("target_name", _gpu_classes())
+def test_every_head_size_compiles_its_attention_deviceless_on_every_gpu_target(target_name):
+    """The gradient of causal attention for every head dim, compiled deviceless as a plan compiles it:
+    256-wide heads (160 and 192 padded to it) asked 320 KiB of shared memory per block on an H100 (227
+    KiB) and 224 KiB on an A100 (163 KiB) with the kernel's default blocks."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardmem.models.attention import device_class, shared_memory_per_block
+    from shardmem.planning import codegen
+    from shardmem.planning.targets import resolve_target
+
+    target = resolve_target(target_name, n_devices=1)
+    kernel = resolve_attention("auto", chunk=None, where=device_class(target.devices),
+                               shared_memory=shared_memory_per_block(target.devices))  # fmt: skip
+    flash = target.spec.compute_capability >= (8, 0)
+    assert kernel.name == ("pallas" if flash else "chunked")
+    assert kernel.shared_memory == (target.spec.shared_memory_per_block_optin if flash else None)
+    replicated = NamedSharding(Mesh(np.array(target.devices), ("x",)), P())
+    shapes = [jax.ShapeDtypeStruct((1, 256, 1, d), jnp.bfloat16, sharding=replicated) for d in HEAD_DIMS]
+
+    def loss(*qs):
+        return sum(attend(kernel, q, q, q).astype(jnp.float32).sum() for q in qs)
+
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(HEAD_DIMS)))))
+    with jax.default_device(target.devices[0]):  # JAX 0.12's Triton lowering reads the default device.
+        grads.lower(*shapes).compile(compiler_options=codegen.deviceless_options(target, {}))
+
+
+@pytest.mark.parametrize(
+    "shared_memory, head_dim, blocks",
+    [
+        (None, 256, (128, 128)),  # CPU, unknown GPUs: the kernel's defaults.
+        (232448, 128, (128, 128)),  # H100, B200: 160 KiB.
+        (232448, 192, (128, 64)),  # Padded to 256: 192 KiB.
+        (166912, 256, (128, 32)),  # A100: 128 KiB.
+        (101376, 128, (128, 64)),  # Ada and GA10x (L40S, RTX 4090, A10G): 96 KiB.
+        (101376, 160, (64, 32)),  # 96 KiB.
+    ],
+)
+def test_flash_blocks_are_the_widest_whose_tiles_fit_the_shared_memory(shared_memory, head_dim, blocks):
+    sizes = AttentionKernel("pallas", shared_memory=shared_memory).flash_blocks(head_dim, 4096, 2)
+    assert (sizes.block_q, sizes.block_k) == blocks
+    assert (sizes.block_q_dkv, sizes.block_kv_dkv, sizes.block_q_dq, sizes.block_kv_dq) == (32, 32, 32, 32)
+
+
+def test_a_head_wider_than_the_flash_kernels_take_is_a_config_error():
+    from shardmem.parallel.mesh import build_mesh
+    from shardmem.step import build_program
+
+    AttentionKernel("chunked", chunk=64).check_head_dim(320)  # Any width.
+    config = config_from_dict({"model": {"preset": "tiny", "head_dim": 320, "attention": "pallas"}})
+    message = (r"^model.head_dim=320: the pallas flash kernel takes heads of at most 256 \(.*\); use a "
+               r"head_dim of at most 256, or model.attention=chunked$")  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+
+
+def test_a_plan_tiles_the_flash_kernel_for_its_target():
+    """build_program resolves the kernel with the target's shared memory (the plan's wiring)."""
+    from shardmem.parallel.mesh import build_mesh
+    from shardmem.planning.targets import resolve_target
+    from shardmem.step import build_program
+
+    config = config_from_dict({"model": {"preset": "tiny", "n_layers": 1, "head_dim": 192},
+                               "mesh": {"axes": {"data": 1, "fsdp": 1, "tensor": 1}},
+                               "precision": {"compute": "bfloat16"}})  # fmt: skip
+    devices = resolve_target("a100-80g", n_devices=1).devices
+    program = build_program(config, build_mesh(config.mesh.axes, devices))
+    assert program.attention == AttentionKernel("pallas", stands_for="cudnn", shared_memory=166912)

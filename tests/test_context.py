@@ -238,6 +238,32 @@ def test_the_shipped_long_context_config_plans_deviceless_with_the_pallas_blocks
     assert report.collectives["all-gather"] >= micro * cfg.n_layers * 2 * gathered  # Forward and backward.
 
 
+@pytest.mark.newest
+def test_the_split_sequences_flash_blocks_fit_a_192_wide_head_deviceless():
+    """Nemotron-4 340B's heads (192, padded to 256) on a split sequence, compiled for 2 H100s: each block's
+    kernels are tiled for the H100's shared memory (the default tiles asked 320 KiB of its 227)."""
+    from shardmem.models.attention import device_class, shared_memory_per_block
+    from shardmem.planning import codegen
+    from shardmem.planning.targets import resolve_target
+
+    target = resolve_target("h100-sxm", n_devices=2)
+    mesh = build_mesh({"context": 2}, target.devices)
+    rules = Rules.from_config({}, mesh.axis_names)
+    kernel = resolve_attention("auto", chunk=None, where=device_class(target.devices), context=2,
+                               shared_memory=shared_memory_per_block(target.devices))  # fmt: skip
+    assert kernel == AttentionKernel("pallas", context=2, shared_memory=232448)
+    q = jax.ShapeDtypeStruct((1, 1024, 2, 192), jnp.bfloat16)
+
+    def loss(q, k, v):
+        with rules.activate(mesh):
+            q, k, v = (constrain(x, ("batch", "seq")) for x in (q, k, v))
+            return context.attend(kernel, q, k, v).astype(jnp.float32).sum()
+
+    with jax.default_device(target.devices[0]):  # JAX 0.12's Triton lowering reads the default device.
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q)
+        lowered.compile(compiler_options=codegen.deviceless_options(target, {}))
+
+
 @pytest.mark.slow
 def test_sweep_varies_the_context_axis():
     from shardmem.explore.sweep import sweep

@@ -8,6 +8,7 @@ import re
 
 import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 from strategies import assert_same_training, trained
 
 from shardmem.config import config_from_dict
@@ -58,9 +59,9 @@ def test_the_all_reduces_become_all_gathers_and_reduce_scatters_and_layer_inputs
     tensor, sequence = h100_plan({}), h100_plan({"residual_seq": ["tensor"]})
     assert tensor.collectives["reduce-scatter"] == 0 < sequence.collectives["reduce-scatter"]
     assert sequence.collectives["all-reduce"] < tensor.collectives["all-reduce"] / 5
-    # 4 layers x 2 rows per device x seq 256 (then 128 with the sequence split over tensor=2) x d_model 64.
+    # 4 layers x 2 rows per device x seq 256 x d_model 64 (then 1 row: the rows split over tensor=2).
     assert saved_layer_inputs(tensor) == ["f32[4,2,256,64]"]
-    assert saved_layer_inputs(sequence) == ["f32[4,2,128,64]"]
+    assert saved_layer_inputs(sequence) == ["f32[4,1,256,64]"]
     assert sequence.per_device["temp"] < tensor.per_device["temp"]
 
 
@@ -107,6 +108,46 @@ def test_the_chunked_loss_picks_its_targets_without_an_all_to_all(sequence_paral
     assert "all-to-all" not in kinds
 
 
+@pytest.mark.newest
+def test_the_collectives_around_the_tensor_parallel_matmuls_need_no_transposes(
+    sequence_parallel_accumulating_step,
+):
+    # Split along the sequence, a [batch, seq, d_model] activation is gathered and reduce-scattered along
+    # its second dimension, and XLA transposed each one to and from a sequence-major layout (142 transpose
+    # kernels in the layer loops of this step, a read and a write of the gathered activation each). With
+    # 2 rows per device the tensor axis splits the rows instead: the collectives run along the first.
+    module = sequence_parallel_accumulating_step
+
+    def transposes_only(ins):
+        if ins.opcode in ("transpose", "copy"):
+            return True
+        called = module.computations.get(ins.called[0], ()) if ins.opcode == "fusion" else ()
+        inner = {i.opcode for i in called}
+        return "transpose" in inner and inner <= {"transpose", "copy", "bitcast", "parameter"}
+
+    layout = [(ins.op_name, ins.shape) for instructions in module.computations.values()
+              for ins in instructions if "layers" in ins.op_name and transposes_only(ins)]  # fmt: skip
+    assert not layout, layout[:4]
+
+
+def test_the_residual_stream_splits_the_rows_where_the_tensor_axis_divides_them():
+    from shardmem.parallel.rules import residual_spec
+
+    mesh = build_mesh({"data": 2, "context": 2, "tensor": 2}, jax.devices())
+    rules = Rules.from_config({"residual_seq": ["context", "tensor"]}, mesh.axis_names)
+    axes = ("batch", "residual_seq", None)
+    assert residual_spec(rules, mesh, axes, (4, 64, 8)) == P(("data", "tensor"), "context")
+    assert residual_spec(rules, mesh, axes, (2, 64, 8)) is None  # One row per device: the sequence.
+    assert rules.spec(axes) == P("data", ("context", "tensor"))
+    stacked = ("layers", "batch", "residual_seq", None)  # A pipeline's buffers follow the layers'.
+    assert residual_spec(rules, mesh, stacked, (3, 4, 64, 8)) == P(None, ("data", "tensor"), "context")
+    plain = Rules.from_config({}, mesh.axis_names)  # No sequence parallelism: the rules as they are.
+    assert residual_spec(plain, mesh, axes, (4, 64, 8)) is None
+    # Rows split over an axis the weights use too (FSDP's): the sequence, as XLA partitions it well.
+    fsdp = Rules.from_config({"residual_seq": ["context", "tensor"], "embed": "data"}, mesh.axis_names)
+    assert residual_spec(fsdp, mesh, axes, (4, 64, 8)) is None
+
+
 def test_the_layers_keep_their_share_of_the_sequence_not_the_gathered_one():
     # Megatron's sequence-parallel linear layers: the norm's output is saved as the device's share and
     # gathered again for the weight gradients, not saved gathered (tensor x the bytes, twice per layer).
@@ -116,8 +157,9 @@ def test_the_layers_keep_their_share_of_the_sequence_not_the_gathered_one():
     report = plan(config, "h100-sxm", count_remat_overhead=False, top=40)
     stacked = [sorted(map(int, re.findall(r"\d+", b.shape.split("[")[1]))) for b in report.top_buffers
                if "stacked" in b.scope]  # fmt: skip
-    # [layers 4, rows 2, seq, d_model 64] in any order: the whole sequence (256) is never kept, its half is.
-    assert [2, 4, 64, 128] in stacked and [2, 4, 64, 256] not in stacked, stacked
+    # [layers 4, rows, seq 256, d_model 64] in any order: the device's share (1 of its 2 rows: the tensor
+    # axis splits the rows, residual_spec) is kept, never the gathered 2.
+    assert [1, 4, 64, 256] in stacked and [2, 4, 64, 256] not in stacked, stacked
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "minimal", "save_out_proj"])

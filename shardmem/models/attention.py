@@ -42,6 +42,12 @@ DEFAULT_CHUNK = 512
 #: Sequence block of the Pallas flash kernel (``BlockSizes.get_default().block_q``): a shorter sequence
 #: is one block, a longer one must be a multiple of it.
 PALLAS_BLOCK = 128
+#: The Pallas forward kernel's pipeline depth (``mha``'s ``num_stages``): Triton buffers each block of
+#: keys and of values it loads this many times over.
+_FLASH_STAGES = 2
+#: The widest head the flash kernels take: FlashAttention-2's and cuDNN's limit, and the widest whose
+#: backward blocks (the Pallas kernel's 32 x 32) fit every flash target's shared memory.
+MAX_FLASH_HEAD_DIM = 256
 #: Where a model is built for: an attached NVIDIA GPU, one compiled deviceless, a GPU before Ampere
 #: (attached or deviceless), CPU devices or TPUs.
 DEVICE_CLASSES = ("gpu", "deviceless-gpu", "pre-ampere-gpu", "cpu", "tpu")
@@ -61,6 +67,9 @@ class AttentionKernel:
     stands_for: str | None = None
     interpret: bool = False
     context: int = 1  # Devices each sequence is split over (shardmem.parallel.context).
+    # Bytes of shared memory one thread block of the GPU may take (its opt-in limit), which the flash
+    # kernel's tiles must fit (:meth:`flash_blocks`); None: the kernel's default tiles (CPU, unknown GPUs).
+    shared_memory: int | None = None
 
     def describe(self) -> str:
         """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``."""
@@ -96,6 +105,62 @@ class AttentionKernel:
             f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or model.attention=chunked"
         )
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raises ConfigError where the flash kernel cannot take heads of ``head_dim``: more than
+        :data:`MAX_FLASH_HEAD_DIM`, whose tiles the GPUs' shared memory does not hold."""
+        if self.name != "pallas" or head_dim <= MAX_FLASH_HEAD_DIM:
+            return
+        kernel = "pallas" + (f" (standing in for {self.stands_for})" if self.stands_for else "")
+        raise ConfigError(
+            f"model.head_dim={head_dim}: the {kernel} flash kernel takes heads of at most "
+            f"{MAX_FLASH_HEAD_DIM} (as FlashAttention-2's and cuDNN's do); use a head_dim of at most "
+            f"{MAX_FLASH_HEAD_DIM}, or model.attention=chunked"
+        )
+
+    def flash_blocks(self, head_dim: int, length: int, itemsize: int):
+        """Returns the Pallas flash kernel's ``BlockSizes`` for heads of ``head_dim`` over ``length``
+        positions in a dtype of ``itemsize`` bytes, tiled as the real kernels tile them: the widest
+        blocks whose tiles fit the GPU's shared memory.
+
+        The kernel pads a head to the next power of two (160 and 192 to 256) and holds, per thread block,
+        a block of queries and ``_FLASH_STAGES`` blocks each of keys and values, ``block x padded head``
+        elements each; its default 128 x 128 blocks of 256-wide heads ask 320 KiB (an H100 block has
+        227 KiB). As FlashAttention-2 does for wide heads, the key block halves first, then the query
+        block. The bound is what Triton allocated for the forward on Hopper (exactly, blocks of 64 and
+        more) and above it on Ampere and Ada (BENCHMARKS.md, issue 38). The backward keeps the
+        kernel's 32 x 32 blocks, which take at most 67,840 bytes up to 256-wide heads.
+        """
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # Loads Triton support.
+
+        default = pallas_attention.BlockSizes.get_default()
+        if self.shared_memory is None:
+            return default
+        padded = 1 << (head_dim - 1).bit_length()
+        block_q, block_k = default.block_q, default.block_k
+        while itemsize * padded * (block_q + 2 * _FLASH_STAGES * block_k) > self.shared_memory:
+            if block_k > 32:
+                block_k //= 2
+            elif block_q > 32:
+                block_q //= 2
+            else:
+                break  # 32 x 32 of a 256-wide head fits the smallest flash GPU's 99 KiB.
+        # A sequence of one block (at most 128 positions) stays one block, as the kernel takes it.
+        one = lambda block: length if length <= block or length % block else block  # noqa: E731
+        return dataclasses.replace(default, block_q=one(block_q), block_k=one(block_k))
+
+
+def shared_memory_per_block(devices) -> int | None:
+    """Returns the shared memory one thread block may take on ``devices``' GPU (its opt-in limit, from
+    :data:`~shardmem.planning.targets.GPU_TARGETS`), or None for CPUs, TPUs and GPUs shardmem has no
+    spec for."""
+    from shardmem.planning.targets import GPU_TARGETS, target_for_device_kind
+
+    device = next(iter(devices))
+    if device.platform in ("cpu", "tpu"):
+        return None
+    name = target_for_device_kind(device.device_kind)
+    return GPU_TARGETS[name].shared_memory_per_block_optin if name else None
+
 
 def device_class(devices) -> str:
     """Returns ``"gpu"`` (attached NVIDIA GPUs), ``"deviceless-gpu"`` (compile-only),
@@ -115,13 +180,20 @@ def device_class(devices) -> str:
 
 
 def resolve_attention(
-    requested: str, *, chunk: int | None, where: str, dtype="bfloat16", context: int = 1
+    requested: str,
+    *,
+    chunk: int | None,
+    where: str,
+    dtype="bfloat16",
+    context: int = 1,
+    shared_memory: int | None = None,
 ) -> AttentionKernel:
     """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
     (one of :data:`DEVICE_CLASSES`) computing in ``dtype``, its sequences split over ``context`` devices,
-    into the kernel the step runs. cuDNN's flash attention takes 16-bit inputs only, so ``auto`` in float32
-    is ``chunked`` everywhere; with ``context > 1`` the flash kernel is Pallas's, whose blocks
-    :mod:`shardmem.parallel.context` merges by log-sum-exp (cuDNN's has no such form here)."""
+    into the kernel the step runs; a flash kernel's tiles fit ``shared_memory`` bytes per thread block
+    (:func:`shared_memory_per_block` of the devices). cuDNN's flash attention takes 16-bit inputs only, so
+    ``auto`` in float32 is ``chunked`` everywhere; with ``context > 1`` the flash kernel is Pallas's, whose
+    blocks :mod:`shardmem.parallel.context` merges by log-sum-exp (cuDNN's has no such form here)."""
     if requested not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attention={requested!r}: use {one_of(ATTENTION_CHOICES)}")
     if context > 1:
@@ -133,7 +205,8 @@ def resolve_attention(
         flash = where not in ("cpu", "tpu", "pre-ampere-gpu")
         if requested == "auto" and flash and jnp.dtype(dtype).itemsize <= 2:
             requested = "pallas"
-        kernel = resolve_attention(requested, chunk=chunk, where=where, dtype=dtype)
+        kernel = resolve_attention(requested, chunk=chunk, where=where, dtype=dtype,
+                                   shared_memory=shared_memory)  # fmt: skip
         return dataclasses.replace(kernel, context=context)
     wide = jnp.dtype(dtype).itemsize > 2
     if requested == "cudnn" and wide:
@@ -153,7 +226,7 @@ def resolve_attention(
         if where == "gpu":
             return AttentionKernel("cudnn")
         if where == "deviceless-gpu":
-            return AttentionKernel("pallas", stands_for="cudnn")
+            return AttentionKernel("pallas", stands_for="cudnn", shared_memory=shared_memory)
         if requested == "cudnn":
             raise ConfigError(
                 "model.attention=cudnn needs an NVIDIA GPU (attached, or a deviceless GPU target); on "
@@ -166,7 +239,7 @@ def resolve_attention(
             "model.attention=auto or chunked (query blocks, no L x L scores) or xla"
         )
     if requested == "pallas":
-        return AttentionKernel("pallas", interpret=where == "cpu")
+        return AttentionKernel("pallas", interpret=where == "cpu", shared_memory=shared_memory)
     if requested == "chunked":
         return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
     return AttentionKernel("xla")
@@ -181,7 +254,7 @@ def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
         fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
         return _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
     if kernel.name == "pallas":
-        return _pallas_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, interpret=kernel.interpret)
+        return _pallas_attention(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
     return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 
@@ -200,16 +273,17 @@ def _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
     return sharded(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 
-def _pallas_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, interpret: bool):
+def _pallas_attention(attention: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # Loads Triton support.
 
-    h, g, k = q_BxLxHxK.shape[2], k_BxLxGxK.shape[2], q_BxLxHxK.shape[3]
+    (_, length, h, k), g = q_BxLxHxK.shape, k_BxLxGxK.shape[2]
+    blocks = attention.flash_blocks(k, length, q_BxLxHxK.dtype.itemsize)
 
     def kernel(q, key, value):
         if g != h:  # The kernel has no grouped-query mode: each query head gets its KV head's copy.
             key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))
-        return pallas_attention.mha(q, key, value, None, sm_scale=k**-0.5, causal=True,
-                                    interpret=interpret)  # fmt: skip
+        return pallas_attention.mha(q, key, value, None, sm_scale=k**-0.5, causal=True, block_sizes=blocks,
+                                    interpret=attention.interpret)  # fmt: skip
 
     return _per_shard(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 

@@ -27,7 +27,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.finetune.lora import project, value_of, weight
-from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
+from shardmem.models.attention import (
+    AttentionKernel,
+    device_class,
+    resolve_attention,
+    shared_memory_per_block,
+)
 from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
 from shardmem.parallel import context
@@ -373,7 +378,8 @@ class Llama(nnx.Module):
     ):
         if attention is None:
             attention = resolve_attention(cfg.attention, chunk=cfg.attention_chunk,
-                                          where=device_class(jax.devices()), dtype=compute_dtype)  # fmt: skip
+                                          where=device_class(jax.devices()), dtype=compute_dtype,
+                                          shared_memory=shared_memory_per_block(jax.devices()))  # fmt: skip
         self.cfg = cfg
         self.attention = attention
         self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)

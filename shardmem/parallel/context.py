@@ -93,7 +93,7 @@ def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
         return attention.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
     length = q_BxLxHxK.shape[1]
     if kernel.name == "pallas":
-        return flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, interpret=kernel.interpret)
+        return flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, kernel=kernel)
     if kernel.name not in ("xla", "chunked"):
         raise ValueError(f"attention kernel {kernel.name!r} has no context-parallel form; use pallas")
     # The all-gather over context: keys and values whole along the sequence, still split by heads.
@@ -134,8 +134,9 @@ def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int):
 # --- Flash attention (Pallas) on a split sequence ------------------------------------------------
 
 
-def flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, interpret: bool = False):
-    """Causal flash attention (JAX's Pallas Triton ``mha``) on zigzag-ordered, sequence-sharded inputs:
+def flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, kernel):
+    """Causal flash attention (JAX's Pallas Triton ``mha``, tiled as ``kernel``, a ``pallas``
+    :class:`~shardmem.models.attention.AttentionKernel`, says) on zigzag-ordered, sequence-sharded inputs:
     one ``shard_map`` over the mesh, keys and values all-gathered over the ``seq`` axes inside it, blocks
     merged by log-sum-exp (see the module docstring)."""
     mesh, rules = _rules.active()
@@ -148,7 +149,7 @@ def flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, interpret: bool = False)
     n = math.prod(mesh.shape[a] for a in seq_axes)
 
     def local(q, key, value):
-        return _flash(q, key, value, seq_axes, n, k**-0.5, interpret)
+        return _flash(q, key, value, seq_axes, n, k**-0.5, kernel)
 
     sharded = _rules.shard_map(local, mesh, (q_spec, kv_spec, kv_spec), q_spec)
     return sharded(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
@@ -160,23 +161,30 @@ def _mha():
     return pallas_attention
 
 
-def _kernel(q, k, v, *, causal, scale, interpret):
+def _blocks(kernel, q_BxTxHxK):
+    """The kernel's tiles for one block of ``T`` positions (:meth:`AttentionKernel.flash_blocks`)."""
+    return kernel.flash_blocks(q_BxTxHxK.shape[3], q_BxTxHxK.shape[1], q_BxTxHxK.dtype.itemsize)
+
+
+def _kernel(q, k, v, *, causal, scale, kernel):
     """One block: the kernel's output and its base-2 log-sum-exp ``[B, H, T]``. The kernel has no
     grouped-query mode: each query head gets a copy of its key/value head, made per block (keys and values
     travel with their own G heads)."""
     mha = _mha()
     k, v = _repeat_heads(k, q.shape[2]), _repeat_heads(v, q.shape[2])
-    return mha.mha(q, k, v, None, sm_scale=scale, causal=causal, interpret=interpret, return_residuals=True)
+    return mha.mha(q, k, v, None, sm_scale=scale, causal=causal, block_sizes=_blocks(kernel, q),
+                   interpret=kernel.interpret, return_residuals=True)  # fmt: skip
 
 
-def _kernel_backward(q, k, v, out, lse, d_out, *, causal, scale, interpret):
+def _kernel_backward(q, k, v, out, lse, d_out, *, causal, scale, kernel):
     """One block's gradients given the *merged* output and log-sum-exp of all blocks (FlashAttention-2's
     backward needs only those, so block gradients add up to the whole attention's)."""
     mha = _mha()
     heads, kv_heads = q.shape[2], k.shape[2]
     k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
-    dq, dk, dv, _ = mha._mha_backward(scale, causal, mha.BlockSizes.get_default(), "triton", None, 2, None,
-                                      interpret, False, False, (q, k, v, None, out, lse), d_out)  # fmt: skip
+    blocks = _blocks(kernel, q)
+    dq, dk, dv, _ = mha._mha_backward(scale, causal, blocks, "triton", None, 2, None, kernel.interpret, False,
+                                      False, (q, k, v, None, out, lse), d_out)  # fmt: skip
     group = lambda d: d.astype(jnp.float32).reshape(*d.shape[:2], kv_heads, heads // kv_heads, -1).sum(3)  # noqa: E731
     return dq.astype(jnp.float32), group(dk), group(dv)
 
@@ -210,18 +218,18 @@ def _off_diagonal(t, device):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, axes, n, scale, interpret):
-    return _flash_forward(q, k, v, axes, n, scale, interpret)[0]
+def _flash(q, k, v, axes, n, scale, kernel):
+    return _flash_forward(q, k, v, axes, n, scale, kernel)[0]
 
 
-def _flash_forward(q, k, v, axes, n, scale, interpret):
+def _flash_forward(q, k, v, axes, n, scale, kernel):
     chunk = q.shape[1] // 2
     device = jax.lax.axis_index(axes)
-    kernel = functools.partial(_kernel, scale=scale, interpret=interpret)
+    block = functools.partial(_kernel, scale=scale, kernel=kernel)
     k_all, v_all = _gather(k, axes, n), _gather(v, axes, n)
     q_2xBxSxHxK = jnp.stack([q[:, :chunk], q[:, chunk:]])
     # The diagonal blocks: each local chunk against itself, causal (the kernel's top-left mask is right).
-    diagonal = [kernel(q_2xBxSxHxK[i], k[:, i * chunk : (i + 1) * chunk], v[:, i * chunk : (i + 1) * chunk],
+    diagonal = [block(q_2xBxSxHxK[i], k[:, i * chunk : (i + 1) * chunk], v[:, i * chunk : (i + 1) * chunk],
                        causal=True) for i in (0, 1)]  # fmt: skip
     out_2xBxSxHxK = jnp.stack([o.astype(jnp.float32) for o, _ in diagonal])
     lse_2xBxHxS = jnp.stack([lse for _, lse in diagonal])
@@ -230,7 +238,7 @@ def _flash_forward(q, k, v, axes, n, scale, interpret):
         out_2xBxSxHxK, lse_2xBxHxS = carry
         second, key_chunk = _off_diagonal(t, device)
         index = second.astype(jnp.int32)
-        out, lse = kernel(q_2xBxSxHxK[index], k_all[:, key_chunk], v_all[:, key_chunk], causal=False)
+        out, lse = block(q_2xBxSxHxK[index], k_all[:, key_chunk], v_all[:, key_chunk], causal=False)
         merged_out, merged_lse = _merge(out_2xBxSxHxK[index], lse_2xBxHxS[index], out, lse)
         return (out_2xBxSxHxK.at[index].set(merged_out), lse_2xBxHxS.at[index].set(merged_lse)), None
 
@@ -239,11 +247,11 @@ def _flash_forward(q, k, v, axes, n, scale, interpret):
     return out, (q, k, v, out, lse_2xBxHxS)
 
 
-def _flash_backward(axes, n, scale, interpret, residuals, d_out):
+def _flash_backward(axes, n, scale, kernel, residuals, d_out):
     q, k, v, out, lse_2xBxHxS = residuals
     chunk = q.shape[1] // 2
     device = jax.lax.axis_index(axes)
-    backward = functools.partial(_kernel_backward, scale=scale, interpret=interpret)
+    backward = functools.partial(_kernel_backward, scale=scale, kernel=kernel)
     k_all, v_all = _gather(k, axes, n), _gather(v, axes, n)
     split = lambda x: jnp.stack([x[:, :chunk], x[:, chunk:]])  # noqa: E731
     q_2, out_2, d_out_2 = split(q), split(out), split(d_out.astype(q.dtype))

@@ -33,7 +33,8 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
     "seq": ("context",),  # Context parallelism: each sequence split over the context axis.
     # The residual stream's sequence (layer inputs, norms, residual adds: outside the tensor-parallel
-    # matmuls); [context, tensor] is sequence parallelism. Unset, it follows rules.seq.
+    # matmuls); [context, tensor] is sequence parallelism (whose axes split the batch where they divide
+    # it: residual_spec). Unset, it follows rules.seq.
     "residual_seq": ("context",),
     "embed": ("fsdp", "context"),  # Weights are also split over the devices that share a sequence.
     "vocab": ("tensor",),
@@ -269,7 +270,8 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
 
 def constrain(x, logical_axes: Sequence[str | None]):
     """Constrains an activation's sharding by logical axis names; a no-op outside
-    :meth:`Rules.activate`."""
+    :meth:`Rules.activate`. The residual stream's tokens (``batch`` and ``residual_seq`` together) are
+    split as :func:`residual_spec` says."""
     active = _active.get()
     if active is None:
         return x
@@ -277,9 +279,42 @@ def constrain(x, logical_axes: Sequence[str | None]):
     manual = _manual_axes()
     if manual >= set(mesh.axis_names):  # Inside a shard_map's body manual over every axis: nothing to split.
         return x
+    spec = without_manual(residual_spec(rules, mesh, logical_axes, x.shape) or rules.spec(logical_axes))
     if manual:  # The rest, on the body's mesh, whose manual axes each device already holds its shard of.
         mesh = jax.sharding.get_abstract_mesh()
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, without_manual(rules.spec(logical_axes))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def residual_spec(rules: Rules, mesh: Mesh, logical_axes: Sequence[str | None], shape) -> P | None:
+    """The spec of a residual-stream activation (``logical_axes`` naming both ``batch`` and
+    ``residual_seq``) of ``shape`` under sequence parallelism, or None for the plain rules.
+
+    Sequence parallelism splits the residual stream's tokens (norms, residual adds: per token) over the
+    mesh axes that ``rules.residual_seq`` adds to ``rules.seq``; any split of the tokens will do. Split
+    along the sequence, as Megatron-LM's ``[s, b, h]`` activations are, a ``[b, s, h]`` array's gathers
+    and reduce-scatters around the tensor-parallel matmuls run along its second dimension, and XLA
+    transposes every one of them to and from a sequence-major layout (a read and a write of the
+    gathered activation each, four per layer and pass: BENCHMARKS.md, issue 38). So where those axes
+    divide the device's rows, they split the batch instead: each device holds whole sequences and the
+    collectives run along the outermost dimension. Where they do not (one row per device), the sequence;
+    and where the batch is split over axes that split the weights too (FSDP's), also the sequence: there
+    XLA partitioned the projections back onto such a split by gathering every device's rows rather than
+    the weights (torchtitan's Llama 3 70B, FSDP 32 x tensor 8: 8x the step).
+    """
+    if "batch" not in logical_axes or "residual_seq" not in logical_axes:
+        return None
+    seq = rules.mesh_axes("seq") or ()
+    extra = tuple(a for a in rules.mesh_axes("residual_seq") or () if a not in seq)
+    if not extra or set(rules.mesh_axes("batch") or ()) - set(rules.batch_only_axes()):
+        return None
+    index = list(logical_axes).index("batch")
+    entries = [rules.mesh_axes(name) for name in logical_axes]
+    entries[index] = (*(entries[index] or ()), *extra)
+    entries[list(logical_axes).index("residual_seq")] = seq or None
+    spec = _dedupe(entries)
+    local = without_manual(spec)  # Inside a shard_map body manual over the data axes: its own rows.
+    split = spec_axes(local[index]) if index < len(local) else ()
+    return spec if shape[index] % math.prod(mesh.shape[a] for a in split) == 0 else None
 
 
 def sequence_parallel() -> bool:

@@ -153,6 +153,11 @@ GPU_TARGETS: dict[str, GpuSpec] = {
     "h100-sxm": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84942979072,
                         3352320000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB,
                         nvls=True),
+    # H100 SXM5 with 96 GB of HBM2e at 2.4 TB/s (Meta's Grand Teton servers: torchtitan's
+    # benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md), otherwise the H100 SXM's row; its rates are
+    # the 700 W datasheet's, and a power limit below that (Grand Teton's default is 500 W) clocks lower.
+    "h100-sxm-96g": GpuSpec("NVIDIA H100 96GB HBM2e", (9, 0), 132, 128, 1.98, 96 * GiB, 2400 * GB,
+                            52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB, nvls=True),
     "h100-pcie": GpuSpec("NVIDIA H100 PCIe", (9, 0), 114, 128, 1.755, 84942979072,
                          2039040000000, 52428800, 233472, 232448, _HOPPER_PCIE, 64 * GB, 50 * GB, 64 * GB),
     "h100-nvl": GpuSpec("NVIDIA H100 NVL", (9, 0), 132, 128, 1.785, 94 * GiB,
