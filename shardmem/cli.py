@@ -170,12 +170,19 @@ def _plan(args) -> int:
     else:
         console().print(render(report, sharding=args.sharding))
     if args.html or args.png:
+        from shardmem._files import staged
         from shardmem.planning.timeline import timeline
 
         figure = timeline(report)
-        written = [str(figure.save_html(args.html)) if args.html else "",
-                   str(figure.save_png(args.png)) if args.png else ""]  # fmt: skip
-        print(f"wrote the memory timeline to {' and '.join(w for w in written if w)}", file=sys.stderr)
+        for path, flag, save in (
+            (args.html, "--html", figure.save_html),
+            (args.png, "--png", figure.save_png),
+        ):
+            if path:
+                with staged([path], flag) as (temporary,):  # Whole or not at all: the old file otherwise.
+                    save(temporary)
+        written = " and ".join(path for path in (args.html, args.png) if path)
+        print(f"wrote the memory timeline to {written}", file=sys.stderr)
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
 
 
@@ -241,36 +248,28 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     import jax
 
-    from shardmem.finetune.weights import export_safetensors
-    from shardmem.parallel.mesh import build_mesh
+    from shardmem._quiet import native_stderr_silenced
+    from shardmem.finetune.export import export_run
     from shardmem.planning.targets import ensure_cpu_devices
-    from shardmem.run.checkpoint import Checkpointer
-    from shardmem.step import build_program
 
     config = _load(args)
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         ensure_cpu_devices(config.mesh.device_count())
+    with native_stderr_silenced():
+        jax.devices()  # Start the backends now, without the CUDA stub's expected complaint (as train does).
     run_dir = args.run_dir or f"runs/{config.name}"
-    checkpoints = os.path.join(run_dir, "checkpoints")
-    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
-    step, state, _ = (None, None, None)
-    if os.path.isdir(checkpoints):
-        step, state, _ = Checkpointer(checkpoints, every=1, keep=1 << 30).restore_newest(
-            program.abstract_state
-        )
-    if step is None:
-        raise ConfigError(f"--run-dir {run_dir!r} has no checkpoint to export; train first (shardmem train "
-                          f"{args.config} --run-dir {run_dir})")  # fmt: skip
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[args.dtype]
-    file = export_safetensors(program, state, args.out, dtype=jax.numpy.dtype(dtype),
-                              adapters_only=args.adapters_only)  # fmt: skip
-    what = (
-        "the adapters"
-        if args.adapters_only
-        else "the weights" + (" (LoRA merged)" if program.finetune else "")
-    )
-    print(f"wrote {what} of step {step} to {file}", file=sys.stderr)
+    step, file = export_run(config, run_dir, args.out, dtype=jax.numpy.dtype(args.dtype),
+                            adapters_only=args.adapters_only, force=args.force)  # fmt: skip
+    lora = " (LoRA merged)" if config.finetune.lora else ""
+    what = "the adapters" if args.adapters_only else f"the weights{lora}"
+    also = [p.name for p in sorted(file.parent.iterdir()) if p.name in _EXPORT_COMPANIONS]
+    beside = f", with {', '.join(also)}" if also else ""
+    print(f"wrote {what} of step {step} to {file}{beside}", file=sys.stderr)
     return EXIT_OK
+
+
+#: The files an export writes beside its weights (shardmem.finetune.export).
+_EXPORT_COMPANIONS = ("config.json", "adapter_config.json")
 
 
 def cmd_launch(args) -> int:
@@ -312,12 +311,17 @@ def _add_train_commands(commands) -> None:
         help="write a run's trained weights as safetensors (LoRA merged, or the adapters alone)",
         description="Restores the newest checkpoint of RUN_DIR and writes OUT/model.safetensors: Hugging "
         "Face Llama names for the reference model (LoRA merged into its matrices, a quantized base "
-        "dequantized), a model of your own's parameter paths; with --adapters-only PEFT's "
-        "OUT/adapter_model.safetensors and adapter_config.json. Exit 2: config error or no checkpoint.",
+        "dequantized) with the config.json transformers loads it by, a model of your own's parameter paths; "
+        "with --adapters-only PEFT's OUT/adapter_model.safetensors and adapter_config.json. Each file is "
+        "complete or not there: an error, a full disk or Ctrl-C leaves OUT as it was. Exit 2: config "
+        "error, no checkpoint, a config other than the run's, an export already in OUT (--force replaces "
+        "it) or a value --dtype cannot hold; 130: interrupted.",
     )
     _config_args(p)
     p.add_argument("--run-dir", help="the run to export (default: runs/<config name>)")
-    p.add_argument("--out", required=True, metavar="FOLDER", help="where the files go (created)")
+    p.add_argument("--out", required=True, metavar="FOLDER",
+                   help="where the files go (created; never the run's finetune.init_from)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out")
     p.add_argument("--adapters-only", action="store_true", help="write the LoRA adapters alone (PEFT layout)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="the dtype of the tensors written (default: bfloat16)")  # fmt: skip
@@ -351,11 +355,9 @@ def _sweep(args) -> int:
     sweeping.check_options(config, args.target, jobs=args.jobs, measure=args.measure,
                            measure_steps=args.steps)  # fmt: skip
     sweeping.check_candidates(config, sweeping.candidates(grid))  # Before any output or compile.
-    out_dir = args.out or f"sweep-{config.name}"
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {e.strerror}") from None
+    from shardmem._files import make_folder
+
+    out_dir = str(make_folder(args.out or f"sweep-{config.name}", "--out"))
     _check_writable(os.path.join(out_dir, "sweep.csv"), "--out")  # Now, not after the sweep.
     errors = Console(stderr=True)
     started = time.monotonic()

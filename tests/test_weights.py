@@ -15,7 +15,7 @@ pytest.importorskip("safetensors")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from shardmem import ConfigError, build_mesh, build_program, config_from_dict  # noqa: E402
-from shardmem.finetune.weights import export_safetensors  # noqa: E402
+from shardmem.finetune.export import export_safetensors  # noqa: E402
 
 V, D, L, H, G, K, F = 256, 64, 2, 4, 2, 16, 96
 MODEL = {"vocab_size": V, "d_model": D, "n_layers": L, "n_heads": H, "n_kv_heads": G, "d_ff": F,
