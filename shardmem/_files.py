@@ -24,6 +24,18 @@ from pathlib import Path
 from shardmem.errors import ConfigError
 
 
+def check_writable(path: str | Path, flag: str) -> None:
+    """Raises ConfigError now, rather than after the work, when ``path`` cannot be written."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(_problem(flag, path, e, "write")) from None
+    if not existed:
+        os.remove(path)
+
+
 def make_folder(path: str | Path, flag: str) -> Path:
     """Returns ``path`` as a folder, created with its parents if need be; raises ConfigError for a path
     that is a file, is under a file or cannot be created."""

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 
 from rich.console import Console
 
+from shardmem._files import check_writable
 from shardmem._interrupt import ends_on_interrupt
 from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.planning.targets import TARGET_NAMES, is_target_name
@@ -84,18 +85,6 @@ def _load(args, *, planning_only: bool = False):
     return config
 
 
-def _check_writable(path: str, flag: str) -> None:
-    """Raises ConfigError now, rather than after the work, when ``path`` cannot be written."""
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{flag} {path!r}: cannot write there: {e.strerror}; choose another path") from None
-    if not existed:
-        os.remove(path)
-
-
 #: A plan still compiling after this long says so, and again every _PROGRESS_EVERY_S (libtpu's compile of a
 #: large model takes minutes, without a word).
 _PROGRESS_AFTER_S, _PROGRESS_EVERY_S = 20.0, 60.0
@@ -147,7 +136,7 @@ def _plan(args) -> int:
     at_least("--top", args.top, 0, "give the number of buffers to list, 0 or more")
     for path, flag in ((args.html, "--html"), (args.png, "--png")):
         if path:
-            _check_writable(path, flag)
+            check_writable(path, flag)
     config = _load(args, planning_only=True)
     target = args.target or config.memory.target
     try:
@@ -358,7 +347,7 @@ def _sweep(args) -> int:
     from shardmem._files import make_folder
 
     out_dir = str(make_folder(args.out or f"sweep-{config.name}", "--out"))
-    _check_writable(os.path.join(out_dir, "sweep.csv"), "--out")  # Now, not after the sweep.
+    check_writable(os.path.join(out_dir, "sweep.csv"), "--out")  # Now, not after the sweep.
     errors = Console(stderr=True)
     started = time.monotonic()
     if not errors.is_terminal:  # No live bar in a log or a pipe: say what runs, then a line per candidate.
@@ -424,7 +413,7 @@ def _tune(args, trials) -> int:
         _check_not_the_input(args.out, args.config)
     config = _load(args, planning_only=True)
     if args.out:
-        _check_writable(args.out, "--out")
+        check_writable(args.out, "--out")
     search = args.search or ("finetune" if config.finetune.active else "remat")
     default_compiles = {"layout": 40, "finetune": 16}.get(search, 12)
     max_compiles = args.max_compiles if args.max_compiles is not None else default_compiles

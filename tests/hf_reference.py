@@ -40,9 +40,12 @@ def random_tensors(config: dict, seed: int = 0) -> dict:
     """Random float32 weights under the model's Hugging Face names and ``[out, in]`` layout."""
     rng = np.random.default_rng(seed)
     w = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
-    d, k, heads, groups = config["hidden_size"], head_dim(config), config["num_attention_heads"], config[
-        "num_key_value_heads"
-    ]
+    d, k, heads, groups = (
+        config["hidden_size"],
+        head_dim(config),
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
     gemma = config["model_type"] == "gemma"
     norm = (lambda: w(d)) if gemma else (lambda: 1 + w(d))  # Gemma's scales multiply as 1 + weight.
     tensors = {"model.embed_tokens.weight": w(config["vocab_size"], d), "model.norm.weight": norm()}
@@ -50,8 +53,10 @@ def random_tensors(config: dict, seed: int = 0) -> dict:
         tensors["lm_head.weight"] = w(config["vocab_size"], d)
     for i in range(config["num_hidden_layers"]):
         p, f = f"model.layers.{i}.", config["intermediate_size"]
-        tensors |= {p + "self_attn.q_proj.weight": w(heads * k, d), p + "self_attn.k_proj.weight": w(groups * k, d),
-                    p + "self_attn.v_proj.weight": w(groups * k, d), p + "self_attn.o_proj.weight": w(d, heads * k),
+        tensors |= {p + "self_attn.q_proj.weight": w(heads * k, d),
+                    p + "self_attn.k_proj.weight": w(groups * k, d),
+                    p + "self_attn.v_proj.weight": w(groups * k, d),
+                    p + "self_attn.o_proj.weight": w(d, heads * k),
                     p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
                     p + "mlp.down_proj.weight": w(d, f), p + "input_layernorm.weight": norm(),
                     p + "post_attention_layernorm.weight": norm()}  # fmt: skip
@@ -61,9 +66,10 @@ def random_tensors(config: dict, seed: int = 0) -> dict:
     return tensors
 
 
-def save(folder, config: dict | None, tensors: dict, shards: int = 1) -> None:
+def save(folder, config: dict | None, tensors: dict, shards: int = 1, index: bool = True) -> None:
     """Writes the checkpoint as the Hub lays it out: ``model.safetensors``, or ``shards`` files with
-    ``model.safetensors.index.json``; and ``config.json`` (unless ``config`` is None)."""
+    ``model.safetensors.index.json`` (unless ``index`` is False); and ``config.json`` (unless ``config``
+    is None)."""
     folder.mkdir(parents=True, exist_ok=True)
     names = sorted(tensors)
     if shards == 1:
@@ -75,8 +81,12 @@ def save(folder, config: dict | None, tensors: dict, shards: int = 1) -> None:
             part = names[s * len(names) // shards : (s + 1) * len(names) // shards]
             save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
             weight_map |= {n: file for n in part}
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        listing = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": weight_map,
+        }
+        if index:
+            (folder / "model.safetensors.index.json").write_text(json.dumps(listing))
     if config is not None:
         (folder / "config.json").write_text(json.dumps(config))
 
@@ -170,7 +180,10 @@ def logits(config: dict, tensors: dict, tokens) -> np.ndarray:
         scores = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(k) + mask
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        x = x + (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, heads * k) @ t[p + "self_attn.o_proj.weight"].T
+        x = (
+            x
+            + (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, heads * k) @ t[p + "self_attn.o_proj.weight"].T
+        )
         h = norm(x, t[p + "post_attention_layernorm.weight"])
         gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
         x = x + (act(gate) * up) @ t[p + "mlp.down_proj.weight"].T

@@ -208,7 +208,7 @@ def _is_copy(checkpoint: SafetensorsCheckpoint, head: str, embedding: str) -> bo
     rows = max(1, (64 << 20) // max(1, math.prod(e.shape[1:]) * 4))
     with safe_open(str(h.file), "numpy") as fh, safe_open(str(e.file), "numpy") as fe:
         for start in range(0, e.shape[0], rows):
-            block = slice(start, start + rows)
+            block = slice(start, min(start + rows, e.shape[0]))  # safetensors slices do not clip.
             head_rows = fh.get_slice(head)[:, block].T if kernel else fh.get_slice(head)[block]
             if not np.array_equal(head_rows, fe.get_slice(embedding)[block]):
                 return False

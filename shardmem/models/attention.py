@@ -156,8 +156,8 @@ def resolve_attention(
                 "model.attention=auto or pallas (flash attention in blocks merged by log-sum-exp), or chunked"
             )
         flash = where not in ("cpu", "tpu", "pre-ampere-gpu")
-        if requested == "auto" and flash and jnp.dtype(dtype).itemsize <= 2 and not window:
-            requested = "pallas"
+        if requested == "auto" and flash and jnp.dtype(dtype).itemsize <= 2:
+            requested = "chunked" if window else "pallas"
         kernel = resolve_attention(requested, chunk=chunk, where=where, dtype=dtype)
         return dataclasses.replace(kernel, context=context)
     wide = jnp.dtype(dtype).itemsize > 2
