@@ -31,7 +31,8 @@ def test_a_full_disk_keeps_the_old_file_and_leaves_no_partial_one(small_disk):
     _fill(disk, leave=8192)
     with pytest.raises(ConfigError) as error:
         write_file(disk / "page.html", "x" * 100_000, "--html")
-    said = "the disk is full; nothing was written (what was there is as it was): free space or choose another place"
+    said = "the disk is full; nothing was written (what was there is as it was): free space or choose "
+    said += "another place"
     assert str(error.value) == f"--html {str(disk / 'page.html')!r}: {said}"
     assert sorted(p.name for p in disk.iterdir()) == ["filler", "page.html"]
     assert (disk / "page.html").read_text() == "old"
