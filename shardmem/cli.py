@@ -247,18 +247,13 @@ def cmd_export(args) -> int:
     with native_stderr_silenced():
         jax.devices()  # Start the backends now, without the CUDA stub's expected complaint (as train does).
     run_dir = args.run_dir or f"runs/{config.name}"
-    step, file = export_run(config, run_dir, args.out, dtype=jax.numpy.dtype(args.dtype),
-                            adapters_only=args.adapters_only, force=args.force)  # fmt: skip
+    step, files = export_run(config, run_dir, args.out, dtype=jax.numpy.dtype(args.dtype),
+                             adapters_only=args.adapters_only, force=args.force)  # fmt: skip
     lora = " (LoRA merged)" if config.finetune.lora else ""
     what = "the adapters" if args.adapters_only else f"the weights{lora}"
-    also = [p.name for p in sorted(file.parent.iterdir()) if p.name in _EXPORT_COMPANIONS]
-    beside = f", with {', '.join(also)}" if also else ""
-    print(f"wrote {what} of step {step} to {file}{beside}", file=sys.stderr)
+    beside = f", with {', '.join(f.name for f in files[1:])}" if files[1:] else ""
+    print(f"wrote {what} of step {step} to {files[0]}{beside}", file=sys.stderr)
     return EXIT_OK
-
-
-#: The files an export writes beside its weights (shardmem.finetune.export).
-_EXPORT_COMPANIONS = ("config.json", "adapter_config.json")
 
 
 def cmd_launch(args) -> int:

@@ -123,6 +123,7 @@ def test_fused_kernel_runs_per_shard_in_the_sharded_step():
 # --- A sliding window (model.sliding_window, Mistral's) ----------------------------------------------------
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("kernel", [AttentionKernel("xla"), AttentionKernel("chunked", chunk=16)])
 def test_a_window_attends_as_jax_local_window_and_its_gradients(kernel):
     """The reference is jax.nn.dot_product_attention's own window (the argument cuDNN's kernel gets):
@@ -142,6 +143,7 @@ def test_a_window_attends_as_jax_local_window_and_its_gradients(kernel):
         assert jnp.abs(a - b).max() < 1e-4
 
 
+@pytest.mark.newest
 def test_pallas_has_no_window_but_stands_in_for_cudnn_with_one():
     q, k, v = _qkv()
     with pytest.raises(ConfigError, match="JAX's Pallas flash kernel has no sliding window"):

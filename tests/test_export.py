@@ -99,6 +99,7 @@ def test_a_merged_export_is_a_folder_transformers_loads_with_the_runs_logits(run
     np.testing.assert_allclose(np.asarray(model(tokens).logits), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.newest
 def test_adapters_only_writes_peft_names_and_its_config(run, tmp_path, capsys):
     _, _, base, program, state = run
     assert _export(run, tmp_path / "adapters", "--adapters-only", "--dtype", "float32") == 0
@@ -142,6 +143,7 @@ def test_an_export_is_replaced_only_with_force_and_never_over_init_from(run, tmp
     assert {p.name: p.read_bytes() for p in base.iterdir()} == before
 
 
+@pytest.mark.newest
 def test_ctrl_c_mid_write_exits_130_and_leaves_the_earlier_export(run, tmp_path, capsys, monkeypatch):
     assert _export(run, tmp_path) == 0
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}

@@ -60,6 +60,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8}  # fmt: skip
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("model_type, options", [
     ("llama", {"rope_scaling": LLAMA3, "rope_theta": 500000.0}),   # Llama 3.1 / 3.2
     ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
@@ -94,6 +95,7 @@ def test_the_llama_1b_preset_has_llama_3_2s_rope_scaling(tmp_path):
     )
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("attention, axes, trains", [
     ({"attention": "xla"}, {"data": 1}, False),
     ({"attention": "chunked", "attention_chunk": 4}, {"data": 1}, True),  # Blocks slice their window's keys.

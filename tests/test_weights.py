@@ -417,6 +417,7 @@ def _one_line_error(call) -> str:
     return str(error.value)
 
 
+@pytest.mark.newest
 def test_an_index_names_the_files_and_a_stray_consolidated_file_is_not_read(tmp_path):
     # Mistral-7B-Instruct-v0.3's layout on the Hub: shards with an index, and consolidated.safetensors holding
     # the same weights under Mistral's own names, which the index does not list.
@@ -451,6 +452,7 @@ def test_an_integer_or_bool_tensor_is_no_weight(tmp_path, dtype):
         assert f"model.layers.1.mlp.up_proj.weight is stored as {code}, which no weight is" in message
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("content", [b"", b"garbage" * 50, "truncated"])
 def test_an_empty_truncated_or_garbage_file_is_a_one_line_error_naming_it(tmp_path, content):
     from shardmem.finetune.weights import check_init_from
@@ -513,6 +515,7 @@ def test_an_untied_head_under_tie_embeddings_is_an_error_and_a_copy_of_the_embed
     )
 
 
+@pytest.mark.newest
 def test_a_lora_run_loads_as_its_merged_model_from_a_relative_path(tmp_path, monkeypatch):
     import shutil
 

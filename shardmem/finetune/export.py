@@ -46,10 +46,11 @@ _CODES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jnp
 
 
 def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat16,
-               adapters_only: bool = False, force: bool = False) -> tuple[int, Path]:  # fmt: skip
+               adapters_only: bool = False, force: bool = False) -> tuple[int, list[Path]]:  # fmt: skip
     """Exports the newest checkpoint of the run in ``run_dir`` (see :func:`export_safetensors`) and
-    returns its step and the weights file. ``config`` must be the run's own: a model or fine-tune
-    setting that differs from its ``config.yaml`` (a LoRA ``alpha`` merges otherwise) is a ConfigError."""
+    returns its step and the files written, the weights first. ``config`` must be the run's own: a model
+    or fine-tune setting that differs from its ``config.yaml`` (a LoRA ``alpha`` merges otherwise) is a
+    ConfigError."""
     from shardmem.parallel.mesh import build_mesh
     from shardmem.run.checkpoint import Checkpointer
     from shardmem.step import build_program
@@ -65,8 +66,7 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
     if step is None:
         raise ConfigError(f"--run-dir {str(run_dir)!r} has no checkpoint to export; train first "
                           f"(shardmem train CONFIG --run-dir {run_dir})")  # fmt: skip
-    file = export_safetensors(program, state, out, dtype=dtype, adapters_only=adapters_only, force=force)
-    return step, file
+    return step, _export(program, state, out, dtype, adapters_only, force)
 
 
 def _same_as_the_run(config, run_dir: Path) -> None:
@@ -77,9 +77,8 @@ def _same_as_the_run(config, run_dir: Path) -> None:
     if not (run_dir / "config.yaml").is_file() or config.user_model:
         return
     saved = load_config(run_dir / "config.yaml")
-    pairs = [
-        (f"model.{k}", getattr(config.model, k), getattr(saved.model, k, None)) for k in ARCHITECTURE_KEYS
-    ]
+    size = lambda model, key: model.head_size if key == "head_dim" else getattr(model, key, None)  # noqa: E731
+    pairs = [(f"model.{k}", size(config.model, k), size(saved.model, k)) for k in ARCHITECTURE_KEYS]
     for key in ("freeze", "lora", "quantize", "base_dtype"):
         mine, theirs = getattr(config.finetune, key), getattr(saved.finetune, key)
         if dataclasses.is_dataclass(mine) and dataclasses.is_dataclass(theirs):
@@ -100,6 +99,11 @@ def export_safetensors(program, state, folder: str | Path, *, dtype=jnp.bfloat16
     ConfigError, writing nothing, for a folder that cannot be written or holds an export (without
     ``force``) or the run's ``init_from``, for ``float16`` entries beyond its range, and for adapters
     PEFT's files cannot hold."""
+    return _export(program, state, folder, dtype, adapters_only, force)[0]
+
+
+def _export(program, state, folder, dtype, adapters_only: bool, force: bool) -> list[Path]:
+    """Writes the export (see :func:`export_safetensors`); returns the files, the weights first."""
     np_dtype = np.dtype(dtype)
     if adapters_only:
         _check_adapters(program)
@@ -131,7 +135,7 @@ def export_safetensors(program, state, folder: str | Path, *, dtype=jnp.bfloat16
         _write(temporaries[0], header, tensors)
         for temporary, data in zip(temporaries[1:], extra.values(), strict=True):
             temporary.write_bytes(data)
-    return out / name
+    return files
 
 
 def _json(data) -> bytes:
@@ -147,7 +151,7 @@ def _out_folder(folder, names: list[str], force: bool, init_from) -> Path:
         if out == base.resolve() or (base.is_file() and out == base.resolve().parent):
             raise ConfigError(f"--out {str(folder)!r} holds finetune.init_from, the weights this run started "
                               "from, which the export would replace; export to another folder")  # fmt: skip
-    others = sorted(p.name for p in out.glob("*.safetensors*") if p.name not in names)
+    others = sorted(p.name for p in out.glob("*.safetensors*") if p.name not in names and p.name[0] != ".")
     if others:
         raise ConfigError(f"--out {str(folder)!r} holds another checkpoint's files (such as {others[0]}), "
                           "which would load beside the export; export to an empty folder")  # fmt: skip

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from shardmem.errors import ConfigError, one_of
+from shardmem.finetune.safetensors_files import safetensors_files
 
 #: config.json's model_type -> the transformers class its weights are written for.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -78,6 +78,8 @@ def pretrained_model(init_from: Any) -> Pretrained | None:
         if not isinstance(hf, dict):
             raise ConfigError(f"finetune.init_from: {file} holds no JSON object; download it again")
         return Pretrained(model_fields(hf, str(file)), str(file), hf)
+    if path.suffix == ".safetensors" or (path.is_dir() and any(safetensors_files(path))):
+        return None  # Weights without a config.json: the model section says what they are.
     run = run_folder(path)
     if run is None:
         return None
@@ -248,16 +250,3 @@ def _model_type(model) -> str | None:
     if model.qkv_bias:
         return "qwen2"
     return "mistral" if model.sliding_window is not None else "llama"
-
-
-def same_architecture(a, b) -> bool:
-    """Whether two model configs describe the same weights and forward pass (``seq_len`` and the
-    kernels aside)."""
-    return all(
-        (a.head_size == b.head_size)
-        if k == "head_dim"
-        else math.isclose(getattr(a, k), getattr(b, k))
-        if isinstance(getattr(a, k), float)
-        else getattr(a, k) == getattr(b, k)
-        for k in ARCHITECTURE_KEYS
-    )

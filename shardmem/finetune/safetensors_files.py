@@ -56,7 +56,7 @@ class SafetensorsCheckpoint:
             files = sorted(set(listed.values()))
         else:
             index_file = None
-            files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
+            files = safetensors_files(folder) if folder.is_dir() else [folder]
             listed = None
         if not files or not files[0].exists():
             raise ConfigError(f"finetune.init_from={where!r}: no .safetensors file there; give a file or a "
@@ -84,6 +84,11 @@ class SafetensorsCheckpoint:
     def entry_bytes(self) -> int:
         """Returns the widest entry among the checkpoint's tensors (4 for integer ones' sake)."""
         return max((FLOAT_DTYPES.get(t.dtype, 4) for t in self.tensors.values()), default=4)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's ``.safetensors`` files, not hidden ones (an interrupted export's temporaries)."""
+    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
 
 
 def _index(file: Path, where: str) -> dict[str, Path]:

@@ -32,7 +32,7 @@ import numpy as np
 
 from shardmem.errors import ConfigError, did_you_mean
 from shardmem.finetune.lora import weight
-from shardmem.finetune.safetensors_files import FLOAT_DTYPES, SafetensorsCheckpoint
+from shardmem.finetune.safetensors_files import FLOAT_DTYPES, SafetensorsCheckpoint, safetensors_files
 from shardmem.finetune.spec import _flat, _name, _put
 
 # Reference parameter (after the layers axis) -> Hugging Face name, and whether it is an [out, in] matrix.
@@ -252,7 +252,7 @@ def load_weights(path: str | Path, program) -> dict:
 
 
 def _is_orbax_run(where: Path) -> bool:
-    return where.is_dir() and not list(where.glob("*.safetensors")) and _orbax_item(where) is not None
+    return where.is_dir() and not safetensors_files(where) and _orbax_item(where) is not None
 
 
 def _orbax_item(where: Path) -> Path | None:
