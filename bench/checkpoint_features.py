@@ -153,9 +153,7 @@ def reload(out: Path) -> None:
 
     expected = np.load(out / "lora_logits.npy")
     tokens = torch.tensor(TOKENS)
-    merged = transformers.AutoModelForCausalLM.from_pretrained(
-        out / "exported-merged", dtype=torch.float32
-    )
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "exported-merged", dtype=torch.float32)
     with torch.no_grad():
         got = merged(tokens).logits.numpy()
     print(f"merged export in transformers: max error {np.abs(got - expected).max():.2e} (|logit| <= "
