@@ -629,7 +629,8 @@ def _build(cls, data: Any, key: str):
         if name in data:
             values[name] = _convert(hints[name], data[name], _join(key, name))
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            hint = f"; or give model.preset ({one_of(PRESETS)})" if key == "model" else ""
+            hint = (f"; or give model.preset ({one_of(PRESETS)}), or point finetune.init_from at a Hugging "
+                    "Face folder, whose config.json gives it" if key == "model" else "")  # fmt: skip
             raise ConfigError(f"{_join(key, name)} is required{hint}")
     return cls(**values)
 
