@@ -148,6 +148,8 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
      "rope_scaling short_factor"),
     ({"quantization_config": {"quant_method": "gptq"}}, "gptq-quantized"),
     ({"hidden_act": "gelu"}, "the activation 'gelu'"),
+    ({"model_type": "gemma", "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"},
+     "hidden_act 'gelu' and hidden_activation 'gelu_pytorch_tanh'"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
      "a sliding window on 1 of its 2 layers"),
 ])  # fmt: skip

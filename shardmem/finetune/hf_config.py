@@ -126,7 +126,13 @@ def model_fields(hf: dict, where: str) -> dict:
             refuse(f"{key}: true")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         refuse(f"partial_rotary_factor {hf['partial_rotary_factor']}")
-    activation = hf.get("hidden_activation") or get("hidden_act")  # Gemma: the first overrides the second.
+    activation = hf.get("hidden_activation") or get("hidden_act")
+    said = {_ACTIVATIONS.get(a, a) for a in (hf.get("hidden_activation"), hf.get("hidden_act")) if a}
+    if len(said) > 1:  # transformers' PyTorch Gemma runs hidden_act; its Flax Gemma, hidden_activation.
+        refuse(
+            f"hidden_act {hf['hidden_act']!r} and hidden_activation {hf['hidden_activation']!r}, which "
+            "transformers' own models read differently (set both to the one the model was trained with)"
+        )
     if activation not in _ACTIVATIONS:
         refuse(f"the activation {activation!r} (the reference model's: {one_of(_ACTIVATIONS)})")
     heads = hf["num_attention_heads"]
