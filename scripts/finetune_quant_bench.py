@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from shardmem import build_mesh, build_program, config_from_dict
-from shardmem.finetune.weights import export_safetensors
+from shardmem.finetune.export import export_safetensors
 from shardmem.run.data import batch_stream
 
 PRETRAIN, STEPS = (int(a) for a in (sys.argv[1:] + ["150", "200"])[:2])

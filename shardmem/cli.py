@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 
 from rich.console import Console
 
+from shardmem._files import check_writable
 from shardmem._interrupt import ends_on_interrupt
 from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.planning.targets import TARGET_NAMES, is_target_name
@@ -84,18 +85,6 @@ def _load(args, *, planning_only: bool = False):
     return config
 
 
-def _check_writable(path: str, flag: str) -> None:
-    """Raises ConfigError now, rather than after the work, when ``path`` cannot be written."""
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{flag} {path!r}: cannot write there: {e.strerror}; choose another path") from None
-    if not existed:
-        os.remove(path)
-
-
 #: A plan still compiling after this long says so, and again every _PROGRESS_EVERY_S (libtpu's compile of a
 #: large model takes minutes, without a word).
 _PROGRESS_AFTER_S, _PROGRESS_EVERY_S = 20.0, 60.0
@@ -147,7 +136,7 @@ def _plan(args) -> int:
     at_least("--top", args.top, 0, "give the number of buffers to list, 0 or more")
     for path, flag in ((args.html, "--html"), (args.png, "--png")):
         if path:
-            _check_writable(path, flag)
+            check_writable(path, flag)
     config = _load(args, planning_only=True)
     target = args.target or config.memory.target
     try:
@@ -170,12 +159,19 @@ def _plan(args) -> int:
     else:
         console().print(render(report, sharding=args.sharding))
     if args.html or args.png:
+        from shardmem._files import staged
         from shardmem.planning.timeline import timeline
 
         figure = timeline(report)
-        written = [str(figure.save_html(args.html)) if args.html else "",
-                   str(figure.save_png(args.png)) if args.png else ""]  # fmt: skip
-        print(f"wrote the memory timeline to {' and '.join(w for w in written if w)}", file=sys.stderr)
+        for path, flag, save in (
+            (args.html, "--html", figure.save_html),
+            (args.png, "--png", figure.save_png),
+        ):
+            if path:
+                with staged([path], flag) as (temporary,):  # Whole or not at all: the old file otherwise.
+                    save(temporary)
+        written = " and ".join(path for path in (args.html, args.png) if path)
+        print(f"wrote the memory timeline to {written}", file=sys.stderr)
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
 
 
@@ -241,35 +237,22 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     import jax
 
-    from shardmem.finetune.weights import export_safetensors
-    from shardmem.parallel.mesh import build_mesh
+    from shardmem._quiet import native_stderr_silenced
+    from shardmem.finetune.export import export_run
     from shardmem.planning.targets import ensure_cpu_devices
-    from shardmem.run.checkpoint import Checkpointer
-    from shardmem.step import build_program
 
     config = _load(args)
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         ensure_cpu_devices(config.mesh.device_count())
+    with native_stderr_silenced():
+        jax.devices()  # Start the backends now, without the CUDA stub's expected complaint (as train does).
     run_dir = args.run_dir or f"runs/{config.name}"
-    checkpoints = os.path.join(run_dir, "checkpoints")
-    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
-    step, state, _ = (None, None, None)
-    if os.path.isdir(checkpoints):
-        step, state, _ = Checkpointer(checkpoints, every=1, keep=1 << 30).restore_newest(
-            program.abstract_state
-        )
-    if step is None:
-        raise ConfigError(f"--run-dir {run_dir!r} has no checkpoint to export; train first (shardmem train "
-                          f"{args.config} --run-dir {run_dir})")  # fmt: skip
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[args.dtype]
-    file = export_safetensors(program, state, args.out, dtype=jax.numpy.dtype(dtype),
-                              adapters_only=args.adapters_only)  # fmt: skip
-    what = (
-        "the adapters"
-        if args.adapters_only
-        else "the weights" + (" (LoRA merged)" if program.finetune else "")
-    )
-    print(f"wrote {what} of step {step} to {file}", file=sys.stderr)
+    step, files = export_run(config, run_dir, args.out, dtype=jax.numpy.dtype(args.dtype),
+                             adapters_only=args.adapters_only, force=args.force)  # fmt: skip
+    lora = " (LoRA merged)" if config.finetune.lora else ""
+    what = "the adapters" if args.adapters_only else f"the weights{lora}"
+    beside = f", with {', '.join(f.name for f in files[1:])}" if files[1:] else ""
+    print(f"wrote {what} of step {step} to {files[0]}{beside}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -312,12 +295,17 @@ def _add_train_commands(commands) -> None:
         help="write a run's trained weights as safetensors (LoRA merged, or the adapters alone)",
         description="Restores the newest checkpoint of RUN_DIR and writes OUT/model.safetensors: Hugging "
         "Face Llama names for the reference model (LoRA merged into its matrices, a quantized base "
-        "dequantized), a model of your own's parameter paths; with --adapters-only PEFT's "
-        "OUT/adapter_model.safetensors and adapter_config.json. Exit 2: config error or no checkpoint.",
+        "dequantized) with the config.json transformers loads it by, a model of your own's parameter paths; "
+        "with --adapters-only PEFT's OUT/adapter_model.safetensors and adapter_config.json. Each file is "
+        "complete or not there: an error, a full disk or Ctrl-C leaves OUT as it was. Exit 2: config "
+        "error, no checkpoint, a config other than the run's, an export already in OUT (--force replaces "
+        "it) or a value --dtype cannot hold; 130: interrupted.",
     )
     _config_args(p)
     p.add_argument("--run-dir", help="the run to export (default: runs/<config name>)")
-    p.add_argument("--out", required=True, metavar="FOLDER", help="where the files go (created)")
+    p.add_argument("--out", required=True, metavar="FOLDER",
+                   help="where the files go (created; never the run's finetune.init_from)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out")
     p.add_argument("--adapters-only", action="store_true", help="write the LoRA adapters alone (PEFT layout)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="the dtype of the tensors written (default: bfloat16)")  # fmt: skip
@@ -351,12 +339,10 @@ def _sweep(args) -> int:
     sweeping.check_options(config, args.target, jobs=args.jobs, measure=args.measure,
                            measure_steps=args.steps)  # fmt: skip
     sweeping.check_candidates(config, sweeping.candidates(grid))  # Before any output or compile.
-    out_dir = args.out or f"sweep-{config.name}"
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {e.strerror}") from None
-    _check_writable(os.path.join(out_dir, "sweep.csv"), "--out")  # Now, not after the sweep.
+    from shardmem._files import make_folder
+
+    out_dir = str(make_folder(args.out or f"sweep-{config.name}", "--out"))
+    check_writable(os.path.join(out_dir, "sweep.csv"), "--out")  # Now, not after the sweep.
     errors = Console(stderr=True)
     started = time.monotonic()
     if not errors.is_terminal:  # No live bar in a log or a pipe: say what runs, then a line per candidate.
@@ -422,7 +408,7 @@ def _tune(args, trials) -> int:
         _check_not_the_input(args.out, args.config)
     config = _load(args, planning_only=True)
     if args.out:
-        _check_writable(args.out, "--out")
+        check_writable(args.out, "--out")
     search = args.search or ("finetune" if config.finetune.active else "remat")
     default_compiles = {"layout": 40, "finetune": 16}.get(search, 12)
     max_compiles = args.max_compiles if args.max_compiles is not None else default_compiles

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 import yaml
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
+from shardmem.finetune.hf_config import disagreements, pretrained_model
 from shardmem.finetune.quant import FORMATS
 from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.llama import CHECKPOINT_TAGS, MLP_ACTIVATIONS, PRESETS, ModelConfig
@@ -584,10 +585,30 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
         if preset is not None:
             base = dataclasses.asdict(ModelConfig.preset(str(preset)))
             model = {**base, **model}
-        raw["model"] = _build(ModelConfig, model, "model")
+        raw["model"] = _pretrained_model(model, raw.get("finetune"))
     config = _build(Config, raw, "")
     _validate(config)
     return config
+
+
+def _pretrained_model(model: dict, finetune: Any) -> ModelConfig:
+    """The model section, its architecture taken from ``finetune.init_from`` where that says what it is
+    (a Hugging Face folder's config.json, a shardmem run's config.yaml): the keys the section leaves out
+    come from there, and one it writes (or its preset does) must agree
+    (:mod:`shardmem.finetune.hf_config`)."""
+    source = pretrained_model(finetune.get("init_from") if isinstance(finetune, Mapping) else None)
+    if source is None:
+        return _build(ModelConfig, model, "model")
+    if "seq_len" not in model:
+        longest = (source.hf or {}).get("max_position_embeddings")
+        said = f" ({source.where} says max_position_embeddings={longest})" if longest else ""
+        raise ConfigError(f"model.seq_len is required: the length of the sequences you train on{said}; the "
+                          "rest of the model section comes from finetune.init_from")  # fmt: skip
+    written = _build(ModelConfig, {**source.fields, **model}, "model")
+    disagreements(
+        written, _build(ModelConfig, {**model, **source.fields}, "model"), source.fields, source.where
+    )
+    return written
 
 
 def _build(cls, data: Any, key: str):
@@ -608,7 +629,8 @@ def _build(cls, data: Any, key: str):
         if name in data:
             values[name] = _convert(hints[name], data[name], _join(key, name))
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            hint = f"; or give model.preset ({one_of(PRESETS)})" if key == "model" else ""
+            hint = (f"; or give model.preset ({one_of(PRESETS)}), or point finetune.init_from at a Hugging "
+                    "Face folder, whose config.json gives it" if key == "model" else "")  # fmt: skip
             raise ConfigError(f"{_join(key, name)} is required{hint}")
     return cls(**values)
 
@@ -882,6 +904,10 @@ def _validate_model(m: ModelConfig) -> None:
         _positive("model.head_dim", m.head_dim)
     _positive("model.rope_theta", m.rope_theta)
     _positive("model.norm_eps", m.norm_eps)
+    if m.rope_scaling is not None:
+        m.rope_scaling.validate()
+    if m.sliding_window is not None:
+        _positive("model.sliding_window", m.sliding_window)
     if m.n_heads % m.n_kv_heads:
         divisors = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]
         raise ConfigError(

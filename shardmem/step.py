@@ -266,12 +266,14 @@ def build_program(
     pipeline = pipeline_for(config, mesh, custom, rules)
     if attention is None and not custom:
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
-                                      where=device_class(mesh.devices.flat),
-                                      dtype=config.precision.compute, context=context,
+                                      where=device_class(mesh.devices.flat), dtype=config.precision.compute,
+                                      context=context, window=config.model.sliding_window is not None,
                                       shared_memory=shared_memory_per_block(mesh.devices.flat))  # fmt: skip
     if attention is not None and not custom:
-        attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
+        length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
+        attention.check_length(length)
         attention.check_head_dim(config.model.head_size)
+        attention.check_window(config.model.sliding_window, length)
     if not custom and config.remat.tags:
         raise ConfigError(
             f"remat.tags={config.remat.tags} lists the checkpoint_name tags of a model of your own, but the "

@@ -219,3 +219,56 @@ def test_a_plan_tiles_the_flash_kernel_for_its_target():
     devices = resolve_target("a100-80g", n_devices=1).devices
     program = build_program(config, build_mesh(config.mesh.axes, devices))
     assert program.attention == AttentionKernel("pallas", stands_for="cudnn", shared_memory=166912)
+
+
+# --- A sliding window (model.sliding_window, Mistral's) ----------------------------------------------------
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("kernel", [AttentionKernel("xla"), AttentionKernel("chunked", chunk=16)])
+def test_a_window_attends_as_jax_local_window_and_its_gradients(kernel):
+    """The reference is jax.nn.dot_product_attention's own window (the argument cuDNN's kernel gets):
+    (window - 1) positions before the query and the query itself, transformers' mask."""
+    q, k, v = _qkv()
+    window = 10
+
+    def reference(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
+                                            local_window_size=(window - 1, 0))  # fmt: skip
+
+    out = attend(kernel, q, k, v, window=window)
+    assert jnp.abs(out - reference(q, k, v)).max() < 1e-5
+    assert jnp.abs(attend(kernel, q, k, v) - out).max() > 0.1  # The window changes the output.
+    ours = _grads(lambda *a: attend(kernel, *a, window=window), q, k, v)
+    for a, b in zip(ours, _grads(reference, q, k, v), strict=True):
+        assert jnp.abs(a - b).max() < 1e-4
+
+
+@pytest.mark.newest
+def test_pallas_has_no_window_but_stands_in_for_cudnn_with_one():
+    q, k, v = _qkv()
+    with pytest.raises(ConfigError, match="JAX's Pallas flash kernel has no sliding window"):
+        attend(AttentionKernel("pallas", interpret=True), q, k, v, window=10)
+    attend(AttentionKernel("pallas", interpret=True), q, k, v, window=64)  # A window as long masks nothing.
+    stand_in = resolve_attention("auto", chunk=None, where="deviceless-gpu")
+    stand_in.check_window(10, 64)  # A deviceless plan's: it never runs.
+    assert "sliding window of 10 not in the stand-in" in stand_in.describe(window=10)
+    # With a context axis the flash kernel would be Pallas's: auto is chunked instead.
+    assert resolve_attention("auto", chunk=None, where="gpu", context=2, window=True).name == "chunked"
+
+
+def test_a_window_shrinks_the_planned_scores_of_chunked_attention():
+    import shardmem
+
+    def peak(window):
+        config = config_from_dict({"model": {"preset": "tiny", "n_layers": 1, "seq_len": 1024,
+                                             "attention": "chunked", "attention_chunk": 128,
+                                             "sliding_window": window},
+                                   "mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8}})  # fmt: skip
+        report = shardmem.plan(config, "cpu", count_remat_overhead=False)
+        return report.per_device["peak"], report.attention
+
+    (full, _), (windowed, said) = peak(None), peak(128)
+    # Each 128-query block scores 128 + 127 keys rather than 1,024: fp32 scores of 4 heads, a quarter.
+    assert windowed < full - 3 * 4 * 128 * (1024 - 255) * 4 // 2
+    assert said == "chunked (blocks of 128 queries); sliding window of 128"

@@ -149,6 +149,8 @@ def test_project_equals_the_materialized_adapted_weight():
      ["'lm_head' matches no parameter of those", "layers/w"]),
     ("finetune.quantize.group", {"freeze": ["layers/*"], "quantize": {"group": 40}}, ["does not divide"]),
     ("finetune.freeze", {"freeze": ["*"]}, ["nothing to train"]),
+    ("finetune.lora.rank=1000", {"lora": {"rank": 1000, "targets": ["layers/wq"]}},
+     ["larger than layers/wq's smaller side (64, of its [4, 64, 4, 16])", "use a rank of at most 64"]),
     ("mesh.axes.stage=2", {"lora": {"targets": ["layers/wq"]}}, ["set mesh.axes.stage=1"]),
 ])  # fmt: skip
 def test_bad_patterns_are_one_line_config_errors(key, finetune, words):

@@ -106,6 +106,19 @@ def test_write_outputs(tiny_rows, tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_write_outputs_on_a_full_disk_writes_none_and_keeps_an_earlier_sweep(tiny_rows, small_disk):
+    from test_files import _fill
+
+    disk = small_disk("512k")
+    first = write_outputs(tiny_rows[:1], disk, title="tiny")
+    before = {name: path.read_bytes() for name, path in first.items()}
+    _fill(disk, leave=4096)
+    with pytest.raises(ConfigError, match=r"^--out .*: the disk is full; nothing was written"):
+        write_outputs(tiny_rows, disk, title="tiny")
+    assert {name: path.read_bytes() for name, path in first.items()} == before
+    assert sorted(p.name for p in disk.iterdir()) == ["filler", "sweep.csv", "sweep.json", "sweep.png"]
+
+
 def test_plot_labels_keep_values_with_dots_and_spaces():
     rows = [
         SweepRow(("optimizer.learning_rate=3.0e-4", "remat.policy=full"), peak_bytes=2**30,

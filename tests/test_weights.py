@@ -12,75 +12,28 @@ import pytest
 from flax import nnx
 
 pytest.importorskip("safetensors")
+import hf_reference as hf  # noqa: E402
+from hf_reference import D, F, G, H, K, L, V  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from shardmem import ConfigError, build_mesh, build_program, config_from_dict  # noqa: E402
-from shardmem.finetune.weights import export_safetensors  # noqa: E402
+from shardmem.finetune.export import export_safetensors  # noqa: E402
 
-V, D, L, H, G, K, F = 256, 64, 2, 4, 2, 16, 96
 MODEL = {"vocab_size": V, "d_model": D, "n_layers": L, "n_heads": H, "n_kv_heads": G, "d_ff": F,
          "seq_len": 16, "norm_eps": 1e-6, "rope_theta": 10000.0}  # fmt: skip
+LLAMA = hf.hf_config("llama")
 
 
 def _hf_checkpoint(folder, seed=0):
-    """Random weights under Hugging Face LlamaForCausalLM's names and [out, in] layout, in two files."""
-    rng = np.random.default_rng(seed)
-    w = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
-    tensors = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": 1 + w(D), "lm_head.weight": w(V, D)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": w(H * K, D), p + "self_attn.k_proj.weight": w(G * K, D),
-                    p + "self_attn.v_proj.weight": w(G * K, D), p + "self_attn.o_proj.weight": w(D, H * K),
-                    p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
-                    p + "mlp.down_proj.weight": w(D, F), p + "input_layernorm.weight": 1 + w(D),
-                    p + "post_attention_layernorm.weight": 1 + w(D)}  # fmt: skip
-    names = sorted(tensors)
-    folder.mkdir(exist_ok=True)
-    save_file(
-        {n: tensors[n] for n in names[: len(names) // 2]}, str(folder / "model-00001-of-00002.safetensors")
-    )
-    save_file(
-        {n: tensors[n] for n in names[len(names) // 2 :]}, str(folder / "model-00002-of-00002.safetensors")
-    )
+    """Random weights under Hugging Face LlamaForCausalLM's names and [out, in] layout, in two files with no
+    index and no config.json (the model section says what they are)."""
+    tensors = hf.random_tensors(LLAMA, seed)
+    hf.save(folder, None, tensors, shards=2, index=False)
     return tensors
 
 
 def _hf_llama_logits(t, tokens):
-    """Hugging Face's LlamaForCausalLM forward pass (modeling_llama.py), in numpy float64."""
-    t = {k: v.astype(np.float64) for k, v in t.items()}
-
-    def norm(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
-
-    def rotate_half(x):
-        x1, x2 = np.split(x, 2, axis=-1)
-        return np.concatenate([-x2, x1], axis=-1)
-
-    B, S = tokens.shape
-    inv_freq = 1.0 / 10000.0 ** (np.arange(0, K, 2) / K)
-    freqs = np.outer(np.arange(S), inv_freq)
-    emb = np.concatenate([freqs, freqs], -1)
-    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
-    x = t["model.embed_tokens.weight"][tokens]
-    mask = np.triu(np.full((S, S), -np.inf), 1)
-    for i in range(L):
-        p = f"model.layers.{i}."
-        h = norm(x, t[p + "input_layernorm.weight"])
-        q, k, v = (h @ t[p + f"self_attn.{n}_proj.weight"].T + t.get(p + f"self_attn.{n}_proj.bias", 0)
-                   for n in "qkv")  # Qwen2's biases, where the checkpoint has them.  # fmt: skip
-        q = q.reshape(B, S, H, K).transpose(0, 2, 1, 3)
-        k, v = (x.reshape(B, S, G, K).transpose(0, 2, 1, 3) for x in (k, v))
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        k, v = np.repeat(k, H // G, axis=1), np.repeat(v, H // G, axis=1)
-        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(K) + mask
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        attn = (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, H * K)
-        x = x + attn @ t[p + "self_attn.o_proj.weight"].T
-        h = norm(x, t[p + "post_attention_layernorm.weight"])
-        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
-    return norm(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
+    return hf.logits(LLAMA, t, tokens)
 
 
 def _program(folder, axes, finetune=None):
@@ -211,81 +164,26 @@ def test_train_starts_from_the_checkpoint_and_export_writes_the_adapters(checkpo
     assert cli.main(["export", str(path), "--run-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
 
 
-def test_the_plan_says_the_host_memory_a_load_holds(checkpoint):
+def test_the_plan_says_the_host_memory_a_load_holds_and_plans_before_the_download(tmp_path):
     from shardmem.planning import memory
 
-    folder, _ = checkpoint
-    program = _program(folder, {"fsdp": 8})
+    program = _program(tmp_path / "not-downloaded-yet", {"fsdp": 8})  # A plan may come before the download.
     report, _ = memory.plan_program(program, memory.make_target(program.config, "cpu"))
     # The largest block one device reads: the embedding's [256, 64 / 8], float32 as read and as kept.
     assert report.load_host_bytes == 256 * 8 * (4 + 4)
+    unchecked = f"finetune.init_from={str(tmp_path / 'not-downloaded-yet')!r} is not there yet, so the plan"
+    assert any(w.startswith(unchecked) for w in report.warnings)
 
 
 GEMMA = {**MODEL, "head_dim": 32, "tie_embeddings": True, "norm_offset": 1.0, "scale_embeddings": True,
          "mlp_activation": "gelu_tanh"}  # fmt: skip
 
 
-def _hf_gemma_checkpoint(folder, seed=2):
-    """Random weights under Hugging Face GemmaForCausalLM's names: Llama's, tied, head_dim != D / H."""
-    rng = np.random.default_rng(seed)
-    w = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
-    k = GEMMA["head_dim"]
-    tensors = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": w(D)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": w(H * k, D), p + "self_attn.k_proj.weight": w(G * k, D),
-                    p + "self_attn.v_proj.weight": w(G * k, D), p + "self_attn.o_proj.weight": w(D, H * k),
-                    p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
-                    p + "mlp.down_proj.weight": w(D, F), p + "input_layernorm.weight": w(D),
-                    p + "post_attention_layernorm.weight": w(D)}  # fmt: skip
-    folder.mkdir(exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"))
-    return tensors
-
-
-def _hf_gemma_logits(t, tokens):
-    """Hugging Face's GemmaForCausalLM forward pass (modeling_gemma.py), in numpy float64."""
-    t = {k: v.astype(np.float64) for k, v in t.items()}
-    k = GEMMA["head_dim"]
-
-    def norm(x, w):  # Gemma's RMSNorm: x / rms(x) * (1 + w)
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * (1 + w)
-
-    def gelu_tanh(x):
-        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
-
-    def rotate_half(x):
-        x1, x2 = np.split(x, 2, axis=-1)
-        return np.concatenate([-x2, x1], axis=-1)
-
-    B, S = tokens.shape
-    freqs = np.outer(np.arange(S), 1.0 / 10000.0 ** (np.arange(0, k, 2) / k))
-    emb = np.concatenate([freqs, freqs], -1)
-    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
-    x = t["model.embed_tokens.weight"][tokens] * np.sqrt(D)
-    mask = np.triu(np.full((S, S), -np.inf), 1)
-    for i in range(L):
-        p = f"model.layers.{i}."
-        h = norm(x, t[p + "input_layernorm.weight"])
-        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(B, S, H, k).transpose(0, 2, 1, 3)
-        kk = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(B, S, G, k).transpose(0, 2, 1, 3)
-        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(B, S, G, k).transpose(0, 2, 1, 3)
-        q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
-        kk, v = np.repeat(kk, H // G, axis=1), np.repeat(v, H // G, axis=1)
-        scores = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(k) + mask
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        x = x + (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, H * k) @ t[p + "self_attn.o_proj.weight"].T
-        h = norm(x, t[p + "post_attention_layernorm.weight"])
-        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
-        x = x + (gelu_tanh(gate) * up) @ t[p + "mlp.down_proj.weight"].T
-    return norm(x, t["model.norm.weight"]) @ t["model.embed_tokens.weight"].T
-
-
 @pytest.mark.parametrize("axes", [{"data": 1}, {"fsdp": 8}])
 def test_a_hugging_face_gemma_checkpoint_loads_with_the_same_logits(tmp_path_factory, axes):
     folder = tmp_path_factory.mktemp("gemma")
-    tensors = _hf_gemma_checkpoint(folder)
+    tensors = hf.random_tensors(hf.hf_config("gemma"), seed=2)
+    hf.save(folder, None, tensors)  # No config.json: the model section says Gemma's options.
     config = config_from_dict({"model": GEMMA, "mesh": {"axes": axes}, "precision": {"compute": "float32"},
                                "train": {"global_batch": 8},
                                "finetune": {"init_from": str(folder)}})  # fmt: skip
@@ -293,7 +191,7 @@ def test_a_hugging_face_gemma_checkpoint_loads_with_the_same_logits(tmp_path_fac
     program = build_program(config, build_mesh(config.mesh.axes, devices))
     tokens = np.random.default_rng(3).integers(0, V, (8, 16), dtype=np.int32)
     got = _logits(program, program.init()["params"], tokens)
-    np.testing.assert_allclose(got, _hf_gemma_logits(tensors, tokens), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(got, hf.logits(hf.hf_config("gemma"), tensors, tokens), atol=1e-4, rtol=1e-4)
 
 
 def test_a_qwen2_checkpoint_with_qkv_biases_loads_with_the_same_logits(tmp_path):
@@ -443,12 +341,21 @@ def test_a_checkpoint_of_transformers_loads_with_its_logits(transformers_models,
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_a_misshapen_flax_layout_checkpoint_is_a_one_line_error_naming_its_kernel(transformers_models):
+def test_a_misshapen_flax_layout_checkpoint_is_a_one_line_error_naming_its_kernel(
+    transformers_models, tmp_path
+):
+    import shutil
+
     models, _ = transformers_models
     _, folder, _ = models["llama"]
+    # Beside its config.json the model section is checked against that (tests/test_hf_config.py); alone,
+    # against the tensors' shapes.
+    with pytest.raises(ConfigError, match=r"model.d_ff=128 but .*flax/config.json says 96"):
+        config_from_dict({"model": {**MODEL, "d_ff": 128}, "finetune": {"init_from": str(folder / "flax")}})
+    shutil.copy(folder / "flax" / "model.safetensors", tmp_path)
     config = config_from_dict({"model": {**MODEL, "d_ff": 128}, "mesh": {"axes": {"fsdp": 8}},
                                "train": {"global_batch": 8},
-                               "finetune": {"init_from": str(folder / "flax")}})  # fmt: skip
+                               "finetune": {"init_from": str(tmp_path)}})  # fmt: skip
     with pytest.raises(ConfigError) as error:
         build_program(config, build_mesh(config.mesh.axes, jax.devices())).init()
     message = "model.layers.0.mlp.down_proj.kernel has shape [96, 64], but the model's layers/w_down needs"
@@ -490,3 +397,160 @@ def test_a_users_own_model_loads_its_checkpoint_by_path_into_a_lora_program(tmp_
     state = adapted.init()
     loaded = jax.device_get(adapted.finetune.assemble(state["params"], state["frozen"]))
     jax.tree.map(np.testing.assert_array_equal, loaded, original)  # LoRA's B starts at zero.
+
+
+# --- Issue 40: checkpoints load exactly or not at all -------------------------------------------------
+
+
+def _plain_program(folder, model=None, axes=None):
+    config = config_from_dict({"model": model or MODEL, "mesh": {"axes": axes or {"data": 1}},
+                               "precision": {"compute": "float32"}, "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(folder)}})  # fmt: skip
+    devices = jax.devices()[: int(np.prod(list(config.mesh.axes.values())))]
+    return build_program(config, build_mesh(config.mesh.axes, devices))
+
+
+def _one_line_error(call) -> str:
+    with pytest.raises(ConfigError) as error:
+        call()
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+@pytest.mark.newest
+def test_an_index_names_the_files_and_a_stray_consolidated_file_is_not_read(tmp_path):
+    # Mistral-7B-Instruct-v0.3's layout on the Hub: shards with an index, and consolidated.safetensors holding
+    # the same weights under Mistral's own names, which the index does not list.
+    config = hf.hf_config("mistral", sliding_window=None)
+    tensors = hf.random_tensors(config, seed=3)
+    hf.save(tmp_path, config, tensors, shards=2)
+    save_file({"layers.0.attention.wq.weight": tensors["model.layers.0.self_attn.q_proj.weight"]},
+              str(tmp_path / "consolidated.safetensors"))  # fmt: skip
+    program = _plain_program(tmp_path, {"seq_len": 16})
+    tokens = np.random.default_rng(4).integers(0, V, (8, 16), dtype=np.int32)
+    got = _logits(program, program.init()["params"], tokens)
+    np.testing.assert_allclose(got, hf.logits(config, tensors, tokens), atol=1e-4, rtol=1e-4)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()  # An interrupted download.
+    message = _one_line_error(lambda: _plain_program(tmp_path, {"seq_len": 16}).init())
+    assert "model.safetensors.index.json lists 1 file(s) the folder does not have, such as " in message
+    assert "model-00002-of-00002.safetensors; the download is incomplete" in message
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.bool_])
+def test_an_integer_or_bool_tensor_is_no_weight(tmp_path, dtype):
+    tensors = hf.random_tensors(LLAMA)
+    tensors["model.layers.1.mlp.up_proj.weight"] = (tensors["model.layers.1.mlp.up_proj.weight"] > 0).astype(
+        dtype
+    )
+    hf.save(tmp_path, None, tensors)
+    from shardmem.finetune.weights import check_init_from
+
+    program = _plain_program(tmp_path)
+    code = {np.int8: "I8", np.uint8: "U8", np.bool_: "BOOL"}[dtype]
+    for planning in (True, False):  # plan and train alike, before anything is compiled or read.
+        message = _one_line_error(lambda: check_init_from(program, planning=planning))  # noqa: B023
+        assert f"model.layers.1.mlp.up_proj.weight is stored as {code}, which no weight is" in message
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("content", [b"", b"garbage" * 50, "truncated"])
+def test_an_empty_truncated_or_garbage_file_is_a_one_line_error_naming_it(tmp_path, content):
+    from shardmem.finetune.weights import check_init_from
+
+    hf.save(tmp_path, None, hf.random_tensors(LLAMA))
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:5000] if content == "truncated" else content)
+    message = _one_line_error(lambda: check_init_from(_plain_program(tmp_path), planning=True))
+    assert message.startswith(f"finetune.init_from: {file} is not a readable safetensors file (")
+    assert message.endswith("it is empty, truncated or not safetensors: download it again")
+
+
+def test_plan_on_a_bad_checkpoint_exits_2_with_one_line_before_compiling(tmp_path, capsys):
+    import yaml
+
+    from shardmem import cli
+
+    tensors = hf.random_tensors(LLAMA)
+    hf.save(tmp_path / "good", None, tensors)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\0" * 3)
+    for folder, model, says in [
+        ("bad", MODEL, "is not a readable safetensors file"),
+        ("good", {**MODEL, "d_ff": 128}, "has shape [64, 96], but the model's layers/w_down needs [64, 128]"),
+    ]:
+        path = tmp_path / f"{folder}.yaml"
+        path.write_text(yaml.safe_dump({"model": model, "mesh": {"axes": {"data": 1}},
+                                        "finetune": {"init_from": str(tmp_path / folder)}}))  # fmt: skip
+        assert cli.main(["plan", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and "Traceback" not in err
+
+
+def test_a_path_not_there_is_a_train_error_before_anything_is_made(tmp_path):
+    from shardmem.run.training import train
+
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8},
+                               "finetune": {"init_from": "not/downloaded/yet"}})  # fmt: skip
+    message = _one_line_error(lambda: train(config, tmp_path / "run"))
+    assert message.startswith("finetune.init_from='not/downloaded/yet': no such file or folder (a relative")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_untied_head_under_tie_embeddings_is_an_error_and_a_copy_of_the_embedding_loads(tmp_path):
+    tied = {**MODEL, "tie_embeddings": True}
+    tensors = hf.random_tensors(LLAMA)  # lm_head.weight of its own.
+    hf.save(tmp_path / "untied", None, tensors)
+    message = _one_line_error(lambda: _plain_program(tmp_path / "untied", tied).init())
+    assert (
+        "has lm_head.weight, an output head of its own (not a copy of model.embed_tokens.weight)" in message
+    )
+    assert message.endswith("set model.tie_embeddings: false")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()  # Some exports keep a copy.
+    hf.save(tmp_path / "copy", None, tensors)
+    tokens = np.random.default_rng(5).integers(0, V, (8, 16), dtype=np.int32)
+    program = _plain_program(tmp_path / "copy", tied)
+    expected = hf.logits({**LLAMA, "tie_word_embeddings": True}, tensors, tokens)
+    np.testing.assert_allclose(
+        _logits(program, program.init()["params"], tokens), expected, atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.newest
+def test_a_lora_run_loads_as_its_merged_model_from_a_relative_path(tmp_path, monkeypatch):
+    import shutil
+
+    from shardmem.finetune import weight
+    from shardmem.run.checkpoint import Checkpointer
+
+    finetune = {"lora": {"rank": 2, "alpha": 6, "targets": ["layers/wq", "lm_head"]},
+                "quantize": {"format": "int8", "group": 32, "targets": ["layers/w*"]}}  # fmt: skip
+    lora = config_from_dict({"model": MODEL, "mesh": {"axes": {"data": 1}}, "train": {"global_batch": 8},
+                             "finetune": finetune})  # fmt: skip
+    run = build_program(lora, build_mesh(lora.mesh.axes, jax.devices()[:1]))
+    state = run.init()
+    for path in ("layers", "wq"), ("lm_head",):
+        adapters = state["params"][path[0]] if len(path) == 1 else state["params"]["layers"]["wq"]
+        b = adapters["lora_b"]
+        adapters["lora_b"] = jax.device_put(jnp.full(b.shape, 0.01, b.dtype), b.sharding)
+    merged = jax.tree.map(lambda v: np.asarray(weight(v, jnp.float32)),
+                          run.finetune.assemble(state["params"], state["frozen"]),
+                          is_leaf=lambda x: not isinstance(x, dict))  # fmt: skip
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(lora.to_yaml())
+    with Checkpointer(tmp_path / "run" / "checkpoints", every=1, keep=1) as checkpointer:
+        checkpointer.save(5, state, force=True)
+    monkeypatch.chdir(tmp_path)  # init_from relative to the working directory, as data.path is.
+    plain = config_from_dict(
+        {"model": {"seq_len": 16}, "mesh": {"axes": {"data": 1}}, "finetune": {"init_from": "run"}}
+    )  # The model: the run's config.yaml.
+    program = build_program(plain, build_mesh(plain.mesh.axes, jax.devices()[:1]))
+    loaded = jax.device_get(program.init()["params"])
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6), loaded, merged)
+    assert np.abs(merged["lm_head"] - np.asarray(state["frozen"]["lm_head"], np.float32)).max() > 0.01
+    shutil.copytree(tmp_path / "run" / "checkpoints", tmp_path / "copied")  # Without its config.yaml.
+    moved = build_program(plain.replace("finetune.init_from=copied"), program.mesh)
+    message = _one_line_error(moved.init)
+    assert (
+        "is a fine-tuning run's checkpoint (adapters and a frozen base), but not inside its run folder"
+        in message
+    )

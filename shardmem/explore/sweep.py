@@ -419,24 +419,23 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 def write_outputs(rows: Sequence[SweepRow], out_dir: str | Path, *, title: str = "") -> dict[str, Path]:
-    """Writes ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``out_dir``; returns their paths."""
+    """Writes ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``out_dir``, all three or none (a
+    full disk or an error leaves an earlier sweep's as they were); returns their paths."""
+    from shardmem._files import make_folder, staged
     from shardmem.explore.plot import plot_sweep
 
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {str(out)!r}: cannot create the directory: {e.strerror}") from None
+    out = make_folder(out_dir, "--out")
     paths = {"csv": out / "sweep.csv", "json": out / "sweep.json", "png": out / "sweep.png"}
-    with paths["csv"].open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(row.flat())
-    paths["json"].write_text(json.dumps([{**dataclasses.asdict(r), "candidate": r.candidate} for r in rows],
+    with staged(list(paths.values()), "--out") as (csv_file, json_file, png_file):
+        with csv_file.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            for row in rows:
+                writer.writerow(row.flat())
+        json_file.write_text(json.dumps([{**dataclasses.asdict(r), "candidate": r.candidate} for r in rows],
                                         indent=2))  # fmt: skip
-    figure = plot_sweep(rows, title=title)
-    figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
+        figure = plot_sweep(rows, title=title)
+        figure.savefig(png_file, dpi=120, bbox_inches="tight", format="png")
     return paths
 
 

@@ -95,6 +95,15 @@ class FineTune:
                     raise ConfigError(f"finetune.lora.targets: {pattern!r} matches {names[path]} of shape "
                                       f"{list(shapes[path])}, which is not a matrix (after its layer axis); "
                                       "adapt weight matrices only")  # fmt: skip
+                split = stacks[path] + n_in
+                smallest = min(math.prod(shapes[path][stacks[path] : split]), math.prod(shapes[path][split:]))
+                if lora.rank > smallest:
+                    raise ConfigError(
+                        f"finetune.lora.rank={lora.rank} is larger than {names[path]}'s smaller side "
+                        f"({smallest}, of its {list(shapes[path])}): A B has rank {smallest} at most, and "
+                        f"the adapter would hold more than the matrix; use a rank of at most {smallest}, or "
+                        f"leave {names[path]} out of finetune.lora.targets"
+                    )
                 adapted[path] = Target(stacks[path], n_in)
         frozen |= set(adapted)
         quantized = {}

@@ -1,40 +1,38 @@
-"""Pretrained weights in and out: Hugging Face safetensors checkpoints (or a shardmem run's Orbax
-checkpoint), read straight into their shards.
+"""Pretrained weights in: Hugging Face safetensors checkpoints (or a shardmem run's Orbax checkpoint),
+checked against the model from their headers, then read straight into their shards.
 
+    check_init_from(program)                                # names, dtypes, shapes: before any compile
     params = load_safetensors("Llama-3.2-1B/", program)   # the model's parameters, sharded as planned
     state = program.start_from(params)                      # split, quantized, adapters, optimizer
-    export_safetensors(program, state, "out/")              # LoRA merged, Hugging Face names
-    export_safetensors(program, state, "out/", adapters_only=True)   # PEFT's adapter_model.safetensors
 
 The reference model reads the Llama layout that Llama, Mistral, Gemma (with the model's
 ``norm_offset``, ``scale_embeddings`` and ``mlp_activation`` set as Gemma's) and Qwen2 (``qkv_bias``)
 checkpoints share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]``
 and transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own
-parameter paths with ``.`` for ``/`` (what :func:`export_safetensors` writes for it), in its own layout.
-For the reference model, files whose metadata says ``format: flax`` (transformers' Flax
-``save_pretrained``) are read in that layout: ``kernel`` matrices ``[in, out]`` and
-``model.embed_tokens.embedding``.
+parameter paths with ``.`` for ``/`` (what :func:`~shardmem.finetune.export.export_safetensors` writes
+for it), in its own layout. For the reference model, files whose metadata says ``format: flax``
+(transformers' Flax ``save_pretrained``) are read in that layout: ``kernel`` matrices ``[in, out]`` and
+``model.embed_tokens.embedding``. Which files hold which tensors (an index, a stray consolidated file) is
+:mod:`shardmem.finetune.safetensors_files`'s; the architecture in a folder's ``config.json``,
+:mod:`shardmem.finetune.hf_config`'s.
 
 Every array is made by :func:`jax.make_array_from_callback`: each device's callback reads only its own
 block of each layer's tensor through safetensors' lazy ``safe_open`` slices, so neither the model nor one
 whole tensor is ever in host memory or on one device at once (:func:`host_bytes` is the most a load holds).
-Export goes one tensor (one layer of a stacked one) at a time into a file written as it goes.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from shardmem.errors import ConfigError, did_you_mean
 from shardmem.finetune.lora import weight
+from shardmem.finetune.safetensors_files import FLOAT_DTYPES, SafetensorsCheckpoint, safetensors_files
 from shardmem.finetune.spec import _flat, _name, _put
 
 # Reference parameter (after the layers axis) -> Hugging Face name, and whether it is an [out, in] matrix.
@@ -58,7 +56,6 @@ _TOP_NAMES = {
     "lm_head": ("lm_head.weight", True),
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # Buffers some exports keep; the model computes them.
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16, "F64": np.float64}
 
 
 class _Tensor:
@@ -111,33 +108,6 @@ def _layout(program, full_shapes: dict, flax: bool = False) -> dict:
     return layout
 
 
-def _files(path: str | Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, from a file or a folder of them."""
-    from safetensors import safe_open
-
-    where = Path(path)
-    files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where]
-    if not files or not files[0].exists():
-        raise ConfigError(f"finetune.init_from={str(path)!r}: no .safetensors file there; give a file or a "
-                          "folder of them (a Hugging Face model's folder)")  # fmt: skip
-    index = {}
-    for file in files:
-        with safe_open(str(file), "numpy") as f:
-            index.update((name, file) for name in f.keys())
-    return index
-
-
-def _is_flax(index: dict) -> bool:
-    """Whether the files say they hold a Flax model's tensors (transformers' Flax ``save_pretrained``)."""
-    from safetensors import safe_open
-
-    formats = set()
-    for file in set(index.values()):
-        with safe_open(str(file), "numpy") as f:
-            formats.add((f.metadata() or {}).get("format"))
-    return formats == {"flax"}
-
-
 def _expected(shape, tensor: _Tensor) -> list[int]:
     layer = shape[1:] if tensor.stacked else shape
     if tensor.flat:
@@ -148,30 +118,101 @@ def _expected(shape, tensor: _Tensor) -> list[int]:
     return ins_outs[::-1] if tensor.matrix else list(layer)
 
 
-def _check(layout: dict, full_shapes: dict, index: dict, where: str) -> None:
-    wanted = {name for t in layout.values() for name in t.names}
+def check_init_from(program, *, planning: bool = False) -> list[str]:
+    """Checks ``finetune.init_from`` against the program's model before anything is compiled or read:
+    each tensor's name, dtype and shape from the safetensors headers (a shardmem run: its checkpoint's
+    metadata), and, unless ``planning``, that an ``lm_head`` beside tied embeddings is a copy of the
+    embedding (the one check that reads data). A path that is not there is an error, or with
+    ``planning`` a warning (a plan may come before the download); returns the plan's warnings."""
+    given = program.config.finetune.init_from
+    if given is None:
+        return []
+    path = _resolved(given)
+    if not path.exists():
+        if planning:
+            return [f"finetune.init_from={given!r} is not there yet, so the plan could not check it against "
+                    "the model (train checks it before compiling)"]  # fmt: skip
+        raise ConfigError(_missing(given))
+    if _is_orbax_run(path):
+        _check_orbax(path, given, program)
+        return []
+    abstract = _as_stored(program)
+    full_shapes = {p: leaf.shape for p, leaf in _flat(abstract).items()}
+    checkpoint = SafetensorsCheckpoint.open(path, given)
+    layout = _layout(program, full_shapes, flax=not program.custom_model and checkpoint.flax)
+    _check(layout, full_shapes, checkpoint, values=not planning)
+    return []
+
+
+def _resolved(path: str | Path) -> Path:
+    """``finetune.init_from`` as an absolute path (a relative one is from the working directory)."""
+    return Path(path).expanduser().absolute()
+
+
+def _missing(given) -> str:
+    relative = "" if Path(given).expanduser().is_absolute() else f" (a relative path is from {Path.cwd()})"
+    return (f"finetune.init_from={str(given)!r}: no such file or folder{relative}; give a Hugging Face "
+            "model's folder, a safetensors file or a shardmem run's folder")  # fmt: skip
+
+
+def _check(layout: dict, full_shapes: dict, checkpoint: SafetensorsCheckpoint, *, values: bool) -> None:
+    """Raises ConfigError naming the first tensor that is missing, not a float, misshapen or extra."""
+    where, tensors = checkpoint.where, checkpoint.tensors
     for path, tensor in layout.items():
         for name in tensor.names:
-            if name not in index:
-                raise ConfigError(f"finetune.init_from={where!r} has no tensor {name} (for the model's "
-                                  f"{_name(path)}){did_you_mean(name, index)}")  # fmt: skip
-    from safetensors import safe_open
-
+            if name not in tensors:
+                listed = f" ({checkpoint.index.name} lists none)" if checkpoint.index else ""
+                raise ConfigError(f"finetune.init_from={where!r} has no tensor {name}{listed} (for the "
+                                  "model's "
+                                  f"{_name(path)}){did_you_mean(name, tensors)}")  # fmt: skip
     for path, tensor in layout.items():
         want = _expected(full_shapes[path], tensor)
         for name in tensor.names:
-            with safe_open(str(index[name]), "numpy") as f:
-                got = f.get_slice(name).get_shape()
-            if list(got) != want:
-                raise ConfigError(f"finetune.init_from={where!r}: {name} has shape {list(got)}, but the "
-                                  f"model's {_name(path)} needs {want}; does the model section match the "
+            header = tensors[name]
+            if header.dtype not in FLOAT_DTYPES:
+                raise ConfigError(
+                    f"finetune.init_from={where!r}: {name} is stored as {header.dtype}, which no weight is; "
+                    "shardmem loads float32, float16, bfloat16 or float64 tensors (a quantized checkpoint's "
+                    "codes need its own dequantization: start from the unquantized checkpoint)"
+                )
+            if list(header.shape) != want:
+                raise ConfigError(f"finetune.init_from={where!r}: {name} has shape {list(header.shape)}, but "
+                                  f"the model's {_name(path)} needs {want}; does the model section match the "
                                   "checkpoint?")  # fmt: skip
-    extra = sorted(n for n in index if n not in wanted and not _IGNORED.search(n))
-    tied = [n for n in extra if n in ("lm_head.weight", "lm_head.kernel")]
-    if extra and extra != tied:
+    wanted = {name for t in layout.values() for name in t.names}
+    extra = sorted(n for n in tensors if n not in wanted and not _IGNORED.search(n))
+    heads = [n for n in extra if n in ("lm_head.weight", "lm_head.kernel")]
+    others = [n for n in extra if n not in heads]
+    if others:
         raise ConfigError(f"finetune.init_from={where!r} has tensors the model has no place for, such as "
-                          f"{', '.join(extra[:3])}; check the model section (a Qwen2 or Gemma layout is not "
-                          "the Llama one)")  # fmt: skip
+                          f"{', '.join(others[:3])} (in {tensors[others[0]].file.name}); check the model "
+                          "section (a Qwen2 or Gemma layout is not the Llama one)")  # fmt: skip
+    embedding = layout.get(("embedding",))
+    if heads and values and embedding is not None and not _is_copy(checkpoint, heads[0], embedding.names[0]):
+        raise ConfigError(
+            f"finetune.init_from={where!r} has {heads[0]}, an output head of its own (not a copy of "
+            f"{embedding.names[0]}), but model.tie_embeddings is true, which would drop it and give other "
+            "logits; set model.tie_embeddings: false"
+        )
+
+
+def _is_copy(checkpoint: SafetensorsCheckpoint, head: str, embedding: str) -> bool:
+    """Whether the head tensor holds the embedding's values (``[V, D]``, or Flax's ``[D, V]`` kernel),
+    compared a block of rows at a time."""
+    from safetensors import safe_open
+
+    h, e = checkpoint.tensors[head], checkpoint.tensors[embedding]
+    kernel = head.endswith(".kernel")
+    if (h.shape[::-1] if kernel else h.shape) != e.shape:
+        return False
+    rows = max(1, (64 << 20) // max(1, math.prod(e.shape[1:]) * 4))
+    with safe_open(str(h.file), "numpy") as fh, safe_open(str(e.file), "numpy") as fe:
+        for start in range(0, e.shape[0], rows):
+            block = slice(start, min(start + rows, e.shape[0]))  # safetensors slices do not clip.
+            head_rows = fh.get_slice(head)[:, block].T if kernel else fh.get_slice(head)[block]
+            if not np.array_equal(head_rows, fe.get_slice(embedding)[block]):
+                return False
+    return True
 
 
 def _block(sl, tensor: _Tensor, layer_shape, index) -> np.ndarray:
@@ -200,11 +241,18 @@ def _block(sl, tensor: _Tensor, layer_shape, index) -> np.ndarray:
 
 def load_weights(path: str | Path, program) -> dict:
     """Returns the model's full parameters from ``path``: safetensors (:func:`load_safetensors`), or
-    the parameters of a shardmem run's Orbax checkpoint (:func:`load_orbax`)."""
-    where = Path(path)
-    if where.is_dir() and not list(where.glob("*.safetensors")) and _orbax_item(where) is not None:
-        return load_orbax(path, program)
-    return load_safetensors(path, program)
+    the parameters of a shardmem run's Orbax checkpoint (:func:`load_orbax`); a relative path is from
+    the working directory."""
+    where = _resolved(path)
+    if not where.exists():
+        raise ConfigError(_missing(path))
+    if _is_orbax_run(where):
+        return load_orbax(where, program)
+    return load_safetensors(where, program)
+
+
+def _is_orbax_run(where: Path) -> bool:
+    return where.is_dir() and not safetensors_files(where) and _orbax_item(where) is not None
 
 
 def _orbax_item(where: Path) -> Path | None:
@@ -219,29 +267,106 @@ def _orbax_item(where: Path) -> Path | None:
     return where if (where / "_METADATA").exists() or (where / "manifest.ocdbt").exists() else None
 
 
+def _orbax_tree(item: Path) -> dict:
+    """The saved state's tree of array metadata (shapes and dtypes), read without its data."""
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(item)
+    tree = getattr(metadata, "item_metadata", metadata)
+    return getattr(tree, "tree", tree)
+
+
+def _check_orbax(path: Path, given, program) -> None:
+    """The header check of a shardmem run: a fine-tuning run needs its config.yaml (its adapters' scale,
+    its base's quantization); a plain run's parameters must have the model's shapes."""
+    item = _orbax_item(path)
+    tree = _orbax_tree(item)
+    if "frozen" in tree:
+        _run_config(path, given)
+        return
+    saved = {p: tuple(leaf.shape) for p, leaf in _flat(tree.get("params", {})).items()}
+    for p, leaf in _flat(program.model_params).items():
+        if saved.get(p, tuple(leaf.shape)) != tuple(leaf.shape):
+            raise ConfigError(f"finetune.init_from={str(given)!r}: the run's {_name(p)} has shape "
+                              f"{list(saved[p])}, but the model's needs {list(leaf.shape)}; does the model "
+                              "section match the run that saved it?")  # fmt: skip
+
+
+def _run_config(path: Path, given):
+    """The config a fine-tuning run was trained with (its config.yaml), which says how to merge it."""
+    from shardmem.config import load_config
+    from shardmem.finetune.hf_config import run_folder
+
+    run = run_folder(path)
+    if run is None:
+        raise ConfigError(f"finetune.init_from={str(given)!r} is a fine-tuning run's checkpoint (adapters "
+                          "and a frozen base), but not inside its run folder, whose config.yaml says how to "
+                          "merge them (the LoRA scale, the quantization); name the run's folder")  # fmt: skip
+    return load_config(run / "config.yaml")
+
+
 def load_orbax(path: str | Path, program) -> dict:
     """Returns the model's full parameters from a shardmem run's Orbax checkpoint (the newest step of a
     run or checkpoints folder, or one step's), restoring ``state["params"]`` alone, each array into its
-    shards in the dtype the program keeps it in (frozen ones in ``finetune.base_dtype``)."""
+    shards in the dtype the program keeps it in (frozen ones in ``finetune.base_dtype``). A fine-tuning
+    run's parameters are its merged model: adapters added to their dequantized base, with the settings
+    of the run's own config.yaml."""
     import orbax.checkpoint as ocp
 
-    item = _orbax_item(Path(path))
+    path = _resolved(path)
+    item = _orbax_item(path)
     if item is None:
         raise ConfigError(f"finetune.init_from={str(path)!r}: no safetensors file and no Orbax checkpoint "
                           "there; give a safetensors file or folder, or a shardmem run's folder")  # fmt: skip
+    if "frozen" in _orbax_tree(item):
+        return _merged_run(path, item, program)
     target = {"params": _as_stored(program)}
+    return _restore(ocp, item, target, path)["params"]
+
+
+def _restore(ocp, item: Path, target: dict, path: Path) -> dict:
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
     try:
         with ocp.PyTreeCheckpointer() as checkpointer:
-            return checkpointer.restore(item, args=args)["params"]
-    except (ValueError, KeyError) as e:
+            return checkpointer.restore(item, args=args)
+    except (ValueError, KeyError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         first = first.split(". Truncating")[0][:300]  # Orbax's advice to pad or truncate does not apply.
         raise ConfigError(
             f"finetune.init_from={str(path)!r}: the checkpoint's parameters do not restore into "
             f"the model's ({first}); does the model section match the run that saved it?"
         ) from None
+
+
+def _merged_run(path: Path, item: Path, program) -> dict:
+    """A fine-tuning run's model: its trainable and frozen parameters restored as that run laid them
+    out (its own finetune section, on this program's mesh), then each weight merged and cast into this
+    program's parameters and shardings."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+
+    from shardmem.step import build_program
+
+    saved = _run_config(path, path)
+    config = dataclasses.replace(program.config, finetune=dataclasses.replace(saved.finetune, init_from=None))
+    run = build_program(config, program.mesh)
+    state = run.abstract_state
+    restored = _restore(ocp, item, {"params": state["params"], "frozen": state["frozen"]}, path)
+    stored = _as_stored(program)
+
+    def merge(trainable, frozen):
+        full = run.finetune.assemble(trainable, frozen)
+        values = _flat(full, is_leaf=lambda x: not isinstance(x, dict))
+        merged: dict = {}
+        for p, leaf in _flat(stored).items():
+            _put(merged, p, weight(values[p], leaf.dtype))
+        return merged
+
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, stored)
+    return jax.jit(merge, out_shardings=shardings)(restored["params"], restored["frozen"])
 
 
 def _as_stored(program) -> dict:
@@ -256,14 +381,15 @@ def _as_stored(program) -> dict:
 
 def load_safetensors(path: str | Path, program) -> dict:
     """Returns the model's full parameters (``program.model_params``' tree, dtypes and shardings) read
-    from a safetensors file or folder; a missing, extra or misshapen tensor is a ConfigError naming it."""
+    from a safetensors file or folder; a missing, extra, misshapen or non-float tensor is a ConfigError
+    naming it."""
     from safetensors import safe_open
 
     abstract = _as_stored(program)
     full_shapes = {p: leaf.shape for p, leaf in _flat(abstract).items()}
-    index = _files(path)
-    layout = _layout(program, full_shapes, flax=not program.custom_model and _is_flax(index))
-    _check(layout, full_shapes, index, str(path))
+    checkpoint = SafetensorsCheckpoint.open(path)
+    layout = _layout(program, full_shapes, flax=not program.custom_model and checkpoint.flax)
+    _check(layout, full_shapes, checkpoint, values=True)
     params: dict = {}
     for p, leaf in _flat(abstract).items():
         tensor = layout[p]
@@ -274,7 +400,7 @@ def load_safetensors(path: str | Path, program) -> dict:
             blocks = []
             for layer in layers:
                 name = tensor.names[layer or 0]
-                with safe_open(str(index[name]), "numpy") as f:
+                with safe_open(str(checkpoint.tensors[name].file), "numpy") as f:
                     sl = f.get_slice(name)
                     inner = idx[1:] if tensor.stacked else idx
                     blocks.append(_block(sl, tensor, leaf.shape[1:] if tensor.stacked else leaf.shape, inner))
@@ -288,16 +414,7 @@ def load_safetensors(path: str | Path, program) -> dict:
 def file_entry_bytes(path: str | Path) -> int:
     """Returns the widest entry size among a checkpoint's tensors (4 when it cannot be read yet)."""
     try:
-        from safetensors import safe_open
-
-        widest = 0
-        for file in sorted(set(_files(path).values())):
-            with safe_open(str(file), "numpy") as f:
-                for name in f.keys():
-                    widest = max(
-                        widest, np.dtype(_DTYPES.get(f.get_slice(name).get_dtype(), np.float32)).itemsize
-                    )
-        return widest or 4
+        return SafetensorsCheckpoint.open(_resolved(path)).entry_bytes()
     except (ConfigError, OSError):
         return 4
 
@@ -307,96 +424,3 @@ def host_bytes(program, file_dtype_bytes: int = 4) -> int:
     its layers), as read (``file_dtype_bytes`` an entry) and converted to the parameter's dtype."""
     return max(math.prod(leaf.sharding.shard_shape(leaf.shape)) * (file_dtype_bytes + leaf.dtype.itemsize)
                for leaf in jax.tree.leaves(program.model_params))  # fmt: skip
-
-
-def _layer(value, layer):
-    """One layer of a stacked value (an array, Quantized or Adapted), or the value itself."""
-    return value if layer is None else jax.tree.map(lambda x: x[layer], value)
-
-
-def _hf_tensors(program, state, dtype, adapters_only: bool) -> Iterator[tuple[str, tuple, object]]:
-    """(name, shape, make) of each tensor to write, ``make()`` its numpy array."""
-    finetune = program.finetune
-    full = finetune.assemble(state["params"], state["frozen"]) if finetune else state["params"]
-    layout = _layout(program, {p: None for p in _flat(program.model_params)})
-    shapes = {p: leaf.shape for p, leaf in _flat(program.model_params).items()}
-    values = _flat(full, is_leaf=lambda x: not isinstance(x, dict))
-    for path in sorted(shapes, key=_name):
-        tensor, value, shape = layout[path], values[path], shapes[path]
-        layers = range(shape[0]) if tensor.stacked else [None]
-        adapted = finetune is not None and path in finetune.adapted
-        if adapters_only and not adapted:
-            continue
-        for layer in layers:
-            name = tensor.names[layer or 0]
-            layer_shape = shape[1:] if tensor.stacked else shape
-            if adapters_only:  # PEFT's names and layout: lora_A [r, in], lora_B [out, r].
-                base = "base_model.model." + name.removesuffix(".weight")
-                n_in = finetune.adapted[path].input_dims
-                d_in, d_out = math.prod(layer_shape[:n_in]), math.prod(layer_shape[n_in:])
-
-                def a(v=value, n=layer, d=d_in):
-                    return np.asarray(_layer(v.lora_a, n)).reshape(d, -1).T.astype(dtype)
-
-                def b(v=value, n=layer, d=d_out):
-                    return np.asarray(_layer(v.lora_b, n)).reshape(-1, d).T.astype(dtype)
-
-                yield f"{base}.lora_A.weight", (finetune.rank, d_in), a
-                yield f"{base}.lora_B.weight", (d_out, finetune.rank), b
-                continue
-            out_shape = tuple(_expected(shape, tensor))
-
-            def make(v=value, n=layer, t=tensor, s=out_shape):
-                w = np.asarray(weight(_layer(v, n), jnp.float32))
-                if t.matrix:
-                    w = w.reshape(math.prod(w.shape[: t.in_dims]), -1).T
-                return np.ascontiguousarray(w.reshape(s)).astype(dtype)
-
-            yield name, out_shape, make
-
-
-def export_safetensors(program, state, folder: str | Path, *, dtype=jnp.bfloat16,
-                       adapters_only: bool = False) -> Path:  # fmt: skip
-    """Writes the trained weights to ``folder``: ``model.safetensors`` with LoRA merged into its matrices
-    and the quantized base dequantized (Hugging Face Llama names for the reference model, its own paths
-    for a model of your own), or with ``adapters_only`` PEFT's ``adapter_model.safetensors`` and
-    ``adapter_config.json``. Returns the file written."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    finetune = program.finetune
-    if adapters_only and (finetune is None or not finetune.adapted):
-        raise ConfigError("export --adapters-only: the config has no finetune.lora; there are no adapters to "
-                          "write (export the whole model instead)")  # fmt: skip
-    np_dtype = np.dtype(dtype)
-    file = folder / ("adapter_model.safetensors" if adapters_only else "model.safetensors")
-    _write(file, list(_hf_tensors(program, state, np_dtype, adapters_only)), np_dtype)
-    if adapters_only:
-        lora = program.config.finetune.lora
-        modules = sorted({_LAYER_NAMES.get(_name(p).removeprefix("layers/"), (_name(p),))[0].split(".")[-2]
-                          for p in finetune.adapted})  # fmt: skip
-        config = {"peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha, "target_modules": modules,
-                  "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
-        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return file
-
-
-_CODES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jnp.bfloat16): "BF16"}
-
-
-def _write(file: Path, tensors: list, dtype: np.dtype) -> None:
-    """Writes a safetensors file one tensor at a time: the header's offsets come from the shapes."""
-    header, offset = {}, 0
-    for name, shape, _ in tensors:
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    header["__metadata__"] = {"format": "pt"}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(file, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for name, shape, make in tensors:
-            array = make()
-            if tuple(array.shape) != tuple(shape):
-                raise AssertionError(f"{name}: made {array.shape}, header says {shape}")
-            f.write(array.tobytes())

@@ -11,6 +11,13 @@ output and its log-sum-exp kept for the backward), and the report says what it s
 (attached or deviceless) ``auto`` is query-chunked attention: the Pallas kernel here is the GPU's Triton one.
 So it is on GPUs before Ampere (T4, V100: compute capability below 8.0), for which neither flash kernel
 builds.
+
+A sliding window (``model.sliding_window``, Mistral's: each position attends to the last ``window``
+positions, itself included, as ``transformers`` masks them) is a mask in ``xla``, a slice of the keys in
+``chunked`` (each query block scores ``chunk + window - 1`` keys, not all ``L``), and cuDNN's
+``local_window_size``. JAX's Pallas kernel has no window: it is refused where it would run, and as the
+deviceless stand-in for cuDNN it attends causally over the whole sequence (the same memory, no L x L
+either way; more FLOPs than cuDNN's), which the report's attention line says.
 """
 
 from __future__ import annotations
@@ -71,9 +78,14 @@ class AttentionKernel:
     # kernel's tiles must fit (:meth:`flash_blocks`); None: the kernel's default tiles (CPU, unknown GPUs).
     shared_memory: int | None = None
 
-    def describe(self) -> str:
-        """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``."""
+    def describe(self, window: int | None = None) -> str:
+        """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``, saying how a
+        sliding ``window`` (``model.sliding_window``) is attended."""
         text = self.name + (f" (blocks of {self.chunk} queries)" if self.name == "chunked" else "")
+        if window is not None:
+            text += f"; sliding window of {window}"
+            if self.name == "pallas":  # Only a stand-in gets here (check_window).
+                text += " not in the stand-in, which attends causally over the whole sequence (more FLOPs)"
         if self.interpret:
             text += " (interpret mode)"
         if self.stands_for:
@@ -84,6 +96,18 @@ class AttentionKernel:
             text += (f"; context parallel over {self.context} devices (keys and values all-gathered, zigzag "
                      "causal load balance)")  # fmt: skip
         return text
+
+    def check_window(self, window: int | None, seq_len: int) -> None:
+        """Raises ConfigError where this kernel would run without ``model.sliding_window``'s window: JAX's
+        Pallas kernel has none (as a deviceless stand-in it runs nowhere: allowed, and described)."""
+        if window is None or window >= seq_len or self.name != "pallas" or self.stands_for:
+            return
+        where = f" on a sequence split over {self.context} devices" if self.context > 1 else ""
+        raise ConfigError(
+            f"model.sliding_window={window} with model.attention=pallas{where}: JAX's Pallas flash kernel "
+            "has no sliding window; use model.attention=auto or cudnn (cuDNN's flash attention has one), "
+            "or chunked"
+        )
 
     def check_length(self, seq_len: int) -> None:
         """Raises ConfigError where the Pallas kernel cannot tile ``seq_len`` positions (with a context
@@ -186,6 +210,7 @@ def resolve_attention(
     where: str,
     dtype="bfloat16",
     context: int = 1,
+    window: bool = False,
     shared_memory: int | None = None,
 ) -> AttentionKernel:
     """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
@@ -193,7 +218,8 @@ def resolve_attention(
     into the kernel the step runs; a flash kernel's tiles fit ``shared_memory`` bytes per thread block
     (:func:`shared_memory_per_block` of the devices). cuDNN's flash attention takes 16-bit inputs only, so
     ``auto`` in float32 is ``chunked`` everywhere; with ``context > 1`` the flash kernel is Pallas's, whose
-    blocks :mod:`shardmem.parallel.context` merges by log-sum-exp (cuDNN's has no such form here)."""
+    blocks :mod:`shardmem.parallel.context` merges by log-sum-exp (cuDNN's has no such form here), and with a
+    sliding ``window`` as well ``auto`` is ``chunked`` (Pallas's kernel has no window)."""
     if requested not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attention={requested!r}: use {one_of(ATTENTION_CHOICES)}")
     if context > 1:
@@ -204,7 +230,7 @@ def resolve_attention(
             )
         flash = where not in ("cpu", "tpu", "pre-ampere-gpu")
         if requested == "auto" and flash and jnp.dtype(dtype).itemsize <= 2:
-            requested = "pallas"
+            requested = "chunked" if window else "pallas"
         kernel = resolve_attention(requested, chunk=chunk, where=where, dtype=dtype,
                                    shared_memory=shared_memory)  # fmt: skip
         return dataclasses.replace(kernel, context=context)
@@ -245,17 +271,23 @@ def resolve_attention(
     return AttentionKernel("xla")
 
 
-def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
-    """Causal attention of ``kernel``; each of the G key/value heads serves H // G query heads."""
+def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
+    """Causal attention of ``kernel``; each of the G key/value heads serves H // G query heads; with a
+    ``window``, each position attends to the last ``window`` positions, itself included."""
     length = q_BxLxHxK.shape[1]
+    window = window if window is not None and window < length else None  # A longer window masks nothing.
     if kernel.name == "chunked" and kernel.chunk and kernel.chunk < length and length % kernel.chunk == 0:
-        return chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, chunk=kernel.chunk)
+        return chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, chunk=kernel.chunk, window=window)
     if kernel.name == "cudnn":
-        fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+        # Its window counts the positions before the query: the query's own is the last of ours.
+        local = None if window is None else (window - 1, 0)
+        fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn",
+                               local_window_size=local)  # fmt: skip
         return _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
     if kernel.name == "pallas":
+        kernel.check_window(window, length)  # Runs causally over the whole sequence only as a stand-in.
         return _pallas_attention(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
-    return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+    return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window)
 
 
 def _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
@@ -288,37 +320,52 @@ def _pallas_attention(attention: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGx
     return _per_shard(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 
-def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions=None, k_positions=None):
+def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions=None, k_positions=None,
+                     window: int | None = None):  # fmt: skip
     """Causal softmax attention with fp32 scores (kernel ``xla``). Query i sits at position
     ``q_offset + i`` of the keys, or at ``q_positions[i]`` against keys at ``k_positions`` when given
-    (a permuted sequence: :mod:`shardmem.parallel.context`)."""
+    (a permuted sequence: :mod:`shardmem.parallel.context`); with a ``window``, it attends to keys fewer
+    than ``window`` positions before it."""
     b, length, h, k = q_BxLxHxK.shape
     g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
     scores_BxGxRxLxM = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK)
     if q_positions is None:
-        rows_L = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
-        causal_LxM = rows_L >= jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
+        rows_LxM = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
+        cols_LxM = jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
     else:
-        causal_LxM = jnp.asarray(q_positions)[:, None] >= jnp.asarray(k_positions)[None, :]
+        rows_LxM, cols_LxM = jnp.asarray(q_positions)[:, None], jnp.asarray(k_positions)[None, :]
+    causal_LxM = rows_LxM >= cols_LxM
+    if window is not None:
+        causal_LxM = causal_LxM & (rows_LxM - cols_LxM < window)
     scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM.astype(jnp.float32), -1e30)
     probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(v_BxLxGxK.dtype)
     ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxLxGxK)
     return ctx_BxLxGxRxK.reshape(b, length, h, k)
 
 
-def chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int):
+def chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int, window: int | None = None):
     """The same attention, one block of ``chunk`` queries at a time, each block rematerialized in the
     backward pass: score memory falls from L x L to chunk x L per head, for one extra QK/PV product
-    (memory-efficient attention, Rabe & Staats 2021)."""
+    (memory-efficient attention, Rabe & Staats 2021); with a ``window``, to chunk x (chunk + window - 1):
+    each block scores only the keys its window reaches."""
     b, length, h, k = q_BxLxHxK.shape
     blocks = length // chunk
     q_NxBxCxHxK = q_BxLxHxK.reshape(b, blocks, chunk, h, k).swapaxes(0, 1)
+    reach = length if window is None else min(length, chunk + window - 1)  # Keys one block can see.
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def block(args):
         q_BxCxHxK, index = args
-        return causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=index * chunk)
+        if reach == length:
+            return causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=index * chunk, window=window)
+        first = jnp.maximum(index * chunk + chunk - reach, 0)  # The block's keys end with its last query.
+        k_BxMxGxK, v_BxMxGxK = (
+            jax.lax.dynamic_slice_in_dim(x, first, reach, axis=1) for x in (k_BxLxGxK, v_BxLxGxK)
+        )
+        q_positions_C = index * chunk + jnp.arange(chunk)
+        return causal_attention(q_BxCxHxK, k_BxMxGxK, v_BxMxGxK, q_positions=q_positions_C,
+                                k_positions=first + jnp.arange(reach), window=window)  # fmt: skip
 
     ctx_NxBxCxHxK = jax.lax.map(block, (q_NxBxCxHxK, jnp.arange(blocks)))
     return ctx_NxBxCxHxK.swapaxes(0, 1).reshape(b, length, h, k)

@@ -35,6 +35,7 @@ from shardmem.models.attention import (
 )
 from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
+from shardmem.models.rope import RopeScaling, rope
 from shardmem.parallel import context
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import constrain, sequence_parallel
@@ -67,6 +68,10 @@ class ModelConfig:
     seq_len: int  # Tokens per sequence.
     head_dim: int | None = None  # Width of one head (None: d_model // n_heads).
     rope_theta: float = 10000.0  # Base of the rotary position embedding's frequencies.
+    # A checkpoint's RoPE scaling, its config.json's rope_scaling: {rope_type: llama3 (Llama 3.1/3.2), linear,
+    # dynamic or yarn, factor, ...} (models/rope.py; None: none).
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # Each position attends to this many, itself included (Mistral's).
     norm_eps: float = 1e-5  # Epsilon of RMSNorm.
     norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + scale (Gemma: 1, scales stored near 0).
     scale_embeddings: bool = False  # Multiply the input embeddings by sqrt(d_model) (Gemma).
@@ -122,6 +127,9 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama-3.2-1B: 1,235,814,400 parameters.
     "llama-1b": ModelConfig(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                             d_ff=8192, seq_len=4096, head_dim=64, rope_theta=500000.0,
+                            rope_scaling=RopeScaling("llama3", factor=32.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0,
+                                                     original_max_position_embeddings=8192),
                             tie_embeddings=True),
     # Llama-2-7B: 6,738,415,616 parameters.
     "llama-7b": ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
@@ -189,17 +197,6 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 def _swiglu(gate, up, activation="silu"):
     act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
     return act * up
-
-
-def rope(x_BxLxHxK, positions_L, theta: float):
-    """Rotary position embedding on the last axis (half-split convention)."""
-    half = x_BxLxHxK.shape[-1] // 2
-    freqs_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_LxK = positions_L[:, None].astype(jnp.float32) * freqs_K[None, :]
-    sin, cos = jnp.sin(angles_LxK)[:, None, :], jnp.cos(angles_LxK)[:, None, :]
-    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BxLxHxK.dtype)
 
 
 _XLA = AttentionKernel("xla")
@@ -334,9 +331,12 @@ class Block(nnx.Module):
                 q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
                 k_BxLxGxK = k_BxLxGxK + weight(value_of(self.bk), self.compute_dtype)
                 v_BxLxGxK = v_BxLxGxK + weight(value_of(self.bv), self.compute_dtype)
-            q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta)
-            k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta)
-            ctx_BxLxHxK = _whole_seq(context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), _HEADS)
+            q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta, cfg.rope_scaling)
+            k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta, cfg.rope_scaling)
+            ctx_BxLxHxK = context.attend(
+                self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=cfg.sliding_window
+            )
+            ctx_BxLxHxK = _whole_seq(ctx_BxLxHxK, _HEADS)
             ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_context")
             # Summed over the tensor-parallel heads: an all-reduce, or a reduce-scatter onto the residual
             # stream's share of the sequence with sequence parallelism.

@@ -82,17 +82,19 @@ def positions(length: int, shards: int):
     return to_zigzag(np.arange(length, dtype=np.int32), shards, axis=0)
 
 
-def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
+def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
     """Causal attention of ``kernel`` (a :class:`~shardmem.models.attention.AttentionKernel`) on
-    zigzag-ordered, sequence-sharded ``q``, ``k``, ``v``; plain :func:`~shardmem.models.attention.attend`
-    when the sequence is not split."""
+    zigzag-ordered, sequence-sharded ``q``, ``k``, ``v`` (each position attending to the last ``window``
+    positions, when given); plain :func:`~shardmem.models.attention.attend` when the sequence is not split."""
     from shardmem.models import attention  # The kernels' module imports the rules, as this one does.
 
     n = shards()
     if n == 1:
-        return attention.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        return attention.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window)
     length = q_BxLxHxK.shape[1]
+    window = window if window is not None and window < length else None  # A longer window masks nothing.
     if kernel.name == "pallas":
+        kernel.check_window(window, length)  # Its blocks have no window: only as a deviceless stand-in.
         return flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, kernel=kernel)
     if kernel.name not in ("xla", "chunked"):
         raise ValueError(f"attention kernel {kernel.name!r} has no context-parallel form; use pallas")
@@ -104,14 +106,15 @@ def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
     chunk = kernel.chunk if kernel.name == "chunked" else None
     if not chunk or chunk >= local:
         return attention.causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=positions_L,
-                                          k_positions=positions_L)  # fmt: skip
+                                          k_positions=positions_L, window=window)  # fmt: skip
     chunk = max(c for c in range(1, chunk + 1) if local % c == 0)
-    return _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n, chunk)
+    return _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n, chunk, window)
 
 
-def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int):
+def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int, window: int | None = None):
     """``chunked`` on a split sequence: step ``j`` takes block ``j`` of every device's own queries, so each
-    device scores ``chunk`` queries against the gathered keys at a time."""
+    device scores ``chunk`` queries against the gathered keys at a time (a ``window`` masks them, the zigzag
+    order leaving no contiguous range of keys to slice)."""
     from shardmem.models.attention import causal_attention
 
     b, length, h, k = q_BxLxHxK.shape
@@ -124,7 +127,7 @@ def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int):
         q_BxCxTxHxK, q_positions = args
         q_BxTxHxK = _rules.constrain(q_BxCxTxHxK.reshape(b, n * chunk, h, k), ("batch", "seq", "heads", None))
         ctx = causal_attention(q_BxTxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=q_positions,
-                               k_positions=positions_L)  # fmt: skip
+                               k_positions=positions_L, window=window)  # fmt: skip
         return ctx.reshape(b, n, chunk, h, k)
 
     ctx_NxBxCxTxHxK = jax.lax.map(block, (q_NxBxCxTxHxK, pos_NxCT))

@@ -27,6 +27,7 @@ import jax
 from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, DoesNotFit, PlanError
+from shardmem.finetune.weights import check_init_from
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
 from shardmem.planning import codegen, cost, hlo, kernel_cache, overlap
@@ -231,6 +232,7 @@ def plan_program(
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
     """Plans a built program (its mesh over ``target.devices``) and returns the report with the compiled
     step, which runs on attached devices: ``shardmem train`` steps with it rather than compiling again."""
+    unchecked = check_init_from(program, planning=True)  # Headers only, before the compile.
     traced = program.step.trace(program.abstract_state, program.abstract_batch)
     state = program.abstract_state
     groups = {
@@ -245,7 +247,9 @@ def plan_program(
                                             overlap_off=program.overlap_off,
                                             name=config.name)  # fmt: skip
     rows = program.sharding_table()
-    warnings = rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
+    warnings = (
+        unchecked + rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
+    )
     layer_plan, modules = program.remat_plan, program.module_plan
     tags = hlo.checkpoint_tags(traced.jaxpr)
     warnings += _remat_warnings(config, layer_plan, tags)
@@ -253,7 +257,9 @@ def plan_program(
     warnings += _optimizer_warnings(config) + _slow_compile_warnings(report)
     warnings += tpu_notes(target, config.memory, report.per_device["peak"])
     warnings += precision_notes(target, config.precision.compute)
-    attention = program.attention.describe() if program.attention else ""
+    window = None if program.custom_model else config.model.sliding_window
+    window = window if window is not None and window < config.model.seq_len else None  # Else masks nothing.
+    attention = program.attention.describe(window) if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,

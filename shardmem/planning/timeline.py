@@ -311,7 +311,7 @@ each buffer is counted once however many values XLA aliases into it. Hover a ban
     def save_png(self, path: str | Path) -> Path:
         """Writes the matplotlib figure to ``path`` as PNG and returns it."""
         path = Path(path)
-        self.figure().savefig(path, dpi=110)
+        self.figure().savefig(path, dpi=110, format="png")
         return path
 
 

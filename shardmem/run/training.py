@@ -39,6 +39,7 @@ from rich.console import Console
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError, PlanError, ShardmemError
+from shardmem.finetune.weights import check_init_from
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
@@ -127,6 +128,7 @@ def train(
 
     mesh = build_mesh(config.mesh.axes, jax.devices())
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn, batch=batch)
+    check_init_from(program)  # The pretrained weights' names, dtypes and shapes: before the compile too.
     source = batch_stream(config, program)  # A bad data file fails now, before the compile.
     report, step_fn = _plan_once(program)
     peak, limit = report.per_device["peak"], report.budget_bytes

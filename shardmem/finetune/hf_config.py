@@ -1,0 +1,258 @@
+"""The architecture a pretrained checkpoint declares: a Hugging Face folder's ``config.json`` (or a
+shardmem run's ``config.yaml``) read into the reference model's section, and ``config.json`` written
+back for an export.
+
+    source = pretrained_model("Llama-3.2-1B/")          # (model keys, where), or None: nothing to read
+    model = ModelConfig(**{**source.fields, "seq_len": 2048})
+    text = json.dumps(to_hf(model, base=source.hf, dtype="bfloat16"))   # an export's config.json
+
+:func:`~shardmem.config.config_from_dict` takes every architecture key the model section leaves out
+from there, and refuses one it writes (or its preset does) that says otherwise, naming the key and both
+values. ``config.json`` is read as ``transformers`` reads it, for the model types the reference model
+implements (:data:`MODEL_TYPES`); an option that would change the forward pass and that the reference
+model does not have (a bias on the output projection, a partial rotary embedding, a quantized
+checkpoint, a sliding window on some layers only, ...) is refused in one line, never dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardmem.errors import ConfigError, one_of
+from shardmem.finetune.safetensors_files import safetensors_files
+
+#: config.json's model_type -> the transformers class its weights are written for.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "gemma": "GemmaForCausalLM"}  # fmt: skip
+#: The model keys a checkpoint decides; the rest (seq_len, the attention kernel, chunks, the experts'
+#: capacity and loss weight) are the training run's.
+ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
+                     "rope_theta", "rope_scaling", "sliding_window", "norm_eps", "norm_offset",
+                     "scale_embeddings", "mlp_activation", "qkv_bias", "tie_embeddings", "n_experts",
+                     "experts_per_token")  # fmt: skip
+# transformers' defaults for keys a config.json may leave out, by model type.
+_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "mistral": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "gemma": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh",
+              "head_dim": 256},
+}  # fmt: skip
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_ROPE_KEYS = {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
+              "original_max_position_embeddings",
+              "beta_fast", "beta_slow", "attention_factor", "truncate"}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """The architecture a checkpoint declares: ``fields`` (model keys -> values), the file that said so
+    (``where``), and the ``config.json`` itself (``hf``) when it is a Hugging Face checkpoint."""
+
+    fields: dict
+    where: str
+    hf: dict | None = None
+
+
+def pretrained_model(init_from: Any) -> Pretrained | None:
+    """Returns what ``finetune.init_from`` says of the model: a Hugging Face folder's ``config.json``
+    (or the one beside a safetensors file), or a shardmem run's ``config.yaml`` (its folder, its
+    checkpoints or one step's); None when there is none (a bare file, a path not there yet)."""
+    if not isinstance(init_from, str) or not init_from:
+        return None
+    path = Path(init_from).expanduser()
+    folder = path if path.is_dir() else path.parent
+    if (folder / "config.json").is_file() and (path.is_dir() or path.suffix == ".safetensors"):
+        file = folder / "config.json"
+        try:
+            hf = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"finetune.init_from: {file} is not a readable JSON file ({e}); download it "
+                              "again") from None  # fmt: skip
+        if not isinstance(hf, dict):
+            raise ConfigError(f"finetune.init_from: {file} holds no JSON object; download it again")
+        return Pretrained(model_fields(hf, str(file)), str(file), hf)
+    if path.suffix == ".safetensors" or (path.is_dir() and any(safetensors_files(path))):
+        return None  # Weights without a config.json: the model section says what they are.
+    run = run_folder(path)
+    if run is None:
+        return None
+    file = run / "config.yaml"
+    try:
+        model = (yaml.safe_load(file.read_text()) or {}).get("model")
+    except (OSError, yaml.YAMLError, AttributeError) as e:
+        raise ConfigError(f"finetune.init_from: {file}, the run's config, cannot be read ({e})") from None
+    if not isinstance(model, dict) or "factory" in model:
+        return None  # A model of your own: its parameters say what they are.
+    return Pretrained({k: model[k] for k in ARCHITECTURE_KEYS if k in model}, str(file))
+
+
+def run_folder(path: Path) -> Path | None:
+    """Returns the shardmem run folder ``path`` is (or is inside: its checkpoints, a step, an item),
+    one that has a ``config.yaml`` and a ``checkpoints`` folder; None otherwise."""
+    for folder in (path, *list(path.parents)[:3]):
+        if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
+            return folder
+    return None
+
+
+def model_fields(hf: dict, where: str) -> dict:
+    """Returns the reference model's architecture keys for a ``config.json``, or raises ConfigError
+    naming ``where`` and what the reference model does not implement."""
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ConfigError(
+            f"finetune.init_from: {where} says model_type {kind!r}, which the reference model does not "
+            f"implement ({one_of(MODEL_TYPES)}); a model of your own can load it (model.factory)"
+        )
+    get = lambda key: hf[key] if hf.get(key) is not None else _DEFAULTS[kind].get(key)  # noqa: E731
+
+    def refuse(what: str) -> None:
+        raise ConfigError(f"finetune.init_from: {where} has {what}, which the reference model does not "
+                          "implement: its logits would be wrong, so it is not loaded")  # fmt: skip
+
+    if hf.get("quantization_config"):
+        refuse(
+            f"quantization_config ({hf['quantization_config'].get('quant_method', '?')}-quantized weights)"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            refuse(f"{key}: true")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(f"partial_rotary_factor {hf['partial_rotary_factor']}")
+    activation = hf.get("hidden_activation") or get("hidden_act")
+    said = {_ACTIVATIONS.get(a, a) for a in (hf.get("hidden_activation"), hf.get("hidden_act")) if a}
+    if len(said) > 1:  # transformers' PyTorch Gemma runs hidden_act; its Flax Gemma, hidden_activation.
+        refuse(
+            f"hidden_act {hf['hidden_act']!r} and hidden_activation {hf['hidden_activation']!r}, which "
+            "transformers' own models read differently (set both to the one the model was trained with)"
+        )
+    if activation not in _ACTIVATIONS:
+        refuse(f"the activation {activation!r} (the reference model's: {one_of(_ACTIVATIONS)})")
+    heads = hf["num_attention_heads"]
+    head_dim = get("head_dim") or hf["hidden_size"] // heads
+    gemma = kind == "gemma"
+    return {
+        "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
+        "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads") or heads,
+        "d_ff": hf["intermediate_size"], "head_dim": head_dim,
+        "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": _rope_scaling(hf, where, refuse),
+        "sliding_window": _sliding_window(hf, kind, refuse), "norm_eps": float(get("rms_norm_eps")),
+        "norm_offset": 1.0 if gemma else 0.0, "scale_embeddings": gemma,
+        "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2",
+        "tie_embeddings": bool(get("tie_word_embeddings")), "n_experts": 0,
+    }  # fmt: skip
+
+
+def _rope_scaling(hf: dict, where: str, refuse) -> dict | None:
+    scaling = hf.get("rope_scaling")
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    scaling["rope_type"] = scaling.pop("rope_type", scaling.pop("type", None))  # transformers' old "type".
+    scaling.pop("type", None)
+    if scaling["rope_type"] == "default":
+        return None
+    unknown = sorted(set(scaling) - _ROPE_KEYS)
+    if unknown:
+        refuse(f"rope_scaling {', '.join(unknown)} ({scaling['rope_type']})")
+    if scaling["rope_type"] in ("dynamic", "yarn") and hf.get("max_position_embeddings"):
+        if scaling["rope_type"] == "dynamic" or not scaling.get("original_max_position_embeddings"):
+            scaling["max_position_embeddings"] = hf["max_position_embeddings"]
+    return scaling
+
+
+def _sliding_window(hf: dict, kind: str, refuse) -> int | None:
+    """Mistral's window, or Qwen2's where it covers every layer (transformers: layer i slides from
+    ``max_window_layers`` on, or as ``layer_types`` says)."""
+    if kind == "mistral":
+        return hf.get("sliding_window", 4096)
+    if kind != "qwen2" or not hf.get("use_sliding_window"):
+        return None
+    layers, window = hf["num_hidden_layers"], hf.get("sliding_window") or 4096
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(layers)
+    ]
+    if all(k == "full_attention" for k in kinds):
+        return None
+    if all(k == "sliding_attention" for k in kinds):
+        return window
+    refuse(f"a sliding window on {kinds.count('sliding_attention')} of its {layers} layers")
+    return None
+
+
+def disagreements(written, declared, keys, where: str) -> None:
+    """Raises one ConfigError listing each of ``keys`` where the model section ``written`` (a
+    :class:`~shardmem.models.llama.ModelConfig`) differs from the checkpoint's ``declared`` one."""
+    lines = []
+    for key in keys:
+        mine, theirs = getattr(written, key), getattr(declared, key)
+        if key == "head_dim":
+            mine, theirs = written.head_size, declared.head_size
+        if mine != theirs:
+            lines.append(f"model.{key}={_show(mine)} but {where} says {_show(theirs)}")
+    if lines:
+        raise ConfigError(f"{'; '.join(lines)}: the checkpoint's architecture is what loads; remove the key "
+                          f"from the model section (it is taken from there) or fix it")  # fmt: skip
+
+
+def _show(value) -> str:
+    if dataclasses.is_dataclass(value):
+        fields = {k: v for k, v in dataclasses.asdict(value).items() if v is not None and k != "truncate"}
+        return "{" + ", ".join(f"{k}: {v}" for k, v in fields.items()) + "}"
+    return "null" if value is None else str(value)
+
+
+def to_hf(model, base: dict | None, dtype: str) -> dict | None:
+    """Returns the ``config.json`` of the model (a :class:`~shardmem.models.llama.ModelConfig`) saved in
+    ``dtype``: the base checkpoint's (``base``) with the dtype updated, or one written for the
+    transformers model type it is; None when it is none of :data:`MODEL_TYPES`."""
+    kind = base.get("model_type") if base else _model_type(model)
+    if kind not in MODEL_TYPES:
+        return None
+    out = dict(base) if base else {"architectures": [MODEL_TYPES[kind]], "model_type": kind}
+    scaling = None
+    if model.rope_scaling is not None:
+        scaling = {k: v for k, v in dataclasses.asdict(model.rope_scaling).items()
+                   if v is not None and k != "max_position_embeddings"
+                   and (k != "truncate" or not v)}  # fmt: skip
+    longest = (model.rope_scaling and model.rope_scaling.max_position_embeddings) or model.seq_len
+    out.update(vocab_size=model.vocab_size, hidden_size=model.d_model, num_hidden_layers=model.n_layers,
+               num_attention_heads=model.n_heads, num_key_value_heads=model.n_kv_heads,
+               intermediate_size=model.d_ff, head_dim=model.head_size, rope_theta=model.rope_theta,
+               rope_scaling=scaling, rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tie_embeddings,
+               torch_dtype=dtype)  # fmt: skip
+    out.setdefault("max_position_embeddings", longest)
+    if "dtype" in out:  # transformers 4.56 and later write this name.
+        out["dtype"] = dtype
+    if kind == "mistral":
+        out["sliding_window"] = model.sliding_window
+    elif kind == "qwen2":
+        out.update(use_sliding_window=model.sliding_window is not None, max_window_layers=0,
+                   sliding_window=model.sliding_window, layer_types=None)  # fmt: skip
+    elif kind == "gemma":
+        out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    else:
+        out["hidden_act"] = "silu"
+    return out
+
+
+def _model_type(model) -> str | None:
+    """The transformers model type whose forward is the reference model's with these options."""
+    if model.n_experts:
+        return None
+    if (model.norm_offset, model.scale_embeddings, model.mlp_activation) == (1.0, True, "gelu_tanh"):
+        plain = not model.qkv_bias and model.sliding_window is None and model.rope_scaling is None
+        return "gemma" if plain else None
+    if (model.norm_offset, model.scale_embeddings, model.mlp_activation) != (0.0, False, "silu"):
+        return None
+    if model.qkv_bias:
+        return "qwen2"
+    return "mistral" if model.sliding_window is not None else "llama"

@@ -1,0 +1,160 @@
+"""Rotary position embeddings, and the context-extending scalings pretrained checkpoints use.
+
+    scaling = RopeScaling("llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)     # model.rope_scaling, Llama 3.2
+    q_BxLxHxK = rope(q_BxLxHxK, positions_L, theta=500000.0, scaling=scaling)
+
+A :class:`RopeScaling` is ``model.rope_scaling`` parsed once; :func:`frequencies` is its one lowering:
+the inverse frequencies of a head's dimension pairs, and the factor that multiplies cos and sin, as
+Hugging Face ``transformers`` computes them (``modeling_rope_utils``: ``default``, ``linear``,
+``dynamic``, ``yarn`` and ``llama3``), in float32 as it does. The keys are the ones a checkpoint's
+``config.json`` writes under ``rope_scaling`` (``rope_type`` for its older ``type``), so the value can be
+copied from there; ``max_position_embeddings`` is ``config.json``'s top-level one, which ``dynamic`` and
+``yarn`` read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from shardmem.errors import ConfigError, did_you_mean, one_of
+
+#: What each ``rope_type`` does, and which keys it needs besides ``factor``.
+ROPE_TYPES = {
+    "linear": ("every frequency divided by factor (position interpolation)", ()),
+    "dynamic": ("NTK-aware: the base grows with a sequence longer than max_position_embeddings "
+                "(the sequence's own length, as transformers' forward on it)", ("max_position_embeddings",)),
+    "yarn": ("YaRN: low frequencies interpolated, high ones kept, a ramp between, cos and sin scaled by "
+             "attention_factor (Qwen2's long context)", ()),
+    "llama3": ("Llama 3.1/3.2: low frequencies divided by factor, high ones kept, smoothed between",
+               ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """``model.rope_scaling``: a checkpoint's RoPE scaling (the ``rope_scaling`` of its ``config.json``)."""
+
+    rope_type: str  # linear, dynamic, yarn or llama3 (config.json's rope_type, or its older type).
+    factor: float = 1.0  # How much longer a context the scaling stretches the positions over.
+    low_freq_factor: float | None = None  # llama3: wavelengths over original / this are divided by factor.
+    high_freq_factor: float | None = None  # llama3: wavelengths under original / this are kept.
+    original_max_position_embeddings: int | None = None  # The pretraining context (llama3, yarn).
+    max_position_embeddings: int | None = (
+        None  # config.json's top-level one (dynamic; yarn without the above).
+    )
+    beta_fast: float | None = None  # yarn: rotations where extrapolation ends (None: 32).
+    beta_slow: float | None = None  # yarn: rotations where interpolation starts (None: 1).
+    attention_factor: float | None = None  # yarn: multiplies cos and sin (None: 0.1 ln(factor) + 1).
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions, as transformers does.
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the ``model.rope_scaling`` key that is missing or impossible."""
+        key = "model.rope_scaling"
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"{key}.rope_type={self.rope_type!r}{did_you_mean(self.rope_type, ROPE_TYPES)}: shardmem "
+                f"computes {one_of(ROPE_TYPES)} (null: no scaling); a checkpoint with another is not "
+                "supported"
+            )
+        if not self.factor >= 1:
+            raise ConfigError(f"{key}.factor={self.factor}: a scaling stretches positions; use 1 or more")
+        for name in ROPE_TYPES[self.rope_type][1]:
+            if getattr(self, name) is None:
+                raise ConfigError(f"{key}.{name} is required for rope_type {self.rope_type}: copy it from "
+                                  "the "
+                                  "checkpoint's config.json")  # fmt: skip
+        if self.rope_type == "yarn" and not (
+            self.original_max_position_embeddings or self.max_position_embeddings
+        ):
+            raise ConfigError(f"{key}: yarn needs original_max_position_embeddings (or "
+                              "max_position_embeddings): "
+                              "copy it from the checkpoint's config.json")  # fmt: skip
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(f"{key}.high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
+                              f"{self.low_freq_factor}")  # fmt: skip
+
+    def describe(self) -> str:
+        """Returns e.g. ``llama3 x32``."""
+        return f"{self.rope_type} x{self.factor:g}"
+
+
+def frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, length: int
+) -> tuple[np.ndarray, float]:
+    """Returns the float32 inverse frequencies ``[head_dim / 2]`` and the factor on cos and sin for
+    sequences of ``length`` positions (``dynamic`` alone depends on it)."""
+    dim = np.float32(head_dim)
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / dim
+
+    def default(base: float) -> np.ndarray:
+        return (np.float32(1.0) / (np.float32(base) ** exponents)).astype(np.float32)
+
+    if scaling is None:
+        return default(theta), 1.0
+    kind, factor = scaling.rope_type, scaling.factor
+    if kind == "linear":
+        return (default(theta) / np.float32(factor)).astype(np.float32), 1.0
+    if kind == "dynamic":
+        longest = scaling.max_position_embeddings
+        seen = max(length, longest)
+        base = theta * ((factor * seen / longest) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return default(base), 1.0
+    if kind == "llama3":
+        inv_freq = default(theta)
+        old = scaling.original_max_position_embeddings
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > old / low, inv_freq / np.float32(factor), inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    return _yarn(head_dim, theta, scaling, exponents)
+
+
+def _yarn(
+    head_dim: int, theta: float, scaling: RopeScaling, exponents: np.ndarray
+) -> tuple[np.ndarray, float]:
+    """YaRN (Peng et al. 2023) as ``transformers``' ``_compute_yarn_parameters``."""
+    factor = scaling.factor
+    original = scaling.original_max_position_embeddings or scaling.max_position_embeddings
+    attention = scaling.attention_factor
+    if attention is None:
+        attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    fast, slow = scaling.beta_fast or 32, scaling.beta_slow or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # As transformers: no division by zero.
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolated = 1 - ramp
+    positions = np.float32(theta) ** exponents
+    inv_freq = (np.float32(1) / (np.float32(factor) * positions)) * (1 - extrapolated) + (
+        np.float32(1) / positions
+    ) * extrapolated
+    return inv_freq.astype(np.float32), float(attention)
+
+
+def rope(x_BxLxHxK, positions_L, theta: float, scaling: RopeScaling | None = None, length: int | None = None):
+    """Rotary position embedding on the last axis (half-split convention, as Llama's), with
+    ``scaling``'s frequencies for sequences of ``length`` positions (default: ``x``'s)."""
+    half = x_BxLxHxK.shape[-1] // 2
+    inv_freq_K, attention = frequencies(2 * half, theta, scaling, length or x_BxLxHxK.shape[1])
+    angles_LxK = positions_L[:, None].astype(jnp.float32) * jnp.asarray(inv_freq_K)[None, :]
+    sin, cos = jnp.sin(angles_LxK)[:, None, :], jnp.cos(angles_LxK)[:, None, :]
+    if attention != 1.0:  # YaRN's: on cos and sin, as transformers applies it.
+        sin, cos = sin * attention, cos * attention
+    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxLxHxK.dtype)

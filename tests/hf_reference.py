@@ -1,0 +1,191 @@
+"""Hugging Face checkpoints made here, and the forward pass ``transformers`` runs on them, ported to numpy
+float64 from its PyTorch models (``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
+``modeling_gemma.py``, ``modeling_rope_utils.py``, ``masking_utils.py`` of transformers 4.57): the
+independent reference shardmem's logits are compared with, written without shardmem's code.
+
+    config = hf_config("llama", rope_scaling={"rope_type": "llama3", ...})   # a config.json
+    tensors = random_tensors(config, seed=0)                                 # HF names, [out, in]
+    save(folder, config, tensors, shards=2)                                  # + the index file
+    expected_BxLxV = logits(config, tensors, tokens_BxL)
+"""
+
+import json
+import math
+
+import numpy as np
+from safetensors.numpy import save_file
+
+V, D, L, H, G, K, F = 256, 64, 2, 4, 2, 16, 96  # vocabulary, width, layers, heads, KV heads, head, MLP
+
+
+def hf_config(model_type: str = "llama", **options) -> dict:
+    """A config.json of a tiny two-layer model of ``model_type``, ``options`` on top."""
+    config = {"model_type": model_type, "architectures": [f"{model_type.capitalize()}ForCausalLM"],
+              "vocab_size": V, "hidden_size": D, "intermediate_size": F, "num_hidden_layers": L,
+              "num_attention_heads": H, "num_key_value_heads": G, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
+              "torch_dtype": "float32"}  # fmt: skip
+    if model_type == "gemma":
+        config |= {"head_dim": 32, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}
+    if model_type == "mistral":
+        config["sliding_window"] = None
+    return config | options
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def random_tensors(config: dict, seed: int = 0) -> dict:
+    """Random float32 weights under the model's Hugging Face names and ``[out, in]`` layout."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
+    d, k, heads, groups = (
+        config["hidden_size"],
+        head_dim(config),
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
+    gemma = config["model_type"] == "gemma"
+    norm = (lambda: w(d)) if gemma else (lambda: 1 + w(d))  # Gemma's scales multiply as 1 + weight.
+    tensors = {"model.embed_tokens.weight": w(config["vocab_size"], d), "model.norm.weight": norm()}
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = w(config["vocab_size"], d)
+    for i in range(config["num_hidden_layers"]):
+        p, f = f"model.layers.{i}.", config["intermediate_size"]
+        tensors |= {p + "self_attn.q_proj.weight": w(heads * k, d),
+                    p + "self_attn.k_proj.weight": w(groups * k, d),
+                    p + "self_attn.v_proj.weight": w(groups * k, d),
+                    p + "self_attn.o_proj.weight": w(d, heads * k),
+                    p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
+                    p + "mlp.down_proj.weight": w(d, f), p + "input_layernorm.weight": norm(),
+                    p + "post_attention_layernorm.weight": norm()}  # fmt: skip
+        if config["model_type"] == "qwen2":
+            for n, width in (("q", heads * k), ("k", groups * k), ("v", groups * k)):
+                tensors[f"{p}self_attn.{n}_proj.bias"] = w(width)
+    return tensors
+
+
+def save(folder, config: dict | None, tensors: dict, shards: int = 1, index: bool = True) -> None:
+    """Writes the checkpoint as the Hub lays it out: ``model.safetensors``, or ``shards`` files with
+    ``model.safetensors.index.json`` (unless ``index`` is False); and ``config.json`` (unless ``config``
+    is None)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for s in range(shards):
+            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = names[s * len(names) // shards : (s + 1) * len(names) // shards]
+            save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
+            weight_map |= {n: file for n in part}
+        listing = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": weight_map,
+        }
+        if index:
+            (folder / "model.safetensors.index.json").write_text(json.dumps(listing))
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+def inv_freq(config: dict, seq_len: int) -> tuple[np.ndarray, float]:
+    """``ROPE_INIT_FUNCTIONS[rope_type](config, seq_len=seq_len)``: inverse frequencies and the factor on
+    cos and sin (modeling_rope_utils.py; dynamic as its forward recomputes it for a longer sequence)."""
+    dim, base = head_dim(config), config["rope_theta"]
+    default = 1.0 / base ** (np.arange(0, dim, 2) / dim)
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return default, 1.0
+    factor = scaling["factor"]
+    if kind == "linear":
+        return default / factor, 1.0
+    if kind == "dynamic":
+        longest = config["max_position_embeddings"]
+        if seq_len <= longest:
+            return default, 1.0
+        base = base * ((factor * seq_len / longest) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / base ** (np.arange(0, dim, 2) / dim), 1.0
+    if kind == "llama3":
+        old = scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / default
+        scaled = np.where(wavelen > old / low, default / factor, default)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled), 1.0
+    assert kind == "yarn", kind
+    original = scaling.get("original_max_position_embeddings") or config["max_position_embeddings"]
+    attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = math.floor(correction(fast)), math.ceil(correction(slow))
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low if high != low else 0.001), 0, 1)
+    extrapolation = 1 - ramp
+    positions = base ** (np.arange(0, dim, 2) / dim)
+    return (1 / (factor * positions)) * (1 - extrapolation) + (1 / positions) * extrapolation, attention
+
+
+def logits(config: dict, tensors: dict, tokens) -> np.ndarray:
+    """The model's logits for ``tokens`` ``[B, S]``: transformers' forward, in float64."""
+    t = {k: v.astype(np.float64) for k, v in tensors.items()}
+    gemma = config["model_type"] == "gemma"
+    heads, groups, k = config["num_attention_heads"], config["num_key_value_heads"], head_dim(config)
+    eps = config["rms_norm_eps"]
+
+    def norm(x, w):  # Gemma's norms multiply by 1 + weight.
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * ((1 + w) if gemma else w)
+
+    def rotate_half(x):
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([-x2, x1], axis=-1)
+
+    def act(x):
+        if gemma:  # gelu_pytorch_tanh
+            return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+        return x / (1 + np.exp(-x))
+
+    B, S = tokens.shape
+    inv, attention = inv_freq(config, S)
+    emb = np.concatenate([np.outer(np.arange(S), inv)] * 2, -1)
+    cos, sin = np.cos(emb)[None, None] * attention, np.sin(emb)[None, None] * attention
+    q_idx, kv_idx = np.arange(S)[:, None], np.arange(S)[None, :]
+    allowed = kv_idx <= q_idx
+    window = config.get("sliding_window") if config["model_type"] == "mistral" else None
+    if config["model_type"] == "qwen2" and config.get("use_sliding_window"):
+        window = config["sliding_window"]  # Every layer's, in these tests (max_window_layers 0).
+    if window is not None:
+        allowed = allowed & (kv_idx > q_idx - window)  # masking_utils.sliding_window_overlay
+    mask = np.where(allowed, 0.0, -np.inf)
+    x = t["model.embed_tokens.weight"][tokens]
+    if gemma:
+        x = x * np.sqrt(config["hidden_size"])
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = norm(x, t[p + "input_layernorm.weight"])
+        q, kk, v = (h @ t[p + f"self_attn.{n}_proj.weight"].T + t.get(p + f"self_attn.{n}_proj.bias", 0)
+                    for n in "qkv")  # fmt: skip
+        q = q.reshape(B, S, heads, k).transpose(0, 2, 1, 3)
+        kk, v = (a.reshape(B, S, groups, k).transpose(0, 2, 1, 3) for a in (kk, v))
+        q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
+        kk, v = np.repeat(kk, heads // groups, axis=1), np.repeat(v, heads // groups, axis=1)
+        scores = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(k) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = (
+            x
+            + (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, heads * k) @ t[p + "self_attn.o_proj.weight"].T
+        )
+        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (act(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+    head = t["model.embed_tokens.weight"] if config["tie_word_embeddings"] else t["lm_head.weight"]
+    return norm(x, t["model.norm.weight"]) @ head.T

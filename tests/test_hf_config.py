@@ -1,0 +1,182 @@
+"""A checkpoint's config.json (shardmem.finetune.hf_config): the model section taken from it or checked
+against it, and the checkpoint features it declares (Llama 3.1/3.2 rope scaling and the other scalings,
+Mistral's sliding window, tied heads) giving the logits of transformers' forward pass (tests/hf_reference.py,
+a numpy port written without shardmem's code) in float32, or a one-line error."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("safetensors")
+import hf_reference as hf  # noqa: E402
+
+from shardmem import ConfigError, build_mesh, build_program, config_from_dict  # noqa: E402
+from shardmem.finetune.hf_config import model_fields, to_hf  # noqa: E402
+
+TOKENS = np.random.default_rng(1).integers(0, hf.V, (8, 16), dtype=np.int32)
+
+
+def _config(folder, model=None, axes=None, **sections):
+    axes = axes or {"data": 1}
+    return config_from_dict({"model": {"seq_len": 16, **(model or {})}, "mesh": {"axes": axes},
+                             "precision": {"compute": "float32"}, "train": {"global_batch": 8},
+                             "finetune": {"init_from": str(folder)}, **sections})  # fmt: skip
+
+
+def _logits(config, tokens=TOKENS):
+    devices = jax.devices()[: int(np.prod(list(config.mesh.axes.values())))]
+    program = build_program(config, build_mesh(config.mesh.axes, devices))
+    state = program.init()
+
+    @jax.jit
+    def forward(params, tokens):
+        with program.rules.activate(program.mesh):
+            return nnx.merge(program.graphdef, params)(tokens)
+
+    return program, state, np.asarray(forward(state["params"], tokens))
+
+
+def _checkpoint(folder, model_type="llama", seed=0, **options):
+    config = hf.hf_config(model_type, **options)
+    tensors = hf.random_tensors(config, seed)
+    hf.save(folder, config, tensors)
+    return config, tensors
+
+
+def _assert_matches(got, config, tensors, plain=None):
+    """Within 1e-4 + 1e-4 |ref| of the reference, which differs from ``plain`` (the checkpoint read
+    without the feature) by far more: the feature is what makes it match."""
+    expected = hf.logits(config, tensors, TOKENS)
+    assert np.abs(expected).max() > 1
+    if plain is not None:
+        assert np.abs(hf.logits(plain, tensors, TOKENS) - expected).max() > 0.05
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8}  # fmt: skip
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("model_type, options", [
+    ("llama", {"rope_scaling": LLAMA3, "rope_theta": 500000.0}),   # Llama 3.1 / 3.2
+    ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}, "max_position_embeddings": 8}),
+    ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
+])  # fmt: skip
+def test_rope_scalings_load_with_the_logits_of_transformers(tmp_path, model_type, options):
+    config, tensors = _checkpoint(tmp_path, model_type, **options)
+    shardmem_config = _config(tmp_path)  # The model section says only seq_len: the rest is config.json's.
+    assert shardmem_config.model.rope_scaling is not None
+    _, _, got = _logits(shardmem_config)
+    plain = {k: v for k, v in config.items() if k != "rope_scaling"}
+    _assert_matches(got, config, tensors, plain)
+
+
+def test_the_llama_1b_preset_has_llama_3_2s_rope_scaling(tmp_path):
+    # Llama-3.2-1B's config.json, as the Hub has it (its shapes, its llama3 scaling).
+    config = hf.hf_config("llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                          rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                          tie_word_embeddings=True, rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,
+                          "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+                          "rope_type": "llama3"})  # fmt: skip
+    fields = model_fields(config, "config.json")
+    from shardmem.models.llama import PRESETS
+
+    preset = dataclasses.asdict(PRESETS["llama-1b"])
+    assert {k: preset[k] for k in fields if k != "rope_scaling"} == {k: v for k, v in fields.items()
+                                                                     if k != "rope_scaling"}  # fmt: skip
+    assert {k: v for k, v in preset["rope_scaling"].items() if v is not None and k != "truncate"} == (
+        config["rope_scaling"]
+    )
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("attention, axes, trains", [
+    ({"attention": "xla"}, {"data": 1}, False),
+    ({"attention": "chunked", "attention_chunk": 4}, {"data": 1}, True),  # Blocks slice their window's keys.
+    ({"attention": "chunked", "attention_chunk": 2}, {"context": 2}, False),  # A sequence over 2 devices.
+])  # fmt: skip
+def test_mistrals_sliding_window_gives_transformers_logits_and_trains(tmp_path, attention, axes, trains):
+    config, tensors = _checkpoint(tmp_path, "mistral", sliding_window=5)
+    program, state, got = _logits(_config(tmp_path, attention, axes=axes))
+    assert program.config.model.sliding_window == 5
+    _assert_matches(got, config, tensors, {**config, "sliding_window": None})
+    if not trains:
+        return
+    # Training sees the same model: the first step's loss is the reference's cross-entropy.
+    batch = np.random.default_rng(2).integers(0, hf.V, (8, 17), dtype=np.int32)
+    _, metrics = program.step(state, jax.device_put(batch, program.batch_sharding))
+    reference = hf.logits(config, tensors, batch[:, :-1])
+    reference = reference - reference.max(-1, keepdims=True)
+    log_probs = reference - np.log(np.exp(reference).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(log_probs, batch[:, 1:, None], -1).mean()
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+
+
+def test_a_window_refuses_the_pallas_kernel_where_it_would_run(tmp_path):
+    _checkpoint(tmp_path, "mistral", sliding_window=5)
+    with pytest.raises(ConfigError) as error:
+        _logits(_config(tmp_path, {"attention": "pallas"}))
+    message = str(error.value)
+    assert "model.sliding_window=5 with model.attention=pallas" in message and "\n" not in message
+
+
+def test_the_model_section_is_checked_against_config_json(tmp_path):
+    config, tensors = _checkpoint(tmp_path, rope_theta=500000.0, tie_word_embeddings=True)
+    with pytest.raises(ConfigError) as error:  # A Llama 3 checkpoint under Llama 2's base and an untied head.
+        _config(tmp_path, {"rope_theta": 10000.0, "tie_embeddings": False, "d_ff": hf.F})
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(
+        f"model.rope_theta=10000.0 but {tmp_path / 'config.json'} says 500000.0; model.tie_embeddings=False "
+        "but"
+    )
+    assert "d_ff" not in message  # What agrees is not listed.
+    _, _, got = _logits(_config(tmp_path, {"rope_theta": 500000.0, "d_ff": hf.F}))
+    _assert_matches(got, config, tensors, {**config, "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"model_type": "phi3"}, "model_type 'phi3'"),
+    ({"attention_bias": True}, "attention_bias: true"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0]}},
+     "rope_scaling short_factor"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "gptq-quantized"),
+    ({"hidden_act": "gelu"}, "the activation 'gelu'"),
+    ({"model_type": "gemma", "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"},
+     "hidden_act 'gelu' and hidden_activation 'gelu_pytorch_tanh'"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     "a sliding window on 1 of its 2 layers"),
+])  # fmt: skip
+def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_path, options, words):
+    config = hf.hf_config(**{"model_type": "llama", **options})
+    hf.save(tmp_path, config, {})
+    with pytest.raises(ConfigError) as error:
+        _config(tmp_path)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_seq_len_is_the_one_key_a_pretrained_model_needs(tmp_path):
+    _checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.seq_len is required: .* max_position_embeddings=64"):
+        config_from_dict({"model": {}, "finetune": {"init_from": str(tmp_path)}})
+
+
+@pytest.mark.parametrize("model_type, options", [
+    ("llama", {"rope_scaling": LLAMA3}), ("mistral", {"sliding_window": 5}),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
+    ("gemma", {}),
+])  # fmt: skip
+def test_the_config_json_an_export_writes_reads_back_as_the_same_model(model_type, options):
+    config = hf.hf_config(model_type, **options)
+    model = config_from_dict({"model": {**model_fields(config, "x"), "seq_len": 16}}).model
+    for base in (config, None):  # The base's config.json updated, or one written from the model.
+        written = to_hf(model, base, "bfloat16")
+        assert written["torch_dtype"] == "bfloat16" and written["model_type"] == model_type
+        again = config_from_dict({"model": {**model_fields(written, "x"), "seq_len": 16}}).model
+        assert again == model
