@@ -307,7 +307,7 @@ class Config:
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     interconnect: InterconnectConfig = dataclasses.field(default_factory=InterconnectConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
-    name: str = "run"  # The run's name: runs/<name> (default: the config file's name).
+    name: str = "run"  # The run's name, one folder name: runs/<name> (default: the config file's name).
     # The loaded file's folder, where import paths (model.factory, ...) are looked up first; not a key.
     folder: str | None = dataclasses.field(default=None, compare=False, metadata={"internal": True})
 
@@ -702,6 +702,7 @@ def _validate_experts(m: ModelConfig) -> None:
 
 
 def _validate(config: Config) -> None:
+    _validate_name(config.name)
     if isinstance(config.model, ModelConfig):
         _validate_model(config.model)
     elif isinstance(config.model, UserModelConfig):
@@ -711,6 +712,17 @@ def _validate(config: Config) -> None:
     _validate_sizes(config)
     _validate_rest(config)
     _validate_finetune(config.finetune)
+
+
+def _validate_name(name: str) -> None:
+    """The run's name is a folder name (runs/<name>, sweep-<name>): one path component, so that a run
+    stays inside runs/ and never is runs/ itself."""
+    unprintable = [c for c in name if not c.isprintable()]
+    if name.strip() in ("", ".", "..") or "/" in name or "\\" in name or unprintable:
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-") or "my-run"
+        raise ConfigError(f"name={name!r}: the run's name is the folder runs/<name>, so it must be one "
+                          "folder name (not empty, '.' or '..', no '/', '\\' or control characters); use "
+                          f"e.g. name: {safe}")  # fmt: skip
 
 
 def _validate_finetune(ft: FinetuneConfig) -> None:
