@@ -27,13 +27,13 @@ def interrupt(name: str, argv: list[str], wait) -> None:
     wait(started)
     sent = time.monotonic()
     os.killpg(started.process.pid, signal.SIGINT)
-    started.process.stdout.read()
     status = started.process.wait(timeout=60)
     exited = time.monotonic() - sent
     while _group(started.process.pid) and time.monotonic() - sent < 30:
         time.sleep(0.01)
     gone = time.monotonic() - sent
-    started.reader.join(timeout=10)
+    for reader in started.readers:
+        reader.join(timeout=10)
     last = "".join(started.err).strip().splitlines()[-1]
     print(f"| {name} | {exited:.2f} s | {gone:.2f} s | {status} | `{last}` |", flush=True)
 

@@ -215,6 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
+    # Ctrl-C before the first step ends the process at once (exit 130), even mid-compile, and takes back
+    # what the start made; from the first step on, the loop stops at the next step and saves first.
+    with ends_on_interrupt():
+        code, stopped = _train(args)
+    if stopped:
+        # Stopped by a signal and saved: another Ctrl-C while Python and JAX tear down just ends the
+        # process, instead of a KeyboardInterrupt traceback from some atexit hook.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return code
+
+
+def _train(args) -> tuple[int, bool]:
+    """Returns the exit code, and whether a signal stopped the run (saved)."""
     from shardmem.planning.report import render
     from shardmem.run.training import DivergedError, DoesNotFitError, start_runtime, train
 
@@ -227,18 +240,20 @@ def cmd_train(args) -> int:
     except DoesNotFitError as e:
         out.print(render(e.report))
         print(f"shardmem: error: {e}", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
+        return EXIT_DOES_NOT_FIT, False
     except DivergedError as e:
         print(f"shardmem: error: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
-    if result.status != "finished":
-        # Stopped by a signal and saved: another Ctrl-C while Python and JAX tear down just ends the
-        # process, instead of a KeyboardInterrupt traceback from some atexit hook.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-    return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_OK
+        return EXIT_DIVERGED, False
+    code = EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_OK
+    return code, result.status != "finished"
 
 
 def cmd_export(args) -> int:
+    with ends_on_interrupt():  # Ctrl-C ends it at once, exit 130; the file being written goes first.
+        return _export(args)
+
+
+def _export(args) -> int:
     import jax
 
     from shardmem.finetune.weights import export_safetensors

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardmem._interrupt import undone_on_interrupt
 from shardmem.errors import ConfigError, did_you_mean
 from shardmem.finetune.lora import weight
 from shardmem.finetune.spec import _flat, _name, _put
@@ -393,7 +394,7 @@ def _write(file: Path, tensors: list, dtype: np.dtype) -> None:
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(file, "wb") as f:
+    with undone_on_interrupt(lambda: file.unlink(missing_ok=True)), open(file, "wb") as f:
         f.write(len(text).to_bytes(8, "little") + text)
         for name, shape, make in tensors:
             array = make()
