@@ -516,7 +516,7 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
         table.add_row(*row)
     table.caption = (
         "per device and step; margin: budget - peak (negative: does not fit); recompute: "
-        "extra matmul FLOPs over no remat"
+        "extra matmul FLOPs over the model's (remat and the attention kernel recompute)"
     )
     parts: list = [table]
     if any(r.approximate for r in rows):

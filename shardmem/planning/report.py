@@ -86,7 +86,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     if report.attention.startswith(("pallas", "cudnn")):  # Their matmuls are inside one fused kernel.
         flops += ", fused attention from its shapes"
     if report.recompute_overhead is not None:
-        flops += f"; recomputation +{report.recompute_overhead:.1%} over no remat"
+        flops += f"; recomputation +{report.recompute_overhead:.1%} over the model's"
     if report.pipeline:  # Idle stages still run their layers, on the fill and drain's placeholders.
         flops += "; the bubble's idle-stage work included"
     parts.append(Text(flops + ")"))
