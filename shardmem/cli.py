@@ -1,9 +1,10 @@
 """The ``shardmem`` command: thin wrappers that parse arguments and call the library.
 
 Exit codes: 0 success (plan: fits; train: finished or stopped by SIGTERM with a checkpoint), 3 the
-plan does not fit, 2 a config or usage error (printed without a traceback), 4 training diverged (NaN
-or infinite loss, gradient or state), 130 interrupted (Ctrl-C: ``train`` saves a checkpoint first;
-``plan``, ``sweep`` and ``tune`` stop at once, even mid-compile, see :mod:`shardmem._interrupt`).
+plan does not fit, 5 the plan is tight (over the budget only by the deviceless margin: likely fits), 2 a
+config or usage error (printed without a traceback), 4 training diverged (NaN or infinite loss, gradient
+or state), 130 interrupted (Ctrl-C: every command stops at once, even mid-compile, see
+:mod:`shardmem._interrupt`; ``train`` from its first step saves a checkpoint first).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from shardmem.planning.targets import TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
 
 EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
-EXIT_DIVERGED, EXIT_INTERRUPTED = 4, 130
+EXIT_DIVERGED, EXIT_TIGHT, EXIT_INTERRUPTED = 4, 5, 130
 
 
 def console(fit=None) -> Console:
@@ -142,7 +143,7 @@ def cmd_plan(args) -> int:
 
 def _plan(args) -> int:
     from shardmem.planning.memory import plan
-    from shardmem.planning.report import render, sharding_json
+    from shardmem.planning.report import render, render_refused, sharding_json
 
     at_least("--top", args.top, 0, "give the number of buffers to list, 0 or more")
     for path, flag in ((args.html, "--html"), (args.png, "--png")):
@@ -155,13 +156,16 @@ def _plan(args) -> int:
             report = plan(config, args.target, top=args.top)
     except DoesNotFit as e:  # libtpu refused the step as over the chip's HBM: no report, still a verdict.
         if args.json:
-            verdict = {"name": config.name, "target": target, "fits": False,
+            known = {**e.per_device, "temp": e.required_bytes} if e.per_device else {}
+            verdict = {"name": config.name, "target": target, "fits": False, "verdict": "does not fit",
                        "refused_by_compiler": True, "required_bytes": e.required_bytes,
-                       "available_bytes": e.available_bytes, "error": str(e)}  # fmt: skip
+                       "available_bytes": e.available_bytes, "per_device": known,
+                       "error": str(e)}  # fmt: skip
             print(json.dumps(verdict, indent=2), flush=True)
-            print(f"shardmem: error: {e}", file=sys.stderr)
-            return e.exit_code  # The verdict is the JSON object: main() adds no error object.
-        raise
+        else:
+            console().print(render_refused(e, config.name, target))
+        print(f"shardmem: error: {e}", file=sys.stderr)
+        return e.exit_code  # The verdict is printed: main() adds no error object.
     if args.json:
         data = report.to_json()
         if args.sharding:
@@ -176,7 +180,7 @@ def _plan(args) -> int:
         written = [str(figure.save_html(args.html)) if args.html else "",
                    str(figure.save_png(args.png)) if args.png else ""]  # fmt: skip
         print(f"wrote the memory timeline to {' and '.join(w for w in written if w)}", file=sys.stderr)
-    return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
+    return {"fits": EXIT_OK, "tight": EXIT_TIGHT, "does not fit": EXIT_DOES_NOT_FIT}[report.verdict]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="compile the training step ahead of time and report per-device memory",
         description="Compiles the config's training step on abstract shapes for a target and reports "
-        "the peak device memory, what it is made of, and whether it fits. Exit 0: fits; 3: does not "
-        "fit; 2: config error.",
+        "the peak device memory, what it is made of, and whether it fits. Exit 0: fits; 5: tight (over "
+        "the budget only by the deviceless margin, within the device's usable memory: likely fits); 3: "
+        "does not fit; 2: config error.",
     )
     _config_args(p)
     p.add_argument(

@@ -105,11 +105,26 @@ class MemoryReport:
     load_host_bytes: int = 0
     #: The optimized HLO the figures were read from (for the step-time estimate).
     module: hlo.HloModule | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: What the device has for the step: ``budget_bytes`` without the deviceless margin (0: not known).
+    usable_bytes: int = 0
 
     @property
     def margin_bytes(self) -> int:
         """Budget minus peak: negative when the step does not fit."""
         return self.budget_bytes - self.per_device["peak"]
+
+    @property
+    def tight(self) -> bool:
+        """Whether the peak is over the budget only by the deviceless margin: within what the device has
+        for the step (``usable_bytes``), so it likely fits; the margin covers the largest gap measured
+        between a deviceless compile and the real GPU's, not a gap every compile has."""
+        return not self.fits and self.per_device["peak"] <= self.usable_bytes
+
+    @property
+    def verdict(self) -> str:
+        """``"fits"`` (within the budget), ``"tight"`` (see :attr:`tight`) or ``"does not fit"`` (over what
+        the device has for the step, even if the deviceless compile were exact)."""
+        return "fits" if self.fits else "tight" if self.tight else "does not fit"
 
     @property
     def recompute_overhead(self) -> float | None:
@@ -134,7 +149,9 @@ class MemoryReport:
             "device_memory_bytes": self.device_memory_bytes,
             "budget_bytes": self.budget_bytes,
             "deviceless_margin": self.deviceless_margin,
+            "usable_bytes": self.usable_bytes,
             "fits": self.fits,
+            "verdict": self.verdict,
             "margin_bytes": self.margin_bytes,
             "flops_per_step": self.flops_per_step,
             "flops_no_remat": self.flops_no_remat,
@@ -542,6 +559,7 @@ def _compile_and_analyze(
     overlap_off: tuple[str, ...] = (),
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
     limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
+    usable = budget(memory, target.memory_bytes, target.allocator_limit)  # The same, without the margin.
     start = time.perf_counter()
     # The GPU overlap options train runs with (overlap.py), the user's memory.compiler_options over them.
     options = overlap.step_options(target, memory.compiler_options, off=overlap_off)
@@ -571,6 +589,7 @@ def _compile_and_analyze(
                     "(mesh.axes.fsdp over more chips), recompute more (remat.policy), or lower "
                     "train.global_batch; shardmem tune searches these",
                     *_libtpu_figures(first),
+                    per_device={key: per_device_bytes(tree) for key, tree in groups.items()},
                 ) from None
             retry = target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options
             if not retry or NO_PTXAS in first:
@@ -651,7 +670,7 @@ def _compile_and_analyze(
         deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
-        compiler_options=options, schedule=schedule, module=module,
+        compiler_options=options, schedule=schedule, module=module, usable_bytes=usable,
     ), compiled  # fmt: skip
 
 
