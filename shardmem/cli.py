@@ -26,7 +26,7 @@ from rich.console import Console
 
 from shardmem._interrupt import ends_on_interrupt
 from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
-from shardmem.planning.targets import TARGET_NAMES, is_target_name
+from shardmem.planning.targets import MIG_TARGETS, TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
 
 EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -47,11 +47,13 @@ def _target(name: str) -> str:
     """An argparse type for --target: a known target, or an error that suggests the nearest ones."""
     if is_target_name(name):
         return name
-    near = [t for t in TARGET_NAMES if name and t.startswith(name)]  # h100 -> h100-sxm, h100-pcie
-    near += [t for t in difflib.get_close_matches(name, TARGET_NAMES, n=2, cutoff=0.5) if t not in near]
+    names = (*TARGET_NAMES, *MIG_TARGETS)
+    near = [t for t in names if name and t.startswith(name)]  # h100 -> h100-sxm, h100-pcie
+    near += [t for t in difflib.get_close_matches(name, names, n=2, cutoff=0.5) if t not in near]
     hint = f"did you mean {' or '.join(near[:2])}? " if near else ""
     raise argparse.ArgumentTypeError(
-        f"unknown target {name!r}: {hint}choose from {', '.join(TARGET_NAMES)} or a TPU slice such as v5p-64"
+        f"unknown target {name!r}: {hint}choose from {', '.join(TARGET_NAMES)}, a MIG slice such as "
+        "h100-sxm-mig-3g.40gb (shardmem policies lists them) or a TPU slice such as v5p-64"
     )
 
 
@@ -203,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--target",
         type=_target,
         metavar="TARGET",
-        help=f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}",
+        help=f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}, a MIG slice such as "
+        "h100-sxm-mig-3g.40gb, or a TPU slice such as v5p-64",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--top", type=int, default=10, help="buffers live at the peak to list")
@@ -469,7 +472,8 @@ def _tune(args, trials) -> int:
 
 
 def _add_explore_commands(commands) -> None:
-    target_help = f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}"
+    target_help = (f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}, a MIG slice such "
+                   "as h100-sxm-mig-3g.40gb, or a TPU slice such as v5p-64")  # fmt: skip
     p = commands.add_parser(
         "sweep",
         help="plan every combination of a grid of overrides: memory against compute",
@@ -525,7 +529,7 @@ def _add_explore_commands(commands) -> None:
 
 def cmd_policies(args) -> int:
     from shardmem.models.llama import PRESETS
-    from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS
+    from shardmem.planning.targets import GPU_TARGETS, MIG_PROFILES, TPU_TARGETS
 
     out = console()
     out.print("[bold]remat policies[/bold]")
@@ -540,6 +544,9 @@ def cmd_policies(args) -> int:
     out.print("  local          the attached accelerators")
     for name, spec in GPU_TARGETS.items():
         out.print(f"  {name:<14} {spec.description}, deviceless")
+    for gpu, profiles in MIG_PROFILES.items():
+        out.print(f"  {gpu}-mig-PROFILE  a MIG slice of the {GPU_TARGETS[gpu].description}, deviceless; "
+                  f"PROFILE: {', '.join(profiles)}", soft_wrap=True)  # fmt: skip
     for name, tpu in TPU_TARGETS.items():
         example = f"{tpu.generation}-{8 * tpu.cores_per_chip}"
         out.print(f"  {name:<14} Cloud {tpu.description}, deviceless (libtpu); slices such as {example}, "

@@ -25,7 +25,7 @@ from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.finetune.quant import FORMATS
 from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.llama import CHECKPOINT_TAGS, MLP_ACTIVATIONS, PRESETS, ModelConfig
-from shardmem.planning.targets import TARGET_NAMES, is_target_name
+from shardmem.planning.targets import MIG_TARGETS, TARGET_NAMES, is_target_name
 from shardmem.remat import LayerPlan, ModulePlan
 from shardmem.units import parse_bandwidth, parse_bytes
 
@@ -1072,8 +1072,9 @@ def _validate_rest(config: Config) -> None:
     mem = config.memory
     if not is_target_name(mem.target):
         raise ConfigError(
-            f"memory.target={mem.target!r}{did_you_mean(mem.target, TARGET_NAMES)}; "
-            f"use {one_of(TARGET_NAMES)} or a TPU slice such as v5p-64"
+            f"memory.target={mem.target!r}{did_you_mean(mem.target, (*TARGET_NAMES, *MIG_TARGETS))}; "
+            f"use {one_of(TARGET_NAMES)}, a MIG slice such as h100-sxm-mig-3g.40gb or a TPU slice such as "
+            "v5p-64"
         )
     if not 0 < mem.usable_fraction <= 1:
         raise ConfigError(f"memory.usable_fraction={mem.usable_fraction}: use a value in (0, 1]")
