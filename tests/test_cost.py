@@ -250,6 +250,7 @@ ENTRY %main (a: (s32[], f32[1024])) -> f32[8] {
 """
 
 
+@pytest.mark.newest  # HLO text as XLA writes it.
 def test_a_1f1b_tick_costs_the_slowest_op_its_stages_run_not_the_slowest_branch():
     module = hlo.parse_module(_TICKS)
     # Two stages, four ticks: both idle, one works (twice), both idle: the stages wait for the worker.

@@ -105,6 +105,7 @@ def test_gpu_target_compiles_deviceless_and_remat_cuts_temporaries():
     assert any("layers_0-7" in b.scope or "argument" in b.scope for b in full.top_buffers)
 
 
+@pytest.mark.newest  # Jaxprs and attention kernels differ between JAX versions.
 def test_recomputation_is_never_negative_and_hfu_never_below_mfu():
     """The model's FLOPs leave out every recomputation, the attention kernel's own too: chunked attention
     recomputes each query block, and with ``dots`` (which saves those products) the step recomputed less

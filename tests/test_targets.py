@@ -86,6 +86,7 @@ def test_mig_slices_are_rows_of_their_gpus_share_of_sms_and_memory():
     assert MIG_TARGETS["h200-mig-7g.141gb"].memory_bytes == GPU_TARGETS["h200"].memory_bytes
 
 
+@pytest.mark.newest  # A deviceless GPU compile.
 def test_a_mig_slice_plans_deviceless_and_with_the_plan_command(capsys):
     from shardmem.cli import main
 
