@@ -1,17 +1,19 @@
-"""How fast Ctrl-C ends a planning command, and how fast an absurd slice count is refused (issue 30).
+"""How fast Ctrl-C ends a command, and how fast an absurd slice count is refused (issues 30, 41).
 
     python bench/interrupt_bench.py
 
 Each interrupt case starts the command in a process group of its own (as a terminal runs it), waits for a
-moment it can see (the compile's watcher process, a line on stderr), sends SIGINT to the group, and
-prints the seconds until the command exited and until no process of its group was left, its exit status
-and its stderr's last line. The slice cases time ``shardmem plan configs/tiny.yaml --target N`` to its
-exit. One markdown row each.
+moment it can see (the compile's watcher process, a line on stderr) or a fixed time (``train`` 1, 2, 3 and
+5 s after its start, issue 41), sends SIGINT to the group, and prints the seconds until the command
+exited and until no process of its group was left, its exit status and its stderr's last line (or
+stdout's, where stderr has none: ``train`` that saved first). The slice cases time ``shardmem plan
+configs/tiny.yaml --target N`` to its exit. One markdown row each.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,14 +29,15 @@ def interrupt(name: str, argv: list[str], wait) -> None:
     wait(started)
     sent = time.monotonic()
     os.killpg(started.process.pid, signal.SIGINT)
-    started.process.stdout.read()
     status = started.process.wait(timeout=60)
     exited = time.monotonic() - sent
     while _group(started.process.pid) and time.monotonic() - sent < 30:
         time.sleep(0.01)
     gone = time.monotonic() - sent
-    started.reader.join(timeout=10)
-    last = "".join(started.err).strip().splitlines()[-1]
+    for reader in started.readers:
+        reader.join(timeout=10)
+    said = "".join(started.err).strip() or "".join(started.lines["out"]).strip()
+    last = said.splitlines()[-1] if said else ""
     print(f"| {name} | {exited:.2f} s | {gone:.2f} s | {status} | `{last}` |", flush=True)
 
 
@@ -64,6 +67,12 @@ def main() -> None:
     interrupt("sweep configs/tiny.yaml --target cpu --grid remat.policy=none,full,minimal --jobs 2",
               ["sweep", "configs/tiny.yaml", "--target", "cpu", "--grid", "remat.policy=none,full,minimal",
                "--jobs", "2", "--out", "/tmp/shardmem-interrupt-bench"], sweeping)  # fmt: skip
+    for seconds in (1, 2, 3, 5):
+        run_dir = f"/tmp/shardmem-interrupt-bench-train-{seconds}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        interrupt(f"train configs/tiny.yaml, {seconds} s after its start",
+                  ["train", "configs/tiny.yaml", "--run-dir", run_dir],
+                  lambda started, wait=seconds: time.sleep(wait))  # fmt: skip
     print("\n| command | to exit | exit | stderr |")
     print("|---|---|---|---|")
     for target in ("100000xv5e-256", "5000xv5e-256"):

@@ -243,9 +243,15 @@ def plan_row(row_id: str) -> dict:
     return {
         "id": row_id, "published_seconds": published, "predicted_seconds": st.seconds,
         "ratio": st.seconds / published, "breakdown": st.breakdown(), "mfu": st.mfu, "hfu": st.hfu,
-        "peak_gib": report.per_device["peak"] / 2**30, "fits": report.fits,
+        "peak_gib": report.per_device["peak"] / 2**30, "fits": report.fits, "verdict": report.verdict,
+        "budget_gib": report.budget_bytes / 2**30, "usable_gib": report.usable_bytes / 2**30,
         "plan_seconds": time.perf_counter() - start, "assumptions": assumptions,
     }  # fmt: skip
+
+
+def _verdict(result: dict) -> str:
+    return (f"{result['verdict']}: budget {result['budget_gib']:.1f} GiB, usable "
+            f"{result['usable_gib']:.1f} GiB")  # fmt: skip
 
 
 def _utilization(result: dict) -> str:
@@ -273,7 +279,7 @@ def main(argv=None) -> int:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in result["breakdown"].items() if v)
         print(f"{row_id:24} {result['published_seconds']:9.3f} {result['predicted_seconds']:9.3f} "
               f"{result['ratio']:6.2f}  {parts}; peak {result['peak_gib']:.1f} GiB"
-              f"{'' if result['fits'] else ' (does not fit)'}; {_utilization(result)}"
+              f"{'' if result['fits'] else ' (' + _verdict(result) + ')'}; {_utilization(result)}"
               f"planned in {result['plan_seconds']:.0f} s", flush=True)  # fmt: skip
         for assumption in result["assumptions"]:
             print(f"{'':26}assumes: {assumption}")

@@ -10,6 +10,12 @@ JAX/Flax training.
 import os as _os
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
+from shardmem import _interrupt
+
+# `python -m shardmem` imports this package, JAX included (a second or more), before shardmem/__main__.py:
+# a Ctrl-C meanwhile must end the command as later (exit 130, one line), not with an import traceback.
+_interrupt.guard_the_command()
+
 # The CUDA plugin ships with shardmem so that planning for GPUs works anywhere; on a machine without
 # an NVIDIA driver it must not try to start a GPU client. Users can still set JAX_PLATFORMS themselves.
 _NO_GPU = not _os.path.exists("/dev/nvidiactl")

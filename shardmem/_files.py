@@ -21,6 +21,7 @@ import secrets
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from shardmem._interrupt import undone_on_interrupt
 from shardmem.errors import ConfigError
 
 
@@ -53,30 +54,35 @@ def make_folder(path: str | Path, flag: str) -> Path:
 def staged(paths: Sequence[str | Path], flag: str) -> Iterator[list[Path]]:
     """Yields a temporary path beside each of ``paths`` (same suffix) for the block to write; when it
     ends, each is flushed to the disk and renamed over its path. On any error, including an OSError
-    (raised as ConfigError naming ``flag``) and KeyboardInterrupt, the temporaries are removed and
-    ``paths`` are as they were."""
+    (raised as ConfigError naming ``flag``), and on Ctrl-C (which ends the process at once:
+    :mod:`shardmem._interrupt`), the temporaries are removed and ``paths`` are as they were."""
     paths = [Path(p).expanduser() for p in paths]
     temporaries: list[Path] = []
-    try:
-        for path in paths:
-            if path.is_dir():
-                raise ConfigError(f"{flag} {str(path)!r} is a folder; give a file name")
-            temporary = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.partial{path.suffix}")
-            with open(temporary, "xb"):  # Created now (the user's umask applies), written by the block.
-                temporaries.append(temporary)
-        yield list(temporaries)
-        for temporary in temporaries:
-            _flush(temporary)
-        for temporary, path in zip(temporaries, paths, strict=True):
-            os.replace(temporary, path)
-        with contextlib.suppress(OSError):  # The renames themselves on the disk (not every system can).
-            _flush(paths[0].parent)
-    except OSError as e:
-        raise ConfigError(_problem(flag, paths[0], e, "write")) from None
-    finally:
+
+    def remove_temporaries() -> None:
         for temporary in temporaries:
             with contextlib.suppress(OSError):
                 temporary.unlink(missing_ok=True)
+
+    with undone_on_interrupt(remove_temporaries):
+        try:
+            for path in paths:
+                if path.is_dir():
+                    raise ConfigError(f"{flag} {str(path)!r} is a folder; give a file name")
+                temporary = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.partial{path.suffix}")
+                with open(temporary, "xb"):  # Created now (the user's umask applies), written by the block.
+                    temporaries.append(temporary)
+            yield list(temporaries)
+            for temporary in temporaries:
+                _flush(temporary)
+            for temporary, path in zip(temporaries, paths, strict=True):
+                os.replace(temporary, path)
+            with contextlib.suppress(OSError):  # The renames themselves on the disk (not every system can).
+                _flush(paths[0].parent)
+        except OSError as e:
+            raise ConfigError(_problem(flag, paths[0], e, "write")) from None
+        finally:
+            remove_temporaries()
 
 
 def write_file(path: str | Path, data: str | bytes, flag: str) -> Path:

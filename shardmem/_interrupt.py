@@ -1,15 +1,23 @@
-"""Ctrl-C for commands that only plan: ends the process within a moment, even inside an XLA compile.
+"""Ctrl-C for the ``shardmem`` command: ends the process within a moment, even inside an XLA compile.
 
     with ends_on_interrupt(lambda: print("what was done so far")):
         report = plan(config, "h100-sxm")
 
 Python runs a SIGINT handler only between bytecodes of the main thread, so a compile (minutes in C++)
 would swallow Ctrl-C until it returned, and the processes it started would each print a
-``KeyboardInterrupt`` traceback of their own. Inside the block SIGINT is blocked in the main thread, so
-every thread and process started there inherits the block (XLA's threads, the ``_quiet`` watcher,
-tune's and sweep's spawned workers: none of them hears Ctrl-C), and one thread of ours waits for it:
-it runs ``on_interrupt``, ends the processes this one started, prints ``shardmem: interrupted`` and
-exits with status 130 at once. ``train`` handles SIGINT itself (it saves a checkpoint first).
+``KeyboardInterrupt`` traceback of their own. Worse, jaxlib polls for signals while it waits for a
+compile and raises ``KeyboardInterrupt`` at once, while XLA's thread pool goes on compiling: the
+interpreter then shuts down under that thread, which dereferences the freed client's device list when
+the compile ends (a segmentation fault, exit 139: ``train`` did this 1.7-3 s after its start). And a
+``KeyboardInterrupt`` that lands in a garbage-collection callback is printed as "Exception ignored" and
+lost. So ``KeyboardInterrupt`` is never raised here: inside the block SIGINT is blocked in the main
+thread, so every thread and process started there inherits the block (XLA's threads, the ``_quiet``
+watcher, tune's and sweep's spawned workers: none of them hears Ctrl-C), and one thread of ours waits
+for it: it runs ``on_interrupt`` and the undo steps of :func:`undone_on_interrupt`, ends the processes
+this one started, prints ``shardmem: interrupted`` and exits with status 130 at once, without the
+interpreter's shutdown. Before any block (while the command imports JAX, a second or more) the same
+exit is a plain handler's (:func:`guard_the_command`). ``train``'s loop takes SIGINT over
+(:func:`sigint_to_python`): it saves a checkpoint first.
 """
 
 from __future__ import annotations
@@ -22,7 +30,33 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+from shardmem import _quiet
+
 EXIT_INTERRUPTED = 130
+
+_undo_steps: list[Callable[[], None]] = []  # What an interrupt undoes first, innermost last.
+_python_handles = threading.Event()  # Set inside sigint_to_python(): SIGINT is not ours to act on.
+
+
+def guard_the_command() -> None:
+    """From now on (until a block of this module takes over), Ctrl-C ends this process as an interrupted
+    command does (exit 130, one line), where it is the ``shardmem`` command (``python -m shardmem`` or the
+    console script); in a program that imports shardmem, nothing changes. Called first thing by the
+    package, because ``python -m shardmem`` imports it, JAX included, before ``__main__`` runs. A process
+    started with Ctrl-C ignored (a background job) keeps ignoring it."""
+    if not _is_the_command() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: _interrupted(None))
+
+
+def _is_the_command() -> bool:
+    """Whether this process runs the ``shardmem`` command. While ``python -m shardmem`` imports the
+    package, ``sys.argv[0]`` is "-m" (the module is still being located) and ``sys.orig_argv`` names it;
+    the console script is a file named ``shardmem``."""
+    argv = getattr(sys, "orig_argv", [])
+    if sys.argv[:1] == ["-m"] and "-m" in argv:
+        return argv[argv.index("-m") + 1 :][:1] == ["shardmem"]
+    return os.path.basename(sys.argv[0]) == "shardmem" if sys.argv else False
 
 
 @contextlib.contextmanager
@@ -40,8 +74,17 @@ def ends_on_interrupt(
         from multiprocessing import resource_tracker
 
         # Now, before SIGINT is blocked: starting the tracker unblocks SIGINT in the calling thread
-        # afterwards, and the workers spawned after that would each take Ctrl-C for themselves.
-        resource_tracker.ensure_running()
+        # afterwards, and the workers spawned after that would each take Ctrl-C for themselves. Its
+        # stderr is /dev/null: after an interrupt it would warn of the worker pools' semaphores as
+        # "leaked" (it still removes them), lines that follow "shardmem: interrupted".
+        saved_stderr, silence = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(silence, 2)
+        try:
+            resource_tracker.ensure_running()
+        finally:
+            os.dup2(saved_stderr, 2)
+            os.close(saved_stderr)
+            os.close(silence)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)  # signal.set_wakeup_fd needs it.
     previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: None)  # The thread acts.
@@ -55,7 +98,7 @@ def ends_on_interrupt(
             received = os.read(read_end, 1)
             if not received or received[0] == 0:  # The block ended: nothing to do.
                 return
-            if received[0] == signal.SIGINT:
+            if received[0] == signal.SIGINT and not _python_handles.is_set():
                 _interrupted(on_interrupt)
 
     waiter = threading.Thread(target=wait, name="shardmem-interrupt", daemon=True)
@@ -72,13 +115,42 @@ def ends_on_interrupt(
         os.close(write_end)
 
 
-def _interrupted(on_interrupt: Callable[[], None] | None) -> None:
-    from shardmem import _quiet
+@contextlib.contextmanager
+def undone_on_interrupt(undo: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, an interrupt that ends the process calls ``undo`` first, so that what the
+    block makes (a file it writes, a run directory it sets up) is not left behind half made. The main
+    thread may still be at work as ``undo`` runs: undo what cannot be half there by the exit (remove a
+    file, a folder this block created), nothing the block must finish."""
+    _undo_steps.append(undo)
+    try:
+        yield
+    finally:
+        _undo_steps.remove(undo)
 
+
+@contextlib.contextmanager
+def sigint_to_python() -> Iterator[None]:
+    """Inside the block, SIGINT runs the Python handler set for it (in the main thread, between
+    bytecodes), also inside an :func:`ends_on_interrupt` block, which then leaves the process running:
+    ``train``'s loop stops at the next step and saves."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _python_handles.set()
+    try:
+        yield
+    finally:
+        _python_handles.clear()
+
+
+def _interrupted(on_interrupt: Callable[[], None] | None) -> None:
     _quiet.abandon()  # Stderr back, and no watcher to report this exit as a crash.
     if on_interrupt is not None:
         with contextlib.suppress(Exception):  # What is printed is a courtesy; the exit is the point.
             on_interrupt()
+    for undo in reversed(_undo_steps):
+        with contextlib.suppress(Exception):
+            undo()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     os.write(2, b"shardmem: interrupted\n")

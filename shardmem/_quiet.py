@@ -14,11 +14,14 @@ from collections.abc import Iterator
 # Runs in a small process of its own: it waits on a pipe that the block closes after writing one byte
 # when it ends. End of file without that byte means the process died inside the block (XLA aborts on a
 # failed check with SIGABRT, and nothing of Python runs after that), so the watcher prints the gist of
-# what the native code wrote to the captured stderr, on the real one.
+# what the native code wrote to the captured stderr, on the real one. Unless Ctrl-C came first: it
+# reaches the terminal's whole process group, this watcher too, and an interrupted command ends its
+# processes on purpose (tune's and sweep's workers are killed mid-compile, and their watchers see the
+# same end of file as after a crash). So SIGINT stays blocked here, pending once it came.
 _WATCHER = r"""
 import os, re, signal, sys
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: no traceback here.
-if os.read(0, 1):
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # Ctrl-C is the parent's: no traceback here.
+if os.read(0, 1) or signal.SIGINT in signal.sigpending():
     sys.exit(0)
 fd = int(sys.argv[1])
 size = os.fstat(fd).st_size

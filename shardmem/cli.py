@@ -1,9 +1,10 @@
 """The ``shardmem`` command: thin wrappers that parse arguments and call the library.
 
 Exit codes: 0 success (plan: fits; train: finished or stopped by SIGTERM with a checkpoint), 3 the
-plan does not fit, 2 a config or usage error (printed without a traceback), 4 training diverged (NaN
-or infinite loss, gradient or state), 130 interrupted (Ctrl-C: ``train`` saves a checkpoint first;
-``plan``, ``sweep`` and ``tune`` stop at once, even mid-compile, see :mod:`shardmem._interrupt`).
+plan does not fit, 5 the plan is tight (over the budget only by the deviceless margin: likely fits), 2 a
+config or usage error (printed without a traceback), 4 training diverged (NaN or infinite loss, gradient
+or state), 130 interrupted (Ctrl-C: every command stops at once, even mid-compile, see
+:mod:`shardmem._interrupt`; ``train`` from its first step saves a checkpoint first).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from rich.console import Console
 from shardmem._files import check_writable
 from shardmem._interrupt import ends_on_interrupt
 from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
-from shardmem.planning.targets import TARGET_NAMES, is_target_name
+from shardmem.planning.targets import MIG_TARGETS, TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
 
 EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
-EXIT_DIVERGED, EXIT_INTERRUPTED = 4, 130
+EXIT_DIVERGED, EXIT_TIGHT, EXIT_INTERRUPTED = 4, 5, 130
 
 
 def console(fit=None) -> Console:
@@ -47,11 +48,13 @@ def _target(name: str) -> str:
     """An argparse type for --target: a known target, or an error that suggests the nearest ones."""
     if is_target_name(name):
         return name
-    near = [t for t in TARGET_NAMES if name and t.startswith(name)]  # h100 -> h100-sxm, h100-pcie
-    near += [t for t in difflib.get_close_matches(name, TARGET_NAMES, n=2, cutoff=0.5) if t not in near]
+    names = (*TARGET_NAMES, *MIG_TARGETS)
+    near = [t for t in names if name and t.startswith(name)]  # h100 -> h100-sxm, h100-pcie
+    near += [t for t in difflib.get_close_matches(name, names, n=2, cutoff=0.5) if t not in near]
     hint = f"did you mean {' or '.join(near[:2])}? " if near else ""
     raise argparse.ArgumentTypeError(
-        f"unknown target {name!r}: {hint}choose from {', '.join(TARGET_NAMES)} or a TPU slice such as v5p-64"
+        f"unknown target {name!r}: {hint}choose from {', '.join(TARGET_NAMES)}, a MIG slice such as "
+        "h100-sxm-mig-3g.40gb (shardmem policies lists them) or a TPU slice such as v5p-64"
     )
 
 
@@ -131,7 +134,7 @@ def cmd_plan(args) -> int:
 
 def _plan(args) -> int:
     from shardmem.planning.memory import plan
-    from shardmem.planning.report import render, sharding_json
+    from shardmem.planning.report import render, render_refused, sharding_json
 
     at_least("--top", args.top, 0, "give the number of buffers to list, 0 or more")
     for path, flag in ((args.html, "--html"), (args.png, "--png")):
@@ -144,13 +147,16 @@ def _plan(args) -> int:
             report = plan(config, args.target, top=args.top)
     except DoesNotFit as e:  # libtpu refused the step as over the chip's HBM: no report, still a verdict.
         if args.json:
-            verdict = {"name": config.name, "target": target, "fits": False,
+            known = {**e.per_device, "temp": e.required_bytes} if e.per_device else {}
+            verdict = {"name": config.name, "target": target, "fits": False, "verdict": "does not fit",
                        "refused_by_compiler": True, "required_bytes": e.required_bytes,
-                       "available_bytes": e.available_bytes, "error": str(e)}  # fmt: skip
+                       "available_bytes": e.available_bytes, "per_device": known,
+                       "error": str(e)}  # fmt: skip
             print(json.dumps(verdict, indent=2), flush=True)
-            print(f"shardmem: error: {e}", file=sys.stderr)
-            return e.exit_code  # The verdict is the JSON object: main() adds no error object.
-        raise
+        else:
+            console().print(render_refused(e, config.name, target))
+        print(f"shardmem: error: {e}", file=sys.stderr)
+        return e.exit_code  # The verdict is printed: main() adds no error object.
     if args.json:
         data = report.to_json()
         if args.sharding:
@@ -172,7 +178,7 @@ def _plan(args) -> int:
                     save(temporary)
         written = " and ".join(path for path in (args.html, args.png) if path)
         print(f"wrote the memory timeline to {written}", file=sys.stderr)
-    return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
+    return {"fits": EXIT_OK, "tight": EXIT_TIGHT, "does not fit": EXIT_DOES_NOT_FIT}[report.verdict]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,15 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="compile the training step ahead of time and report per-device memory",
         description="Compiles the config's training step on abstract shapes for a target and reports "
-        "the peak device memory, what it is made of, and whether it fits. Exit 0: fits; 3: does not "
-        "fit; 2: config error.",
+        "the peak device memory, what it is made of, and whether it fits. Exit 0: fits; 5: tight (over "
+        "the budget only by the deviceless margin, within the device's usable memory: likely fits); 3: "
+        "does not fit; 2: config error.",
     )
     _config_args(p)
     p.add_argument(
         "--target",
         type=_target,
         metavar="TARGET",
-        help=f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}",
+        help=f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}, a MIG slice such as "
+        "h100-sxm-mig-3g.40gb, or a TPU slice such as v5p-64",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--top", type=int, default=10, help="buffers live at the peak to list")
@@ -211,6 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
+    # Ctrl-C before the first step ends the process at once (exit 130), even mid-compile, and takes back
+    # what the start made; from the first step on, the loop stops at the next step and saves first.
+    with ends_on_interrupt():
+        code, stopped = _train(args)
+    if stopped:
+        # Stopped by a signal and saved: another Ctrl-C while Python and JAX tear down just ends the
+        # process, instead of a KeyboardInterrupt traceback from some atexit hook.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return code
+
+
+def _train(args) -> tuple[int, bool]:
+    """Returns the exit code, and whether a signal stopped the run (saved)."""
     from shardmem.planning.report import render
     from shardmem.run.training import DivergedError, DoesNotFitError, start_runtime, train
 
@@ -223,18 +244,20 @@ def cmd_train(args) -> int:
     except DoesNotFitError as e:
         out.print(render(e.report))
         print(f"shardmem: error: {e}", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
+        return EXIT_DOES_NOT_FIT, False
     except DivergedError as e:
         print(f"shardmem: error: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
-    if result.status != "finished":
-        # Stopped by a signal and saved: another Ctrl-C while Python and JAX tear down just ends the
-        # process, instead of a KeyboardInterrupt traceback from some atexit hook.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-    return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_OK
+        return EXIT_DIVERGED, False
+    code = EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_OK
+    return code, result.status != "finished"
 
 
 def cmd_export(args) -> int:
+    with ends_on_interrupt():  # Ctrl-C ends it at once, exit 130; the file being written goes first.
+        return _export(args)
+
+
+def _export(args) -> int:
     import jax
 
     from shardmem._quiet import native_stderr_silenced
@@ -435,7 +458,8 @@ def _tune(args, trials) -> int:
 
 
 def _add_explore_commands(commands) -> None:
-    target_help = f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}"
+    target_help = (f"where to plan for (default: memory.target): {', '.join(TARGET_NAMES)}, a MIG slice such "
+                   "as h100-sxm-mig-3g.40gb, or a TPU slice such as v5p-64")  # fmt: skip
     p = commands.add_parser(
         "sweep",
         help="plan every combination of a grid of overrides: memory against compute",
@@ -491,7 +515,7 @@ def _add_explore_commands(commands) -> None:
 
 def cmd_policies(args) -> int:
     from shardmem.models.llama import PRESETS
-    from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS
+    from shardmem.planning.targets import GPU_TARGETS, MIG_PROFILES, TPU_TARGETS
 
     out = console()
     out.print("[bold]remat policies[/bold]")
@@ -506,6 +530,9 @@ def cmd_policies(args) -> int:
     out.print("  local          the attached accelerators")
     for name, spec in GPU_TARGETS.items():
         out.print(f"  {name:<14} {spec.description}, deviceless")
+    for gpu, profiles in MIG_PROFILES.items():
+        out.print(f"  {gpu}-mig-PROFILE  a MIG slice of the {GPU_TARGETS[gpu].description}, deviceless; "
+                  f"PROFILE: {', '.join(profiles)}", soft_wrap=True)  # fmt: skip
     for name, tpu in TPU_TARGETS.items():
         example = f"{tpu.generation}-{8 * tpu.cores_per_chip}"
         out.print(f"  {name:<14} Cloud {tpu.description}, deviceless (libtpu); slices such as {example}, "

@@ -26,7 +26,7 @@ from shardmem.finetune.hf_config import disagreements, pretrained_model
 from shardmem.finetune.quant import FORMATS
 from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.llama import CHECKPOINT_TAGS, MLP_ACTIVATIONS, PRESETS, ModelConfig
-from shardmem.planning.targets import TARGET_NAMES, is_target_name
+from shardmem.planning.targets import MIG_TARGETS, TARGET_NAMES, is_target_name
 from shardmem.remat import LayerPlan, ModulePlan
 from shardmem.units import parse_bandwidth, parse_bytes
 
@@ -308,7 +308,7 @@ class Config:
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     interconnect: InterconnectConfig = dataclasses.field(default_factory=InterconnectConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
-    name: str = "run"  # The run's name: runs/<name> (default: the config file's name).
+    name: str = "run"  # The run's name, one folder name: runs/<name> (default: the config file's name).
     # The loaded file's folder, where import paths (model.factory, ...) are looked up first; not a key.
     folder: str | None = dataclasses.field(default=None, compare=False, metadata={"internal": True})
 
@@ -724,6 +724,7 @@ def _validate_experts(m: ModelConfig) -> None:
 
 
 def _validate(config: Config) -> None:
+    _validate_name(config.name)
     if isinstance(config.model, ModelConfig):
         _validate_model(config.model)
     elif isinstance(config.model, UserModelConfig):
@@ -733,6 +734,17 @@ def _validate(config: Config) -> None:
     _validate_sizes(config)
     _validate_rest(config)
     _validate_finetune(config.finetune)
+
+
+def _validate_name(name: str) -> None:
+    """The run's name is a folder name (runs/<name>, sweep-<name>): one path component, so that a run
+    stays inside runs/ and never is runs/ itself."""
+    unprintable = [c for c in name if not c.isprintable()]
+    if name.strip() in ("", ".", "..") or "/" in name or "\\" in name or unprintable:
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-") or "my-run"
+        raise ConfigError(f"name={name!r}: the run's name is the folder runs/<name>, so it must be one "
+                          "folder name (not empty, '.' or '..', no '/', '\\' or control characters); use "
+                          f"e.g. name: {safe}")  # fmt: skip
 
 
 def _validate_finetune(ft: FinetuneConfig) -> None:
@@ -1086,8 +1098,9 @@ def _validate_rest(config: Config) -> None:
     mem = config.memory
     if not is_target_name(mem.target):
         raise ConfigError(
-            f"memory.target={mem.target!r}{did_you_mean(mem.target, TARGET_NAMES)}; "
-            f"use {one_of(TARGET_NAMES)} or a TPU slice such as v5p-64"
+            f"memory.target={mem.target!r}{did_you_mean(mem.target, (*TARGET_NAMES, *MIG_TARGETS))}; "
+            f"use {one_of(TARGET_NAMES)}, a MIG slice such as h100-sxm-mig-3g.40gb or a TPU slice such as "
+            "v5p-64"
         )
     if not 0 < mem.usable_fraction <= 1:
         raise ConfigError(f"memory.usable_fraction={mem.usable_fraction}: use a value in (0, 1]")

@@ -25,14 +25,18 @@ class PlanError(ShardmemError):
 class DoesNotFit(PlanError):
     """The compiler itself refused the step as too big for the device: XLA's TPU compiler fails on a
     program over the chip's HBM, so there is no report, only its figures: ``required_bytes`` (what it
-    needed, a lower bound of the peak) and ``available_bytes`` (the HBM it had), None where its message
-    gives none. The CLI exits 3, as for a plan that does not fit."""
+    needed for the step's temporaries, a lower bound of the peak) and ``available_bytes`` (the HBM it
+    had), None where its message gives none; and ``per_device``, what each device holds that is known
+    without the compile, from the shapes and shardings (``params``, ``optimizer``, ``batch``, ...). The
+    CLI exits 3, as for a plan that does not fit."""
 
     exit_code = 3
 
-    def __init__(self, message: str, required_bytes: int | None = None, available_bytes: int | None = None):
+    def __init__(self, message: str, required_bytes: int | None = None, available_bytes: int | None = None,
+                 per_device: dict[str, int] | None = None):  # fmt: skip
         super().__init__(message)
         self.required_bytes, self.available_bytes = required_bytes, available_bytes
+        self.per_device = dict(per_device or {})
 
 
 def at_least(option: str, value: int | None, least: int, fix: str) -> None:

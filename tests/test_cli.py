@@ -74,6 +74,41 @@ def test_plan_that_does_not_fit_exits_3_and_still_reports():
     assert "shardmem tune with the same config and --target searches these" in result.stdout
 
 
+@pytest.fixture(scope="module")
+def tiny_report():
+    """The tiny config planned for the cpu target (one compile, shared)."""
+    from shardmem.planning.memory import plan
+
+    return plan(load_config(TINY), "cpu", top=1)
+
+
+@pytest.mark.parametrize("usable, verdict, code", [(1.08, "tight", 5), (0.95, "does not fit", 3)])
+def test_a_plan_over_the_budget_only_by_the_deviceless_margin_is_tight(usable, verdict, code, tiny_report,
+                                                                        monkeypatch, capsys):  # fmt: skip
+    """Over the budget (usable memory / 1.16) but within the usable memory: tight, likely fits (exit 5), as
+    llm-foundry's MPT-7B on 8 H100s plans (64.4 GiB against a 60.5 GiB budget, 70.2 GiB usable); over the
+    usable memory itself: does not fit (exit 3). In the text, the JSON and the exit code (issue 41)."""
+    import dataclasses
+
+    report = tiny_report
+    peak = report.per_device["peak"]
+    usable_bytes = int(usable * peak)
+    report = dataclasses.replace(report, deviceless_margin=0.16, usable_bytes=usable_bytes,
+                                 budget_bytes=int(usable_bytes / 1.16), fits=False)  # fmt: skip
+    monkeypatch.setattr("shardmem.planning.memory.plan", lambda *args, **kwargs: report)
+    assert main(["plan", TINY, "--json"]) == code
+    data = json.loads(capsys.readouterr().out)
+    assert (data["verdict"], data["fits"], data["usable_bytes"]) == (verdict, False, usable_bytes)
+    assert main(["plan", TINY]) == code
+    text = " ".join(capsys.readouterr().out.split())  # Lines as one, wherever the console wrapped them.
+    if verdict == "tight":
+        assert "TIGHT, LIKELY FITS" in text and "DOES NOT FIT" not in text
+        assert "tight: " in text and "over the budget only by the deviceless margin (0.16)" in text
+        assert "plan with --target local on the GPU for an exact verdict" in text
+    else:
+        assert "DOES NOT FIT" in text and "next: shard more" in text and "tight" not in text
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -105,6 +105,12 @@ def test_reserve_accepts_units():
             {"model": {"preset": "tiny"}, "remat": {"custom": {"qeury_proj": "save"}}},
             ["remat.custom.qeury_proj", "query_proj"],
         ),
+        (
+            {"model": {"preset": "tiny"}, "name": "../../etc/evil"},
+            ["name='../../etc/evil'", "name: etc-evil"],
+        ),
+        ({"model": {"preset": "tiny"}, "name": ""}, ["name=''", "runs/<name>", "name: my-run"]),
+        ({"model": {"preset": "tiny"}, "name": ".."}, ["name='..'", "one folder name"]),
     ],
 )
 def test_config_errors_name_the_key_and_the_fix(raw, fragments):

@@ -129,6 +129,7 @@ def test_matmul_flops_count_scan_trips():
     assert hlo.matmul_flops(jaxpr) == 3 * 2 * 4 * 16 * 16
 
 
+@pytest.mark.newest  # The Pallas kernel differs between JAX versions.
 @pytest.mark.parametrize("causal", [True, False])
 def test_matmul_flops_count_the_pallas_flash_kernel_from_its_shapes(causal):
     """JAX's Pallas flash kernel is one opaque op in the jaxpr: its matmuls (2 forward, 7 backward, over
@@ -143,7 +144,10 @@ def test_matmul_flops_count_the_pallas_flash_kernel_from_its_shapes(causal):
 
     pairs = b * heads * length * length * head_dim * (0.5 if causal else 1.0)
     assert hlo.matmul_flops(jax.make_jaxpr(loss)(q, q, q)) == 2 * 2 * pairs
-    assert hlo.matmul_flops(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, q, q)) == (2 + 7) * 2 * pairs
+    grad = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, q, q)
+    assert hlo.matmul_flops(grad) == (2 + 7) * 2 * pairs
+    # The model's FLOPs, as MFU counts them: a backward that recomputes nothing (dP, dV, dQ, dK).
+    assert hlo.matmul_flops(grad, recomputed=False) == (2 + 4) * 2 * pairs
 
 
 def test_matmul_flops_count_cudnn_attention_by_its_mask():
@@ -160,7 +164,29 @@ def test_matmul_flops_count_cudnn_attention_by_its_mask():
     assert (
         hlo.fused_attention_flops(eqn("dot_product_attention_bwd_wrapper", "MaskType.NO_MASK")) == 10 * pairs
     )
+    backward = eqn("dot_product_attention_bwd_wrapper", "MaskType.CAUSAL")
+    assert hlo.fused_attention_flops(backward, recomputed=False) == 4 * pairs  # Without recomputing QK.
     assert hlo.fused_attention_flops(eqn("dot_general", None)) is None
+
+
+@pytest.mark.newest  # Name stacks in jaxprs differ between JAX versions.
+def test_matmul_flops_count_a_switch_by_how_often_a_table_runs_each_branch():
+    """A scan whose trip picks a branch from a table (the 1F1B schedule's ticks): each branch counts as
+    often as it runs, not the costliest one every trip."""
+
+    def f(ops_T, w, x):
+        def tick(x, op):
+            branches = [lambda x: x, lambda x: x @ w, lambda x: x @ w @ w @ w]
+            return jax.lax.switch(op, branches, x), None
+
+        with jax.named_scope("ticks"):
+            return jax.lax.scan(tick, x, ops_T)[0].sum()
+
+    jaxpr = jax.make_jaxpr(f)(jnp.zeros(6, jnp.int32), jnp.ones((16, 16)), jnp.ones((4, 16)))
+    one = 2 * 4 * 16 * 16
+    assert hlo.matmul_flops(jaxpr) == 6 * 3 * one  # The costliest branch, every trip.
+    assert hlo.matmul_flops(jaxpr, branch_runs={"ticks": (3, 2, 1)}) == (2 * 1 + 1 * 3) * one
+    assert hlo.matmul_flops(jaxpr, branch_runs={"other": (3, 2, 1)}) == 6 * 3 * one
 
 
 def test_matmul_flops_count_shard_map_bodies_once_per_shard():

@@ -13,8 +13,10 @@ import shardmem
 from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
+from shardmem.planning import hlo
 from shardmem.planning.memory import budget, plan, plan_function
 from shardmem.planning.targets import resolve_target
+from shardmem.step import build_program
 
 
 def _tiny(**sections):
@@ -94,12 +96,36 @@ def test_gpu_target_compiles_deviceless_and_remat_cuts_temporaries():
     # here (the gathered weights and gradients are the rest); full remat keeps only layer inputs.
     assert full.per_device["temp"] < 0.75 * none.per_device["temp"]
     assert full.per_device["peak"] < none.per_device["peak"]
-    assert full.recompute_overhead > 0.1 and none.recompute_overhead == 0
+    # Without remat the flash kernel still recomputes the scores in its backward: HFU counts it, MFU not.
+    assert full.recompute_overhead > 0.1 + none.recompute_overhead and none.recompute_overhead > 0
     assert full.per_device["params"] == none.per_device["params"]
     # FSDP over 8 devices gathers the weights: the report reads collectives from the compiled HLO.
     assert full.collectives["all-gather"] > 0
     assert full.top_buffers and full.top_buffers[0].bytes >= full.top_buffers[-1].bytes
     assert any("layers_0-7" in b.scope or "argument" in b.scope for b in full.top_buffers)
+
+
+@pytest.mark.newest  # Jaxprs and attention kernels differ between JAX versions.
+def test_recomputation_is_never_negative_and_hfu_never_below_mfu():
+    """The model's FLOPs leave out every recomputation, the attention kernel's own too: chunked attention
+    recomputes each query block, and with ``dots`` (which saves those products) the step recomputed less
+    than the plain ``none`` step, so against that it showed -2% (issue 41: gpt2-124m on t4)."""
+    from shardmem.planning.memory import model_flops
+
+    def config(policy):
+        return config_from_dict({
+            "model": {"preset": "tiny", "attention": "chunked", "attention_chunk": 16},
+            "mesh": {"axes": {"data": 8}}, "remat": {"policy": policy}, "train": {"global_batch": 16},
+            "memory": {"target": "cpu"},
+        })  # fmt: skip
+
+    dots = plan(config("dots"))
+    assert dots.recompute_overhead == 0  # It saves every product the kernel would recompute.
+    assert dots.step_time.hfu == pytest.approx(dots.step_time.mfu)
+    for policy in ("none", "minimal", "full"):  # Traced only: the FLOPs need no compile.
+        program = build_program(config(policy), build_mesh({"data": 8}, jax.devices()))
+        jaxpr = program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
+        assert hlo.matmul_flops(jaxpr) > model_flops(program, jaxpr) == dots.flops_no_remat, policy
 
 
 def test_offload_moves_bytes_to_host_on_gpu_targets():

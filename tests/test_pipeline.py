@@ -185,6 +185,26 @@ def test_1f1b_with_two_backward_parts_trains_as_one_device(one_device, axes, rul
 
 
 @pytest.mark.slow
+@pytest.mark.newest  # The differentiated jaxpr differs between JAX versions.
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_1f1b_flops_are_the_steps_without_a_pipeline_and_full_remat_recomputes(policy):
+    """Counted by what each stage runs at each tick, a 1F1B step's matmuls are those of the same step
+    without a pipeline (idle ticks run nothing); charging every tick its costliest op (the last stage's
+    head, the costliest backward part) counted more, and the same with and without remat (issue 41)."""
+    from shardmem.planning.memory import branch_runs, model_flops
+
+    def flops(program):
+        jaxpr = program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
+        return hlo.matmul_flops(jaxpr, branch_runs=branch_runs(program)), model_flops(program, jaxpr)
+
+    remat = {"remat": {"policy": policy}}
+    piped = _program({"stage": 2, "data": 4}, jax.devices(), micro_batches=4, schedule="1f1b", **remat)
+    plain = _program({"data": 4}, jax.devices()[:4], micro_batches=4, **remat)
+    assert flops(piped) == flops(plain)
+    executed, model = flops(piped)
+    assert executed > model if policy == "full" else executed == model
+
+
 def test_the_measured_peak_grows_with_micro_batches_under_gpipe_and_not_under_1f1b():
     # Micro-batches of a fixed size (1 row per device), so more of them is a larger batch: GPipe keeps
     # every micro-batch's residuals until its backward, 1F1B at most 4 of them per stage (stage s, 4 - s).

@@ -172,8 +172,9 @@ def test_cli_sweep_widens_a_piped_table_rather_than_cut_its_figures(monkeypatch,
 
 def _fake_report():
     return SimpleNamespace(per_device={"peak": 100, "host": 0, "optimizer": 10}, budget_bytes=1000, fits=True,
-                           margin_bytes=900, flops_per_step=1e9, recompute_overhead=None, collectives={},
-                           compile_seconds=0.5, approximate=True, attention="xla", pipeline={})  # fmt: skip
+                           tight=False, margin_bytes=900, flops_per_step=1e9, recompute_overhead=None,
+                           collectives={}, compile_seconds=0.5, approximate=True, attention="xla",
+                           pipeline={})  # fmt: skip
 
 
 def test_an_unexpected_error_is_the_candidates_row_not_the_end_of_the_sweep(monkeypatch):

@@ -6,7 +6,7 @@ import shardmem
 from shardmem.errors import ConfigError
 from shardmem.models.attention import resolve_attention
 from shardmem.planning import cost
-from shardmem.planning.targets import GPU_TARGETS, target_for_device_kind
+from shardmem.planning.targets import GPU_TARGETS, MIG_PROFILES, MIG_TARGETS, target_for_device_kind
 
 # One card per compute capability is a fast test; the others differ from it only in their figures.
 NEW_TARGETS = [
@@ -56,7 +56,8 @@ def test_attached_cards_are_recognised_by_their_device_kind():
              "Tesla V100-SXM2-16GB": "v100-16g", "Tesla V100-SXM2-32GB": "v100-32g",
              "Tesla V100-PCIE-32GB": "v100-32g", "NVIDIA H100 NVL": "h100-nvl",
              "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 80GB HBM3": "h100-sxm",
-             "NVIDIA L40": None}  # fmt: skip
+             "NVIDIA H100 80GB HBM3 MIG 3g.40gb": "h100-sxm-mig-3g.40gb",
+             "NVIDIA A100-SXM4-40GB MIG 1g.5gb": "a100-40g-mig-1g.5gb", "NVIDIA L40": None}  # fmt: skip
     assert {kind: target_for_device_kind(kind) for kind in kinds} == kinds
 
 
@@ -65,3 +66,37 @@ def test_flash_kernels_are_refused_before_ampere():
     for kernel in ("cudnn", "pallas"):
         with pytest.raises(ConfigError, match=f"model.attention={kernel}: .*compute capability 8.0"):
             resolve_attention(kernel, chunk=None, where="pre-ampere-gpu", dtype="float16")
+
+
+def test_mig_slices_are_rows_of_their_gpus_share_of_sms_and_memory():
+    """NVIDIA's MIG user guide: A100, H100 and H200 split into sevenths of the SMs and eighths of the memory;
+    an instance has no NVLink to another, so collectives between instances go over the GPU's PCIe link,
+    which its instances share (issue 41)."""
+    assert set(MIG_PROFILES) == {"a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200"}
+    assert len(MIG_TARGETS) == 5 * 6
+    h100, slice_ = GPU_TARGETS["h100-sxm"], MIG_TARGETS["h100-sxm-mig-3g.40gb"]
+    assert (
+        slice_.memory_bytes == h100.memory_bytes // 2
+        and slice_.memory_bandwidth == h100.memory_bandwidth // 2
+    )
+    assert slice_.sm_count == 132 * 3 // 7 and slice_.peak_flops["bf16"] == pytest.approx(989.4e12 * 56 / 132)
+    assert slice_.nvlink_bandwidth == h100.host_bandwidth / 2 and not slice_.nvls  # Two per GPU, on PCIe.
+    assert slice_.gpus_per_node == 16 and slice_.description == "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
+    assert MIG_TARGETS["a100-40g-mig-1g.5gb"].memory_bytes == GPU_TARGETS["a100-40g"].memory_bytes // 8
+    assert MIG_TARGETS["h200-mig-7g.141gb"].memory_bytes == GPU_TARGETS["h200"].memory_bytes
+
+
+@pytest.mark.newest  # A deviceless GPU compile.
+def test_a_mig_slice_plans_deviceless_and_with_the_plan_command(capsys):
+    from shardmem.cli import main
+
+    config = shardmem.load_config("configs/tiny.yaml", overrides=[*ONE_CARD, "precision.compute=float16"])
+    report = shardmem.plan(config, target="a100-80g-mig-1g.10gb", count_remat_overhead=False)
+    spec = MIG_TARGETS["a100-80g-mig-1g.10gb"]
+    assert report.fits and report.device_memory_bytes == spec.memory_bytes
+    assert "NVIDIA A100-SXM4-80GB MIG 1g.10gb" in report.target_label
+    assert report.step_time.peak_flops == spec.peak_flops["bf16"] == pytest.approx(312e12 * 15 / 108)
+    with pytest.raises(SystemExit):
+        main(["plan", "configs/tiny.yaml", "--target", "h100-sxm-mig-3g.4gb"])
+    err = capsys.readouterr().err
+    assert "did you mean h100-sxm-mig-3g.40gb" in err and "shardmem policies lists them" in err

@@ -122,14 +122,29 @@ def test_a_step_libtpu_refuses_as_over_the_chips_hbm_is_a_verdict_exit_3(monkeyp
         shardmem.plan(_config("v5e-4"))
     args = ["plan", "configs/tiny.yaml", "--target", "v5e-4", "--set", "precision.compute=bfloat16"]
     assert main(args) == 3
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert err.count("\n") == 0 and "does not fit" in err and "shardmem tune" in err
+    # What is known per chip without the compile: the shapes' bytes, and libtpu's figures (issue 41).
+    tiny = shardmem.load_config("configs/tiny.yaml", ["precision.compute=bfloat16"])
+    program = shardmem.build_program(
+        tiny, shardmem.build_mesh(tiny.mesh.axes, resolve_target("v5e-4").devices)
+    )
+    params = memory.per_device_bytes(program.abstract_state["params"])
+    lines = {line.split("│")[0].strip(): line for line in captured.out.splitlines()}
+    assert "libtpu refused the step; per chip" in captured.out
+    assert shardmem.units.format_bytes(params) in lines["parameters"], captured.out
+    assert "23.52 GiB" in lines["temporaries (HLO temporaries, libtpu)"]
+    assert "15.75 GiB" in lines["available HBM (libtpu)"]
+    assert all(key in lines for key in ("optimizer state", "batch"))
     # With --json, the verdict as JSON too, as a GPU plan that does not fit gives it (issue 30, item 9).
     assert main([*args, "--json"]) == 3
     captured = capsys.readouterr()
     verdict = json.loads(captured.out)
     assert verdict["fits"] is False and verdict["target"] == "v5e-4" and verdict["refused_by_compiler"]
     assert (verdict["required_bytes"], verdict["available_bytes"]) == (int(23.52 * 2**30), int(15.75 * 2**30))
+    assert verdict["per_device"]["params"] == params and verdict["per_device"]["temp"] == int(23.52 * 2**30)
+    assert {"optimizer", "batch"} <= set(verdict["per_device"])
     assert captured.err.count("\n") == 1 and "does not fit" in captured.err
 
 

@@ -137,6 +137,20 @@ def test_one_process_trains_with_the_plans_compiled_step(tmp_path, monkeypatch):
     assert built[0].step._cache_size() == 0, "the step was compiled again on its first call"
 
 
+def test_a_start_that_fails_before_its_first_step_leaves_the_run_directory_as_it_was(tmp_path):
+    # The weights to start from are missing: found after the compile, once the run directory is set up.
+    config = load_config(TINY, [*FAST, f"finetune.init_from={tmp_path / 'none.safetensors'}"])
+    with pytest.raises(ConfigError, match="finetune.init_from"):
+        train(config, tmp_path / "runs" / "new", console=Console(quiet=True))
+    assert not (tmp_path / "runs").exists(), "a new run directory (and runs/, which it made) stays"
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError, match="finetune.init_from"):
+        train(config, there, console=Console(quiet=True))
+    assert [p.name for p in there.iterdir()] == ["notes.txt"], "its run.lock or checkpoints/ stays"
+
+
 def test_checkpoint_restores_exactly_onto_half_the_devices(reference):
     config, result = reference
     restored = _restore(result.run_dir, config, jax.devices()[:4], STEPS)

@@ -403,6 +403,7 @@ def search_layouts(
     from shardmem.models.llama import ModelConfig
     from shardmem.planning import hlo
     from shardmem.planning.cost import Hardware
+    from shardmem.planning.memory import branch_runs
     from shardmem.step import build_program
 
     if not isinstance(config.model, ModelConfig):
@@ -430,9 +431,8 @@ def search_layouts(
     for policy in policies:
         candidate = config.replace(f"remat.policy={policy}", "remat.layers={}")
         program = build_program(candidate, mesh)
-        flops[policy] = hlo.matmul_flops(
-            program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
-        )
+        jaxpr = program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
+        flops[policy] = hlo.matmul_flops(jaxpr, branch_runs=branch_runs(program))
         residuals[policy] = residual_bytes(candidate, program.attention) * candidate.train.micro_batches
     estimator = Estimator(config, hardware, per_host, flops, residuals)
     from shardmem.planning.memory import budget as budget_of

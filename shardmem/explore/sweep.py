@@ -43,7 +43,7 @@ COLUMNS = (
     "reduce_scatter_bytes", "all_reduce_bytes", "other_collective_bytes", "compile_seconds", "step_seconds",
     "measured_peak_bytes", "bubble_fraction", "collective_permute_bytes", "predicted_step_seconds",
     "tokens_per_second", "mfu", "exposed_communication_seconds", "host_transfer_bytes",
-    "host_transfer_seconds",
+    "host_transfer_seconds", "tight",
 )  # fmt: skip
 
 
@@ -57,6 +57,7 @@ class SweepRow:
     budget_bytes: int | None = None
     fits: bool | None = None
     margin_bytes: int | None = None
+    tight: bool = False  # Over the budget only by the deviceless margin (MemoryReport.tight).
     flops_per_step: float | None = None
     recompute_overhead: float | None = None
     host_bytes: int | None = None
@@ -99,7 +100,7 @@ class SweepRow:
             "exposed_communication_seconds": (self.step_time["breakdown"]["exposed_communication"]
                                               if self.step_time else None),
             "host_transfer_bytes": self.predicted("host_transfer_bytes"),
-            "host_transfer_seconds": self.predicted("host_transfer_seconds"),
+            "host_transfer_seconds": self.predicted("host_transfer_seconds"), "tight": self.tight,
         }  # fmt: skip
 
 
@@ -191,7 +192,7 @@ def plan_candidate(
         return SweepRow(overrides, error=_error_text(e), config_error=isinstance(e, ConfigError))
     row = SweepRow(
         overrides, peak_bytes=report.per_device["peak"], budget_bytes=report.budget_bytes, fits=report.fits,
-        margin_bytes=report.margin_bytes, flops_per_step=report.flops_per_step,
+        margin_bytes=report.margin_bytes, tight=report.tight, flops_per_step=report.flops_per_step,
         recompute_overhead=report.recompute_overhead if report.recompute_overhead is not None else 0.0,
         host_bytes=report.per_device["host"], optimizer_bytes=report.per_device["optimizer"],
         attention=report.attention, collectives=dict(report.collectives),
@@ -277,10 +278,8 @@ def check_options(
     at_least("--jobs", jobs, 1, JOBS_FIX)
     at_least("--steps", measure_steps, 1, "time at least 1 step per candidate")
     if measure:
-        from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS, tpu_slice
-
         name = target or config.memory.target
-        if name in GPU_TARGETS or name in TPU_TARGETS or tpu_slice(name):
+        if name not in ("local", "cpu"):  # Every other target is compiled without its devices.
             raise ConfigError(
                 f"--measure runs real steps, but target {name!r} is compiled deviceless; use --target "
                 "local (the attached devices) or --target cpu"
@@ -445,7 +444,7 @@ def progress_line(done: int, total: int, row: SweepRow, elapsed_s: float) -> str
     head = f"[{done}/{total} after {elapsed_s:.0f} s] {short_label(row.overrides) or row.candidate}: "
     if row.error is not None:
         return head + "error: " + row.error.splitlines()[0]
-    verdict = "fits" if row.fits else "does not fit"
+    verdict = "fits" if row.fits else "tight, likely fits" if row.tight else "does not fit"
     return head + f"{format_bytes(row.peak_bytes)}, {verdict}"
 
 
@@ -489,7 +488,8 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
         moved = r.collectives
         row = [
             label, format_bytes(r.peak_bytes),
-            Text(("+" if r.fits else "") + format_bytes(r.margin_bytes), style="green" if r.fits else "red"),
+            Text(("+" if r.fits else "") + format_bytes(r.margin_bytes),
+                 style="green" if r.fits else "yellow" if r.tight else "red"),
             format_flops(r.flops_per_step), f"+{r.recompute_overhead:.1%}",
             format_bytes(r.host_bytes),
             *(format_bytes(moved.get(k, 0)) for k in moves),
@@ -514,8 +514,8 @@ def render_sweep(rows: Sequence[SweepRow], *, title: str = "shardmem sweep"):
     for row in cells:
         table.add_row(*row)
     table.caption = (
-        "per device and step; margin: budget - peak (negative: does not fit); recompute: "
-        "extra matmul FLOPs over no remat"
+        "per device and step; margin: budget - peak (negative: does not fit; yellow: tight, likely fits); "
+        "recompute: extra matmul FLOPs over the model's (remat and the attention kernel recompute)"
     )
     parts: list = [table]
     if any(r.approximate for r in rows):

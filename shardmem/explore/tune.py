@@ -32,7 +32,7 @@ from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import STAGE_AXIS
 from shardmem.parallel.rules import Rules, spec_axes
 from shardmem.planning import hlo
-from shardmem.planning.memory import MemoryReport, make_target, plan
+from shardmem.planning.memory import MemoryReport, branch_runs, make_target, model_flops, plan
 from shardmem.remat import PRESETS
 from shardmem.step import build_program, pipeline_for
 from shardmem.units import clip, format_bytes, format_seconds
@@ -378,9 +378,10 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
     flops, device_residual, host_residual = {}, {}, {}
     for policy in policies:
         program = build_program(config.replace(*_uniform(policy)), mesh)
-        flops[policy] = hlo.matmul_flops(
-            program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
-        )
+        jaxpr = program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
+        flops[policy] = hlo.matmul_flops(jaxpr, branch_runs=branch_runs(program))
+        if policy == "none":  # The model's FLOPs, every report's baseline (no recomputation at all).
+            planner.flops_no_remat = model_flops(program, jaxpr)
         device_residual[policy] = residual_bytes(config.replace(*_uniform(policy)), program.attention)
     device_residual["offload"] = device_residual["full"]  # offloaded residuals live on the host
     if allow_offload:
@@ -388,7 +389,6 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
             residual_bytes(config.replace(*_uniform("offload")), program.attention) - device_residual["full"]
         )
     overhead = {p: flops[p] / flops["none"] - 1.0 for p in policies}
-    planner.flops_no_remat = flops["none"]
     host_est = {p: host_residual.get(p, 0) / len(target.devices) for p in policies}
 
     full = planner.compile("full", _uniform("full"))

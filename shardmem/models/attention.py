@@ -175,15 +175,15 @@ class AttentionKernel:
 
 def shared_memory_per_block(devices) -> int | None:
     """Returns the shared memory one thread block may take on ``devices``' GPU (its opt-in limit, from
-    :data:`~shardmem.planning.targets.GPU_TARGETS`), or None for CPUs, TPUs and GPUs shardmem has no
-    spec for."""
-    from shardmem.planning.targets import GPU_TARGETS, target_for_device_kind
+    :data:`~shardmem.planning.targets.GPU_ROWS`: whole GPUs and MIG slices), or None for CPUs, TPUs and
+    GPUs shardmem has no spec for."""
+    from shardmem.planning.targets import GPU_ROWS, target_for_device_kind
 
     device = next(iter(devices))
     if device.platform in ("cpu", "tpu"):
         return None
     name = target_for_device_kind(device.device_kind)
-    return GPU_TARGETS[name].shared_memory_per_block_optin if name else None
+    return GPU_ROWS[name].shared_memory_per_block_optin if name else None
 
 
 def device_class(devices) -> str:

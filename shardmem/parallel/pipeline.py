@@ -80,6 +80,8 @@ from shardmem.remat import LayerPlan, layer_span, remat_scan
 
 #: The mesh axis whose size is the number of pipeline stages.
 STAGE_AXIS = "stage"
+#: The named scope of the 1F1B schedule's scan over ticks (what the FLOP count and the replay look for).
+SCOPE_1F1B = "pipeline_1f1b"
 
 #: ``pipeline.schedule``: how the micro-batches go through the stages (see the module docstring).
 SCHEDULES = {
@@ -158,6 +160,16 @@ class Pipeline:
         """The 1F1B schedule's table of ticks (:func:`~shardmem.parallel.schedule.schedule_table`); only
         for :attr:`runs_loss`."""
         return schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
+
+    @property
+    def op_runs(self) -> tuple[float, ...]:
+        """How many times, over the whole 1F1B schedule, a stage runs each op (the branches of the tick's
+        ``jax.lax.switch``, by op number), on average over the stages: what the step executes, where
+        counting each tick's costliest branch would charge every stage the last stage's head and the
+        costliest backward part in every tick (:func:`shardmem.planning.hlo.matmul_flops`)."""
+        ops_TxS = self.table.rows[:, ops.OP, :]
+        kinds = ops.BACKWARD + self.backward_parts
+        return tuple(float((ops_TxS == op).sum()) / self.stages for op in range(kinds))
 
     @property
     def ticks(self) -> int:
@@ -573,7 +585,7 @@ class Pipeline:
                 carry["grads"] = _put(carry["grads"], from_after, to_previous)
                 return carry, None
 
-            with jax.named_scope("pipeline_1f1b"):
+            with jax.named_scope(SCOPE_1F1B):
                 carry, _ = jax.lax.scan(tick, carry, table_TxN)
 
             # Each device's loss and gradients are of its rows' mean: the batch's mean over the data axes

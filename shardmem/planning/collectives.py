@@ -77,6 +77,7 @@ class Cluster:
     nvls: bool = False
     sharp: bool = False
     ll_max_bandwidth: tuple[float, float, float] = LL_MAX_BANDWIDTH[9]  # LL's cap on 1, 2, 4+ nodes.
+    link: str = "NVLink"  # What joins the GPUs of a node, as the report names it (GpuSpec.gpu_link).
 
     @classmethod
     def of(cls, spec, gpus_per_node: int | None = None, **overrides) -> Cluster:
@@ -92,6 +93,7 @@ class Cluster:
             "nvls": spec.nvls,
             "sharp": spec.sharp,
             "ll_max_bandwidth": LL_MAX_BANDWIDTH.get(spec.compute_capability[0], LL_MAX_BANDWIDTH[9]),
+            "link": spec.gpu_link,
         }
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)
@@ -101,7 +103,7 @@ class Cluster:
         special = [name for name, on in (("NVLS", self.nvls), ("IB SHARP", self.sharp)) if on]
         return (f"{nodes} node{'s' * (nodes > 1)} x {self.gpus_per_node} GPUs; per node "
                 f"{self.nics_per_node} x {_rate(self.nic_bandwidth)} NICs (rail-aligned rings, one channel "
-                "per NIC); NVLink "
+                f"per NIC); {self.link} "
                 f"{self.nvlink_bandwidth / 1e9:.0f} GB/s per GPU each way"
                 + (f"; {' and '.join(special)}" if special else ""))  # fmt: skip
 

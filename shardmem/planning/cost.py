@@ -742,8 +742,10 @@ class _Totals:
 
 
 class _Replay:
-    def __init__(self, module, hardware, hosts_of, attention):
+    def __init__(self, module, hardware, hosts_of, attention, tick_ops=None):
         self.module, self.hardware, self.hosts_of = module, hardware, hosts_of
+        # Named scope -> [ticks, stages] branch numbers of a loop's per-tick switch (the 1F1B schedule).
+        self.tick_ops: dict[str, np.ndarray] = dict(tick_ops or {})
         self.kernels = _Kernels(module, hardware, attention)
         self.memo: dict[str, _Totals] = {}
         self.collectives: dict[tuple[str, int, str, str], list] = {}
@@ -834,20 +836,49 @@ class _Replay:
                 totals.add(self.computation(condition.group(1)), trips + 1)
             self.multiplier = saved
         elif ins.opcode == "conditional":
-            # A device runs one branch (a 1F1B tick: its stage's op): charge the slowest, and count the
-            # collectives of that branch alone.
+            # A device runs one branch: charge the slowest, and count the collectives of that branch
+            # alone; at a tick of a schedule whose stages run in lockstep (1F1B), the slowest its stages run.
+            ops_TxS, outer = self._tick_ops_of(ins), self.tick_ops
+            if ops_TxS is not None:
+                self.tick_ops = {}  # The conditionals inside its branches are plain ones.
             before, tallies = self.collectives, []
             for name in ins.called:
                 self.collectives = {key: list(entry) for key, entry in before.items()}
                 tallies.append((self.computation(name), self.collectives))
-            self.collectives = before
-            if tallies:
+            self.collectives, self.tick_ops = before, outer
+            if tallies and ops_TxS is not None:
+                self._charge_ticks(totals, tallies, ops_TxS)
+            elif tallies:
                 slowest, self.collectives = max(tallies, key=lambda tally: tally[0].seconds)
                 totals.add(slowest)
         else:
             for name in ins.called:
                 totals.add(self.computation(name))
         return totals
+
+    def _tick_ops_of(self, ins: hlo.Instruction) -> np.ndarray | None:
+        """The [ticks, stages] branch table of ``ins`` when it is the per-tick switch of a loop in
+        :attr:`tick_ops`; else None."""
+        for scope, ops_TxS in self.tick_ops.items():
+            if scope in (ins.op_name or "") and int(ops_TxS.max()) < len(ins.called):
+                return ops_TxS
+        return None
+
+    def _charge_ticks(self, totals: _Totals, tallies: list, ops_TxS: np.ndarray) -> None:
+        """Charges one trip of a loop of ticks whose switch ``tallies`` holds each branch's totals and
+        collectives: at each tick the stages wait for the slowest op any of them runs, so each branch is
+        charged (its collectives counted) in the share of the ticks where it is that op."""
+        before = {key: list(entry) for key, entry in self.collectives.items()}
+        seconds = [branch.seconds for branch, _ in tallies]
+        slowest = [max(row, key=lambda op: seconds[op]) for row in ops_TxS.tolist()]
+        for op in sorted(set(slowest)):
+            share = slowest.count(op) / len(slowest)
+            branch, tally = tallies[op]
+            totals.add(branch, share)
+            for key, entry in tally.items():
+                had = before.get(key, [0, 0, 0.0])
+                mine = self.collectives.setdefault(key, [0, 0, 0.0])
+                mine[:] = [a + share * (new - old) for a, new, old in zip(mine, entry, had, strict=True)]
 
     def _wrapped_collective(self, ins: hlo.Instruction) -> str | None:
         if ins.opcode != "async-start":
@@ -883,14 +914,17 @@ def estimate_step_time(
     tokens_per_step: int | None = None,
     model_flops: float | None = None,
     hardware_flops: float | None = None,
+    tick_ops: Mapping[str, np.ndarray] | None = None,
 ) -> StepTime:
     """Predicts one step of an optimized, scheduled HLO module on ``hardware``.
 
     ``hosts_of[i]`` is the host of the program's device ``i`` (its partition id: the mesh's devices in
     order); ``attention`` maps fused-attention kernel names to (matmuls, causal), as
     :func:`shardmem.planning.hlo.fused_attention_kernels` reads them from the jaxpr; ``bubble_fraction``
-    is the pipeline schedule's idle share of its loops of ticks."""
-    replay = _Replay(module, hardware, hosts_of, attention or {})
+    is the pipeline schedule's idle share of its loops of ticks; ``tick_ops`` maps the named scope of a
+    loop of ticks to its [ticks, stages] table of the branch each stage takes (the 1F1B schedule's
+    ops), whose switch is charged tick by tick rather than its slowest branch every time."""
+    replay = _Replay(module, hardware, hosts_of, attention or {}, tick_ops)
     totals = replay.computation(module.entry)
     bubble = 0.0
     if bubble_fraction:

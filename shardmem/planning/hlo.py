@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from jax.extend import core as jex_core
@@ -17,41 +18,58 @@ from jax.extend import core as jex_core
 # --- FLOPs ---------------------------------------------------------------------------------------
 
 
-def matmul_flops(jaxpr) -> float:
+def matmul_flops(
+    jaxpr, *, recomputed: bool = True, branch_runs: Mapping[str, Sequence[float]] | None = None
+) -> float:
     """Returns the FLOPs of every ``dot_general`` and convolution in a (closed) jaxpr, counting scan trip
     counts and the recomputation that remat adds to the backward pass (it appears as extra ops there),
     the matmuls inside fused attention kernels (:func:`fused_attention_flops`), and ``shard_map`` bodies
-    once per shard."""
+    once per shard. ``recomputed=False`` leaves out what fused attention kernels recompute in their
+    backward (a ``jax.checkpoint``'s recomputation is left out by tracing the step without it): the
+    model's FLOPs, as MFU counts them.
+
+    A conditional counts its costliest branch, as if it ran every time, unless the branch a scan's trip
+    takes comes from a table built in Python (the 1F1B schedule's ``jax.lax.switch``): ``branch_runs``
+    maps that scan's named scope to how many times each branch runs over all its trips, per shard."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        fused = fused_attention_flops(eqn)
-        if fused is not None:
-            total += fused
-            continue
-        if name == "dot_general":
-            (contracting, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            k = math.prod(lhs[d] for d in contracting)
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-            continue
-        if name == "conv_general_dilated":
-            # Each output element is a dot over the kernel's spatial window and its input features
-            # (per feature group): 2 x output size x kernel elements / output features.
-            rhs = eqn.invars[1].aval.shape
-            out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
-            continue
-        inner = sum(matmul_flops(sub) for sub in _sub_jaxprs(eqn.params))
-        if name == "scan":
-            inner *= eqn.params["length"]
-        elif name == "cond":
-            inner = max((matmul_flops(b) for b in eqn.params["branches"]), default=0.0)
-        elif name == "shard_map":  # The body sees one shard; count every distinct shard once.
-            inner *= _shards(eqn.params["mesh"], eqn.params["in_specs"])
-        total += inner
-    return total
+    return sum(_eqn_flops(eqn, recomputed, branch_runs or {}) for eqn in jaxpr.eqns)
+
+
+def _eqn_flops(eqn, recomputed: bool, branch_runs: Mapping[str, Sequence[float]]) -> float:
+    def count(sub) -> float:
+        return matmul_flops(sub, recomputed=recomputed, branch_runs=branch_runs)
+
+    name = eqn.primitive.name
+    fused = fused_attention_flops(eqn, recomputed=recomputed)
+    if fused is not None:
+        return fused
+    if name == "dot_general":
+        (contracting, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        k = math.prod(lhs[d] for d in contracting)
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+    if name == "conv_general_dilated":
+        # Each output element is a dot over the kernel's spatial window and its input features
+        # (per feature group): 2 x output size x kernel elements / output features.
+        rhs = eqn.invars[1].aval.shape
+        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
+    if name == "cond":
+        return max((count(b) for b in eqn.params["branches"]), default=0.0)
+    if name == "scan":
+        scope = str(eqn.source_info.name_stack).rsplit("/", 1)[-1]
+        runs = next((r for key, r in branch_runs.items() if key in scope), None)
+        body = eqn.params["jaxpr"].jaxpr
+        switches = [e for e in body.eqns if e.primitive.name == "cond"]
+        if runs is None or len(switches) != 1 or len(switches[0].params["branches"]) != len(runs):
+            return eqn.params["length"] * count(body)
+        branches = switches[0].params["branches"]
+        rest = sum(_eqn_flops(e, recomputed, branch_runs) for e in body.eqns if e is not switches[0])
+        return eqn.params["length"] * rest + sum(n * count(b) for n, b in zip(runs, branches, strict=True))
+    inner = sum(count(sub) for sub in _sub_jaxprs(eqn.params))
+    if name == "shard_map":  # The body sees one shard; count every distinct shard once.
+        inner *= _shards(eqn.params["mesh"], eqn.params["in_specs"])
+    return inner
 
 
 #: JAX's Pallas flash-attention kernels (jax.experimental.pallas.ops.gpu.attention), by pallas_call name.
@@ -59,22 +77,29 @@ _PALLAS_ATTENTION = ("mha_forward", "mha_backward")
 #: cuDNN's fused attention primitives, and the matmuls each runs per (query, key) pair: QK and PV forward;
 #: the backward recomputes QK and makes dP, dV, dQ and dK.
 _CUDNN_ATTENTION = {"dot_product_attention_fwd_wrapper": 2, "dot_product_attention_bwd_wrapper": 5}
+#: The matmuls per (query, key) pair of an attention backward that recomputes nothing: dP, dV, dQ and dK.
+_BACKWARD_MATMULS = 4
 
 
-def fused_attention_flops(eqn) -> float | None:
+def fused_attention_flops(eqn, *, recomputed: bool = True) -> float | None:
     """Returns the FLOPs of a fused attention kernel's matmuls, or None when ``eqn`` is not one.
 
     The jaxpr shows such a kernel as one opaque op, so they are counted from its shapes: each matmul of
     queries against keys costs ``2 x B x heads x Lq x Lk x head_dim``, half of it for a causal kernel
     (the blocks above the diagonal are skipped). A Pallas kernel's matmuls are the ``dot_general``s of its
     body (2 forward, 7 backward: the backward recomputes the scores once for dK/dV and once for dQ), and
-    it is causal when its body compares query and key positions."""
+    it is causal when its body compares query and key positions. ``recomputed=False`` counts a backward
+    kernel's 4 matmuls that recompute nothing (dP, dV, dQ, dK)."""
     name = eqn.primitive.name
     if name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
         matmuls, causal = _pallas_kernel(eqn)
         q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, L, heads, head_dim]
+        if not recomputed and eqn.params["name"] == "mha_backward":
+            matmuls = _BACKWARD_MATMULS
     elif name in _CUDNN_ATTENTION:
         matmuls = _CUDNN_ATTENTION[name]
+        if not recomputed and name.endswith("_bwd_wrapper"):
+            matmuls = _BACKWARD_MATMULS
         causal = "CAUSAL" in str(eqn.params.get("mask_type", ""))
         q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, T, heads, head_dim] (BTNH)
     else:

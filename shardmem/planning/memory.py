@@ -29,7 +29,9 @@ from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.finetune.weights import check_init_from
 from shardmem.parallel.mesh import build_mesh
+from shardmem.parallel.pipeline import SCOPE_1F1B, Pipeline
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
+from shardmem.parallel.schedule import OP
 from shardmem.planning import codegen, cost, hlo, kernel_cache, overlap
 from shardmem.planning.targets import (
     Target,
@@ -64,8 +66,9 @@ class MemoryReport:
     """What one compiled step needs per device, against the budget of the target it was compiled for.
 
     ``per_device`` holds integer bytes for :data:`CATEGORIES`. ``flops_per_step`` counts every matrix
-    multiplication of the whole step across all devices, recomputation included; ``flops_no_remat``
-    is the same step without rematerialization (None when not computed).
+    multiplication of the whole step across all devices, recomputation included (what HFU counts);
+    ``flops_no_remat`` the model's: the same step without any recomputation, remat's or the attention
+    kernel's own (what MFU counts: :func:`model_flops`; None when not computed).
     """
 
     name: str
@@ -103,6 +106,8 @@ class MemoryReport:
     load_host_bytes: int = 0
     #: The optimized HLO the figures were read from (for the step-time estimate).
     module: hlo.HloModule | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: What the device has for the step: ``budget_bytes`` without the deviceless margin (0: not known).
+    usable_bytes: int = 0
 
     @property
     def margin_bytes(self) -> int:
@@ -110,8 +115,22 @@ class MemoryReport:
         return self.budget_bytes - self.per_device["peak"]
 
     @property
+    def tight(self) -> bool:
+        """Whether the peak is over the budget only by the deviceless margin: within what the device has
+        for the step (``usable_bytes``), so it likely fits; the margin covers the largest gap measured
+        between a deviceless compile and the real GPU's, not a gap every compile has."""
+        return not self.fits and self.per_device["peak"] <= self.usable_bytes
+
+    @property
+    def verdict(self) -> str:
+        """``"fits"`` (within the budget), ``"tight"`` (see :attr:`tight`) or ``"does not fit"`` (over what
+        the device has for the step, even if the deviceless compile were exact)."""
+        return "fits" if self.fits else "tight" if self.tight else "does not fit"
+
+    @property
     def recompute_overhead(self) -> float | None:
-        """Extra matmul FLOPs from rematerialization, as a fraction of the step without it."""
+        """Extra matmul FLOPs from recomputation (remat's, and the attention kernel's own), as a fraction
+        of the model's FLOPs: never negative."""
         if not self.flops_no_remat:
             return None
         return self.flops_per_step / self.flops_no_remat - 1.0
@@ -131,7 +150,9 @@ class MemoryReport:
             "device_memory_bytes": self.device_memory_bytes,
             "budget_bytes": self.budget_bytes,
             "deviceless_margin": self.deviceless_margin,
+            "usable_bytes": self.usable_bytes,
             "fits": self.fits,
+            "verdict": self.verdict,
             "margin_bytes": self.margin_bytes,
             "flops_per_step": self.flops_per_step,
             "flops_no_remat": self.flops_no_remat,
@@ -262,16 +283,16 @@ def plan_program(
     attention = program.attention.describe(window) if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
-    report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
-                                 sharding=rows, attention=attention, pipeline=pipeline,
+    runs = branch_runs(program)
+    report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr, branch_runs=runs),
+                                 warnings=warnings, sharding=rows, attention=attention, pipeline=pipeline,
                                  load_host_bytes=_load_host_bytes(program))  # fmt: skip
     rematted = hlo.remat_count(traced.jaxpr) > 0
     if layer_plan is None and not modules:  # A model that remats itself: no plan of ours to compare with.
-        # A step without any jax.checkpoint is its own no-remat baseline: the model FLOPs MFU counts.
-        baseline = None if rematted else report.flops_per_step
+        # A step without any jax.checkpoint is its own baseline, less its attention kernel's recompute.
+        baseline = None if rematted else model_flops(program, traced.jaxpr)
         report = dataclasses.replace(report, remat="the model's own", flops_no_remat=baseline)
     else:
-        baseline = report.flops_per_step  # Without remat the step is its own baseline.
         policies = (layer_plan.policies if layer_plan else ()) + tuple(p for _, p in modules.rules)
         label = "; ".join(
             part for part in (layer_plan.describe() if layer_plan else "", modules.describe()) if part
@@ -282,20 +303,45 @@ def plan_program(
                 "the plan without remat; a jax.jit inside the model (nn.jit) may have reused a trace made "
                 "without it: plan in a fresh process")])  # fmt: skip
             label += " (not applied)"
-        elif any(p.remats for p in policies):
-            baseline = None
-            if count_remat_overhead:  # Tracing the step without remat costs no compile.
-                plain = config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}")
-                plain = build_program(plain, program.mesh, **program.build_args)
-                baseline = hlo.matmul_flops(
-                    plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
-                )
+        # Tracing the step again without recomputation costs no compile, but may be skipped.
+        baseline = model_flops(program, traced.jaxpr) if count_remat_overhead or not rematted else None
         report = dataclasses.replace(report, flops_no_remat=baseline, remat=label)
     tokens = None
     if program.token_batch:  # [batch, length + 1]: each row predicts its last `length` tokens.
         rows, width = jax.tree.leaves(program.abstract_batch)[0].shape[:2]
         tokens = rows * (width - 1)
     return with_step_time(report, target, program.mesh, traced.jaxpr, config.interconnect, tokens), compiled
+
+
+def branch_runs(program: Program) -> dict[str, tuple[float, ...]] | None:
+    """How often a 1F1B step runs each op of its ticks (:func:`shardmem.planning.hlo.matmul_flops`'s
+    ``branch_runs``); None for any other program."""
+    pipeline = program.pipeline
+    return {SCOPE_1F1B: pipeline.op_runs} if pipeline is not None and pipeline.runs_loss else None
+
+
+def _tick_ops(pipeline: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The op each stage runs at each tick of a 1F1B step (its report's ``pipeline``), for the replay."""
+    schedule = Pipeline.from_json(pipeline) if pipeline else None
+    return {SCOPE_1F1B: schedule.table.rows[:, OP, :]} if schedule and schedule.runs_loss else None
+
+
+def model_flops(program: Program, jaxpr) -> float:
+    """Returns the model's matmul FLOPs per step, as MFU counts them: the step of ``program`` (traced as
+    ``jaxpr``) without any recomputation, neither remat's nor the attention kernel's own (chunked
+    attention's per-block checkpoint, a flash kernel's backward). Where the step has a ``jax.checkpoint``,
+    the step is traced again without it (no compile); chunked attention then becomes ``xla``, the same
+    products without recomputing each block. So the step's own FLOPs are never fewer."""
+    runs = branch_runs(program)
+    if hlo.remat_count(jaxpr) == 0:
+        return hlo.matmul_flops(jaxpr, recomputed=False, branch_runs=runs)
+    overrides = ["remat.policy=none", "remat.layers={}", "remat.modules={}"]
+    kernel = program.attention
+    if kernel is not None and kernel.name == "chunked" and kernel.context == 1:
+        overrides.append("model.attention=xla")
+    plain = build_program(program.config.replace(*overrides), program.mesh, **program.build_args)
+    plain_jaxpr = plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
+    return hlo.matmul_flops(plain_jaxpr, recomputed=False, branch_runs=runs)
 
 
 def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconnect=None,
@@ -318,6 +364,7 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         attention=hlo.fused_attention_kernels(jaxpr), bubble_fraction=idle, tokens_per_step=tokens_per_step,
         model_flops=model_flops * useful if model_flops else None,
         hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
+        tick_ops=_tick_ops(report.pipeline),
     )  # fmt: skip
     if target.platform not in ("cpu", "tpu"):  # Calibrated on an H200; no TPU measurement backs it.
         estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
@@ -518,6 +565,7 @@ def _compile_and_analyze(
     overlap_off: tuple[str, ...] = (),
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
     limit = budget(memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
+    usable = budget(memory, target.memory_bytes, target.allocator_limit)  # The same, without the margin.
     start = time.perf_counter()
     # The GPU overlap options train runs with (overlap.py), the user's memory.compiler_options over them.
     options = overlap.step_options(target, memory.compiler_options, off=overlap_off)
@@ -547,6 +595,7 @@ def _compile_and_analyze(
                     "(mesh.axes.fsdp over more chips), recompute more (remat.policy), or lower "
                     "train.global_batch; shardmem tune searches these",
                     *_libtpu_figures(first),
+                    per_device={key: per_device_bytes(tree) for key, tree in groups.items()},
                 ) from None
             retry = target.deviceless and target.platform != "tpu" and TRITON_GEMM not in options
             if not retry or NO_PTXAS in first:
@@ -627,7 +676,7 @@ def _compile_and_analyze(
         deviceless_margin=memory.deviceless_margin if target.deviceless else 0.0,
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
-        compiler_options=options, schedule=schedule, module=module,
+        compiler_options=options, schedule=schedule, module=module, usable_bytes=usable,
     ), compiled  # fmt: skip
 
 

@@ -40,7 +40,8 @@ class GpuSpec:
     ``sharp``: its InfiniBand switches do (SHARP; off by default: it takes NCCL's CollNet plugin). A
     cluster's real figures override these (``interconnect`` in the config).
     ``threads_per_sm`` is the compute capability's resident-thread limit (1024 on 7.5, 1536 on 8.6 and
-    8.9, 2048 on the others).
+    8.9, 2048 on the others). ``gpu_link`` names the link ``nvlink_bandwidth`` is: NVLink, or PCIe for
+    the cards that reach the other GPUs of their server over it.
     """
 
     description: str
@@ -62,6 +63,7 @@ class GpuSpec:
     nvls: bool = False  # NVSwitch with NVLink SHARP (third-generation NVSwitch: H100, H200, B200).
     sharp: bool = False  # InfiniBand SHARP in-network reductions (NCCL CollNet plugin).
     threads_per_sm: int = 2048
+    gpu_link: str = "NVLink"  # What ``nvlink_bandwidth`` is, as the report names it.
 
     @property
     def has_bf16(self) -> bool:
@@ -159,9 +161,11 @@ GPU_TARGETS: dict[str, GpuSpec] = {
     "h100-sxm-96g": GpuSpec("NVIDIA H100 96GB HBM2e", (9, 0), 132, 128, 1.98, 96 * GiB, 2400 * GB,
                             52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB, nvls=True),
     "h100-pcie": GpuSpec("NVIDIA H100 PCIe", (9, 0), 114, 128, 1.755, 84942979072,
-                         2039040000000, 52428800, 233472, 232448, _HOPPER_PCIE, 64 * GB, 50 * GB, 64 * GB),
+                         2039040000000, 52428800, 233472, 232448, _HOPPER_PCIE, 64 * GB, 50 * GB, 64 * GB,
+                         gpu_link="PCIe"),
     "h100-nvl": GpuSpec("NVIDIA H100 NVL", (9, 0), 132, 128, 1.785, 94 * GiB,
-                        3900 * GB, 52428800, 233472, 232448, _HOPPER_NVL, 64 * GB, 50 * GB, 64 * GB),
+                        3900 * GB, 52428800, 233472, 232448, _HOPPER_NVL, 64 * GB, 50 * GB, 64 * GB,
+                        gpu_link="PCIe"),
     "h200": GpuSpec("NVIDIA H200 141GB HBM3e", (9, 0), 132, 128, 1.98, 151397597184,
                     4800000000000, 52428800, 233472, 232448, _HOPPER, 450 * GB, 50 * GB, 64 * GB, nvls=True),
     "a100-40g": GpuSpec("NVIDIA A100-SXM4-40GB", (8, 0), 108, 64, 1.41, 42331013120,
@@ -172,27 +176,76 @@ GPU_TARGETS: dict[str, GpuSpec] = {
                     7672320000000, 132644864, 233472, 232448, _BLACKWELL, 900 * GB, 50 * GB, 64 * GB,
                     nvls=True),
     "l40s": GpuSpec("NVIDIA L40S", (8, 9), 142, 128, 2.52, 48 * GiB, 864 * GB, 96 << 20, 102400,
-                    101376, _L40S, 32 * GB, _NIC_400G, 32 * GB, nics_per_node=1, threads_per_sm=1536),
+                    101376, _L40S, 32 * GB, _NIC_400G, 32 * GB, nics_per_node=1, threads_per_sm=1536,
+                    gpu_link="PCIe"),
     "l4": GpuSpec("NVIDIA L4", (8, 9), 58, 128, 2.04, 24 * GiB, 300 * GB, 48 << 20, 102400, 101376,
-                  _L4, 32 * GB, _NIC_100G, 32 * GB, nics_per_node=1, threads_per_sm=1536),
+                  _L4, 32 * GB, _NIC_100G, 32 * GB, nics_per_node=1, threads_per_sm=1536, gpu_link="PCIe"),
     "rtx-4090": GpuSpec("NVIDIA GeForce RTX 4090", (8, 9), 128, 128, 2.52, 24 * GiB, 1008 * GB, 72 << 20,
                         102400, 101376, _RTX_4090, 32 * GB, _NIC_100G, 32 * GB,
-                        nics_per_node=1, threads_per_sm=1536),
+                        nics_per_node=1, threads_per_sm=1536, gpu_link="PCIe"),
     "rtx-a6000": GpuSpec("NVIDIA RTX A6000", (8, 6), 84, 128, 1.8, 51041271808, 768096000000, 6 << 20,
                          102400, 101376, _RTX_A6000, 32 * GB, _NIC_100G, 32 * GB,
-                         nics_per_node=1, threads_per_sm=1536),
+                         nics_per_node=1, threads_per_sm=1536, gpu_link="PCIe"),
     "rtx-3090": GpuSpec("NVIDIA GeForce RTX 3090", (8, 6), 82, 128, 1.695, 24 * GiB, 936 * GB, 6 << 20,
                         102400, 101376, _RTX_3090, 32 * GB, _NIC_100G, 32 * GB,
-                        nics_per_node=1, threads_per_sm=1536),
+                        nics_per_node=1, threads_per_sm=1536, gpu_link="PCIe"),
     "a10g": GpuSpec("NVIDIA A10G", (8, 6), 80, 128, 1.71, 24 * GiB, 600 * GB, 6 << 20, 102400, 101376,
-                    _A10G, 32 * GB, _NIC_100G, 32 * GB, nics_per_node=1, threads_per_sm=1536),
+                    _A10G, 32 * GB, _NIC_100G, 32 * GB, nics_per_node=1, threads_per_sm=1536,
+                    gpu_link="PCIe"),
     "v100-16g": GpuSpec("Tesla V100-SXM2-16GB", (7, 0), 80, 64, 1.53, 16935682048, 898048000000,
                         6 << 20, 98304, 98304, _V100, 150 * GB, _NIC_100G, 16 * GB, nics_per_node=4),
     "v100-32g": GpuSpec("Tesla V100-SXM2-32GB", (7, 0), 80, 64, 1.53, 32 * GiB, 898048000000,
                         6 << 20, 98304, 98304, _V100, 150 * GB, _NIC_100G, 16 * GB, nics_per_node=4),
     "t4": GpuSpec("Tesla T4", (7, 5), 40, 64, 1.59, 16 * GiB, 320 * GB, 4 << 20, 65536, 65536, _T4,
-                  16 * GB, _NIC_100G, 16 * GB, nics_per_node=1, threads_per_sm=1024),
+                  16 * GB, _NIC_100G, 16 * GB, nics_per_node=1, threads_per_sm=1024, gpu_link="PCIe"),
 }  # fmt: skip
+
+# Multi-Instance GPU (MIG) slices: a GPU split into up to 7 instances, each with its own share of the SMs (in
+# sevenths) and of the memory (in eighths; the L2 cache and the memory bandwidth come with the memory
+# slices), from NVIDIA's Multi-Instance GPU User Guide, "Supported MIG Profiles" (docs.nvidia.com/datacenter/
+# tesla/mig-user-guide/supported-mig-profiles.html): on A100, H100 and H200 the same six shapes, named by
+# each product's memory. An instance has no NVLink and no peer-to-peer path to any other (the guide's
+# "Application Considerations"): collectives between instances go through host memory, over the PCIe link
+# the GPU's instances share. The SM counts the driver reports (nvidia-smi mig -lgip) can be a few below
+# the guide's fraction of the whole GPU's.
+#: (sevenths of the SMs, eighths of the memory, instances one GPU holds) of each MIG profile, in order.
+_MIG_SHAPES = ((1, 1, 7), (1, 2, 4), (2, 2, 3), (3, 4, 2), (4, 4, 1), (7, 8, 1))
+#: The whole-GPU target -> its MIG profiles' names, in the order of _MIG_SHAPES.
+MIG_PROFILES = {
+    "a100-40g": ("1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
+    "a100-80g": ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "h100-sxm": ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "h100-pcie": ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "h200": ("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
+}
+
+
+def mig_slice(gpu: GpuSpec, profile: str, sevenths: int, eighths: int, per_gpu: int) -> GpuSpec:
+    """Returns the spec of one MIG instance of ``gpu``: ``sevenths`` of its SMs (and of its matmul rates),
+    ``eighths`` of its memory, L2 cache and memory bandwidth; ``per_gpu`` such instances share the GPU's
+    PCIe link, the only path between them (no NVLink, no NVLink SHARP), and a server holds ``per_gpu``
+    times its GPUs of them."""
+    sm_count = gpu.sm_count * sevenths // 7
+    share = sm_count / gpu.sm_count
+    pcie = gpu.host_bandwidth / per_gpu
+    return dataclasses.replace(
+        gpu, description=f"{gpu.description} MIG {profile}", sm_count=sm_count,
+        memory_bytes=gpu.memory_bytes * eighths // 8, memory_bandwidth=gpu.memory_bandwidth * eighths // 8,
+        l2_cache_bytes=gpu.l2_cache_bytes * eighths // 8,
+        peak_flops={dtype: rate * share for dtype, rate in gpu.peak_flops.items()},
+        nvlink_bandwidth=pcie, host_bandwidth=pcie, gpus_per_node=gpu.gpus_per_node * per_gpu, nvls=False,
+        sharp=False, gpu_link="PCIe through host memory (MIG: no NVLink between instances)",
+    )  # fmt: skip
+
+
+#: MIG slices as targets, ``<gpu>-mig-<profile>`` (``h100-sxm-mig-3g.40gb``): one device is one instance.
+MIG_TARGETS: dict[str, GpuSpec] = {
+    f"{gpu}-mig-{profile}": mig_slice(GPU_TARGETS[gpu], profile, *shape)
+    for gpu, profiles in MIG_PROFILES.items()
+    for profile, shape in zip(profiles, _MIG_SHAPES, strict=True)
+}
+#: Every GPU row by target name: whole GPUs and MIG slices (what a target or a GPU's device_kind names).
+GPU_ROWS: dict[str, GpuSpec] = {**GPU_TARGETS, **MIG_TARGETS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +323,9 @@ TARGET_NAMES = ("cpu", "local", *GPU_TARGETS, *TPU_TARGETS)
 
 
 def is_target_name(name: str) -> bool:
-    """Whether ``name`` is a target: one of :data:`TARGET_NAMES` or a TPU slice such as ``v5p-64``."""
-    return name in TARGET_NAMES or bool(_SLICE.match(name))
+    """Whether ``name`` is a target: one of :data:`TARGET_NAMES`, a MIG slice (:data:`MIG_TARGETS`) or a
+    TPU slice such as ``v5p-64``."""
+    return name in TARGET_NAMES or name in MIG_TARGETS or bool(_SLICE.match(name))
 
 
 def tpu_slice(name: str) -> tuple[str, int, int] | None:
@@ -365,9 +419,10 @@ def configure_local_memory(config) -> None:
 
 
 def target_for_device_kind(device_kind: str) -> str | None:
-    """Returns the deviceless target (a key of :data:`GPU_TARGETS`) that models a GPU's ``device_kind``."""
+    """Returns the deviceless target (a key of :data:`GPU_TARGETS` or :data:`MIG_TARGETS`) that models a
+    GPU's ``device_kind``."""
     kind = device_kind.lower()
-    for name, spec in GPU_TARGETS.items():
+    for name, spec in GPU_ROWS.items():  # A MIG instance's device_kind names its profile, as these do.
         if spec.description.lower() == kind:
             return name
     if "a100" in kind:
@@ -386,14 +441,14 @@ def target_for_device_kind(device_kind: str) -> str | None:
 def peak_flops_for(device_kind: str) -> float | None:
     """Returns the dense bf16 peak of a GPU recognised from its ``device_kind``."""
     name = target_for_device_kind(device_kind)
-    return GPU_TARGETS[name].peak_bf16_flops if name else None
+    return GPU_ROWS[name].peak_bf16_flops if name else None
 
 
 @functools.cache
 def _gpu_topology(name: str, hosts: int, per_host: int):
     from jax.experimental import topologies
 
-    spec = GPU_TARGETS[name]
+    spec = GPU_ROWS[name]
     try:
         with native_stderr_silenced():  # Loading the CUDA plugin without a driver complains in C++.
             topology = topologies.get_topology_desc(
@@ -478,13 +533,13 @@ def resolve_target(name: str, *, n_devices: int | None = None, hosts: int = 1) -
         return _resolve_tpu(name, n_devices)
     if n_devices is None:
         raise ConfigError(f"target {name!r} needs n_devices, the number of devices to plan for")
-    if name in GPU_TARGETS:
+    if name in GPU_ROWS:
         if n_devices % hosts:
             raise ConfigError(
                 f"mesh.hosts={hosts} does not divide the {n_devices} devices; every host needs "
                 "the same number of devices"
             )
-        spec = GPU_TARGETS[name]
+        spec = GPU_ROWS[name]
         devices = _gpu_topology(name, hosts, n_devices // hosts)
         label = f"{n_devices} x {spec.description} ({hosts} host{'s' * (hosts > 1)}), deviceless"
         return Target(name, label, devices, spec.memory_bytes, spec.peak_bf16_flops, True, False, spec=spec)
@@ -513,14 +568,14 @@ def resolve_target(name: str, *, n_devices: int | None = None, hosts: int = 1) -
         known = target_for_device_kind(kind)
         # The budget takes a fraction of the whole device; JAX's allocator limit (itself a fraction,
         # XLA_PYTHON_CLIENT_MEM_FRACTION) caps it further, see MemoryReport.budget_bytes.
-        memory = GPU_TARGETS[known].memory_bytes if known else int(stats.get("bytes_limit") or 0)
+        memory = GPU_ROWS[known].memory_bytes if known else int(stats.get("bytes_limit") or 0)
         memory = memory or host_memory_bytes() // len(devices)
         limit = int(stats["bytes_limit"]) if "bytes_limit" in stats else None
         approximate = devices[0].platform == "cpu"
         label = f"{len(devices)} x {kind} (attached)" + (", approximate" if approximate else "")
         return Target("local", label, devices[:n_devices], memory, peak_flops_for(kind), False,
                       approximate, allocator_limit=limit,
-                      spec=GPU_TARGETS[known] if known else None)  # fmt: skip
+                      spec=GPU_ROWS[known] if known else None)  # fmt: skip
     raise ConfigError(
         f"target {name!r} is not known{did_you_mean(name, TARGET_NAMES)}; use {one_of(TARGET_NAMES)}"
     )

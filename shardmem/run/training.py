@@ -18,11 +18,13 @@ The run directory holds ``run.lock`` (held by the run that owns the directory, s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import sys
 import threading
@@ -37,6 +39,7 @@ import numpy as np
 import yaml
 from rich.console import Console
 
+from shardmem._interrupt import sigint_to_python, undone_on_interrupt
 from shardmem.config import Config
 from shardmem.errors import ConfigError, PlanError, ShardmemError
 from shardmem.finetune.weights import check_init_from
@@ -45,7 +48,7 @@ from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.run.data import batch_stream
-from shardmem.run.lock import RunDirLock
+from shardmem.run.lock import LOCK_NAME, RunDirLock
 from shardmem.run.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
 from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
@@ -154,17 +157,32 @@ def train(
             "(measured on an H200, BENCHMARKS.md); unset it to keep JAX's preallocated pool",
         )
 
+    started = _Start(run_dir if lead else None)
+    # Until the first step, Ctrl-C (in the CLI) ends the process at once: what this start made goes first.
+    with undone_on_interrupt(started.undo):
+        return _run(config, run_dir, program, step_fn, source, report, started, console)
+
+
+def _run(config: Config, run_dir: Path, program: Program, step_fn, source, report: MemoryReport,
+         started: _Start, console: Console) -> TrainResult:  # fmt: skip
+    """Sets up the run directory, then restores or initialises the state and trains; a start that fails
+    before its first step leaves the run directory as it was (:class:`_Start`)."""
+    train_config, lead = config.train, jax.process_index() == 0
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create run directory {str(run_dir)!r}: {e.strerror}; choose another "
                           "--run-dir") from None  # fmt: skip
-    lock = _lock_run_dir(run_dir, console)
+    try:
+        lock = started.lock = _lock_run_dir(run_dir, console)
+    except BaseException:
+        started.keep()  # Another run holds the directory (made it, too, maybe): nothing here is ours.
+        raise
     try:
         checkpointer = Checkpointer(run_dir / "checkpoints", every=train_config.checkpoint_every,
                                     keep=train_config.keep_checkpoints)  # fmt: skip
     except BaseException:
-        lock.release()
+        started.undo()
         raise
     try:
         _remove_unfinished_saves(checkpointer, console)
@@ -179,31 +197,12 @@ def train(
             start, state = 0, program.init()
         if lead:  # Only now: a resume that cannot restore leaves the run's files as they were.
             _write_config(run_dir / "config.yaml", config, console)
-            (run_dir / "plan.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        mesh_text = " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
-        begin = f"resuming from step {start}" if start else "new run"
-        _say(
-            console,
-            f"[bold]shardmem train[/bold] {config.name}: {begin} in {run_dir}, mesh {mesh_text} over "
-            f"{mesh.size} devices in {jax.process_count()} "
-            f"process{'es' * (jax.process_count() > 1)}; plan peak {format_bytes(peak)} per device "
-            f"of {format_bytes(limit)}",
-        )
-        if start >= train_config.steps:
-            _say(console, f"already trained to step {start} (train.steps={train_config.steps}); raise "
-                          "train.steps to continue (the learning-rate schedule then decays over the new "
-                          "train.steps, so the rate jumps up at the resume)")  # fmt: skip
-            return TrainResult(run_dir, "finished", start, start, [], report, state)
-        loop = _Loop(config, program, step_fn, source, checkpointer, report, start)
-        tensorboard_dir = run_dir / "tensorboard" if train_config.tensorboard else None
-        with (
-            MetricsLog(run_dir / "metrics.jsonl", tensorboard_dir=tensorboard_dir, start_step=start)
-            if lead else _NoLog() as log,
-            TrainProgress(console, total=train_config.steps, start=start) as progress,
-            _StopSignals() as signals,
-        ):  # fmt: skip
-            status, state = loop.run(state, log, progress, signals)
-            checkpointer.wait()  # Still under the signal handlers: a second Ctrl-C here exits cleanly.
+            _write_atomically(run_dir / "plan.json", json.dumps(report.to_json(), indent=2) + "\n")
+        with _StopSignals() as signals:  # From here on a signal stops the run at a step, saved.
+            status, state, loop = _begin(config, run_dir, program, step_fn, source, report, checkpointer,
+                                         start, state, signals, started, console)  # fmt: skip
+        if loop is None:
+            return TrainResult(run_dir, status, start, start, [], report, state)
         final = loop.step
         how = {"finished": "finished", "preempted": "stopped by SIGTERM", "interrupted": "interrupted"}
         _say(
@@ -217,6 +216,76 @@ def train(
             checkpointer.close()
         finally:
             lock.release()
+            started.undo()  # Before the first step: what this start created.
+
+
+def _begin(config: Config, run_dir: Path, program: Program, step_fn, source, report: MemoryReport,
+           checkpointer: Checkpointer, start: int, state, signals: _StopSignals, started: _Start,
+           console: Console) -> tuple[str, Any, _Loop | None]:  # fmt: skip
+    """Says how the run begins and trains from step ``start``; returns (status, state, the loop), the
+    loop None when ``train.steps`` were already done."""
+    train_config, mesh = config.train, program.mesh
+    started.keep()  # The run directory is the run's now, whatever happens.
+    mesh_text = " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    begin = f"resuming from step {start}" if start else "new run"
+    _say(
+        console,
+        f"[bold]shardmem train[/bold] {config.name}: {begin} in {run_dir}, mesh {mesh_text} over "
+        f"{mesh.size} devices in {jax.process_count()} process{'es' * (jax.process_count() > 1)}; plan "
+        f"peak {format_bytes(report.per_device['peak'])} per device of {format_bytes(report.budget_bytes)}",
+    )
+    if start >= train_config.steps:
+        _say(console, f"already trained to step {start} (train.steps={train_config.steps}); raise "
+                      "train.steps to continue (the learning-rate schedule then decays over the new "
+                      "train.steps, so the rate jumps up at the resume)")  # fmt: skip
+        return "finished", state, None
+    loop = _Loop(config, program, step_fn, source, checkpointer, report, start)
+    tensorboard_dir = run_dir / "tensorboard" if train_config.tensorboard else None
+    with (
+        MetricsLog(run_dir / "metrics.jsonl", tensorboard_dir=tensorboard_dir, start_step=start)
+        if jax.process_index() == 0 else _NoLog() as log,
+        TrainProgress(console, total=train_config.steps, start=start) as progress,
+    ):  # fmt: skip
+        status, state = loop.run(state, log, progress, signals)
+        checkpointer.wait()  # Still under the signal handlers: a second Ctrl-C here exits cleanly.
+    return status, state, loop
+
+
+class _Start:
+    """What a start makes in the run directory before its first step, undone when the start fails or is
+    interrupted (:meth:`undo`): a new run directory goes, with the folders above it that it made; in one
+    that was there, the lock file and the checkpoints folder it added, if still empty. ``run_dir`` None:
+    a process other than the first, which leaves the files to it."""
+
+    def __init__(self, run_dir: Path | None) -> None:
+        self.lock: RunDirLock | None = None
+        missing = [p for p in (run_dir, *run_dir.parents) if not p.exists()] if run_dir else []
+        self.top = missing[-1] if missing else None  # The outermost folder this start creates.
+        added = (run_dir / LOCK_NAME, run_dir / "checkpoints") if run_dir and not missing else ()
+        self.added = [p for p in added if not p.exists()]
+
+    def keep(self) -> None:
+        """The run has begun: nothing is undone any more (the run gives its lock back itself)."""
+        self.top, self.added, self.lock = None, [], None
+
+    def undo(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        if self.top is not None:
+            shutil.rmtree(self.top, ignore_errors=True)
+        for path in self.added:
+            with contextlib.suppress(OSError):
+                path.rmdir() if path.is_dir() else path.unlink()
+        self.keep()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` by renaming a finished temporary file over it: an interrupt mid-write
+    leaves the previous file, never half of the new one."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with undone_on_interrupt(lambda: temporary.unlink(missing_ok=True)):
+        temporary.write_text(text)
+        os.replace(temporary, path)
 
 
 class _Loop:
@@ -510,6 +579,7 @@ class _StopSignals:
         self.received: int | None = _StopSignals.early
         _StopSignals.early = None
         self._previous: dict[int, Any] = {}
+        self._python_handles = sigint_to_python()
 
     @staticmethod
     def remember_early(signum: int, frame) -> None:
@@ -519,6 +589,7 @@ class _StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._python_handles.__enter__()  # Not the CLI's exit at once (shardmem._interrupt).
         return self
 
     def _handle(self, signum: int, frame) -> None:
@@ -533,6 +604,8 @@ class _StopSignals:
         os._exit(128 + signum)
 
     def _restore(self) -> None:
+        if self._previous:
+            self._python_handles.__exit__(None, None, None)
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
@@ -565,7 +638,7 @@ def _write_config(path: Path, config: Config, console: Console) -> None:
         changed = [key for key, value in config.to_dict().items() if before.get(key) != value]
         if changed:
             _say(console, f"note: {', '.join(changed)} changed since this run directory's last start")
-    path.write_text(text)
+    _write_atomically(path, text)
 
 
 def start_runtime(
