@@ -121,7 +121,7 @@ def child_phases(config_path: str, overrides: list[str]) -> dict:
     from shardmem.parallel.mesh import build_mesh
     from shardmem.planning import codegen, hlo, kernel_cache
     from shardmem.planning.memory import make_target
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     mark("imports")
     config = load_config(config_path, overrides)

@@ -33,8 +33,8 @@ from shardmem.planning.memory import MemoryReport, analyze, make_target, plan, p
 from shardmem.planning.report import render  # noqa: E402
 from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
 from shardmem.planning.timeline import Timeline, timeline  # noqa: E402
+from shardmem.program import Program, build_program, next_token_loss  # noqa: E402
 from shardmem.remat import LayerPlan, ModulePlan, RematPolicy, remat_modules, remat_scan  # noqa: E402
-from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
 
 __all__ = [
     "CHECKPOINT_TAGS",

@@ -244,8 +244,8 @@ def cmd_export(args) -> int:
     from shardmem.finetune.weights import export_safetensors
     from shardmem.parallel.mesh import build_mesh
     from shardmem.planning.targets import ensure_cpu_devices
+    from shardmem.program import build_program
     from shardmem.run.checkpoint import Checkpointer
-    from shardmem.step import build_program
 
     config = _load(args)
     if os.environ.get("JAX_PLATFORMS") == "cpu":

@@ -86,7 +86,7 @@ def test_stand_in_says_what_it_stands_for():
 def test_a_sequence_the_pallas_kernel_cannot_tile_is_a_config_error():
     # It was a ValueError traceback from inside the kernel (llama-7b-long with seq_len 32000).
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     AttentionKernel("pallas", context=8).check_length(32768)  # 2 x 8 blocks of 2048.
     AttentionKernel("pallas").check_length(100)  # One block.
@@ -103,7 +103,7 @@ def test_a_sequence_the_pallas_kernel_cannot_tile_is_a_config_error():
 def test_fused_kernel_runs_per_shard_in_the_sharded_step():
     """Pallas (interpret mode) inside shard_map over batch and heads gives the xla kernel's loss."""
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     losses = {}
     for kernel in ("xla", "pallas"):

@@ -34,7 +34,7 @@ from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.units import format_bytes, format_flops, format_seconds
 
 if TYPE_CHECKING:
-    from shardmem.step import Program
+    from shardmem.program import Program
 
 #: Columns of the CSV, in order.
 COLUMNS = (
@@ -178,7 +178,7 @@ def plan_candidate(
     ``error``, so that one candidate cannot end the sweep."""
     from shardmem.parallel.mesh import build_mesh
     from shardmem.planning.memory import make_target, plan_program
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     try:
         candidate = config.replace(*overrides)

@@ -33,8 +33,8 @@ from shardmem.parallel.pipeline import STAGE_AXIS
 from shardmem.parallel.rules import Rules, spec_axes
 from shardmem.planning import hlo
 from shardmem.planning.memory import MemoryReport, make_target, plan
+from shardmem.program import build_program, pipeline_for
 from shardmem.remat import PRESETS
-from shardmem.step import build_program, pipeline_for
 from shardmem.units import clip, format_bytes, format_seconds
 
 SEARCHES = ("remat", "batch", "micro_batches", "layout", "finetune")

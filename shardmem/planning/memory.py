@@ -39,7 +39,7 @@ from shardmem.planning.targets import (
     tpu_notes,
     tpu_slice,
 )
-from shardmem.step import LossFn, ModelFactory, Program, build_program
+from shardmem.program import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
 #: The per-device figures of a report, in the order tables show them.
@@ -210,7 +210,7 @@ def plan(
     """Compiles the config's training step for ``target`` and returns its :class:`MemoryReport`.
 
     ``model_factory(rngs)``, ``loss_fn(model, batch)`` and ``batch`` plan a model of your own (as
-    :func:`~shardmem.step.build_program` takes them; or ``model.factory``, ``train.loss`` and
+    :func:`~shardmem.program.build_program` takes them; or ``model.factory``, ``train.loss`` and
     ``data.batch`` in the config) with the config's mesh, rules and remat. ``compiler_options`` are XLA
     options added to ``memory.compiler_options``.
     """

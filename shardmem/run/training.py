@@ -42,11 +42,11 @@ from shardmem.errors import ConfigError, PlanError, ShardmemError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
+from shardmem.program import LossFn, ModelFactory, Program, build_program
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.run.data import batch_stream
 from shardmem.run.lock import RunDirLock
 from shardmem.run.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
-from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
 __all__ = ["DivergedError", "DoesNotFitError", "TrainResult", "start_runtime", "train"]

@@ -9,9 +9,9 @@ optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Paramet
 ``precision.params`` (float32 by default; narrower ones with a float32 copy in the optimizer state under
 ``precision.master``) and cast to ``precision.compute`` where they are used; in
 float16 the loss is scaled by the optimizer's dynamic loss scale before differentiating and the
-gradients divided by it again (:func:`scaled_value_and_grad`, :mod:`shardmem.optimizer`). Only
+gradients divided by it again (:func:`scaled_value_and_grad`, :mod:`shardmem.program.optimizer`). Only
 ``nnx.Param`` variables are differentiated; a model's other variables (batch statistics, RNG streams)
-ride along in ``state["model_state"]``. The batch is any pytree of arrays (:mod:`shardmem.batch`).
+ride along in ``state["model_state"]``. The batch is any pytree of arrays (:mod:`shardmem.program.batch`).
 With a ``stage`` mesh axis the reference model runs its layers as pipeline stages, and
 ``train.micro_batches`` go through them in one pass instead of accumulating
 (:mod:`shardmem.parallel.pipeline`).
@@ -35,9 +35,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem.accumulation import accumulate_gradients, deferred_axes
-from shardmem.batch import BatchLeaf, parse_batch, token_batch
-from shardmem.batch import is_leaf as is_batch_leaf
 from shardmem.config import Config
 from shardmem.errors import ConfigError, one_of
 from shardmem.finetune import FineTune
@@ -46,7 +43,13 @@ from shardmem.models.attention import AttentionKernel, device_class, resolve_att
 from shardmem.models.linen import remat_calls
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig, lora_input_dims
 from shardmem.models.user import import_object, search_from, takes
-from shardmem.optimizer import (
+from shardmem.parallel.mesh import auto_axes
+from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
+from shardmem.parallel.rules import Rules, sequence_parallel, sharding_table, spec_axes
+from shardmem.program.accumulation import accumulate_gradients, deferred_axes
+from shardmem.program.batch import BatchLeaf, parse_batch, token_batch
+from shardmem.program.batch import is_leaf as is_batch_leaf
+from shardmem.program.optimizer import (
     gradient_shardings,
     loss_scale,
     make_optimizer,
@@ -55,9 +58,6 @@ from shardmem.optimizer import (
     to_device,
     to_host,
 )
-from shardmem.parallel.mesh import auto_axes
-from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
-from shardmem.parallel.rules import Rules, sequence_parallel, sharding_table, spec_axes
 from shardmem.remat import LayerPlan, ModulePlan, remat_modules
 
 ModelFactory = Callable[..., nnx.Module]
@@ -247,7 +247,7 @@ def build_program(
     :class:`~shardmem.remat.LayerPlan`; ``remat.modules`` wraps the submodules it names in any model of
     your own (:class:`~shardmem.remat.ModulePlan`). ``loss_fn(model, batch)`` (or ``train.loss``)
     returns a scalar loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
-    :mod:`shardmem.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
+    :mod:`shardmem.program.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
     (``batch_shape`` changes its shape). ``attention`` overrides the reference model's kernel, resolved
     by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`). A mesh with
     Explicit or Manual axes (``jax.make_mesh``'s default) is planned with Auto axes, as :func:`build_mesh`
@@ -470,7 +470,7 @@ def overlap_exceptions(
     """Returns the GPU overlap options the step compiles without (:data:`overlap.GPU_OVERLAP` names).
 
     One so far: with sequence parallelism and gradients accumulated per device over data axes
-    (:mod:`shardmem.accumulation`), XLA's all-gather pipeliner moves the next micro-batch's sequence
+    (:mod:`shardmem.program.accumulation`), XLA's all-gather pipeliner moves the next micro-batch's sequence
     gathers into the accumulation loop's previous trip and clones the whole forward layer loop that
     feeds them: every micro-batch's forward ran twice (tests/test_overlap.py; Nemotron-4 15B at tensor 4
     x data 4, BENCHMARKS.md). It is there to prefetch FSDP weight gathers across layers, which such a
@@ -620,7 +620,8 @@ def pipeline_for(
 
 
 def _batch_leaves(config: Config, batch: Any, batch_shape: tuple[int, ...] | None):
-    """Returns the batch's :class:`~shardmem.batch.BatchLeaf` tree and whether it is the token batch."""
+    """Returns the batch's :class:`~shardmem.program.batch.BatchLeaf` tree and whether it is the token
+    batch."""
     global_batch = config.train.global_batch
     declared = batch if batch is not None else config.data.batch
     if declared is not None:
