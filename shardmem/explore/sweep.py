@@ -34,7 +34,7 @@ from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.units import format_bytes, format_flops, format_seconds
 
 if TYPE_CHECKING:
-    from shardmem.program import Program
+    from shardmem.program import TrainingProgram
 
 #: Columns of the CSV, in order.
 COLUMNS = (
@@ -207,7 +207,7 @@ def plan_candidate(
     return row
 
 
-def time_steps(program: Program, step_fn: Callable, steps: int) -> tuple[float, int | None]:
+def time_steps(program: TrainingProgram, step_fn: Callable, steps: int) -> tuple[float, int | None]:
     """Runs ``steps`` real training steps of ``step_fn`` (``program``'s step, after one more that warms
     up) on synthetic data; returns the median step time in seconds and the peak bytes in use of the
     mesh's devices (None where the backend does not say)."""

@@ -1,4 +1,4 @@
-"""The memory reporter: compile the real training step ahead of time and say whether it fits.
+"""The memory reporter: compile a program's real step ahead of time and say whether it fits.
 
     report = shardmem.plan(load_config("configs/llama-7b.yaml"), target="h100-sxm")
     report.per_device["peak"], report.budget_bytes, report.fits
@@ -227,22 +227,22 @@ def plan(
 
 
 def plan_program(
-    program: Program, target: Target, *, top: int = 10, count_remat_overhead: bool = True
+    program: Program,
+    target: Target,
+    *,
+    function: str | None = None,
+    top: int = 10,
+    count_remat_overhead: bool = True,
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
-    """Plans a built program (its mesh over ``target.devices``) and returns the report with the compiled
-    step, which runs on attached devices: ``shardmem train`` steps with it rather than compiling again."""
-    traced = program.step.trace(program.abstract_state, program.abstract_batch)
-    state = program.abstract_state
-    groups = {
-        "params": state["params"],
-        "frozen": state.get("frozen", {}),  # Fine-tuning's frozen (and quantized) parameters.
-        "optimizer": {"opt_state": state["opt_state"], "step": state["step"]},
-        "model_state": state.get("model_state", {}),
-        "batch": program.abstract_batch,
-    }
+    """Plans a built program (its mesh over ``target.devices``), whatever its kind: compiles one of its
+    jitted functions on their abstract arguments (``function``, by name; default its first, a training
+    program's step) and returns the report with the compiled function, which runs on attached devices:
+    ``shardmem train`` steps with it rather than compiling again."""
+    planned = program.function(function)
+    traced = planned.trace()
     config = program.config
-    report, compiled = _compile_and_analyze(traced, target, config.memory, groups=groups, top=top,
-                                            overlap_off=program.overlap_off,
+    report, compiled = _compile_and_analyze(traced, target, config.memory, groups=planned.groups, top=top,
+                                            overlap_off=planned.overlap_off,
                                             name=config.name)  # fmt: skip
     rows = program.sharding_table()
     warnings = rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
@@ -250,7 +250,8 @@ def plan_program(
     tags = hlo.checkpoint_tags(traced.jaxpr)
     warnings += _remat_warnings(config, layer_plan, tags)
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
-    warnings += _optimizer_warnings(config) + _slow_compile_warnings(report)
+    warnings += _optimizer_warnings(config) if program.description.training else []
+    warnings += _slow_compile_warnings(report)
     warnings += tpu_notes(target, config.memory, report.per_device["peak"])
     warnings += precision_notes(target, config.precision.compute)
     attention = program.attention.describe() if program.attention else ""
@@ -279,17 +280,11 @@ def plan_program(
         elif any(p.remats for p in policies):
             baseline = None
             if count_remat_overhead:  # Tracing the step without remat costs no compile.
-                plain = config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}")
-                plain = build_program(plain, program.mesh, **program.build_args)
-                baseline = hlo.matmul_flops(
-                    plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
-                )
+                plain = program.variant("remat.policy=none", "remat.layers={}", "remat.modules={}")
+                baseline = hlo.matmul_flops(plain.function(planned.name).trace().jaxpr)
         report = dataclasses.replace(report, flops_no_remat=baseline, remat=label)
-    tokens = None
-    if program.token_batch:  # [batch, length + 1]: each row predicts its last `length` tokens.
-        rows, width = jax.tree.leaves(program.abstract_batch)[0].shape[:2]
-        tokens = rows * (width - 1)
-    return with_step_time(report, target, program.mesh, traced.jaxpr, config.interconnect, tokens), compiled
+    return with_step_time(report, target, program.mesh, traced.jaxpr, config.interconnect,
+                          planned.tokens), compiled  # fmt: skip
 
 
 def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconnect=None,

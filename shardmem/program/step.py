@@ -4,7 +4,9 @@
     state = program.init()                        # allocated directly with its shardings
     state, metrics = program.step(state, batch)   # jit with explicit shardings, state donated
 
-The model declares logical axes; the config's rules turn them into NamedShardings for parameters and
+:func:`build_program` is :func:`build_training` of the config's
+:class:`~shardmem.program.description.Description`, which decided everything the step reads. The model
+declares logical axes; the config's rules turn them into NamedShardings for parameters and
 optimizer state alike (data parallel, FSDP, tensor parallel or any mix). Parameters are kept in
 ``precision.params`` (float32 by default; narrower ones with a float32 copy in the optimizer state under
 ``precision.master``) and cast to ``precision.compute`` where they are used; in
@@ -14,7 +16,8 @@ gradients divided by it again (:func:`scaled_value_and_grad`, :mod:`shardmem.pro
 ride along in ``state["model_state"]``. The batch is any pytree of arrays (:mod:`shardmem.program.batch`).
 With a ``stage`` mesh axis the reference model runs its layers as pipeline stages, and
 ``train.micro_batches`` go through them in one pass instead of accumulating
-(:mod:`shardmem.parallel.pipeline`).
+(:mod:`shardmem.parallel.pipeline`). Fine-tuning (:mod:`shardmem.finetune`) is the same step over
+what trains, the frozen parameters passed through untouched.
 """
 
 from __future__ import annotations
@@ -22,12 +25,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -36,95 +37,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
-from shardmem.errors import ConfigError, one_of
-from shardmem.finetune import FineTune
-from shardmem.models import losses
-from shardmem.models.attention import AttentionKernel, device_class, resolve_attention
+from shardmem.errors import ConfigError
 from shardmem.models.linen import remat_calls
-from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig, lora_input_dims
-from shardmem.models.user import import_object, search_from, takes
-from shardmem.parallel.mesh import auto_axes
-from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
-from shardmem.parallel.rules import Rules, sequence_parallel, sharding_table, spec_axes
-from shardmem.program.accumulation import accumulate_gradients, deferred_axes
-from shardmem.program.batch import BatchLeaf, parse_batch, token_batch
-from shardmem.program.batch import is_leaf as is_batch_leaf
-from shardmem.program.optimizer import (
-    gradient_shardings,
-    loss_scale,
-    make_optimizer,
-    master_weights,
-    optimizer_shardings,
-    to_device,
-    to_host,
-)
-from shardmem.remat import LayerPlan, ModulePlan, remat_modules
-
-ModelFactory = Callable[..., nnx.Module]
-LossFn = Callable[[nnx.Module, Any], Any]
-
-
-def next_token_loss(model: nnx.Module, batch_BxL1: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; over chunks of the
-    vocabulary for the reference model's ``model.loss_chunk`` (see :mod:`shardmem.models.losses`)."""
-    return losses.next_token_loss(model, batch_BxL1)
-
-
-def default_model_factory(config: Config, attention: AttentionKernel | None = None,
-                          pipeline: Pipeline | None = None) -> ModelFactory:  # fmt: skip
-    """Returns ``rngs -> model`` for the config: the reference Llama (its layers in ``pipeline`` stages,
-    where given), or ``model.factory`` called with ``model.options`` (and ``remat=`` the per-layer plan,
-    where it takes one)."""
-    if config.model is None:
-        raise ConfigError(
-            "the config has no model section; add e.g. model: {preset: tiny} (presets: "
-            f"{one_of(PRESETS)}), model: {{factory: mypkg.models:build}}, or pass model_factory="
-        )
-    plan = config.remat_plan()
-    if config.user_model:
-        with search_from(config.folder):
-            build = import_object(config.model.factory, "model.factory")
-        return _with_options(build, plan, config.model.options)
-
-    def factory(rngs: nnx.Rngs) -> nnx.Module:
-        return Llama(config.model, rngs=rngs, remat=plan,
-                     param_dtype=jnp.dtype(config.precision.params),
-                     compute_dtype=jnp.dtype(config.precision.compute), attention=attention,
-                     pipeline=pipeline)  # fmt: skip
-
-    return factory
-
-
-def _with_options(build: Callable, plan: LayerPlan, options: dict) -> ModelFactory:
-    extra = dict(options)
-    if takes(build, "remat"):
-        extra["remat"] = plan
-
-    def factory(rngs: nnx.Rngs) -> nnx.Module:
-        try:
-            return build(rngs, **extra)
-        except TypeError as e:
-            if options and any(f"'{name}'" in str(e) for name in options):
-                raise ConfigError(f"model.options={options}: {build.__name__}() says {e}") from None
-            raise
-
-    factory.takes_remat = "remat" in extra  # type: ignore[attr-defined]
-    return factory
-
-
-def _with_module_remat(factory: ModelFactory, modules: ModulePlan, matched: set[str]) -> ModelFactory:
-    """The factory, its NNX submodules that ``remat.modules`` names wrapped in ``nnx.remat``."""
-
-    def build(rngs: nnx.Rngs) -> nnx.Module:
-        model = factory(rngs)  # Anything else is _checked_model's to refuse.
-        return remat_modules(model, modules, matched) if isinstance(model, nnx.Module) else model
-
-    return build
+from shardmem.program.accumulation import accumulate_gradients
+from shardmem.program.description import Description, Training, describe
+from shardmem.program.optimizer import loss_scale, master_weights, to_device, to_host
+from shardmem.program.program import Function, Program
 
 
 @dataclasses.dataclass
-class Program:
-    """Everything needed to initialise and run (or only compile) the sharded step.
+class TrainingProgram(Program):
+    """The sharded training step, ready to initialise and run (or only compile).
 
     The state is ``{"params", "opt_state", "step"}`` plus ``"model_state"`` when the model has
     variables other than ``nnx.Param`` (batch statistics, RNG streams, ...): those are carried through
@@ -135,226 +58,125 @@ class Program:
     batch.
     """
 
-    config: Config
-    mesh: Mesh
-    rules: Rules
-    graphdef: Any
-    abstract_state: dict  # ShapeDtypeStructs with shardings
-    abstract_batch: Any
-    state_shardings: dict
-    batch_sharding: Any
-    param_logical: Any
-    optimizer: optax.GradientTransformation
     step: Callable  # jitted (state, batch) -> (state, metrics); state is donated
-    init: Callable  # () -> state, initialised from train.seed with its shardings
-    custom_model: bool = False  # Built from a user's model rather than the reference model.
-    remat_plan: LayerPlan | None = None  # The plan the model applies (None: the model remats itself).
-    module_plan: ModulePlan = dataclasses.field(default_factory=ModulePlan)  # remat.modules, applied to it.
-    # The module_plan patterns that named a module: NNX ones when the model is built, Linen ones when traced.
-    module_matches: set[str] = dataclasses.field(default_factory=set)
-    token_batch: bool = True  # The batch is the reference [batch, seq_len + 1] token array.
-    build_args: dict = dataclasses.field(default_factory=dict)  # build_program's keywords, to rebuild it.
-    # (params, model_state, batch) -> (loss, (metrics, new model_state)): what the step differentiates.
-    loss: Callable | None = None
-    attention: AttentionKernel | None = None  # The reference model's kernel, resolved for the mesh's devices.
-    pipeline: Pipeline | None = None  # The layers' pipeline stages (None: no stage axis, or stage=1).
-    finetune: FineTune | None = None  # Frozen, adapted and quantized parameters (None: all train).
-    # The model's own parameters (before the fine-tune split), with their shardings: what weights load into.
-    model_params: Any = None
-    start_from: Callable | None = None  # (model params) -> state: pretrained weights in (donated).
-    frozen_logical: Any = None  # The logical axis names of state["frozen"] (with finetune).
-    # GPU overlap options (names of shardmem.planning.overlap.GPU_OVERLAP) this step compiles without,
-    # plan and train alike: see overlap_exceptions().
-    overlap_off: tuple[str, ...] = ()
+    # (params, model_state, batch, frozen=None) -> (loss, (metrics, new model_state)): what it differentiates.
+    loss: Callable
+    start_from: Callable  # (model params) -> state: pretrained weights in (donated).
 
-    def sharding_table(self):
-        """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter (trainable ones,
-        then frozen ones)."""
-        rows = sharding_table(
-            self.abstract_state["params"], self.state_shardings["params"], self.param_logical
-        )
-        if "frozen" in self.abstract_state:
-            rows += sharding_table(self.abstract_state["frozen"], self.state_shardings["frozen"],
-                                   self.frozen_logical)  # fmt: skip
-        return rows
+    kind: ClassVar[str] = "training"
 
+    @property
+    def functions(self) -> tuple[Function, ...]:
+        """The step, planned with the abstract state and batch; the report lists the parameters, the
+        frozen ones, the optimizer state, the model's other variables and the batch per device."""
+        state = self.abstract_state
+        groups = {
+            "params": state["params"],
+            "frozen": state.get("frozen", {}),  # Fine-tuning's frozen (and quantized) parameters.
+            "optimizer": {"opt_state": state["opt_state"], "step": state["step"]},
+            "model_state": state.get("model_state", {}),
+            "batch": self.abstract_batch,
+        }
+        tokens = None
+        if self.token_batch:  # [batch, length + 1]: each row predicts its last `length` tokens.
+            rows, width = jax.tree.leaves(self.abstract_batch)[0].shape[:2]
+            tokens = rows * (width - 1)
+        return (Function("step", self.step, (state, self.abstract_batch), groups, tokens, self.overlap_off),)
 
-def _abstract(tree, shardings):
-    return jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        tree,
-        shardings,
-    )
+    @property
+    def training(self) -> Training:
+        """The description's training decisions: batch, loss, optimizer, the state's layout."""
+        return self.description.training
 
+    @property
+    def abstract_state(self) -> dict:
+        """The state as ``jax.ShapeDtypeStruct`` with their shardings."""
+        return self.training.state
 
-def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    @property
+    def state_shardings(self) -> dict:
+        """The state's shardings."""
+        return self.training.state_shardings
 
+    @property
+    def abstract_batch(self):
+        """The batch as ``jax.ShapeDtypeStruct`` with their shardings."""
+        return self.training.batch
 
-class _Keys:
-    """Typed PRNG keys in the model's variables travel as their raw ``uint32`` data (checkpoints hold
-    plain arrays); ``wrap`` turns them back into keys of the same implementation."""
+    @property
+    def batch_sharding(self):
+        """The batch's shardings."""
+        return self.training.batch_sharding
 
-    def __init__(self, abstract_rest):
-        found = {}
+    @property
+    def optimizer(self) -> optax.GradientTransformation:
+        """The Optax optimizer."""
+        return self.training.optimizer
 
-        def record(tree):  # key_impl needs a (traced) key array, not a ShapeDtypeStruct.
-            found["impls"] = jax.tree.map(lambda x: jax.random.key_impl(x) if _is_key(x) else None, tree)
+    @property
+    def token_batch(self) -> bool:
+        """Whether the batch is the reference ``[batch, seq_len + 1]`` token array."""
+        return self.training.token_batch
 
-        jax.eval_shape(record, abstract_rest)
-        self.impls = found["impls"]
-
-    def unwrap(self, tree):
-        return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
-
-    def wrap(self, tree):
-        return jax.tree.map(lambda x, impl: x if impl is None else jax.random.wrap_key_data(x, impl=impl),
-                            tree, self.impls, is_leaf=lambda x: x is None)  # fmt: skip
-
-
-def resolve_loss(config: Config, loss_fn: LossFn | None, token_batch: bool) -> LossFn:
-    """The loss: ``loss_fn``, else ``train.loss``, else next-token cross-entropy on a token batch."""
-    if loss_fn is not None:
-        return loss_fn
-    if config.train.loss is not None:
-        with search_from(config.folder):
-            return import_object(config.train.loss, "train.loss")
-    if not token_batch:
-        raise ConfigError(
-            "train.loss is not set, and the batch is not the token batch next-token cross-entropy "
-            "needs; set train.loss: mypkg.module:loss (loss(model, batch) -> loss or (loss, metrics)) "
-            "or pass loss_fn="
-        )
-    return next_token_loss
+    @property
+    def overlap_off(self) -> tuple[str, ...]:
+        """The GPU overlap options (:mod:`shardmem.planning.overlap`) the step compiles without,
+        plan and train alike."""
+        return self.training.overlap_off
 
 
-def build_program(
-    config: Config,
-    mesh: Mesh,
-    *,
-    model_factory: ModelFactory | None = None,
-    loss_fn: LossFn | None = None,
-    batch: Any = None,
-    batch_shape: tuple[int, ...] | None = None,
-    attention: AttentionKernel | None = None,
-) -> Program:
-    """Returns the sharded step for ``config`` on ``mesh``. Nothing the size of the model is allocated
-    until ``program.init`` is called.
+def build_program(config: Config, mesh: Mesh, **arguments: Any) -> TrainingProgram:
+    """Returns the sharded step for ``config`` on ``mesh``: ``build_training(describe(config, mesh,
+    **arguments))``. Nothing the size of the model is allocated until ``program.init`` is called.
 
-    ``model_factory(rngs)`` (or ``model.factory`` in the config) builds any Flax NNX module whose
-    parameters carry logical axis names (default: the reference :class:`~shardmem.models.llama.Llama`);
-    one that takes a ``remat`` argument receives the config's per-layer
-    :class:`~shardmem.remat.LayerPlan`; ``remat.modules`` wraps the submodules it names in any model of
-    your own (:class:`~shardmem.remat.ModulePlan`). ``loss_fn(model, batch)`` (or ``train.loss``)
-    returns a scalar loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
-    :mod:`shardmem.program.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
-    (``batch_shape`` changes its shape). ``attention`` overrides the reference model's kernel, resolved
-    by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`). A mesh with
-    Explicit or Manual axes (``jax.make_mesh``'s default) is planned with Auto axes, as :func:`build_mesh`
-    makes them (:func:`shardmem.parallel.mesh.auto_axes`), so it builds the same program.
+    ``arguments`` are :func:`~shardmem.program.description.describe`'s: ``model_factory(rngs)`` (or
+    ``model.factory`` in the config) builds any Flax NNX module whose parameters carry logical axis names
+    (default: the reference :class:`~shardmem.models.llama.Llama`), ``loss_fn(model, batch)`` (or
+    ``train.loss``) returns a scalar loss or ``(loss, metrics)``, ``batch`` (or ``data.batch``) declares
+    the batch, ``batch_shape`` changes the token batch's shape and ``attention`` overrides the reference
+    model's kernel.
     """
-    mesh = auto_axes(mesh)
-    train = config.train
-    custom = model_factory is not None or config.user_model
-    rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
-    context = _context_shards(config, mesh, rules, custom, batch_shape)
-    pipeline = pipeline_for(config, mesh, custom, rules)
-    if attention is None and not custom:
-        attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
-                                      where=device_class(mesh.devices.flat),
-                                      dtype=config.precision.compute, context=context)  # fmt: skip
-    if attention is not None and not custom:
-        attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
-    if not custom and config.remat.tags:
-        raise ConfigError(
-            f"remat.tags={config.remat.tags} lists the checkpoint_name tags of a model of your own, but the "
-            f"model is the reference one (model.preset or model fields), which tags "
-            f"{', '.join(CHECKPOINT_TAGS)}; "
-            "remove remat.tags (remat.custom picks among those), or pass your model as model_factory="
-        )
-    if not custom and config.remat.modules:
-        raise ConfigError(
-            f"remat.modules={config.remat.modules} wraps layers of a model of your own, but the model is the "
-            "reference one (model.preset or model fields), whose layers take remat.policy and remat.layers; "
-            "use those, or pass your model as model_factory="
-        )
-    if model_factory is not None:
-        plan = config.remat_plan(user_model=True)  # A model passed in code is the user's, whatever the YAML.
-        factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
-    else:
-        factory = default_model_factory(config, None if custom else attention, pipeline)
-    takes_remat = getattr(factory, "takes_remat", not custom)
-    modules = config.module_plan(user_model=True) if custom else ModulePlan()
-    matched: set[str] = set()  # The remat.modules patterns that named a module, for the plan's warnings.
-    if modules:
-        factory = _with_module_remat(factory, modules, matched)
-    batch_tree, token = _batch_leaves(config, batch, batch_shape)
-    loss_fn = resolve_loss(config, loss_fn, token)
+    return build_training(describe(config, mesh, **arguments))
 
-    seed = config.train.seed
-    with nnx.use_eager_sharding(False):
-        abstract_model = nnx.eval_shape(lambda: _checked_model(factory(nnx.Rngs(seed))))
-    graphdef, abstract_params_state, abstract_rest_state = nnx.split(abstract_model, nnx.Param, ...)
-    param_logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params_state))
-    abstract_params = nnx.to_pure_dict(abstract_params_state)
-    if not jax.tree.leaves(abstract_params):
-        raise ConfigError("the model has no nnx.Param variables: there is nothing to train")
-    # A stage count that does not divide the layers cannot shard their stored axis (Pipeline.storage_rules).
-    storage = pipeline.storage_rules(rules, config.model.n_layers) if pipeline else rules
-    param_shardings = storage.shardings(mesh, abstract_params_state)
-    model_params = _abstract(abstract_params, param_shardings)
-    frozen_logical = None
-    finetune = FineTune.resolve(config, abstract_params, param_logical, reference_model=not custom,
-                                input_dims=lora_input_dims if not custom else lambda path: 1)  # fmt: skip
-    if finetune is not None and pipeline is not None and (finetune.adapted or finetune.quantized):
-        raise ConfigError(
-            f"mesh.axes.stage={pipeline.stages} with finetune.lora or finetune.quantize: the pipeline's "
-            "stages split plain layer weights only, not adapted or quantized ones; set mesh.axes.stage=1 "
-            "(shard with fsdp), or freeze without them"
-        )
-    if finetune is not None:  # From here on "params" are what trains; the frozen ones ride along.
-        abstract_params, abstract_frozen = jax.eval_shape(
-            finetune.prepare, abstract_params, jax.random.key(0)
-        )
-        param_shardings, frozen_shardings = finetune.shardings(param_shardings)
-        frozen_shardings = finetune.fit_shardings(frozen_shardings, abstract_frozen)
-        param_logical, frozen_logical = finetune.logical(param_logical)
-    keys = _Keys(nnx.to_pure_dict(abstract_rest_state))
-    replicated = NamedSharding(mesh, P())
-    rest_shardings = storage.shardings(mesh, abstract_rest_state)
-    rest_shardings = jax.tree.map(lambda s, impl: s if impl is None else replicated, rest_shardings,
-                                  keys.impls, is_leaf=lambda x: x is None)  # fmt: skip
-    abstract_rest = jax.eval_shape(keys.unwrap, nnx.to_pure_dict(abstract_rest_state))
-    has_rest = bool(jax.tree.leaves(abstract_rest))
 
-    tx = make_optimizer(config)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_shardings = optimizer_shardings(
-        config, tx, abstract_opt, abstract_params, param_shardings, storage, mesh
-    )
-    grad_shardings = gradient_shardings(config, abstract_params, param_shardings, storage, mesh)
-    state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
-    abstract_tree = {"params": abstract_params, "opt_state": abstract_opt,
-                     "step": jax.ShapeDtypeStruct((), jnp.int32)}  # fmt: skip
-    if has_rest:
-        state_shardings["model_state"] = rest_shardings
-        abstract_tree["model_state"] = abstract_rest
-    if finetune is not None:
-        state_shardings["frozen"] = frozen_shardings
-        abstract_tree["frozen"] = abstract_frozen
-    abstract_state = _abstract(abstract_tree, state_shardings)
+def build_training(description: Description) -> TrainingProgram:
+    """Returns the training program of ``description`` (resolved with ``training=True``): the jitted
+    step, and ``init`` from ``train.seed`` or from the pretrained weights of ``finetune.init_from``."""
+    if description.training is None:
+        raise ValueError("build_training needs a description resolved with training=True")
+    loss = params_loss(description)
+    step = jitted_step(description, loss)
+    init, start = initializers(description)
 
-    batch_sharding = jax.tree.map(lambda leaf: NamedSharding(mesh, rules.spec(leaf.logical_axes())),
-                                  batch_tree, is_leaf=is_batch_leaf)  # fmt: skip
-    _check_micro_batches(config, mesh, batch_tree, batch_sharding)
-    abstract_batch = jax.tree.map(lambda leaf, s: leaf.abstract(s), batch_tree, batch_sharding,
-                                  is_leaf=is_batch_leaf)  # fmt: skip
+    def init_or_load():
+        if description.init_from is None:
+            return init(jax.random.key(description.seed))
+        from shardmem.finetune.weights import load_weights  # safetensors or Orbax, only when loading
+
+        params = load_weights(description.init_from, program)
+        with warnings.catch_warnings():  # A quantized or adapted tensor has no output of its shape to reuse.
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            return start(params)
+
+    program = TrainingProgram(description, init_or_load, build_training, step, loss, start)
+    return program
+
+
+def params_loss(description: Description) -> Callable:
+    """Returns ``(params, model_state, batch, frozen=None) -> (loss, (metrics, new model_state))``: the
+    training loss as a function of what trains (:attr:`TrainingProgram.loss`), the model merged from
+    them, a fine-tune's frozen parameters and its other variables."""
+    model_spec, finetune = description.model, description.finetune
+    graphdef, keys, has_rest = model_spec.graphdef, model_spec.keys, model_spec.has_rest
+    factory, loss_fn = model_spec.factory, description.training.loss_fn
+    # Linen modules inside a model of your own take remat.modules when traced.
+    linen_remat = functools.partial(remat_calls, factory.module_plan, factory.module_matches)
 
     def loss_of_params(params, rest, batch, frozen=None):
         if finetune is not None:
             params = finetune.assemble(params, frozen)
         model = nnx.merge(graphdef, params, keys.wrap(rest)) if has_rest else nnx.merge(graphdef, params)
-        with remat_calls(modules, matched) if custom else contextlib.nullcontext():  # Linen modules inside.
+        with linen_remat() if factory.custom else contextlib.nullcontext():
             out = loss_fn(model, batch)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         if not isinstance(metrics, dict):
@@ -363,10 +185,18 @@ def build_program(
         new_rest = keys.unwrap(nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])) if has_rest else {}
         return jnp.asarray(loss, jnp.float32), (metrics, new_rest)
 
-    # The reference model's next-token loss: rows independent, so accumulation may defer reductions.
-    rows_independent = not custom and loss_fn is next_token_loss
+    return loss_of_params
+
+
+def jitted_step(description: Description, loss_of_params: Callable) -> Callable:
+    """Returns the jitted ``(state, batch) -> (state, metrics)``, the state donated: gradients of
+    ``loss_of_params`` (accumulated over micro-batches, or a pipeline's), then the optimizer's update."""
+    d, train = description, description.training
+    mesh, rules, pipeline, finetune = d.mesh, d.rules, d.pipeline, d.finetune
+    tx, opt_shardings, grad_shardings = train.optimizer, train.opt_shardings, train.grad_shardings
+    has_rest, master_dtype = d.model.has_rest, d.precision.master
     plain_grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
-    scaled_grad_fn = scaled_value_and_grad(loss_of_params, grad_dtype=config.precision.master)
+    scaled_grad_fn = scaled_value_and_grad(loss_of_params, grad_dtype=master_dtype)
 
     def train_step(state, batch):
         with rules.activate(mesh):
@@ -379,9 +209,9 @@ def build_program(
                 loss, metrics, grads, rest = accumulate_gradients(
                     lambda p, r, b: grad_fn(p, r, b, frozen), params, rest, batch,
                     micro_batches=train.micro_batches, mesh=mesh,
-                    rules=rules, param_shardings=param_shardings, batch_sharding=batch_sharding,
+                    rules=rules, param_shardings=d.param_shardings, batch_sharding=train.batch_sharding,
                     fsdp_reduce_once=train.fsdp_reduce_once, grad_shardings=grad_shardings,
-                    rows_independent=rows_independent, grad_dtype=config.precision.master)  # fmt: skip
+                    rows_independent=train.rows_independent, grad_dtype=master_dtype)  # fmt: skip
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             with jax.named_scope("optimizer_update"):  # Names its buffers in the plan's timeline.
                 opt_state = to_device(state["opt_state"], opt_shardings)  # No-op unless offloaded.
@@ -407,12 +237,21 @@ def build_program(
             metrics = loss_scale_metrics(metrics, scale, new_state["opt_state"])
         return new_state, metrics
 
-    step = jax.jit(
+    return jax.jit(
         train_step,
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, replicated),
+        in_shardings=(train.state_shardings, train.batch_sharding),
+        out_shardings=(train.state_shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+
+
+def initializers(description: Description) -> tuple[Callable, Callable]:
+    """Returns the jitted ``init(key) -> state`` (the model initialised from ``key``) and
+    ``start(params) -> state`` (from the model's pretrained parameters, donated), each allocated with
+    the state's shardings."""
+    d, train = description, description.training
+    factory, finetune, keys = d.model.factory.build, d.finetune, d.model.keys
+    tx, has_rest = train.optimizer, d.model.has_rest
 
     def init_state(key, loaded=None):
         with nnx.use_eager_sharding(False):
@@ -428,65 +267,10 @@ def build_program(
             state["model_state"] = keys.unwrap(nnx.to_pure_dict(rest))
         return state
 
-    init = jax.jit(init_state, out_shardings=state_shardings)
-    start = jax.jit(lambda params: init_state(jax.random.key(seed), params), out_shardings=state_shardings,
-                    donate_argnums=0)  # fmt: skip
-
-    def init_or_load():
-        if config.finetune.init_from is None:
-            return init(jax.random.key(seed))
-        from shardmem.finetune.weights import load_weights  # safetensors or Orbax, only when loading
-
-        params = load_weights(config.finetune.init_from, program)
-        with warnings.catch_warnings():  # A quantized or adapted tensor has no output of its shape to reuse.
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            return start(params)
-
-    program = Program(config, mesh, rules, graphdef, abstract_state, abstract_batch, state_shardings,
-                   batch_sharding, param_logical, tx, step, init_or_load,
-                   custom_model=custom, remat_plan=config.remat_plan(custom) if takes_remat else None,
-                   module_plan=modules, module_matches=matched,
-                   token_batch=token, loss=loss_of_params, attention=None if custom else attention,
-                   pipeline=pipeline, finetune=finetune, model_params=model_params, start_from=start,
-                   frozen_logical=frozen_logical,
-                   overlap_off=overlap_exceptions(config, mesh, rules, param_shardings, batch_sharding,
-                                                  rows_independent=rows_independent,
-                                                  pipelined=pipeline is not None),
-                   build_args=dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch,
-                                   batch_shape=batch_shape))  # fmt: skip
-    return program
-
-
-def overlap_exceptions(
-    config: Config,
-    mesh: Mesh,
-    rules: Rules,
-    param_shardings,
-    batch_sharding,
-    *,
-    rows_independent: bool,
-    pipelined: bool,
-) -> tuple[str, ...]:
-    """Returns the GPU overlap options the step compiles without (:data:`overlap.GPU_OVERLAP` names).
-
-    One so far: with sequence parallelism and gradients accumulated per device over data axes
-    (:mod:`shardmem.program.accumulation`), XLA's all-gather pipeliner moves the next micro-batch's sequence
-    gathers into the accumulation loop's previous trip and clones the whole forward layer loop that
-    feeds them: every micro-batch's forward ran twice (tests/test_overlap.py; Nemotron-4 15B at tensor 4
-    x data 4, BENCHMARKS.md). It is there to prefetch FSDP weight gathers across layers, which such a
-    step has none of when no parameter is split over a batch axis; with FSDP as well, XLA did not clone
-    (data 2 x FSDP 2 x tensor 4) and the prefetch stays.
-    """
-    if pipelined or config.train.micro_batches == 1 or not rows_independent:
-        return ()
-    with rules.activate(mesh):
-        if not sequence_parallel():
-            return ()
-    batch_axes = set(rules.mesh_axes("batch") or ())
-    fsdp = any(a in batch_axes and mesh.shape[a] > 1
-               for s in jax.tree.leaves(param_shardings) for e in s.spec for a in spec_axes(e))  # fmt: skip
-    axes = deferred_axes(rules, mesh, param_shardings, batch_sharding, config.train.fsdp_reduce_once)
-    return ("pipelined all-gather",) if axes and not fsdp else ()
+    init = jax.jit(init_state, out_shardings=train.state_shardings)
+    start = jax.jit(lambda params: init_state(jax.random.key(d.seed), params),
+                    out_shardings=train.state_shardings, donate_argnums=0)  # fmt: skip
+    return init, start
 
 
 def scaled_value_and_grad(loss_of_params: Callable, grad_dtype=None) -> Callable:
@@ -522,139 +306,3 @@ def loss_scale_metrics(metrics: dict, scale: jax.Array, opt_state) -> dict:
     grad_norm = metrics["grad_norm"]
     return {**metrics, "grad_norm": jnp.where(jnp.isfinite(grad_norm), grad_norm, 0.0),
             "loss_scale": scale, "skipped_steps": opt_state.skipped_steps}  # fmt: skip
-
-
-def _checked_model(model: Any) -> nnx.Module:
-    """Returns ``model`` if it is an NNX module, else raises the ConfigError that says how to make one.
-    Called inside ``nnx.eval_shape``, before JAX refuses a non-NNX return value with a TypeError."""
-    if isinstance(model, nn.Module):
-        name = type(model).__name__
-        raise ConfigError(
-            f"the model factory returned the Flax Linen module {name}, not a Flax NNX module; wrap it with "
-            f"shardmem.models.linen.from_linen: return from_linen({name}(...), example_input, rngs=rngs)"
-        )
-    if not isinstance(model, nnx.Module):
-        raise ConfigError(
-            f"the model factory returned a {type(model).__name__}, not a Flax NNX module; return an "
-            "nnx.Module (a Linen module: shardmem.models.linen.from_linen(module, example_input, rngs=rngs))"
-        )
-    return model
-
-
-def _context_shards(config: Config, mesh: Mesh, rules: Rules, custom: bool, batch_shape) -> int:
-    """Returns how many devices each sequence is split over (``rules.seq``), checking that context
-    parallelism applies: the reference dense model, a sequence of 2 x context chunks, the batch elsewhere."""
-    seq_axes = rules.mesh_axes("seq") or ()
-    shards = math.prod(mesh.shape[a] for a in seq_axes)
-    idle = mesh.shape.get("context", 1) > 1 and "context" not in seq_axes
-    if idle and "context" not in (rules.mesh_axes("batch") or ()):
-        raise ConfigError(
-            f"mesh.axes.context={mesh.shape['context']} but rules.seq={list(seq_axes) or None} does not use "
-            "it, so its devices would repeat the same work; set rules.seq: context (the default) or "
-            "mesh.axes.context=1"
-        )
-    if shards == 1:
-        return 1
-    where = f"rules.seq={list(seq_axes)} splits each sequence over {shards} devices"
-    if custom:
-        raise ConfigError(
-            f"{where}, but context parallelism is the reference model's (its attention gathers keys and "
-            "values over the sequence's devices); a model of your own cannot use it: set "
-            "mesh.axes.context=1 (and rules.seq: null)"
-        )
-    if config.model.n_experts:
-        raise ConfigError(
-            f"{where}, but model.n_experts={config.model.n_experts}: the experts' capacity fills in "
-            "sequence order, which a split sequence does not keep; set mesh.axes.context=1, or use an "
-            "expert axis instead"
-        )
-    shared = set(seq_axes) & set(rules.mesh_axes("batch") or ())
-    if shared:
-        raise ConfigError(
-            f"{where}, and rules.batch={list(rules.mesh_axes('batch'))} uses {', '.join(sorted(shared))} "
-            "too; a mesh axis splits either the batch or the sequence: remove it from rules.batch"
-        )
-    length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
-    if length % (2 * shards):
-        step = 2 * shards
-        below, above = length // step * step, (length // step + 1) * step
-        fits = [c for c in range(1, mesh.size + 1) if mesh.size % c == 0 and length % (2 * c) == 0]
-        raise ConfigError(
-            f"model.seq_len={length} is not a multiple of 2 x {shards} = {step}: {where}, in "
-            f"2 x {shards} chunks for causal load balance; use a seq_len that is a multiple of {step} "
-            f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or mesh.axes.context among {fits}"
-        )
-    return shards
-
-
-def pipeline_for(
-    config: Config, mesh: Mesh, custom: bool = False, rules: Rules | None = None
-) -> Pipeline | None:
-    """Returns the pipeline schedule for a mesh with a ``stage`` axis of size > 1 (None otherwise),
-    checked against the model's depth, remat plan and partition rules."""
-    stages = dict(mesh.shape).get(STAGE_AXIS, 1)
-    if stages == 1:
-        return None
-    if custom:
-        raise ConfigError(
-            f"mesh.axes.stage={stages}: pipeline parallelism splits the reference decoder's layer stack; a "
-            "model of your own cannot be split into stages; shard it with data, fsdp or tensor axes, or "
-            "set mesh.axes.stage=1"
-        )
-    n_layers, ranges = config.model.n_layers, config.pipeline.stages
-    counts = parse_stages(ranges, n_layers) if ranges is not None else ()
-    train, schedule = config.train, config.pipeline
-    pipeline = Pipeline(stages, train.micro_batches, schedule.repeats, counts, schedule.schedule)
-    pipeline.check(n_layers, config.remat_plan())
-    # 1F1B splits a chunk's backward in two parts of its layers, each about a forward's work, so that a
-    # tick's ops cost alike (three parts under full remat, a forward each by FLOPs, planned slower on
-    # Megatron-LM's 39B: the forward's tensor-parallel all-reduces are exposed); a chunk of one layer
-    # runs its backward whole.
-    pipeline = dataclasses.replace(pipeline, backward_parts=min(2, pipeline.chunk_layers(n_layers)))
-    rules = rules or Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
-    stage_users = [
-        (name, axes) for name, axes in rules.logical if name != "layers" and STAGE_AXIS in (axes or ())
-    ]
-    pipeline.check_rules(rules.mesh_axes("layers"), stage_users)
-    return pipeline
-
-
-def _batch_leaves(config: Config, batch: Any, batch_shape: tuple[int, ...] | None):
-    """Returns the batch's :class:`~shardmem.program.batch.BatchLeaf` tree and whether it is the token
-    batch."""
-    global_batch = config.train.global_batch
-    declared = batch if batch is not None else config.data.batch
-    if declared is not None:
-        key = "batch" if batch is not None else "data.batch"
-        return parse_batch(declared, global_batch=global_batch, key=key), False
-    if batch_shape is not None:
-        return BatchLeaf(tuple(batch_shape), "int32", ("batch",) + (None,) * (len(batch_shape) - 1)), True
-    if not isinstance(config.model, ModelConfig):
-        raise ConfigError(
-            "data.batch is not set: a model of your own needs its batch declared, e.g. data: {batch: "
-            "{images: {shape: [global_batch, 224, 224, 3], dtype: float32, axes: [batch, null, null, null]}}}"
-        )
-    return token_batch(global_batch, config.model.seq_len), True
-
-
-def _check_micro_batches(config: Config, mesh: Mesh, batch_tree, shardings) -> None:
-    train = config.train
-    for leaf, sharding in zip(jax.tree.leaves(batch_tree, is_leaf=is_batch_leaf), jax.tree.leaves(shardings),
-                              strict=True):  # fmt: skip
-        rows = leaf.shape[0]
-        if train.micro_batches > 1 and rows % train.micro_batches:
-            raise ConfigError(
-                f"train.micro_batches={train.micro_batches} does not divide the batch's first dimension "
-                f"({rows}, shape {list(leaf.shape)}); every batch array must lead with the global batch"
-            )
-        spec = sharding.spec
-        micro_rows = rows // train.micro_batches
-        shards = math.prod(mesh.shape[a] for a in spec_axes(spec[0] if spec else None))
-        if micro_rows % shards:
-            axes = " x ".join(f"{a}={mesh.shape[a]}" for a in spec_axes(spec[0]))
-            raise ConfigError(
-                f"train.global_batch={rows} / train.micro_batches={train.micro_batches} gives "
-                f"micro-batches of {micro_rows} {'rows' if config.user_model else 'sequences'}, which the "
-                f"batch mesh axes ({axes}) cannot split evenly; make train.global_batch / "
-                f"train.micro_batches a multiple of {shards}"
-            )

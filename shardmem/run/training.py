@@ -42,7 +42,7 @@ from shardmem.errors import ConfigError, PlanError, ShardmemError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
-from shardmem.program import LossFn, ModelFactory, Program, build_program
+from shardmem.program import LossFn, ModelFactory, TrainingProgram, build_program
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.run.data import batch_stream
 from shardmem.run.lock import RunDirLock
@@ -355,7 +355,7 @@ def _utilization(report: MemoryReport, step_time: float, peak_flops: float | Non
             "hfu": report.flops_per_step / per_second}  # fmt: skip
 
 
-def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
+def _plan_once(program: TrainingProgram) -> tuple[MemoryReport, Callable]:
     """Plans the step for the attached devices and returns the report with the step function to train
     with. One process: the plan's compiled step, so the step is compiled once. Several: process 0 plans
     and gives every process the report, so that all of them take the same decision, and each compiles
@@ -390,7 +390,7 @@ def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
     return outcome, compiled_step(program, outcome)
 
 
-def compiled_step(program: Program, report: MemoryReport) -> Callable:
+def compiled_step(program: TrainingProgram, report: MemoryReport) -> Callable:
     """Returns ``program.step`` compiled with the XLA options its plan was compiled with (``report``'s:
     the GPU overlap options of :mod:`shardmem.planning.overlap`, the user's, any retry's), so that the
     step that trains is the one planned."""
