@@ -14,11 +14,9 @@ from shardmem.cli import main
 from shardmem.errors import ConfigError
 from shardmem.explore import sweep as sweep_module
 from shardmem.explore.plot import plot_sweep
+from shardmem.explore.rows import COLUMNS, SweepRow, pareto_front
 from shardmem.explore.sweep import (
-    COLUMNS,
-    SweepRow,
     candidates,
-    pareto_front,
     parse_grid,
     plan_candidate,
     render_sweep,

@@ -398,8 +398,8 @@ def search_layouts(
     notes on what was pruned."""
     import contextlib
 
+    from shardmem.explore.search import residual_bytes
     from shardmem.explore.sweep import plan_candidates, planning_pool
-    from shardmem.explore.tune import residual_bytes
     from shardmem.models.llama import ModelConfig
     from shardmem.planning import hlo
     from shardmem.planning.cost import Hardware
