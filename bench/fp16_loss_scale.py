@@ -23,8 +23,8 @@ import numpy as np  # noqa: E402
 
 import shardmem  # noqa: E402
 from shardmem.parallel.mesh import build_mesh  # noqa: E402
+from shardmem.program import build_program  # noqa: E402
 from shardmem.run.data import batch_stream  # noqa: E402
-from shardmem.step import build_program  # noqa: E402
 
 LAST = 20
 

@@ -986,8 +986,8 @@ def child(config_path: str, overrides: list[str], steps: int, local_plan: bool =
         from shardmem.config import load_config
         from shardmem.parallel.mesh import build_mesh
         from shardmem.planning.memory import make_target, plan_program
+        from shardmem.program import build_program
         from shardmem.run.data import global_batch, make_source
-        from shardmem.step import build_program
 
         config = load_config(config_path, overrides)
         target = make_target(config, "local")  # As `shardmem plan --target local` and `train` resolve it.
@@ -1058,7 +1058,7 @@ def grads_child(config_path: str, overrides: list[str], policy: str, tolerance: 
 
         from shardmem.config import load_config
         from shardmem.parallel.mesh import build_mesh
-        from shardmem.step import build_program
+        from shardmem.program import build_program
 
         if matmul_precision:
             jax.config.update("jax_default_matmul_precision", matmul_precision)

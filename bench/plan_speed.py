@@ -121,7 +121,7 @@ def child_phases(config_path: str, overrides: list[str]) -> dict:
     from shardmem.parallel.mesh import build_mesh
     from shardmem.planning import codegen, hlo, kernel_cache
     from shardmem.planning.memory import make_target
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     mark("imports")
     config = load_config(config_path, overrides)
@@ -135,9 +135,8 @@ def child_phases(config_path: str, overrides: list[str]) -> dict:
     mark("trace step")
     policies = program.remat_plan.policies if program.remat_plan else ()
     if any(p.remats for p in policies):  # As plan_program: the FLOPs baseline without remat.
-        plain = config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}")
-        plain = build_program(plain, program.mesh, **program.build_args)
-        hlo.matmul_flops(plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr)
+        plain = program.variant("remat.policy=none", "remat.layers={}", "remat.modules={}")
+        hlo.matmul_flops(plain.function().trace().jaxpr)
     mark("trace no-remat baseline")
     lowered = traced.lower()
     mark("lower")

@@ -77,7 +77,7 @@ def child(args) -> None:
         "mesh": {"axes": {"fsdp": 8}},
         "data": {"batch": {"shape": ["global_batch", args.seq + 1], "dtype": "int32",
                            "axes": ["batch", None]}},
-        "train": {"loss": "shardmem.step:next_token_loss", "global_batch": 8},
+        "train": {"loss": "shardmem:next_token_loss", "global_batch": 8},
         "memory": {"compiler_options": dict(args.option)},
         "remat": {"policy": args.remat, "layers": {}},  # Reaches scanned layers only.
     })  # fmt: skip

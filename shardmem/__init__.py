@@ -39,8 +39,16 @@ from shardmem.planning.memory import MemoryReport, analyze, make_target, plan, p
 from shardmem.planning.report import render  # noqa: E402
 from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
 from shardmem.planning.timeline import Timeline, timeline  # noqa: E402
+from shardmem.program import (  # noqa: E402
+    Description,
+    Program,
+    TrainingProgram,
+    build_program,
+    build_training,
+    describe,
+    next_token_loss,
+)
 from shardmem.remat import LayerPlan, ModulePlan, RematPolicy, remat_modules, remat_scan  # noqa: E402
-from shardmem.step import Program, build_program, next_token_loss  # noqa: E402
 
 __all__ = [
     "CHECKPOINT_TAGS",
@@ -49,6 +57,7 @@ __all__ = [
     "PRESETS",
     "Config",
     "ConfigError",
+    "Description",
     "LayerPlan",
     "Llama",
     "MemoryReport",
@@ -63,11 +72,14 @@ __all__ = [
     "Target",
     "Timeline",
     "TrainResult",
+    "TrainingProgram",
     "analyze",
     "build_mesh",
     "build_program",
+    "build_training",
     "config_from_dict",
     "constrain",
+    "describe",
     "ensure_cpu_devices",
     "load_config",
     "make_target",

@@ -116,9 +116,10 @@ class PrecisionConfig:
     weights' dtype): mixed-precision training as Megatron's
     (bf16 model, fp32 main weights and gradients), which with ``optimizer.shard_over_data`` splits the
     master copy over the data axes as its distributed optimizer does. ``loss_scale``: ``dynamic``
-    multiplies the loss by a scale the optimizer keeps (:func:`shardmem.optimizer.dynamic_loss_scaling`),
-    so that float16 gradients do not underflow, skipping the steps that overflow; ``auto`` is ``dynamic``
-    with float16 compute and ``none`` otherwise (bfloat16 has float32's range)."""
+    multiplies the loss by a scale the optimizer keeps
+    (:func:`shardmem.program.optimizer.dynamic_loss_scaling`), so that float16 gradients do not underflow,
+    skipping the steps that overflow; ``auto`` is ``dynamic`` with float16 compute and ``none`` otherwise
+    (bfloat16 has float32's range)."""
 
     params: str = "float32"  # The weights (and, without master, the optimizer state).
     compute: str = "bfloat16"  # The forward and backward passes.
@@ -157,7 +158,8 @@ class TrainConfig:
 
     global_batch: int = 16  # Sequences (rows) per step, over all devices.
     micro_batches: int = 1  # Gradient-accumulation steps per step (with a stage axis: the pipeline's).
-    # FSDP gradients reduce-scattered once per step too, accumulated unsharded (shardmem.accumulation).
+    # FSDP gradients reduce-scattered once per step too, accumulated unsharded
+    # (shardmem.program.accumulation).
     fsdp_reduce_once: bool = False
     steps: int = 1000  # Steps to train; also the horizon of the learning-rate schedule.
     seed: int = 0  # Seeds the initialization and the data: the batch of step k depends on (seed, k).

@@ -1,16 +1,17 @@
-"""Gradient accumulation reduces the gradients across devices once per step (shardmem.accumulation)."""
+"""Gradient accumulation reduces the gradients across devices once per step
+(shardmem.program.accumulation)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardmem.accumulation import deferred_axes
 from shardmem.config import config_from_dict
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning import hlo
 from shardmem.planning.memory import plan
-from shardmem.step import build_program
+from shardmem.program import build_program
+from shardmem.program.accumulation import deferred_axes
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 

@@ -93,7 +93,7 @@ def test_stand_in_says_what_it_stands_for():
 def test_a_sequence_the_pallas_kernel_cannot_tile_is_a_config_error():
     # It was a ValueError traceback from inside the kernel (llama-7b-long with seq_len 32000).
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     AttentionKernel("pallas", context=8).check_length(32768)  # 2 x 8 blocks of 2048.
     AttentionKernel("pallas").check_length(100)  # One block.
@@ -110,7 +110,7 @@ def test_a_sequence_the_pallas_kernel_cannot_tile_is_a_config_error():
 def test_fused_kernel_runs_per_shard_in_the_sharded_step():
     """Pallas (interpret mode) inside shard_map over batch and heads gives the xla kernel's loss."""
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     losses = {}
     for kernel in ("xla", "pallas"):
@@ -197,7 +197,7 @@ def test_flash_blocks_are_the_widest_whose_tiles_fit_the_shared_memory(shared_me
 
 def test_a_head_wider_than_the_flash_kernels_take_is_a_config_error():
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     AttentionKernel("chunked", chunk=64).check_head_dim(320)  # Any width.
     config = config_from_dict({"model": {"preset": "tiny", "head_dim": 320, "attention": "pallas"}})
@@ -211,7 +211,7 @@ def test_a_plan_tiles_the_flash_kernel_for_its_target():
     """build_program resolves the kernel with the target's shared memory (the plan's wiring)."""
     from shardmem.parallel.mesh import build_mesh
     from shardmem.planning.targets import resolve_target
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     config = config_from_dict({"model": {"preset": "tiny", "n_layers": 1, "head_dim": 192},
                                "mesh": {"axes": {"data": 1, "fsdp": 1, "tensor": 1}},

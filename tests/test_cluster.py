@@ -22,9 +22,9 @@ import pytest
 
 from shardmem.config import load_config
 from shardmem.parallel.mesh import build_mesh
+from shardmem.program import build_program
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.run.metrics import read_metrics
-from shardmem.step import build_program
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from shardmem.parallel import context
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import Rules, constrain
 from shardmem.planning.memory import make_target, plan, plan_program
-from shardmem.step import build_program
+from shardmem.program import build_program
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -196,8 +196,8 @@ def test_ctrl_c_while_export_writes_exits_130_and_leaves_no_file(tmp_path):
 
     from shardmem.config import load_config
     from shardmem.parallel.mesh import build_mesh
+    from shardmem.program import build_program
     from shardmem.run.checkpoint import Checkpointer
-    from shardmem.step import build_program
 
     config = load_config(ROOT / "configs" / "tiny.yaml")
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))

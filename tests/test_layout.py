@@ -277,7 +277,7 @@ def test_the_estimate_counts_master_weights_and_their_float32_gradients():
 
 
 def test_the_estimate_reduce_scatters_fsdp_gradients_per_micro_batch_as_the_program_does():
-    """shardmem.accumulation reduces data-parallel gradients once per step but reduce-scatters FSDP
+    """shardmem.program.accumulation reduces data-parallel gradients once per step but reduce-scatters FSDP
     gradients per micro-batch unless train.fsdp_reduce_once: the estimate charges what the program sends."""
     from shardmem.explore.layout import _link
     from shardmem.planning import cost

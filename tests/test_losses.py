@@ -50,7 +50,7 @@ def test_sharded_chunked_training_matches_one_device_unchunked():
     import numpy as np
 
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     def run(axes, loss_chunk, devices):
         config = config_from_dict({

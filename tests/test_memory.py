@@ -16,7 +16,7 @@ from shardmem.parallel.mesh import build_mesh
 from shardmem.planning import hlo
 from shardmem.planning.memory import budget, plan, plan_function
 from shardmem.planning.targets import resolve_target
-from shardmem.step import build_program
+from shardmem.program import build_program
 
 
 def _tiny(**sections):

@@ -21,8 +21,8 @@ from shardmem.models.llama import PRESETS, Llama, ModelConfig
 from shardmem.models.moe import MoEFeedForward, _top_k, expert_capacity, route
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import plan
+from shardmem.program import build_program
 from shardmem.remat import LayerPlan
-from shardmem.step import build_program
 
 TINY_MOE = ModelConfig.preset("tiny-moe")
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import pytest
 from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
-from shardmem.step import build_program
+from shardmem.program import build_program
 
 
 def _config(optimizer=None, memory=None, axes=None):
@@ -91,7 +91,7 @@ def test_deviceless_offload_and_bad_dtypes_are_config_errors():
 def test_dynamic_loss_scaling_skips_overflow_halves_and_grows():
     import optax
 
-    from shardmem.optimizer import LossScaleState, dynamic_loss_scaling, loss_scale
+    from shardmem.program.optimizer import LossScaleState, dynamic_loss_scaling, loss_scale
 
     tx = dynamic_loss_scaling(optax.sgd(1.0), initial=8.0, growth_interval=2)
     params = {"w": jnp.ones(2)}

@@ -9,8 +9,8 @@ from shardmem.config import load_config
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning import overlap
 from shardmem.planning.memory import plan
+from shardmem.program import build_program
 from shardmem.run.training import compiled_step
-from shardmem.step import build_program
 
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 

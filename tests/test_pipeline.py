@@ -13,7 +13,7 @@ from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.planning import hlo
-from shardmem.step import build_program
+from shardmem.program import build_program
 
 
 def _config(axes, micro_batches=1, repeats=1, n_layers=4, schedule=None, **sections):

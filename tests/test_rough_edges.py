@@ -12,8 +12,8 @@ from shardmem.errors import ConfigError
 from shardmem.explore.sweep import SweepRow, progress_line
 from shardmem.parallel.rules import rule_warnings
 from shardmem.planning.report import render
+from shardmem.program import build_program
 from shardmem.run.metrics import StepRate
-from shardmem.step import build_program
 
 TINY = "configs/tiny.yaml"
 

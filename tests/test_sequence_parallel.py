@@ -17,7 +17,7 @@ from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.rules import Rules
 from shardmem.planning import hlo
 from shardmem.planning.memory import plan
-from shardmem.step import build_program
+from shardmem.program import build_program
 
 
 def _config(axes, rules=None, **sections):
@@ -82,7 +82,7 @@ def test_residual_seq_follows_seq_unless_set_and_must_refine_it():
 def sequence_parallel_accumulating_step():
     """The optimized HLO of a tiny bf16 step planned deviceless for H100s (the CPU backend computes bf16
     in fp32): data 4 x tensor 2 with sequence parallelism, 2 micro-batches (their gradients reduced once:
-    shardmem.accumulation's per-group vmap), the vocabulary-chunked loss."""
+    shardmem.program.accumulation's per-group vmap), the vocabulary-chunked loss."""
     config = _config({"data": 4, "tensor": 2}, {"residual_seq": ["tensor"]},
                      model={"preset": "tiny", "loss_chunk": 64},
                      precision={"params": "float32", "compute": "bfloat16"},

@@ -5,9 +5,9 @@ import pytest
 
 from shardmem.config import config_from_dict
 from shardmem.errors import ConfigError
-from shardmem.optimizer import master_weights
 from shardmem.parallel.mesh import build_mesh
-from shardmem.step import build_program
+from shardmem.program import build_program
+from shardmem.program.optimizer import master_weights
 
 
 def _config(axes, optimizer="sgd", **train):
@@ -137,7 +137,8 @@ def test_the_same_config_builds_the_same_program_on_a_jax_make_mesh_mesh():
 
 
 def test_float16_gradients_vanish_without_a_loss_scale_and_survive_with_one():
-    from shardmem.step import next_token_loss, scaled_value_and_grad
+    from shardmem.program import next_token_loss
+    from shardmem.program.step import scaled_value_and_grad
 
     def small_loss(model, batch):  # Gradients 1e-5 of the usual: under float16's 6e-8 unscaled.
         return 1e-5 * next_token_loss(model, batch)
@@ -168,7 +169,8 @@ def test_float16_gradients_vanish_without_a_loss_scale_and_survive_with_one():
 def test_float16_weights_with_master_weights_unscale_their_gradients_in_float32():
     # Divided by the scale in float16, gradients the scale had lifted into range flushed to zero again
     # before they reached the float32 master copy.
-    from shardmem.step import next_token_loss, scaled_value_and_grad
+    from shardmem.program import next_token_loss
+    from shardmem.program.step import scaled_value_and_grad
 
     def small_loss(model, batch):
         return 1e-5 * next_token_loss(model, batch)

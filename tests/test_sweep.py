@@ -14,11 +14,9 @@ from shardmem.cli import main
 from shardmem.errors import ConfigError
 from shardmem.explore import sweep as sweep_module
 from shardmem.explore.plot import plot_sweep
+from shardmem.explore.rows import COLUMNS, SweepRow, pareto_front
 from shardmem.explore.sweep import (
-    COLUMNS,
-    SweepRow,
     candidates,
-    pareto_front,
     parse_grid,
     plan_candidate,
     render_sweep,
@@ -233,11 +231,11 @@ def test_planning_workers_stay_off_the_gpu_unless_they_plan_for_it(target, cpu_o
 
 
 def test_plan_candidate_measures_real_steps_of_the_step_it_compiled(monkeypatch):
-    import shardmem.step
+    import shardmem.program
 
     built = []
-    real = shardmem.step.build_program
-    monkeypatch.setattr(shardmem.step, "build_program",
+    real = shardmem.program.build_program
+    monkeypatch.setattr(shardmem.program, "build_program",
                         lambda *a, **k: built.append(real(*a, **k)) or built[-1])  # fmt: skip
     row = plan_candidate(load_config(TINY), ("train.global_batch=8",), "cpu", measure_steps=2)
     assert row.error is None and row.fits and 0 < row.step_seconds < 60

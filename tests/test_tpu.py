@@ -244,9 +244,10 @@ def test_a_megascale_send_is_a_collective_over_dcn_between_the_slices():
 def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypatch):
     # libtpu refuses a step over the chip's HBM instead of compiling it (simulated for remat "none"; a real
     # refusal needs a model that takes minutes to compile here): tune goes on to the policies that compile.
+    from shardmem.explore import search
     from shardmem.explore import tune as tuning
 
-    real = tuning.plan
+    real = search.plan
 
     refusal = DoesNotFit(
         "does not fit: libtpu's compiler says ... (23.52G) exceeds available HBM (15.75G).",
@@ -259,7 +260,7 @@ def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypa
             raise refusal
         return real(config, target, **kwargs)
 
-    monkeypatch.setattr(tuning, "plan", plan)
+    monkeypatch.setattr(search, "plan", plan)  # What the planner compiles each candidate with.
     result = tuning.tune(_config("v5e-4", remat={"policy": "none"}), search="remat")
     assert result.found and result.config.remat.policy != "none" and result.report.fits
     refused = next(t for t in result.trials if t.candidate == "none")

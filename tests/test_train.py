@@ -29,10 +29,10 @@ from shardmem.cli import main
 from shardmem.config import load_config
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
+from shardmem.program import build_program
 from shardmem.run.checkpoint import Checkpointer, CheckpointError
 from shardmem.run.metrics import format_record, read_metrics
 from shardmem.run.training import DivergedError, DoesNotFitError, _utilization, train
-from shardmem.step import build_program
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -502,7 +502,7 @@ def test_resuming_with_another_mu_dtype_says_the_state_is_cast(reference, tmp_pa
 
 @pytest.mark.slow
 def test_float16_run_counts_skipped_overflows_and_resumes_with_its_loss_scale(tmp_path, monkeypatch):
-    from shardmem import optimizer
+    from shardmem.program import optimizer
 
     monkeypatch.setattr(optimizer, "INITIAL_LOSS_SCALE", 2.0**30)  # Overflows float16 until halved ~12 times.
     fp16 = ["precision.compute=float16", "train.steps=20", "train.checkpoint_every=20"]

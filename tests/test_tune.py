@@ -80,7 +80,7 @@ def test_tune_remat_prunes_what_keeps_more(peaks, monkeypatch):
         counted.append(kwargs.get("count_remat_overhead", True))
         return plan(*args, **kwargs)
 
-    monkeypatch.setattr("shardmem.explore.tune.plan", spy)
+    monkeypatch.setattr("shardmem.explore.search.plan", spy)  # What the planner compiles each candidate with.
     result = tune(config, "cpu")
     assert counted == [False] * result.compiles
     assert [(t.candidate, t.fits) for t in result.trials] == [("full", True), ("none", False), ("dots", True)]

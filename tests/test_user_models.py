@@ -24,8 +24,8 @@ from shardmem.config import config_from_dict, load_config
 from shardmem.errors import ConfigError, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning import codegen, hlo, memory, overlap
+from shardmem.program import build_program
 from shardmem.run.training import train
-from shardmem.step import build_program
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 QUIET = Console(quiet=True)
@@ -385,7 +385,7 @@ def test_remat_modules_reach_the_layers_of_a_third_party_model(build, pattern):
     # forward pass, so a cpu plan of unscanned blocks shows no saving (a scanned stack's does).
     def planned(policy):
         return shardmem.plan(config(policy, 1), target="h100-sxm", model_factory=build,
-                             loss_fn=shardmem.step.next_token_loss, batch=TOKENS)  # fmt: skip
+                             loss_fn=shardmem.next_token_loss, batch=TOKENS)  # fmt: skip
 
     none, full = planned("none"), planned("full")
     assert full.per_device["temp"] <= 0.5 * none.per_device["temp"], (none.per_device, full.per_device)
@@ -396,7 +396,7 @@ def test_remat_modules_reach_the_layers_of_a_third_party_model(build, pattern):
     mesh = build_mesh({"data": 8}, jax.devices())
     runs = {
         policy: trained(build_program(config(policy, 8), mesh, model_factory=build,
-                                      loss_fn=shardmem.step.next_token_loss, batch=TOKENS))
+                                      loss_fn=shardmem.next_token_loss, batch=TOKENS))
         for policy in ("none", "full")
     }  # fmt: skip
     (_, losses, params), (_, want_losses, want_params) = runs["full"], runs["none"]
@@ -413,7 +413,7 @@ def test_remat_modules_patterns_are_checked_and_unmatched_ones_warn():
     sections = {"mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8}}
     config = config_from_dict({**sections, "remat": {"modules": {"blocks_*": "full", "Blok": "dots"}}})
     report = shardmem.plan(config, model_factory=third_party.build_linen, batch=TOKENS,
-                           loss_fn=shardmem.step.next_token_loss, count_remat_overhead=False)  # fmt: skip
+                           loss_fn=shardmem.next_token_loss, count_remat_overhead=False)  # fmt: skip
     assert report.remat == "modules blocks_*: full, Blok: dots"
     assert [w for w in report.warnings if "remat.modules" in w] == [
         "remat.modules.Blok: no module of the model matches 'Blok', so nothing is rematerialized for it; "
@@ -427,7 +427,7 @@ def _third_party_plan(build, modules=None):
         "mesh": {"axes": {"data": 1}, "devices_per_host": 1}, "train": {"global_batch": 8},
         "precision": {"compute": "float32"}, "remat": {"modules": modules} if modules else {},
     })  # fmt: skip
-    loss = shardmem.step.next_token_loss
+    loss = shardmem.next_token_loss
     return shardmem.plan(config, target="h100-sxm", model_factory=build, loss_fn=loss, batch=TOKENS, top=1)
 
 

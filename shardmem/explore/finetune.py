@@ -32,6 +32,7 @@ from typing import Any
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError
+from shardmem.explore.search import TuneResult, batch_shards, margin_text, no_fit, plan_budget
 from shardmem.models.llama import ModelConfig
 from shardmem.units import format_bytes, format_seconds
 
@@ -161,8 +162,6 @@ def point_of(report) -> Point:
 
 def tune_finetune(planner, target, min_seq_len: int | None = None):
     """The fine-tuning knob search (see the module docstring); returns a TuneResult."""
-    from shardmem.explore.tune import TuneResult, _batch_shards, _margin, _no_fit, plan_budget
-
     config = planner.base
     if not config.finetune.active:
         raise ConfigError(
@@ -170,7 +169,7 @@ def tune_finetune(planner, target, min_seq_len: int | None = None):
             "or finetune.freeze) to the config, or use --search remat"
         )
     budget = plan_budget(config, target)
-    settings = knobs(config, _batch_shards(config, target), min_seq_len)
+    settings = knobs(config, batch_shards(config, target), min_seq_len)
     own = {name: values[0] for name, values in settings.items()}
 
     def name_of(chosen: dict[str, Setting]) -> str:
@@ -281,7 +280,7 @@ def tune_finetune(planner, target, min_seq_len: int | None = None):
     if best is None:
         smallest = min(points.values(), key=lambda p: p.peak_bytes)
         spent = " (the compile budget is spent: raise --max-compiles)" if planner.exhausted else ""
-        result = _no_fit(planner, target, budget, "finetune", [
+        result = no_fit(planner, target, budget, "finetune", [
             f"no fine-tuning setting tried fits{spent}: the smallest peak compiled is "
             f"{format_bytes(smallest.peak_bytes)} against a budget of {format_bytes(budget)}",
             "quantize the base (finetune.quantize.format=nf4), lower train.global_batch, allow shorter "
@@ -296,7 +295,7 @@ def tune_finetune(planner, target, min_seq_len: int | None = None):
     step = f", predicted {format_seconds(point.seconds)} per step" if point.seconds else ""
     explanation = [
         f"budget {format_bytes(budget)} per device on {target.label}",
-        f"chose {choice}: peak {format_bytes(point.peak_bytes)}, {_margin(report.margin_bytes)}{step}; "
+        f"chose {choice}: peak {format_bytes(point.peak_bytes)}, {margin_text(report.margin_bytes)}{step}; "
         f"trainable {format_bytes(point.trainable_bytes)}, frozen {format_bytes(point.frozen_bytes)}",
         "the config's own setting ("
         + ", ".join(s.describe() for s in own.values())

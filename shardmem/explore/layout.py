@@ -209,7 +209,7 @@ class Estimator:
     Time: matmul FLOPs per device (traced per policy, the pipeline's idle ticks included) at the peak's
     efficiency, memory-bound work as a fitted share of it, and each parallelism's usual communication:
     FSDP's weight all-gathers and gradient reduce-scatters per micro-batch, data parallelism's gradient
-    all-reduce once per step (:mod:`shardmem.accumulation`), tensor parallelism's two activation
+    all-reduce once per step (:mod:`shardmem.program.accumulation`), tensor parallelism's two activation
     all-reduces per layer and pass, pipeline hand-offs, context parallelism's key/value all-gathers,
     each at the bandwidth NCCL's rings reach over its group (on GPUs: NVLink inside a node, the group's
     share of the node's NICs across)."""
@@ -398,13 +398,13 @@ def search_layouts(
     notes on what was pruned."""
     import contextlib
 
+    from shardmem.explore.search import residual_bytes
     from shardmem.explore.sweep import plan_candidates, planning_pool
-    from shardmem.explore.tune import residual_bytes
     from shardmem.models.llama import ModelConfig
     from shardmem.planning import hlo
     from shardmem.planning.cost import Hardware
     from shardmem.planning.memory import branch_runs
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     if not isinstance(config.model, ModelConfig):
         raise ConfigError(

@@ -17,24 +17,28 @@ never needs more memory, so when one does not fit, none that saves more is compi
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import numpy as np
-from jax.sharding import Mesh
-
 from shardmem.config import Config
-from shardmem.errors import ConfigError, DoesNotFit, PlanError, at_least, one_of
-from shardmem.models.attention import AttentionKernel
+from shardmem.errors import ConfigError, PlanError, at_least, one_of
+from shardmem.explore.search import (
+    Planner,
+    Trial,
+    TuneResult,
+    batch_shards,
+    margin_text,
+    no_fit,
+    plan_budget,
+    residual_bytes,
+)
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import STAGE_AXIS
 from shardmem.parallel.rules import Rules, spec_axes
 from shardmem.planning import hlo
-from shardmem.planning.memory import MemoryReport, branch_runs, make_target, model_flops, plan
+from shardmem.planning.memory import branch_runs, make_target, model_flops, plan
+from shardmem.program import build_program, pipeline_for
 from shardmem.remat import PRESETS
-from shardmem.step import build_program, pipeline_for
 from shardmem.units import clip, format_bytes, format_seconds
 
 SEARCHES = ("remat", "batch", "micro_batches", "layout", "finetune")
@@ -58,145 +62,12 @@ _PREFERENCE = ("none", "dots", "minimal", "dots_no_batch", "offload", "save_qkv"
 _ESTIMATE_REJECT = 1.15
 
 
-@dataclasses.dataclass(frozen=True)
-class Trial:
-    """One candidate the search looked at: compiled, estimated, or pruned by monotonicity."""
-
-    candidate: str
-    overrides: tuple[str, ...]
-    peak_bytes: int | None
-    host_bytes: int | None
-    recompute_overhead: float | None
-    fits: bool
-    how: str  # "compiled", "estimated", "pruned" or "skipped"
-    reason: str = ""
-    step_time: dict[str, Any] | None = None  # The compiled plan's predicted step time (StepTime.to_json()).
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneResult:
-    """The tuned config, the compiled report of the choice, and every trial with its verdict."""
-
-    search: str
-    config: Config | None
-    report: MemoryReport | None
-    chosen: Trial | None
-    trials: list[Trial]
-    compiles: int
-    budget_bytes: int
-    target_label: str
-    explanation: list[str]
-    ranked: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # layout search: best first
-    costs: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # finetune search: per knob value
-
-    @property
-    def found(self) -> bool:
-        return self.config is not None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "search": self.search,
-            "found": self.found,
-            "chosen": dataclasses.asdict(self.chosen) if self.chosen else None,
-            "overrides": list(self.chosen.overrides) if self.chosen else [],
-            "budget_bytes": self.budget_bytes,
-            "target": self.target_label,
-            "compiles": self.compiles,
-            "trials": [dataclasses.asdict(t) for t in self.trials],
-            "explanation": self.explanation,
-            "ranked": self.ranked,
-            "costs": self.costs,
-            "report": self.report.to_json() if self.report else None,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class Refused:
-    """A candidate XLA's TPU compiler refused to compile as over the chip's HBM: no report, only the
-    compiler's figure of what it needed, which the searches read as the peak of a plan that does not
-    fit (a lower bound: the compiler stopped at its first shortfall)."""
-
-    per_device: dict[str, int]
-    budget_bytes: int
-    fits: bool = False
-    recompute_overhead: float | None = None
-
-    @classmethod
-    def of(cls, error: DoesNotFit, config: Config, target: str | None) -> Refused:
-        resolved = make_target(config, target)
-        budget = plan_budget(config, resolved)
-        needed = error.required_bytes or resolved.memory_bytes  # At least the chip's, or it would fit.
-        return cls({"peak": max(needed, budget + 1), "host": 0}, budget)
-
-    @property
-    def margin_bytes(self) -> int:
-        return self.budget_bytes - self.per_device["peak"]
-
-
-class _Planner:
-    """Compiles candidates (each at most once), counts compiles and keeps every trial."""
-
-    def __init__(self, config: Config, target: str | None, max_compiles: int, progress: Callable | None,
-                 trials: list[Trial] | None = None):  # fmt: skip
-        self.base, self.target, self.max_compiles = config, target, max_compiles
-        self.progress = progress or (lambda message: None)
-        self.compiles = 0
-        self.reports: dict[tuple[str, ...], MemoryReport] = {}
-        self.trials: list[Trial] = trials if trials is not None else []
-        # Matmul FLOPs of the step without remat, once a search has traced it (the same for every
-        # candidate): plan() then need not trace that baseline again for each compile.
-        self.flops_no_remat: float | None = None
-
-    @property
-    def exhausted(self) -> bool:
-        return self.compiles >= self.max_compiles
-
-    def compile(self, candidate: str, overrides: tuple[str, ...]) -> MemoryReport | Refused:
-        if overrides not in self.reports:
-            self.progress(f"compiling {candidate}")
-            baseline = self.flops_no_remat
-            config = self.base.replace(*overrides)
-            try:
-                report = plan(config, self.target, top=5, count_remat_overhead=baseline is None)
-            except DoesNotFit as e:  # XLA's TPU compiler refused it as over the chip's HBM.
-                report = Refused.of(e, config, self.target)
-            if baseline is not None and isinstance(report, MemoryReport):
-                report = dataclasses.replace(report, flops_no_remat=baseline)
-            self.reports[overrides] = report
-            self.compiles += 1
-            verdict = "fits" if report.fits else "does not fit"
-            if isinstance(report, Refused):
-                needed = format_bytes(report.per_device["peak"])
-                verdict = f"does not fit (libtpu refused it: {needed} needed)"
-            self.note(candidate, overrides, report.per_device["peak"], report.per_device["host"],
-                      report.recompute_overhead or 0.0, report.fits, "compiled",
-                      f"{verdict}: {_margin(report.margin_bytes)}", step_time=_step_json(report))  # fmt: skip
-        return self.reports[overrides]
-
-    def note(self, *args, **kwargs) -> None:
-        self.trials.append(Trial(*args, **kwargs))
-
-    def rebase(self, overrides: tuple[str, ...]) -> None:
-        """Makes ``overrides`` part of every later candidate (earlier compiles no longer apply)."""
-        self.base = self.base.replace(*overrides)
-        self.reports.clear()
-
-
-def _step_json(report) -> dict[str, Any] | None:
-    step = getattr(report, "step_time", None)  # A refused compile has none.
-    return step.to_json() if step else None
-
-
 _STATE_KEYS = ("optimizer.shard_over_data", "optimizer.mu_dtype", "memory.offload_optimizer")
 
 
 def getattr_path(config: Config, key: str):
     section, name = key.split(".")
     return getattr(getattr(config, section), name)
-
-
-def _margin(margin: int) -> str:
-    return f"{format_bytes(abs(margin))} {'to spare' if margin >= 0 else 'over budget'}"
 
 
 def tune(
@@ -254,7 +125,7 @@ def tune(
     resolved = make_target(config, target)
     if allow_offload is None:
         allow_offload = resolved.platform != "cpu"
-    planner = _Planner(config, target, max_compiles, progress, trials)
+    planner = Planner(config, target, max_compiles, progress, trials)
     if search == "remat":
         result = _tune_remat(planner, resolved, allow_offload)
     elif search == "layout":
@@ -303,29 +174,6 @@ def _state_savings(config: Config, target) -> list[tuple[str, tuple[str, ...]]]:
     return steps
 
 
-def residual_bytes(config: Config, attention: AttentionKernel | None = None) -> int:
-    """Returns the global bytes the backward pass keeps for one micro-batch (the residuals of
-    ``jax.vjp`` of the loss, traced on abstract shapes; host-offloaded ones included), with the attention
-    kernel the plan compiles (default: the one for ``jax.devices()``)."""
-    one_device = Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(config.mesh.axes)),
-                      tuple(config.mesh.axes))  # fmt: skip
-    program = build_program(config.replace("train.micro_batches=1"), one_device, attention=attention)
-    unsharded = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-    state = program.abstract_state
-    params, rest = unsharded(state["params"]), unsharded(state.get("model_state", {}))
-    k = config.train.micro_batches
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype),
-                         program.abstract_batch)  # fmt: skip
-
-    frozen = unsharded(state["frozen"]) if "frozen" in state else None  # Fine-tuning: the frozen base.
-
-    def vjp_residuals(params, rest, batch, frozen):
-        return jax.vjp(lambda p: program.loss(p, rest, batch, frozen)[0], params)[1]
-
-    leaves = jax.tree.leaves(jax.eval_shape(vjp_residuals, params, rest, batch, frozen))
-    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
-
-
 def _uniform(policy: str) -> tuple[str, ...]:
     return (f"remat.policy={policy}", "remat.layers={}")
 
@@ -358,7 +206,7 @@ def _mix_name(base: str, top: str, m: int, n: int, chunks: int = 1) -> str:
     return f"{first}: {base}, {last}: {top}"
 
 
-def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
+def _tune_remat(planner: Planner, target, allow_offload: bool) -> TuneResult:
     config = planner.base
     n = getattr(config.model, "n_layers", None)
     if n is None:
@@ -402,7 +250,7 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
         if full.fits:
             break
     if not full.fits:
-        return _no_fit(planner, target, budget, "remat", [
+        return no_fit(planner, target, budget, "remat", [
             f"even 'full' remat (keep only each layer's input) needs {format_bytes(full.per_device['peak'])} "
             f"per device against a budget of {format_bytes(budget)}; no remat plan fits",
             "reduce the activations per device: raise train.micro_batches (try shardmem tune --search "
@@ -505,7 +353,7 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
     explanation = [
         f"budget {format_bytes(budget)} per device on {target.label}",
         f"chose {chosen_name}: peak {format_bytes(report.per_device['peak'])}, "
-        f"{_margin(report.margin_bytes)}; recomputation {(report.recompute_overhead or 0):+.1%} over no "
+        f"{margin_text(report.margin_bytes)}; recomputation {(report.recompute_overhead or 0):+.1%} over no "
         f"remat (uniform full: {overhead['full']:+.1%}); "
         f"host offload {format_bytes(report.per_device['host'])}",
     ]
@@ -526,7 +374,7 @@ def _tune_remat(planner: _Planner, target, allow_offload: bool) -> TuneResult:
 
 
 def _tune_layout(
-    planner: _Planner, target, allow_offload: bool, objective: str, jobs: int | None
+    planner: Planner, target, allow_offload: bool, objective: str, jobs: int | None
 ) -> TuneResult:
     from shardmem.explore.layout import search_layouts, why_winner
 
@@ -544,7 +392,7 @@ def _tune_layout(
     shown = ranked_rows(ranked, config)
     fitting = [r for r in ranked if r.fits]
     if not fitting:
-        result = _no_fit(planner, target, budget, "layout", [
+        result = no_fit(planner, target, budget, "layout", [
             "no compiled layout fits the budget", *notes,
             "shard over more devices, or tune with a smaller train.global_batch",
         ])  # fmt: skip
@@ -591,7 +439,7 @@ def _tune_layout(
         f"chose {best.layout.describe()}: predicted {format_seconds(st['seconds'])} per step"
         + (f", {st['tokens_per_second']:,.0f} tokens/s" if st.get("tokens_per_second") else "")
         + (f", MFU {st['mfu']:.1%}" if st.get("mfu") is not None else "")
-        + f"; peak {format_bytes(report.per_device['peak'])}, {_margin(report.margin_bytes)}",
+        + f"; peak {format_bytes(report.per_device['peak'])}, {margin_text(report.margin_bytes)}",
         why_winner(best, fitting[1] if len(fitting) > 1 else None, objective, len(target.devices)),
         _against_own(best, ranked, objective, len(target.devices)),
         *([refined] if refined else []),
@@ -630,7 +478,7 @@ def _against_own(best, ranked: list, objective: str, devices: int) -> str:
         return "the config as written is the best compiled layout: keep it"
     if not own.fits:
         return (f"the config as written does not fit: peak {format_bytes(own.peak_bytes)}, "
-                f"{_margin(own.margin_bytes)}")  # fmt: skip
+                f"{margin_text(own.margin_bytes)}")  # fmt: skip
     if objective == "throughput":
         rate = own.throughput_per_device(devices)
         return (f"the config as written: {rate:,.1f} tokens/s per device; the choice "
@@ -649,33 +497,12 @@ def ranked_rows(ranked: list, config: Config) -> list[dict[str, Any]]:
                                      "micro_batches": r.layout.micro_batches} for r in ranked]  # fmt: skip
 
 
-def plan_budget(config: Config, target) -> int:
-    from shardmem.planning.memory import budget
-
-    return budget(config.memory, target.memory_bytes, target.allocator_limit, deviceless=target.deviceless)
-
-
-# --- batch ---------------------------------------------------------------------------------------
-
-
-def _batch_shards(config: Config, target) -> int:
-    mesh = build_mesh(config.mesh.axes, target.devices)
-    rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
-    return math.prod(mesh.shape[a] for a in spec_axes(rules.spec(("batch",))[0]))
-
-
-def _no_fit(planner: _Planner, target, budget: int, search: str, explanation: list[str]) -> TuneResult:
-    explanation = [*explanation, f"{planner.compiles} compiles"]
-    return TuneResult(search, None, None, None, planner.trials, planner.compiles, budget, target.label,
-                      explanation)  # fmt: skip
-
-
-def _finish(planner: _Planner, target, search: str, overrides: tuple[str, ...], what: str) -> TuneResult:
+def _finish(planner: Planner, target, search: str, overrides: tuple[str, ...], what: str) -> TuneResult:
     report = planner.reports[overrides]
     chosen = next(t for t in planner.trials if t.overrides == overrides)
     explanation = [
         f"budget {format_bytes(report.budget_bytes)} per device on {target.label}",
-        f"chose {what}: peak {format_bytes(report.per_device['peak'])}, {_margin(report.margin_bytes)}",
+        f"chose {what}: peak {format_bytes(report.per_device['peak'])}, {margin_text(report.margin_bytes)}",
     ]
     over = [t for t in planner.trials if not t.fits]
     if over:
@@ -685,13 +512,13 @@ def _finish(planner: _Planner, target, search: str, overrides: tuple[str, ...], 
                       planner.compiles, report.budget_bytes, target.label, explanation)  # fmt: skip
 
 
-def _tune_batch(planner: _Planner, target) -> TuneResult:
+def _tune_batch(planner: Planner, target) -> TuneResult:
     """Largest global batch (a multiple of batch shards x micro-batches) that fits, micro-batches fixed.
 
     Peak memory grows about linearly with the batch: each guess interpolates the compiled points nearest
     the budget, and the known fit / no-fit bounds close in on the answer."""
     config = planner.base
-    quantum = _batch_shards(config, target) * config.train.micro_batches
+    quantum = batch_shards(config, target) * config.train.micro_batches
     peaks: dict[int, int] = {}
     lo, hi = 0, None  # Largest number of quanta known to fit; smallest known not to.
     budget = 0
@@ -721,7 +548,7 @@ def _tune_batch(planner: _Planner, target) -> TuneResult:
         probe(guess)
     if lo == 0:
         smallest = min(peaks)
-        return _no_fit(planner, target, budget, "batch", [
+        return no_fit(planner, target, budget, "batch", [
             f"the global batch of {smallest * quantum} needs {format_bytes(peaks[smallest])} per device "
             f"against a budget of {format_bytes(budget)}",
             "raise train.micro_batches, use a remat policy that keeps less (shardmem tune), or shard more",
@@ -730,12 +557,12 @@ def _tune_batch(planner: _Planner, target) -> TuneResult:
     return _finish(planner, target, "batch", (f"train.global_batch={batch}",), f"train.global_batch={batch}")
 
 
-def _tune_micro_batches(planner: _Planner, target) -> TuneResult:
+def _tune_micro_batches(planner: Planner, target) -> TuneResult:
     """Fewest micro-batches (gradient accumulation steps) that fit the configured global batch. With
     pipeline stages, the most: more micro-batches lower both the peak and the bubble, whose idle ticks
     run (fewer would only buy larger matmuls at a higher peak and more FLOPs)."""
     config = planner.base
-    batch, shards = config.train.global_batch, _batch_shards(config, target)
+    batch, shards = config.train.global_batch, batch_shards(config, target)
     stages = dict(build_mesh(config.mesh.axes, target.devices).shape).get(STAGE_AXIS, 1)
     counts = [k for k in range(stages, batch + 1) if batch % k == 0 and (batch // k) % shards == 0]
     if not counts:
@@ -754,7 +581,7 @@ def _tune_micro_batches(planner: _Planner, target) -> TuneResult:
         what = f"train.micro_batches={counts[hi]} (the most: the smallest bubble, {bubble:.1%}, and peak)"
         return _finish(planner, target, "micro_batches", key(counts[hi]), what)
     if not last.fits:
-        return _no_fit(planner, target, last.budget_bytes, "micro_batches", [
+        return no_fit(planner, target, last.budget_bytes, "micro_batches", [
             f"even {counts[hi]} micro-batches of {batch // counts[hi]} need "
             f"{format_bytes(last.per_device['peak'])} against a budget of {format_bytes(last.budget_bytes)}",
             "use a remat policy that keeps less (shardmem tune --search remat), or shard more",

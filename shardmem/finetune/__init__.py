@@ -3,7 +3,7 @@
     finetune: {lora: {rank: 16, alpha: 32, targets: [layers/wq, layers/wk, layers/wv, layers/wo]},
                quantize: {format: nf4, targets: [layers/*]}}
 
-:class:`FineTune` is that section resolved for one model; :func:`~shardmem.step.build_program` keeps the
+:class:`FineTune` is that section resolved for one model; :func:`~shardmem.program.build_program` keeps the
 trainable and frozen parameters apart in the state (``state["params"]``, ``state["frozen"]``), so the
 optimizer and its state see only what trains, and the plan counts both exactly.
 """

@@ -52,8 +52,8 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
     or fine-tune setting that differs from its ``config.yaml`` (a LoRA ``alpha`` merges otherwise) is a
     ConfigError."""
     from shardmem.parallel.mesh import build_mesh
+    from shardmem.program import build_program
     from shardmem.run.checkpoint import Checkpointer
-    from shardmem.step import build_program
 
     run_dir = Path(run_dir)
     _same_as_the_run(config, run_dir)

@@ -348,7 +348,7 @@ def _merged_run(path: Path, item: Path, program) -> dict:
 
     import orbax.checkpoint as ocp
 
-    from shardmem.step import build_program
+    from shardmem.program import build_program
 
     saved = _run_config(path, path)
     config = dataclasses.replace(program.config, finetune=dataclasses.replace(saved.finetune, init_from=None))

@@ -122,7 +122,7 @@ def _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab):
         ).sum(axis=-1)
         # A masked sum, not take_along_axis: over a vocabulary split across devices it is a local sum and
         # an all-reduce of [B, L], where XLA partitions the gather as an all-to-all of the logits (inside
-        # the per-group vmap of shardmem.accumulation, over the batch's devices: 131 MB a micro-batch
+        # the per-group vmap of shardmem.program.accumulation, over the batch's devices: 131 MB a micro-batch
         # and layer of Nemotron-4 15B, across hosts).
         hit_BxLxC = row_BxL[..., None] == jnp.arange(logits_BxLxC.shape[-1])
         picked_BxL = jnp.where(hit_BxLxC, logits_BxLxC, 0.0).sum(axis=-1)

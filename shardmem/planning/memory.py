@@ -1,4 +1,4 @@
-"""The memory reporter: compile the real training step ahead of time and say whether it fits.
+"""The memory reporter: compile a program's real step ahead of time and say whether it fits.
 
     report = shardmem.plan(load_config("configs/llama-7b.yaml"), target="h100-sxm")
     report.per_device["peak"], report.budget_bytes, report.fits
@@ -42,7 +42,7 @@ from shardmem.planning.targets import (
     tpu_notes,
     tpu_slice,
 )
-from shardmem.step import LossFn, ModelFactory, Program, build_program
+from shardmem.program import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
 #: The per-device figures of a report, in the order tables show them.
@@ -232,7 +232,7 @@ def plan(
     """Compiles the config's training step for ``target`` and returns its :class:`MemoryReport`.
 
     ``model_factory(rngs)``, ``loss_fn(model, batch)`` and ``batch`` plan a model of your own (as
-    :func:`~shardmem.step.build_program` takes them; or ``model.factory``, ``train.loss`` and
+    :func:`~shardmem.program.build_program` takes them; or ``model.factory``, ``train.loss`` and
     ``data.batch`` in the config) with the config's mesh, rules and remat. ``compiler_options`` are XLA
     options added to ``memory.compiler_options``.
     """
@@ -249,23 +249,23 @@ def plan(
 
 
 def plan_program(
-    program: Program, target: Target, *, top: int = 10, count_remat_overhead: bool = True
+    program: Program,
+    target: Target,
+    *,
+    function: str | None = None,
+    top: int = 10,
+    count_remat_overhead: bool = True,
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
-    """Plans a built program (its mesh over ``target.devices``) and returns the report with the compiled
-    step, which runs on attached devices: ``shardmem train`` steps with it rather than compiling again."""
+    """Plans a built program (its mesh over ``target.devices``), whatever its kind: compiles one of its
+    jitted functions on their abstract arguments (``function``, by name; default its first, a training
+    program's step) and returns the report with the compiled function, which runs on attached devices:
+    ``shardmem train`` steps with it rather than compiling again."""
     unchecked = check_init_from(program, planning=True)  # Headers only, before the compile.
-    traced = program.step.trace(program.abstract_state, program.abstract_batch)
-    state = program.abstract_state
-    groups = {
-        "params": state["params"],
-        "frozen": state.get("frozen", {}),  # Fine-tuning's frozen (and quantized) parameters.
-        "optimizer": {"opt_state": state["opt_state"], "step": state["step"]},
-        "model_state": state.get("model_state", {}),
-        "batch": program.abstract_batch,
-    }
+    planned = program.function(function)
+    traced = planned.trace()
     config = program.config
-    report, compiled = _compile_and_analyze(traced, target, config.memory, groups=groups, top=top,
-                                            overlap_off=program.overlap_off,
+    report, compiled = _compile_and_analyze(traced, target, config.memory, groups=planned.groups, top=top,
+                                            overlap_off=planned.overlap_off,
                                             name=config.name)  # fmt: skip
     rows = program.sharding_table()
     warnings = (
@@ -275,7 +275,8 @@ def plan_program(
     tags = hlo.checkpoint_tags(traced.jaxpr)
     warnings += _remat_warnings(config, layer_plan, tags)
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
-    warnings += _optimizer_warnings(config) + _slow_compile_warnings(report)
+    warnings += _optimizer_warnings(config) if program.description.training else []
+    warnings += _slow_compile_warnings(report)
     warnings += tpu_notes(target, config.memory, report.per_device["peak"])
     warnings += precision_notes(target, config.precision.compute)
     window = None if program.custom_model else config.model.sliding_window
@@ -290,7 +291,7 @@ def plan_program(
     rematted = hlo.remat_count(traced.jaxpr) > 0
     if layer_plan is None and not modules:  # A model that remats itself: no plan of ours to compare with.
         # A step without any jax.checkpoint is its own baseline, less its attention kernel's recompute.
-        baseline = None if rematted else model_flops(program, traced.jaxpr)
+        baseline = None if rematted else model_flops(program, traced.jaxpr, planned.name)
         report = dataclasses.replace(report, remat="the model's own", flops_no_remat=baseline)
     else:
         policies = (layer_plan.policies if layer_plan else ()) + tuple(p for _, p in modules.rules)
@@ -304,13 +305,12 @@ def plan_program(
                 "without it: plan in a fresh process")])  # fmt: skip
             label += " (not applied)"
         # Tracing the step again without recomputation costs no compile, but may be skipped.
-        baseline = model_flops(program, traced.jaxpr) if count_remat_overhead or not rematted else None
+        baseline = (
+            model_flops(program, traced.jaxpr, planned.name) if count_remat_overhead or not rematted else None
+        )
         report = dataclasses.replace(report, flops_no_remat=baseline, remat=label)
-    tokens = None
-    if program.token_batch:  # [batch, length + 1]: each row predicts its last `length` tokens.
-        rows, width = jax.tree.leaves(program.abstract_batch)[0].shape[:2]
-        tokens = rows * (width - 1)
-    return with_step_time(report, target, program.mesh, traced.jaxpr, config.interconnect, tokens), compiled
+    return with_step_time(report, target, program.mesh, traced.jaxpr, config.interconnect,
+                          planned.tokens), compiled  # fmt: skip
 
 
 def branch_runs(program: Program) -> dict[str, tuple[float, ...]] | None:
@@ -326,12 +326,13 @@ def _tick_ops(pipeline: Mapping[str, Any]) -> dict[str, Any] | None:
     return {SCOPE_1F1B: schedule.table.rows[:, OP, :]} if schedule and schedule.runs_loss else None
 
 
-def model_flops(program: Program, jaxpr) -> float:
-    """Returns the model's matmul FLOPs per step, as MFU counts them: the step of ``program`` (traced as
-    ``jaxpr``) without any recomputation, neither remat's nor the attention kernel's own (chunked
-    attention's per-block checkpoint, a flash kernel's backward). Where the step has a ``jax.checkpoint``,
-    the step is traced again without it (no compile); chunked attention then becomes ``xla``, the same
-    products without recomputing each block. So the step's own FLOPs are never fewer."""
+def model_flops(program: Program, jaxpr, function: str | None = None) -> float:
+    """Returns the model's matmul FLOPs per call of ``program``'s ``function`` (traced as ``jaxpr``), as
+    MFU counts them: without any recomputation, neither remat's nor the attention kernel's own (chunked
+    attention's per-block checkpoint, a flash kernel's backward). Where the function has a
+    ``jax.checkpoint``, the program's variant without it is traced again (no compile); chunked attention
+    then becomes ``xla``, the same products without recomputing each block. So the function's own FLOPs
+    are never fewer."""
     runs = branch_runs(program)
     if hlo.remat_count(jaxpr) == 0:
         return hlo.matmul_flops(jaxpr, recomputed=False, branch_runs=runs)
@@ -339,8 +340,7 @@ def model_flops(program: Program, jaxpr) -> float:
     kernel = program.attention
     if kernel is not None and kernel.name == "chunked" and kernel.context == 1:
         overrides.append("model.attention=xla")
-    plain = build_program(program.config.replace(*overrides), program.mesh, **program.build_args)
-    plain_jaxpr = plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
+    plain_jaxpr = program.variant(*overrides).function(function).trace().jaxpr
     return hlo.matmul_flops(plain_jaxpr, recomputed=False, branch_runs=runs)
 
 

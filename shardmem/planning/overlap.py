@@ -11,7 +11,7 @@ What production JAX training on GPUs sets (MaxText's GPU scripts, NVIDIA JAX-Too
 - pipelined all-gather / reduce-scatter / all-reduce: move a loop's collective into the previous (for
   all-gathers) or next (reduce-scatters, all-reduces) iteration, so that the layer scan's FSDP
   gather of layer i + 1 runs under layer i's compute. Taken, except where a program turns pipelined
-  all-gather off (``Program.overlap_off``, :func:`shardmem.step.overlap_exceptions`: sequence
+  all-gather off (``Program.overlap_off``, :func:`shardmem.program.parallelism.overlap_exceptions`: sequence
   parallelism with per-device gradient accumulation, whose forward XLA's pipeliner cloned). XLA 0.10
   (JAX 0.10.2) spells them ``xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}=true``;
   XLA 0.12 replaced them with ``xla_gpu_pipeline_{...}=COLLECTIVE_PIPELINING_MODE_ON`` (the old names

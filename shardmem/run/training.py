@@ -46,11 +46,11 @@ from shardmem.finetune.weights import check_init_from
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
+from shardmem.program import LossFn, ModelFactory, TrainingProgram, build_program
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.run.data import batch_stream
 from shardmem.run.lock import LOCK_NAME, RunDirLock
 from shardmem.run.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
-from shardmem.step import LossFn, ModelFactory, Program, build_program
 from shardmem.units import format_bytes
 
 __all__ = ["DivergedError", "DoesNotFitError", "TrainResult", "start_runtime", "train"]
@@ -163,7 +163,7 @@ def train(
         return _run(config, run_dir, program, step_fn, source, report, started, console)
 
 
-def _run(config: Config, run_dir: Path, program: Program, step_fn, source, report: MemoryReport,
+def _run(config: Config, run_dir: Path, program: TrainingProgram, step_fn, source, report: MemoryReport,
          started: _Start, console: Console) -> TrainResult:  # fmt: skip
     """Sets up the run directory, then restores or initialises the state and trains; a start that fails
     before its first step leaves the run directory as it was (:class:`_Start`)."""
@@ -219,7 +219,7 @@ def _run(config: Config, run_dir: Path, program: Program, step_fn, source, repor
             started.undo()  # Before the first step: what this start created.
 
 
-def _begin(config: Config, run_dir: Path, program: Program, step_fn, source, report: MemoryReport,
+def _begin(config: Config, run_dir: Path, program: TrainingProgram, step_fn, source, report: MemoryReport,
            checkpointer: Checkpointer, start: int, state, signals: _StopSignals, started: _Start,
            console: Console) -> tuple[str, Any, _Loop | None]:  # fmt: skip
     """Says how the run begins and trains from step ``start``; returns (status, state, the loop), the
@@ -426,7 +426,7 @@ def _utilization(report: MemoryReport, step_time: float, peak_flops: float | Non
             "hfu": report.flops_per_step / per_second}  # fmt: skip
 
 
-def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
+def _plan_once(program: TrainingProgram) -> tuple[MemoryReport, Callable]:
     """Plans the step for the attached devices and returns the report with the step function to train
     with. One process: the plan's compiled step, so the step is compiled once. Several: process 0 plans
     and gives every process the report, so that all of them take the same decision, and each compiles
@@ -461,7 +461,7 @@ def _plan_once(program: Program) -> tuple[MemoryReport, Callable]:
     return outcome, compiled_step(program, outcome)
 
 
-def compiled_step(program: Program, report: MemoryReport) -> Callable:
+def compiled_step(program: TrainingProgram, report: MemoryReport) -> Callable:
     """Returns ``program.step`` compiled with the XLA options its plan was compiled with (``report``'s:
     the GPU overlap options of :mod:`shardmem.planning.overlap`, the user's, any retry's), so that the
     step that trains is the one planned."""

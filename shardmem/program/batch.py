@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from shardmem.errors import ConfigError
+from shardmem.models.llama import ModelConfig
+
+if TYPE_CHECKING:
+    from shardmem.config import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +75,22 @@ def is_leaf(x) -> bool:
 def token_batch(global_batch: int, seq_len: int) -> BatchLeaf:
     """The reference model's batch: ``[global_batch, seq_len + 1]`` int32 tokens (inputs and targets)."""
     return BatchLeaf((global_batch, seq_len + 1), "int32", ("batch", None))
+
+
+def declared_batch(config: Config, batch: Any, batch_shape: tuple[int, ...] | None):
+    """Returns the batch's :class:`BatchLeaf` tree and whether it is the token batch: ``batch`` (or
+    ``data.batch``) as declared, else the reference model's tokens (``batch_shape``, or
+    :func:`token_batch` for ``train.global_batch`` and ``model.seq_len``)."""
+    global_batch = config.train.global_batch
+    declared = batch if batch is not None else config.data.batch
+    if declared is not None:
+        key = "batch" if batch is not None else "data.batch"
+        return parse_batch(declared, global_batch=global_batch, key=key), False
+    if batch_shape is not None:
+        return BatchLeaf(tuple(batch_shape), "int32", ("batch",) + (None,) * (len(batch_shape) - 1)), True
+    if not isinstance(config.model, ModelConfig):
+        raise ConfigError(
+            "data.batch is not set: a model of your own needs its batch declared, e.g. data: {batch: "
+            "{images: {shape: [global_batch, 224, 224, 3], dtype: float32, axes: [batch, null, null, null]}}}"
+        )
+    return token_batch(global_batch, config.model.seq_len), True
