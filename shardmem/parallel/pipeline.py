@@ -93,15 +93,20 @@ SCHEDULES = {
 class _Stages(NamedTuple):
     """The layers as the stages run them (:meth:`Pipeline._stages`)."""
 
-    weights_S: dict  # The stored parameters with a leading stage axis: [S, K, ...] or [S, K, R, ...].
-    run_stage: Callable  # (weights, x_bxLxD, repeat, valid_K[, first]) -> one stage's chunk applied to x.
+    # The stored parameters with a leading stage axis: [S, K, ...] or [S, K, R, ...] (GPipe, circular), or
+    # [S, R, K, ...] (1F1B: repeat-major, so that one chunk's weights are one contiguous slice).
+    weights_S: dict
+    run_stage: Callable  # (weights [K, ...] or [K, R, ...], x_bxLxD, repeat, valid_K) -> its chunk on x.
+    run_chunk: Callable  # (one chunk's weights [K', ...], x_bxLxD, valid_K', first slot) -> those slots on x.
     valid_SxK: jax.Array | None  # Which of each stage's K layer slots hold a layer (None: all do).
 
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """``stages`` pipeline stages, ``micro_batches`` micro-batches per step, ``repeats`` layer chunks per
-    stage, run by ``schedule`` (a key of :data:`SCHEDULES`; None: GPipe, or circular for ``repeats`` > 1)."""
+    stage, run by ``schedule`` (a key of :data:`SCHEDULES`; None: GPipe, or circular for ``repeats`` > 1).
+    1F1B sums the gradients over the micro-batches in ``grad_dtype``: float32 for narrower weights with
+    master weights (``precision.master``), as Megatron-LM sums into float32 main gradients."""
 
     stages: int
     micro_batches: int
@@ -109,6 +114,7 @@ class Pipeline:
     layer_counts: tuple[int, ...] = ()  # Layers per stage, in order (empty: the most even split).
     schedule: str | None = None  # None: "gpipe", or "circular" for repeats > 1.
     backward_parts: int = 2  # 1F1B: the ticks a chunk's backward takes (about a forward's work each).
+    grad_dtype: str | None = None  # 1F1B: the dtype gradients are summed in (None: each parameter's).
 
     def __post_init__(self):
         if self.backward_parts < 1:
@@ -317,9 +323,10 @@ class Pipeline:
             by_slot.setdefault(slot, policies[layer])
         return LayerPlan(tuple(by_slot[slot] for slot in sorted(by_slot)))
 
-    def _stages(self, layers: nnx.Module, plan: LayerPlan) -> _Stages:
-        """Returns the layers as each stage runs them: their weights with a leading stage axis and the
-        one-stage function the schedules run on each stage (vmapped over it, or in 1F1B's shard_map)."""
+    def _stages(self, layers: nnx.Module, plan: LayerPlan, repeat_major: bool = False) -> _Stages:
+        """Returns the layers as each stage runs them: their weights with a leading stage axis (then the
+        repeats, where ``repeat_major``) and the functions the schedules run on each stage (vmapped over
+        it, or in 1F1B's shard_map)."""
         graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise ConfigError(
@@ -351,8 +358,13 @@ class Pipeline:
 
         chunks = jax.tree.map(to_chunks, nnx.to_pure_dict(params), logical,
                               is_leaf=lambda x: x is None or isinstance(x, P))  # fmt: skip
-        # [R, S, K, ...] -> [S, K, ...] (R = 1) or [S, K, R, ...]: each stage's layers, all their repeats.
-        weights_S = jax.tree.map((lambda c: c[0]) if r == 1 else (lambda c: jnp.moveaxis(c, 0, 2)), chunks)
+
+        # [R, S, K, ...] -> [S, R, K, ...] (repeat_major), [S, K, ...] (R = 1) or [S, K, R, ...]: each
+        # stage's layers, all their repeats.
+        def per_stage(c):
+            return jnp.moveaxis(c, 0, 1) if repeat_major else c[0] if r == 1 else jnp.moveaxis(c, 0, 2)
+
+        weights_S = jax.tree.map(per_stage, chunks)
         # Which of each stage's K slots hold one of its layers (None: all do).
         valid_SxK = None if even else jnp.arange(k)[None, :] < jnp.asarray(counts)[:, None]
 
@@ -369,17 +381,20 @@ class Pipeline:
 
             return select
 
-        def run_stage(weights, x_mbxLxD, repeat, valid_K, first=0):
-            """One stage's chunk at ``repeat`` (weights [K, ...], or [K, R, ...] for R > 1) on ``x``; or,
-            given the weights of its slots ``first`` onwards alone, those slots."""
+        def run_chunk(weights, x_mbxLxD, valid_K=None, first=0, prepare=None):
+            """Layer slots ``first`` onwards of a chunk (their weights [K', ...]) on ``x``."""
             module = nnx.merge(graphdef, weights, rest)
             slots = jax.tree.leaves(weights)[0].shape[0]
             slot_plan = LayerPlan(chunk_plan.policies[first : first + slots])
-            if r > 1:
-                return remat_scan(module, x_mbxLxD, slot_plan, prepare=select_repeat(repeat))
-            return remat_scan(module, x_mbxLxD, slot_plan, mask=valid_K)
+            return remat_scan(module, x_mbxLxD, slot_plan, prepare=prepare, mask=valid_K)
 
-        return _Stages(weights_S, run_stage, valid_SxK)
+        def run_stage(weights, x_mbxLxD, repeat, valid_K):
+            """One stage's chunk at ``repeat`` (weights [K, ...], or [K, R, ...] for R > 1) on ``x``."""
+            if r > 1:
+                return run_chunk(weights, x_mbxLxD, prepare=select_repeat(repeat))
+            return run_chunk(weights, x_mbxLxD, valid_K)
+
+        return _Stages(weights_S, run_stage, run_chunk, valid_SxK)
 
     def _micro_batches(self, x_BxA: jax.Array) -> jax.Array:
         """``[B, ...]`` -> ``[M, B / M, ...]``: micro-batch i takes every M-th row, so each device keeps its
@@ -442,41 +457,58 @@ class Pipeline:
         if active is None:
             raise ValueError("Pipeline.loss runs inside Rules.activate(mesh): it needs the stage mesh axis")
         mesh, rules = active
-        stages = self._stages(layers, plan)
+        stages = self._stages(layers, plan, repeat_major=True)
         table = schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
         s, m, n_parts = self.stages, self.micro_batches, self.backward_parts
-        k = jax.tree.leaves(stages.weights_S)[0].shape[1]
+        k = jax.tree.leaves(stages.weights_S)[0].shape[2]  # [S, R, K, ...]
         if n_parts > k:
             raise ValueError(f"Pipeline.backward_parts={n_parts} is more than a chunk's {k} layers")
         bounds = [round(i * k / n_parts) for i in range(n_parts + 1)]  # Part p: layer slots [b_p, b_p+1).
         spec = ("batch", "residual_seq", None)
         layouts: list[dict] = [{} for _ in range(n_parts)]  # Each part's pullback structure, when traced.
 
-        def part_weights(weights, p):
-            return jax.tree.map(lambda w: w[bounds[p] : bounds[p + 1]], weights)
+        def at_part(w_RxKxA, repeat, p):
+            """The start and size of part ``p`` of chunk ``repeat`` in a stage's [R, K, ...] array."""
+            start = (repeat, bounds[p]) + (0,) * (w_RxKxA.ndim - 2)
+            return start, (1, bounds[p + 1] - bounds[p], *w_RxKxA.shape[2:])
 
-        def run_part(p, weights_p, x_bxLxD, repeat, valid_K):
+        def part_weights(weights_RxK, repeat, p):
+            """Part ``p``'s layer slots of chunk ``repeat`` alone: one slice of the stage's weights, which
+            the op that runs them reads, and no pass keeps (the vjp's residuals leave them out)."""
+            return jax.tree.map(lambda w: jax.lax.dynamic_slice(w, *at_part(w, repeat, p))[0], weights_RxK)
+
+        def add_part(sums_RxK, d_part, repeat, p):
+            """The gradient sums with part ``p``'s gradient added at chunk ``repeat``'s slots."""
+
+            def add(sum_RxKxA, d_KxA):
+                start, size = at_part(sum_RxKxA, repeat, p)
+                old = jax.lax.dynamic_slice(sum_RxKxA, start, size)
+                return jax.lax.dynamic_update_slice(sum_RxKxA, old + d_KxA[None].astype(old.dtype), start)
+
+            return jax.tree.map(add, sums_RxK, d_part)
+
+        def run_part(p, weights_p, x_bxLxD, valid_K):
             valid = None if valid_K is None else valid_K[bounds[p] : bounds[p + 1]]
-            return stages.run_stage(weights_p, x_bxLxD, repeat, valid, first=bounds[p])
+            return stages.run_chunk(weights_p, x_bxLxD, valid, first=bounds[p])
 
         def forward(weights, x_bxLxD, repeat, valid_K):
-            """The chunk's forward, part by part; returns its output and the residuals each part's
+            """Chunk ``repeat``'s forward, part by part; returns its output and the residuals each part's
             backward needs, less the weights (the same every tick, so not stored per micro-batch)."""
             residuals = []
             for p in range(n_parts):
-                weights_p = part_weights(weights, p)
-                x_bxLxD, pullback = jax.vjp(functools.partial(run_part, p, repeat=repeat, valid_K=valid_K),
-                                            weights_p, x_bxLxD)  # fmt: skip
+                weights_p = part_weights(weights, repeat, p)
+                x_bxLxD, pullback = jax.vjp(functools.partial(run_part, p, valid_K=valid_K), weights_p,
+                                            x_bxLxD)  # fmt: skip
                 leaves, layouts[p]["treedef"] = jax.tree.flatten(pullback)
                 weight_at = {id(w): i for i, w in enumerate(jax.tree.leaves(weights_p))}
                 layouts[p]["weight_at"] = [weight_at.get(id(leaf)) for leaf in leaves]
                 residuals.append([leaf for leaf in leaves if id(leaf) not in weight_at])
             return x_bxLxD, residuals
 
-        def backward(p, weights, residuals_p, dy_bxLxD):
-            """Part ``p`` of the chunk's backward from the residuals ``forward`` kept for it: (d its
+        def backward(p, weights, repeat, residuals_p, dy_bxLxD):
+            """Part ``p`` of chunk ``repeat``'s backward from the residuals ``forward`` kept for it: (d its
             weights, d input)."""
-            weight_leaves, stored = jax.tree.leaves(part_weights(weights, p)), iter(residuals_p)
+            weight_leaves, stored = jax.tree.leaves(part_weights(weights, repeat, p)), iter(residuals_p)
             leaves = [next(stored) if at is None else weight_leaves[at] for at in layouts[p]["weight_at"]]
             return jax.tree.unflatten(layouts[p]["treedef"], leaves)(dy_bxLxD)
 
@@ -490,12 +522,13 @@ class Pipeline:
             _, residual_shapes = jax.eval_shape(forward, weights, zeros_bxLxD, 0, valid_K)
             # What the ops change: the residual rings, the gradient sums and the loss. Each branch of the
             # switch takes them all and returns them with its own change, so XLA updates them in place.
+            # The gradients are summed over the micro-batches in grad_dtype (float32 under master weights).
+            zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, self.grad_dtype or a.dtype))
             state = dict(
                 rings=[[jnp.zeros((table.ring_slots, *a.shape), a.dtype) for a in part]
                        for part in residual_shapes],
-                d_parts=[jax.tree.map(jnp.zeros_like, part_weights(weights, p)) for p in range(n_parts)],
-                d_embed=jax.tree.map(jnp.zeros_like, embed_params),
-                d_head=jax.tree.map(jnp.zeros_like, head_params), loss=jnp.zeros((), jnp.float32),
+                d_weights=zeros(weights), d_embed=zeros(embed_params), d_head=zeros(head_params),
+                loss=jnp.zeros((), jnp.float32),
             )  # fmt: skip
 
             def store(rings, ring, residuals):
@@ -524,7 +557,7 @@ class Pipeline:
                 y, residuals = forward(weights, constrain(x, spec), repeat, valid_K)
                 loss, pullback = jax.vjp(lambda h, y: head_loss(h, y, targets), head_params, y)
                 d_head, dy = pullback(jnp.asarray(1.0 / m, loss.dtype))
-                d_head = jax.tree.map(jnp.add, state["d_head"], d_head)
+                d_head = jax.tree.map(lambda a, d: a + d.astype(a.dtype), state["d_head"], d_head)
                 rings = store(state["rings"], ring, residuals)
                 state = dict(state, rings=rings, d_head=d_head, loss=state["loss"] + loss / m)
                 return done(state, kept=dy.astype(y.dtype))
@@ -532,13 +565,12 @@ class Pipeline:
             def run_backward(p, to_input=False):
                 def branch(state, x, dy, inputs, targets, ring, repeat):
                     held = [jax.lax.dynamic_index_in_dim(r, ring, 0, False) for r in state["rings"][p]]
-                    d_part, dx = backward(p, weights, held, constrain(dy, spec))
-                    d_parts = list(state["d_parts"])
-                    d_parts[p] = jax.tree.map(jnp.add, d_parts[p], d_part)
-                    state = dict(state, d_parts=d_parts)
+                    d_part, dx = backward(p, weights, repeat, held, constrain(dy, spec))
+                    state = dict(state, d_weights=add_part(state["d_weights"], d_part, repeat, p))
                     if to_input:  # The first chunk's part 0: on into the embedding.
                         (d_embed,) = jax.vjp(lambda e: embed(e, inputs), embed_params)[1](dx)
-                        return done(dict(state, d_embed=jax.tree.map(jnp.add, state["d_embed"], d_embed)))
+                        d_embed = jax.tree.map(lambda a, d: a + d.astype(a.dtype), state["d_embed"], d_embed)
+                        return done(dict(state, d_embed=d_embed))
                     # Part 0's input gradient goes to the stage before; a later part's stays for the next.
                     sent, kept = (dx, None) if p == 0 else (None, dx)
                     return done(state, out=sent, kept=kept)
@@ -583,8 +615,7 @@ class Pipeline:
                 return jax.lax.psum(x, STAGE_AXIS) if over_stages else x
 
             state = carry["state"]
-            d_weights = jax.tree.map(lambda *parts: jnp.concatenate(parts), *state["d_parts"])
-            d_weights_1xS = jax.tree.map(lambda d: mean(d, over_stages=False)[None], d_weights)
+            d_weights_1xS = jax.tree.map(lambda d: mean(d, over_stages=False)[None], state["d_weights"])
             d_embed, d_head = (jax.tree.map(mean, state[key]) for key in ("d_embed", "d_head"))
             return mean(state["loss"]), (d_weights_1xS, d_embed, d_head)
 
@@ -616,8 +647,11 @@ class Pipeline:
         def pipelined(weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA):
             return schedule(weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA)[0]
 
+        # The gradients leave in their parameters' dtypes (summed in grad_dtype, rounded once).
+        dtypes = jax.tree.map(lambda a: a.dtype, (stages.weights_S, embed_params, head_params))
+
         def scaled(grads, g):
-            return (*jax.tree.map(lambda d: (g * d).astype(d.dtype), grads), None, None)
+            return (*jax.tree.map(lambda d, dtype: (g * d).astype(dtype), grads, dtypes), None, None)
 
         pipelined.defvjp(schedule, scaled)
         inputs_MxbxA, targets_MxbxA = self._micro_batches(inputs_BxA), self._micro_batches(targets_BxA)
