@@ -167,6 +167,14 @@ class Program:
     # plan and train alike: see overlap_exceptions().
     overlap_off: tuple[str, ...] = ()
 
+    def natural_params(self, params):
+        """Returns the model's full parameters (``model_params``' tree) as the model makes them from the
+        step's ``params``: a pipeline's stored stacks of layers (:meth:`Pipeline.stored`, the same values
+        in the same order) reshaped to ``[n_layers, ...]``; ``params`` itself otherwise."""
+        if self.pipeline is None or self.pipeline.repeats == 1:
+            return params
+        return jax.tree.map(lambda value, model: value.reshape(model.shape), params, self.model_params)
+
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter (trainable ones,
         then frozen ones)."""
@@ -312,6 +320,11 @@ def build_program(
             "stages split plain layer weights only, not adapted or quantized ones; set mesh.axes.stage=1 "
             "(shard with fsdp), or freeze without them"
         )
+    model_logical = param_logical
+    if pipeline is not None:  # Stacks of layers as the stages split them (Pipeline.stored).
+        abstract_params = pipeline.stored(abstract_params, model_logical)
+        param_shardings = pipeline.stored_shardings(param_shardings, model_logical)
+        param_logical = pipeline.stored_logical(model_logical)
     if finetune is not None:  # From here on "params" are what trains; the frozen ones ride along.
         abstract_params, abstract_frozen = jax.eval_shape(
             finetune.prepare, abstract_params, jax.random.key(0)
@@ -419,6 +432,8 @@ def build_program(
             model = factory(nnx.Rngs(key))  # With loaded weights, only its other variables are kept.
         _, params, rest = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params) if loaded is None else loaded
+        if pipeline is not None:
+            params = pipeline.stored(params, model_logical)
         if finetune is not None:
             params, frozen = finetune.prepare(params, jax.random.fold_in(key, 1))
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}

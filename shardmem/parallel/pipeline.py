@@ -69,6 +69,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
@@ -158,6 +159,46 @@ class Pipeline:
             return tuple(a for a in axes if a != STAGE_AXIS) or None if name == "layers" and axes else axes
 
         return dataclasses.replace(rules, logical=tuple((n, kept(n, a)) for n, a in rules.logical))
+
+    def stored(self, params, logical):
+        """Returns ``params`` (a pure dict of arrays or ShapeDtypeStructs; ``logical`` their logical axes)
+        as the step keeps them: with R > 1 each stack of layers ``[n_layers, ...]`` as ``[R, n_layers / R,
+        ...]``, the same values in the same order. The ``layers`` rule then splits the second axis, so
+        stage s stores its own chunk of every repeat (layers ``(r * S + s) * K ...``) where a split
+        ``n_layers`` axis would give it contiguous layers, and every step would move nearly all of them
+        (XLA all-gathered GPT-3 175B's whole MLP weights to reshape them). R = 1: ``params`` itself."""
+        if self.repeats == 1:
+            return params
+
+        def store(leaf, names):
+            if not _is_stack(names):
+                return leaf
+            shape = (self.repeats, leaf.shape[0] // self.repeats, *leaf.shape[1:])
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(shape, leaf.dtype)
+            return leaf.reshape(shape)
+
+        return jax.tree.map(store, params, logical, is_leaf=_is_names)
+
+    def stored_logical(self, logical):
+        """The logical axes of :meth:`stored` parameters: a stack's leading axis, its repeats, unnamed
+        (every stage holds all its repeats). :meth:`Program.natural_params
+        <shardmem.step.Program.natural_params>` turns stored parameters back into the model's."""
+        if self.repeats == 1:
+            return logical
+        return jax.tree.map(lambda names: P(None, *names) if _is_stack(names) else names, logical,
+                            is_leaf=_is_names)  # fmt: skip
+
+    def stored_shardings(self, shardings, logical):
+        """The shardings of :meth:`stored` parameters, from the stacks' as the model makes them: the
+        repeats axis whole, the rest split as before (``layers`` over ``stage``)."""
+        if self.repeats == 1:
+            return shardings
+
+        def store(sharding, names):
+            return NamedSharding(sharding.mesh, P(None, *sharding.spec)) if _is_stack(names) else sharding
+
+        return jax.tree.map(store, shardings, logical, is_leaf=_is_names)
 
     @property
     def table(self) -> ScheduleTable:
@@ -334,21 +375,24 @@ class Pipeline:
                 "statistics, RNG streams), which a pipeline cannot carry between stages; set "
                 "mesh.axes.stage=1"
             )
-        n_layers = jax.tree.leaves(params)[0].shape[0]
+        logical = nnx.to_pure_dict(nnx.get_partition_spec(params))
+        leaf, names = jax.tree.leaves(params)[0], jax.tree.leaves(logical, is_leaf=_is_names)[0]
+        n_layers = leaf.shape[0] * (leaf.shape[1] if _is_stored(leaf, names) else 1)
         self.check(n_layers, plan)
         s, r = self.stages, self.repeats
         counts = self.split(n_layers)
         even = len(set(counts)) == 1  # Always with R > 1 (check), whose chunks split a stage's layers.
         k = n_layers // (s * r) if even else max(counts)
         chunk_plan = self.chunk_plan(plan, n_layers)
-        logical = nnx.to_pure_dict(nnx.get_partition_spec(params))
         starts = [sum(counts[:i]) for i in range(s)]
 
         def to_chunks(leaf, names):
-            # [n_layers, ...] -> [R, S, K, ...]: chunk (r, s) holds layers (r * S + s) * K ... + K - 1.
+            # [n_layers, ...] or as stored ([R, n_layers / R, ...], see stored) -> [R, S, K, ...]: chunk
+            # (r, s) holds layers (r * S + s) * K ... + K - 1, so a stored stack splits where it is split.
             rest_names = tuple(names)[1:] if names is not None else (None,) * (leaf.ndim - 1)
+            layer_shape = leaf.shape[2:] if _is_stored(leaf, names) else leaf.shape[1:]
             if even:
-                chunked = leaf.reshape(r, s, k, *leaf.shape[1:])
+                chunked = leaf.reshape(r, s, k, *layer_shape)
             else:  # Static slices, each stage's padded with copies of its last layer (masked in the run).
                 chunked = jnp.stack([
                     jnp.concatenate([leaf[a:a + n], *[leaf[a + n - 1:a + n]] * (k - n)]) if n < k
@@ -356,8 +400,7 @@ class Pipeline:
                 ])[None]  # fmt: skip
             return constrain(chunked, (None, "layers", None, *rest_names))
 
-        chunks = jax.tree.map(to_chunks, nnx.to_pure_dict(params), logical,
-                              is_leaf=lambda x: x is None or isinstance(x, P))  # fmt: skip
+        chunks = jax.tree.map(to_chunks, nnx.to_pure_dict(params), logical, is_leaf=_is_names)
 
         # [R, S, K, ...] -> [S, R, K, ...] (repeat_major), [S, K, ...] (R = 1) or [S, K, R, ...]: each
         # stage's layers, all their repeats.
@@ -520,8 +563,9 @@ class Pipeline:
             x_shape = jax.eval_shape(embed, embed_params, inputs_MxbxA[0])
             zeros_bxLxD = jnp.zeros(x_shape.shape, x_shape.dtype)
             _, residual_shapes = jax.eval_shape(forward, weights, zeros_bxLxD, 0, valid_K)
-            # What the ops change: the residual rings, the gradient sums and the loss. Each branch of the
-            # switch takes them all and returns them with its own change, so XLA updates them in place.
+            # What the ops change: the residual rings, the gradient sums and the loss. Each op takes them all
+            # and returns them with its own change, in a loop of its own (_run_one_of): XLA updates them in
+            # place.
             # The gradients are summed over the micro-batches in grad_dtype (float32 under master weights).
             zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, self.grad_dtype or a.dtype))
             state = dict(
@@ -594,8 +638,10 @@ class Pipeline:
                 dy = jax.lax.dynamic_index_in_dim(carry["grads"], source, 0, keepdims=False)
                 inputs, targets = (jax.lax.dynamic_index_in_dim(a, micro, 0, keepdims=False)
                                    for a in (inputs_MxbxA, targets_MxbxA))  # fmt: skip
-                operands = (carry["state"], x, dy, inputs, targets, ring, repeat)
-                carry["state"], out, kept = jax.lax.switch(op, branches, *operands)
+                operands = (x, dy, inputs, targets, ring, repeat)
+                runs = [None if branch is idle else functools.partial(_on_state, branch, operands)
+                        for branch in branches]  # fmt: skip
+                carry["state"], out, kept = _run_one_of(op, runs, done(carry["state"]))
                 carry["grads"] = _put(carry["grads"], local, kept)
                 # What a stage made moves to both neighbours; each keeps what the table says is for it.
                 ring_of = functools.partial(jax.lax.ppermute, axis_name=STAGE_AXIS)
@@ -692,6 +738,44 @@ def parse_stages(ranges: Sequence[object], n_layers: int) -> tuple[int, ...]:
             f"{n_layers - 1}"
         )
     return tuple(counts)
+
+
+def _is_names(x) -> bool:
+    """A leaf of a tree of logical axes (a PartitionSpec of names, or None)."""
+    return x is None or isinstance(x, P)
+
+
+def _is_stack(names) -> bool:
+    """Whether a parameter with these logical axes is a stack of layers (``[n_layers, ...]``)."""
+    return bool(names) and names[0] == "layers"
+
+
+def _is_stored(leaf, names) -> bool:
+    """Whether a stack of layers is as :meth:`Pipeline.stored` keeps it: one axis more than the model's
+    logical axes (which the layers' variables still carry) name."""
+    return _is_stack(names) and leaf.ndim == len(names) + 1
+
+
+def _run_one_of(index, functions: Sequence[Callable | None], carry):
+    """Returns ``functions[index](carry)`` (``carry`` where that is None), as ``jax.lax.switch`` would run
+    it, but with each function in a while loop that runs once where ``index`` is its own and never
+    elsewhere. The loops carry ``carry``, which XLA updates in place; a conditional's branches copy what
+    they return (on XLA:GPU all of it, each call: a 1F1B tick's residual rings and gradient sums). The
+    loops are named as :data:`~shardmem.parallel.schedule.ONE_OF_SCOPE` says, for the step-time model."""
+    for i, function in enumerate(functions):
+        if function is None:
+            continue
+        trips = (index == i).astype(jnp.int32)
+        with jax.named_scope(f"{ops.ONE_OF_SCOPE}_{len(functions)}/{i}"):
+            _, carry = jax.lax.while_loop(lambda c, trips=trips: c[0] < trips,
+                                          lambda c, function=function: (c[0] + 1, function(c[1])),
+                                          (jnp.zeros((), jnp.int32), carry))  # fmt: skip
+    return carry
+
+
+def _on_state(branch: Callable, operands: tuple, carry: tuple):
+    """A 1F1B op on the state of ``(state, sent, kept)``: ``branch(state, *operands)``."""
+    return branch(carry[0], *operands)
 
 
 def _put(buffer_NxA: jax.Array, slot, value_A: jax.Array) -> jax.Array:

@@ -757,8 +757,17 @@ class _Replay:
         totals = _Totals()
         clock, streams = 0.0, {"comm": 0.0, "host": 0.0}
         pending: dict[str, tuple[str, float]] = {}  # start -> (stream, finish time)
-        for ins in self.module.computations.get(name, ()):
+        instructions = self.module.computations.get(name, ())
+        one_of = hlo.one_of_groups(instructions)  # Loops of which a device runs one: charged as a group.
+        grouped = {loop.name for loops in one_of.values() for loop in loops}
+        for ins in instructions:
             op = ins.opcode
+            if ins.name in grouped:
+                if ins.name in one_of:
+                    inner = self._slowest([(loop, loop.called) for loop in one_of[ins.name]])
+                    totals.add(inner)
+                    clock += inner.seconds
+                continue
             if op in _FREE or (
                 op == "custom-call" and any(f'"{t}"' in ins.attributes for t in _FREE_CUSTOM_CALLS)
             ):
@@ -834,20 +843,31 @@ class _Replay:
                 totals.add(self.computation(condition.group(1)), trips + 1)
             self.multiplier = saved
         elif ins.opcode == "conditional":
-            # A device runs one branch (a 1F1B tick: its stage's op): charge the slowest, and count the
-            # collectives of that branch alone.
-            before, tallies = self.collectives, []
-            for name in ins.called:
-                self.collectives = {key: list(entry) for key, entry in before.items()}
-                tallies.append((self.computation(name), self.collectives))
-            self.collectives = before
-            if tallies:
-                slowest, self.collectives = max(tallies, key=lambda tally: tally[0].seconds)
-                totals.add(slowest)
+            totals.add(self._slowest([(ins, (name,)) for name in ins.called]))
         else:
             for name in ins.called:
                 totals.add(self.computation(name))
         return totals
+
+    def _slowest(self, alternatives: Sequence[tuple[hlo.Instruction, Sequence[str]]]) -> _Totals:
+        """Of alternatives a device runs one of (a conditional's branches; a 1F1B tick's ops, each a
+        loop run once or never: ``(instruction, the computations it runs)``), the slowest's totals; the
+        collectives are counted as that one's alone."""
+        before, tallies = self.collectives, []
+        for ins, names in alternatives:
+            self.collectives = {key: list(entry) for key, entry in before.items()}
+            totals = _Totals()
+            if ins.opcode == "while":  # Run once: its body and its condition twice.
+                totals.add(self._control(ins))
+            else:
+                for name in names:
+                    totals.add(self.computation(name))
+            tallies.append((totals, self.collectives))
+        self.collectives = before
+        if not tallies:
+            return _Totals()
+        slowest, self.collectives = max(tallies, key=lambda tally: tally[0].seconds)
+        return slowest
 
     def _wrapped_collective(self, ins: hlo.Instruction) -> str | None:
         if ins.opcode != "async-start":

@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from jax.extend import core as jex_core
+
+from shardmem.parallel.schedule import ONE_OF_SCOPE
 
 # --- FLOPs ---------------------------------------------------------------------------------------
 
@@ -24,7 +27,14 @@ def matmul_flops(jaxpr) -> float:
     once per shard."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
+    # Loops of which a device runs one (a 1F1B tick's op, see one_of_groups): the costliest counts.
+    loops = [(eqn, str(eqn.source_info.name_stack)) for eqn in jaxpr.eqns if eqn.primitive.name == "while"]
+    for group in _one_of_runs(loops):
+        total += max(sum(matmul_flops(sub) for sub in _sub_jaxprs(eqn.params)) for eqn in group)
+    grouped = {id(eqn) for group in _one_of_runs(loops) for eqn in group}
     for eqn in jaxpr.eqns:
+        if id(eqn) in grouped:
+            continue
         name = eqn.primitive.name
         fused = fused_attention_flops(eqn)
         if fused is not None:
@@ -754,11 +764,40 @@ def collective_result_bytes(ins: Instruction) -> int:
     return shape_bytes(shape)
 
 
+_ONE_OF = re.compile(rf"(?:^|/){ONE_OF_SCOPE}_\d+/(\d+)(?:/|$)")
+
+
+def one_of_groups(instructions: Sequence[Instruction]) -> dict[str, tuple[Instruction, ...]]:
+    """Returns, for a computation's instructions, the loops of which a device runs one (a 1F1B tick's
+    op: :data:`~shardmem.parallel.schedule.ONE_OF_SCOPE`), by the name of each group's first loop."""
+    loops = [(ins, ins.op_name) for ins in instructions if ins.opcode == "while"]
+    return {group[0].name: group for group in _one_of_runs(loops)}
+
+
+def _one_of_runs(items: Sequence[tuple[object, str]]) -> list[tuple]:
+    """Groups ``(item, scope)`` pairs, in program order, whose scope names one of alternatives: a group
+    is one run of them by increasing index, so a lower or equal index starts the next group (a loop of
+    ticks XLA unrolled twice runs two groups)."""
+    groups: list[list] = []
+    last = -1
+    for item, scope in items:
+        match = _ONE_OF.search(scope)
+        if not match:
+            continue
+        index = int(match.group(1))
+        if index <= last or not groups:
+            groups.append([])
+        groups[-1].append(item)
+        last = index
+    return [tuple(group) for group in groups]
+
+
 def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
     """Returns the bytes per device that each kind of collective produces in one run of an optimized
     HLO module (result shapes), with ops inside while loops counted once per known trip and, of a
-    conditional's branches, the one that moves the most (a device runs one: a 1F1B tick its stage's op;
-    the step-time replay charges the slowest branch, and its collectives)."""
+    conditional's branches or a group of loops of which a device runs one (:func:`one_of_groups`), the
+    one that moves the most (a 1F1B tick runs its stage's op; the step-time replay charges the slowest,
+    and its collectives)."""
     module = hlo_text if isinstance(hlo_text, HloModule) else parse_module(hlo_text)
     memo: dict[str, dict[str, int]] = {}
 
@@ -768,12 +807,20 @@ def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
         totals = dict.fromkeys(COLLECTIVES, 0)
         if name in seen:
             return totals
-        for ins in module.computations.get(name, ()):
+        instructions = module.computations.get(name, ())
+        groups = one_of_groups(instructions)
+        grouped = {loop.name for loops in groups.values() for loop in loops}
+        for ins in instructions:
             kind = collective_kind(ins)
             if kind:
                 totals[kind] += collective_result_bytes(ins)
+            if ins.name in grouped and ins.name not in groups:
+                continue  # Counted with its group's first loop.
             inner = [moved(called, (*seen, name)) for called in ins.called]
-            if ins.opcode == "conditional" and inner:
+            if ins.name in groups:
+                inner = [_summed([moved(called, (*seen, name)) for called in loop.called])
+                         for loop in groups[ins.name]]  # fmt: skip
+            if (ins.opcode == "conditional" or ins.name in groups) and inner:
                 inner = [max(inner, key=lambda branch: sum(branch.values()))]
             for branch in inner:
                 for key, value in branch.items():
@@ -782,3 +829,7 @@ def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
         return totals
 
     return moved(module.entry)
+
+
+def _summed(tallies: Sequence[dict[str, int]]) -> dict[str, int]:
+    return {key: sum(tally[key] for tally in tallies) for key in COLLECTIVES}
