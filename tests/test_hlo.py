@@ -206,3 +206,43 @@ def test_collective_bytes_count_the_branch_of_a_conditional_that_moves_most():
     text = step.lower(jnp.ones((8 * 1024,), jnp.float32)).compile().as_text()
     assert "conditional" in text
     assert hlo.collective_bytes(text)["all-reduce"] == 1024 * 4
+
+
+def test_loops_of_which_a_device_runs_one_count_as_the_costliest_alone():
+    # A 1F1B tick runs its stage's op as one of several loops, each run once or never (in place, where a
+    # conditional copies what it returns): FLOPs, collective bytes and the step-time replay count the
+    # costliest loop alone, once per tick, as of a conditional's branches.
+    from jax.sharding import AxisType
+
+    from shardmem.parallel.pipeline import _run_one_of
+    from shardmem.planning import cost
+    from shardmem.planning.targets import GPU_TARGETS
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",), axis_types=(AxisType.Auto,))
+
+    def body(a_N, w_NxN):
+        def small(carry):
+            a, w = carry
+            return jax.lax.psum(a[:16], "x").sum() + a, w[:, :8] @ w[:8]
+
+        def big(carry):
+            a, w = carry
+            return jax.lax.psum(a, "x") + a, w @ w
+
+        def tick(carry, op):
+            return _run_one_of(op, [None, small, big], carry), None
+
+        return jax.lax.scan(tick, (a_N, w_NxN), jnp.arange(6) % 3)[0][0]
+
+    step = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+    args = jax.ShapeDtypeStruct((8 * 2**22,), jnp.float32), jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    text = jax.jit(step).lower(*args).compile().as_text()
+    module = hlo.parse_module(text)
+    assert "conditional" not in text
+    groups = [group for c in module.computations.values() for group in hlo.one_of_groups(c).values()]
+    assert [len(group) for group in groups] == [2]  # The two loops of a tick.
+    assert hlo.collective_bytes(module)["all-reduce"] == 6 * 2**24  # The big psum, every tick.
+    assert hlo.matmul_flops(jax.make_jaxpr(step)(*args)) == 8 * 6 * 2 * 1024**3  # Every shard's big matmul.
+    h100 = cost.Hardware("h100-sxm", GPU_TARGETS["h100-sxm"].peak_flops, 3.35e12, 450e9, 50e9, 64e9)
+    estimate = cost.estimate_step_time(module, h100, [0] * 8)
+    assert sum(c.bytes for c in estimate.collectives if c.kind == "all-reduce") == 6 * 2**24
