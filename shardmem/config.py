@@ -145,7 +145,7 @@ class OptimizerConfig:
     eps: float = 1e-8  # Adam's epsilon.
     grad_clip: float | None = 1.0  # Clip the gradients' global norm to this (None: no clipping).
     mu_dtype: str | None = None  # Adam's first moment in this dtype (None: the params dtype).
-    shard_over_data: bool = False  # ZeRO-1: state split over the batch axes parameters are replicated on.
+    shard_over_data: bool = False  # ZeRO-1: state split over the data (and context) axes weights repeat on.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -205,6 +206,14 @@ class Pipeline:
         """The 1F1B schedule's table of ticks (:func:`~shardmem.parallel.schedule.schedule_table`); only
         for :attr:`runs_loss`."""
         return schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
+
+    @property
+    def op_shares(self) -> dict[int, float]:
+        """The share of the 1F1B table's ticks and stages that runs each op (IDLE the rest), by op code:
+        what a step's FLOPs count of each (:func:`shardmem.planning.hlo.matmul_flops`)."""
+        ops_TxS = self.table.rows[:, ops.OP, :]
+        codes, counts = np.unique(ops_TxS, return_counts=True)
+        return {int(code): count / ops_TxS.size for code, count in zip(codes, counts, strict=True)}
 
     @property
     def ticks(self) -> int:
@@ -654,10 +663,11 @@ class Pipeline:
             with jax.named_scope("pipeline_1f1b"):
                 carry, _ = jax.lax.scan(tick, carry, table_TxN)
 
-            # Each device's loss and gradients are of its rows' mean: the batch's mean over the data axes
-            # (reduced once here, not every micro-batch) and the last stage's over the stages.
+            # Each device's loss and gradients are of its rows' and positions' mean: the batch's mean over
+            # the data and sequence axes (reduced once here, not every micro-batch) and the last stage's
+            # over the stages.
             def mean(x, over_stages=True):
-                x = jax.lax.psum(x, data_axes) / n_data if data_axes else x
+                x = jax.lax.psum(x, by_hand) / n_by_hand if by_hand else x
                 return jax.lax.psum(x, STAGE_AXIS) if over_stages else x
 
             state = carry["state"]
@@ -665,17 +675,20 @@ class Pipeline:
             d_embed, d_head = (jax.tree.map(mean, state[key]) for key in ("d_embed", "d_head"))
             return mean(state["loss"]), (d_weights_1xS, d_embed, d_head)
 
-        # The body splits the stages by hand, and the batch over the data axes that split nothing else
-        # (so each device sums its own rows' weight gradients over the ticks); the compiler splits the
-        # rest (tensor, fsdp) as everywhere.
-        data_axes = rules.batch_only_axes()
-        n_data = math.prod(mesh.shape[a] for a in data_axes)
-        stage_spec, whole, rows = P(STAGE_AXIS), P(), P(None, data_axes or None)
+        # The body splits the stages by hand, the batch over the data axes that split nothing else, and
+        # the (zigzag-ordered) sequence over the context axes that split no weight (so each device sums
+        # its own rows' and positions' weight gradients over the ticks: context.split_by_hand); the
+        # compiler splits the rest (tensor, fsdp) as everywhere.
+        data_axes, seq_axes = rules.batch_only_axes(), rules.seq_only_axes(mesh)
+        by_hand = (*data_axes, *seq_axes)
+        n_by_hand = math.prod(mesh.shape[a] for a in by_hand)
+        stage_spec, whole = P(STAGE_AXIS), P()
+        rows = P(None, data_axes or None, seq_axes or None)  # [M, b, L]
         weight_specs = jax.tree.map(lambda _: stage_spec, stages.weights_S)
         embed_specs, head_specs = (jax.tree.map(lambda _: whole, p) for p in (embed_params, head_params))
         valid_spec = None if stages.valid_SxK is None else stage_spec
         sharded = jax.shard_map(
-            body, mesh=mesh, axis_names={STAGE_AXIS, *data_axes}, check_vma=False,
+            body, mesh=mesh, axis_names={STAGE_AXIS, *by_hand}, check_vma=False,
             in_specs=(weight_specs, valid_spec, embed_specs, head_specs, rows, rows,
                       P(None, None, STAGE_AXIS)),
             out_specs=(whole, (weight_specs, embed_specs, head_specs)),

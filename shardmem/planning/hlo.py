@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from jax.extend import core as jex_core
@@ -20,17 +20,23 @@ from shardmem.parallel.schedule import ONE_OF_SCOPE
 # --- FLOPs ---------------------------------------------------------------------------------------
 
 
-def matmul_flops(jaxpr) -> float:
+def matmul_flops(jaxpr, op_shares: Mapping[int, float] | None = None) -> float:
     """Returns the FLOPs of every ``dot_general`` and convolution in a (closed) jaxpr, counting scan trip
     counts and the recomputation that remat adds to the backward pass (it appears as extra ops there),
     the matmuls inside fused attention kernels (:func:`fused_attention_flops`), and ``shard_map`` bodies
-    once per shard."""
+    once per shard. Of loops a device runs one of (a 1F1B tick's ops, :func:`one_of_groups`) the
+    costliest counts, or, given ``op_shares`` (the share of a schedule's ticks and stages that runs each
+    op: :attr:`~shardmem.parallel.pipeline.Pipeline.op_shares`), each op its share."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
-    # Loops of which a device runs one (a 1F1B tick's op, see one_of_groups): the costliest counts.
     loops = [(eqn, str(eqn.source_info.name_stack)) for eqn in jaxpr.eqns if eqn.primitive.name == "while"]
     for group in _one_of_runs(loops):
-        total += max(sum(matmul_flops(sub) for sub in _sub_jaxprs(eqn.params)) for eqn in group)
+        flops = {_eqn_one_of_index(eqn): sum(matmul_flops(sub, op_shares) for sub in _sub_jaxprs(eqn.params))
+                 for eqn in group}  # fmt: skip
+        if op_shares is None:
+            total += max(flops.values())
+        else:
+            total += sum(op_shares.get(op, 0.0) * value for op, value in flops.items())
     grouped = {id(eqn) for group in _one_of_runs(loops) for eqn in group}
     for eqn in jaxpr.eqns:
         if id(eqn) in grouped:
@@ -53,13 +59,13 @@ def matmul_flops(jaxpr) -> float:
             out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
             continue
-        inner = sum(matmul_flops(sub) for sub in _sub_jaxprs(eqn.params))
+        inner = sum(matmul_flops(sub, op_shares) for sub in _sub_jaxprs(eqn.params))
         if name == "scan":
             inner *= eqn.params["length"]
         elif name == "cond":
-            inner = max((matmul_flops(b) for b in eqn.params["branches"]), default=0.0)
+            inner = max((matmul_flops(b, op_shares) for b in eqn.params["branches"]), default=0.0)
         elif name == "shard_map":  # The body sees one shard; count every distinct shard once.
-            inner *= _shards(eqn.params["mesh"], eqn.params["in_specs"])
+            inner *= _shards(eqn.params)
         total += inner
     return total
 
@@ -119,14 +125,30 @@ def _count_primitive(jaxpr, primitive: str) -> int:
                for sub in _sub_jaxprs(eqn.params)) for eqn in jaxpr.eqns)  # fmt: skip
 
 
-def _shards(mesh, in_specs) -> int:
-    """The number of distinct shards a ``shard_map`` computes: the sizes of the mesh axes its inputs
-    are split over (the other axes repeat the same work)."""
-    axes = set()
-    for spec in in_specs:
+def _shards(params) -> int:
+    """The number of distinct shards a ``shard_map`` (its equation's ``params``) computes: the sizes of the
+    mesh axes it splits by hand that its inputs are split over, or whose index its body reads (a
+    sequence split by hand takes each device's chunk so); the other axes repeat the same work."""
+    mesh, axes = params["mesh"], set()
+    for spec in params["in_specs"]:
         for entry in spec or ():
             axes.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
-    return math.prod(mesh.shape[a] for a in axes)
+    axes |= _indexed_axes(params["jaxpr"])
+    manual = params.get("newly_manual_axes") or params.get("manual_axes") or params.get("axis_names")
+    return math.prod(mesh.shape[a] for a in axes if manual is None or a in manual)
+
+
+def _indexed_axes(jaxpr) -> set[str]:
+    """The mesh axes a (closed) jaxpr reads its device's index along (``lax.axis_index``)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    axes = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "axis_index":
+            name = eqn.params["axis_name"]
+            axes.update(name if isinstance(name, tuple) else (name,))
+        for sub in _sub_jaxprs(eqn.params):
+            axes |= _indexed_axes(sub)
+    return axes
 
 
 #: ``jax.checkpoint``'s primitive, by its names across JAX versions.
@@ -772,6 +794,15 @@ def one_of_groups(instructions: Sequence[Instruction]) -> dict[str, tuple[Instru
     op: :data:`~shardmem.parallel.schedule.ONE_OF_SCOPE`), by the name of each group's first loop."""
     loops = [(ins, ins.op_name) for ins in instructions if ins.opcode == "while"]
     return {group[0].name: group for group in _one_of_runs(loops)}
+
+
+def one_of_index(loop: Instruction) -> int:
+    """Which of its group's alternatives a loop of :func:`one_of_groups` is (a 1F1B tick's op code)."""
+    return int(_ONE_OF.search(loop.op_name).group(1))
+
+
+def _eqn_one_of_index(eqn) -> int:  # The same, of a jaxpr's loop.
+    return int(_ONE_OF.search(str(eqn.source_info.name_stack)).group(1))
 
 
 def _one_of_runs(items: Sequence[tuple[object, str]]) -> list[tuple]:

@@ -28,7 +28,9 @@ from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.parallel.mesh import build_mesh
+from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
+from shardmem.parallel.schedule import IDLE, OP
 from shardmem.planning import codegen, cost, hlo, kernel_cache, overlap
 from shardmem.planning.targets import (
     Target,
@@ -256,7 +258,10 @@ def plan_program(
     attention = program.attention.describe() if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
-    report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr), warnings=warnings,
+    # A 1F1B step's FLOPs: each op as often as the schedule runs it (hlo.matmul_flops).
+    shares = program.pipeline.op_shares if program.pipeline and program.pipeline.runs_loss else None
+    flops = hlo.matmul_flops(traced.jaxpr, shares)
+    report = dataclasses.replace(report, flops_per_step=flops, warnings=warnings,
                                  sharding=rows, attention=attention, pipeline=pipeline,
                                  load_host_bytes=_load_host_bytes(program))  # fmt: skip
     rematted = hlo.remat_count(traced.jaxpr) > 0
@@ -282,7 +287,7 @@ def plan_program(
                 plain = config.replace("remat.policy=none", "remat.layers={}", "remat.modules={}")
                 plain = build_program(plain, program.mesh, **program.build_args)
                 baseline = hlo.matmul_flops(
-                    plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr
+                    plain.step.trace(plain.abstract_state, plain.abstract_batch).jaxpr, shares
                 )
         report = dataclasses.replace(report, flops_no_remat=baseline, remat=label)
     tokens = None
@@ -290,6 +295,17 @@ def plan_program(
         rows, width = jax.tree.leaves(program.abstract_batch)[0].shape[:2]
         tokens = rows * (width - 1)
     return with_step_time(report, target, program.mesh, traced.jaxpr, config.interconnect, tokens), compiled
+
+
+def _tick_ops(pipeline: dict | None) -> tuple[frozenset[int], ...]:
+    """The ops some stage runs at each tick of a 1F1B schedule (a report's ``pipeline`` entry), for the
+    step-time model; none for other schedules."""
+    if not pipeline:
+        return ()
+    schedule = Pipeline.from_json(pipeline)
+    if not schedule.runs_loss:
+        return ()
+    return tuple(frozenset(int(op) for op in row if op != IDLE) for row in schedule.table.rows[:, OP, :])
 
 
 def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconnect=None,
@@ -304,7 +320,10 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
                 "(planning.targets.GPU_TARGETS)")  # fmt: skip
         return dataclasses.replace(report, step_time_note=note)
     idle = report.pipeline.get("bubble_fraction", 0.0) if report.pipeline else 0.0
-    useful = 1.0 - idle  # The flops count idle stages' work on placeholders; MFU counts the model's.
+    tick_ops = _tick_ops(report.pipeline)
+    # GPipe's flops count idle stages' work on placeholders, MFU the model's; 1F1B's count each op as
+    # often as the schedule runs it (idle ticks none).
+    useful = 1.0 if tick_ops else 1.0 - idle
     model_flops = report.flops_no_remat if report.flops_no_remat is not None else None
     domains = link_domains(mesh.devices.flat)
     estimate = cost.estimate_step_time(
@@ -312,6 +331,7 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         attention=hlo.fused_attention_kernels(jaxpr), bubble_fraction=idle, tokens_per_step=tokens_per_step,
         model_flops=model_flops * useful if model_flops else None,
         hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
+        tick_ops=tick_ops,
     )  # fmt: skip
     if target.platform not in ("cpu", "tpu"):  # Calibrated on an H200; no TPU measurement backs it.
         estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)
