@@ -246,3 +246,10 @@ def test_loops_of_which_a_device_runs_one_count_as_the_costliest_alone():
     h100 = cost.Hardware("h100-sxm", GPU_TARGETS["h100-sxm"].peak_flops, 3.35e12, 450e9, 50e9, 64e9)
     estimate = cost.estimate_step_time(module, h100, [0] * 8)
     assert sum(c.bytes for c in estimate.collectives if c.kind == "all-reduce") == 6 * 2**24
+    # Given the ops some stage runs at each tick (a 1F1B table's), a tick costs the slowest of those: the
+    # big op at two ticks of six, the small one at three, nothing at the idle one.
+    by_tick = cost.estimate_step_time(module, h100, [0] * 8, tick_ops=[{1}, {1, 2}, {1}, set(), {2}, {1}])
+    assert sum(c.bytes for c in by_tick.collectives if c.kind == "all-reduce") == 2 * 2**24 + 3 * 64
+    assert by_tick.seconds < estimate.seconds
+    jaxpr = jax.make_jaxpr(step)(*args)  # Each op's FLOPs as often as the schedule runs it.
+    assert hlo.matmul_flops(jaxpr, {1: 0.5, 2: 0.25}) == 8 * 6 * 2 * (0.25 * 1024**3 + 0.5 * 1024**2 * 8)

@@ -88,6 +88,13 @@ def test_1f1b_keeps_gpipes_bubble_and_holds_s_micro_batches_as_megatron():
     # and drain, so the idle share is the formula's.
     assert one.ticks == (16 + 4 - 1) * 3
     assert 1 - one.table.busy / one.ticks == pytest.approx(one.bubble_fraction)
+    # What a step's FLOPs count of each op: a forward at a third of the busy ticks, each backward half too.
+    from shardmem.parallel.schedule import BACKWARD, IDLE
+
+    shares = one.op_shares
+    assert shares[IDLE] == pytest.approx(one.bubble_fraction)
+    assert sum(shares.values()) == pytest.approx(1)
+    assert shares[BACKWARD + 1] == pytest.approx((1 - shares[IDLE]) / 3)
     interleaved = Pipeline(4, 16, repeats=2, schedule="interleaved")
     # Megatron's warm-up: 2 (S - 1) + (R - 1) S + 1 = 11 chunk passes of half a stage, 5.5 micro-batches'
     # worth, S (1 + (S - 1) / (S R)) in Narayanan et al.; the table idles the formula's share.

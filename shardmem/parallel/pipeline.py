@@ -23,23 +23,28 @@ peak grows with the micro-batches. ``schedule="1f1b"`` (and ``"interleaved"``, i
                          head_loss=head_loss, head_params=head_params)
 
 1F1B runs its stages out of step, as Megatron-LM's: a stage runs a forward while its neighbour runs a
-backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage) and
-a ``jax.lax.switch`` per tick, which runs on each device only the branch its stage takes: a chunk's
-forward (``jax.vjp``: the output, and the residuals, kept in a ring of slots, less the weights), or one of
-``backward_parts`` parts of its backward (the pullback of the part's layers: a backward is about two
-forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage waits long on
-a neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute`` calls); the one it
-is for queues it. Which op each stage runs at each tick is a table built in Python by running the schedule
-(:mod:`shardmem.parallel.schedule`): with R = 1 Megatron's 1F1B, stage s holding ``S - s`` micro-batches'
-residuals (the first stage ``S``, whatever M: the peak stays flat as micro-batches are added); with R > 1
-Megatron's interleaved order and warm-up, ``2 (S - 1) + (R - 1) S + 1`` chunk passes at the first stage.
-Both tables are ``(M R + S - 1) (1 + parts)`` ticks long, so the bubble is the formula's. The first
+backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage),
+running each tick the op its stage takes, each op a loop run once there and never elsewhere (so XLA
+updates the tick's state in place, where a ``jax.lax.switch`` copied it: :func:`_run_one_of`): a chunk's
+forward (``jax.vjp`` of that chunk's layers, its weights sliced from the stage's at the op's repeat: the
+output, and the residuals, kept in a ring of slots, less the weights), or one of ``backward_parts`` parts
+of its backward (the pullback of the part's layers, its gradient added at that chunk's slots: a backward
+is about two forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage
+waits long on a neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute``
+calls); the one it is for queues it. Which op each stage runs at each tick is a table built in Python by
+running the schedule (:mod:`shardmem.parallel.schedule`): with R = 1 Megatron's 1F1B, stage s holding
+``S - s`` micro-batches' residuals (the first stage ``S``, whatever M: the peak stays flat as
+micro-batches are added); with R > 1 Megatron's interleaved order and warm-up, ``2 (S - 1) + (R - 1) S +
+1`` chunk passes at the first stage, each of one chunk's residuals. Both tables are ``(M R + S - 1) (1 +
+parts)`` ticks long, so the bubble is the formula's. The first
 chunk's forward embeds its micro-batch (``embed``, so no stage holds the whole batch's embedded inputs or
 their gradient) and the last chunk's runs the head and the loss, whose gradient starts that micro-batch's
 backward. The body splits the batch by hand too, over the data axes that split nothing else
-(:meth:`Rules.batch_only_axes`): each device sums its own rows' weight gradients over the ticks, and they
-are all-reduced once after the last; the compiler splits the tensor and FSDP axes inside it as everywhere.
-The gradients come out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates
+(:meth:`Rules.batch_only_axes`), and the sequence over the context axes that split no weight
+(:meth:`Rules.seq_only_axes`, :func:`shardmem.parallel.context.split_by_hand`): each device sums its own
+rows' and positions' weight gradients over the ticks (in ``grad_dtype``), and they are all-reduced once
+after the last; the compiler splits the tensor and FSDP axes inside it as everywhere. The gradients come
+out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates
 the loss as any other. The price of the parts: a part's scan runs over a slice of the stage's stacked
 weights, which XLA copies (in their stored dtype) while the part runs.
 
@@ -50,12 +55,14 @@ One program runs every stage, so each runs ``max(layer_counts)`` layer slots per
 past its own layers repeat its last layer with the output masked to the input (``jnp.where``), so they
 cost their FLOPs (counted in the plan) but change nothing and get zero gradients.
 
-Parameters stay stored as the model stacks them (``[n_layers, ...]``, the ``layers`` axis sharded over
-``stage`` when the stage count divides ``n_layers``, else replicated over it: :meth:`Pipeline.storage_rules`),
-so a checkpoint does not depend on the stage count or the split. With R = 1 and an even split stage ``s``
-holds its own contiguous layers and nothing moves; with R > 1 its chunks are strided, and with uneven
-stages each stage's layers are gathered into ``[S, K_max, ...]`` in the step: XLA moves them into place
-each step (the plan's collectives show the bytes).
+With R = 1 parameters stay stored as the model stacks them (``[n_layers, ...]``, the ``layers`` axis
+sharded over ``stage`` when the stage count divides ``n_layers``, else replicated over it:
+:meth:`Pipeline.storage_rules`), so a checkpoint does not depend on the stage count or the split; with
+an even split stage ``s`` holds its own contiguous layers and nothing moves, with uneven stages each
+stage's layers are gathered into ``[S, K_max, ...]`` in the step (XLA moves them into place each step:
+the plan's collectives show the bytes). With R > 1 a stage's chunks are strided, so each stack is stored
+as ``[R, n_layers / R, ...]`` (:meth:`Pipeline.stored`: the same values in order, split over ``stage`` on
+the second axis) and each stage stores its own chunks.
 """
 
 from __future__ import annotations
@@ -213,7 +220,7 @@ class Pipeline:
         what a step's FLOPs count of each (:func:`shardmem.planning.hlo.matmul_flops`)."""
         ops_TxS = self.table.rows[:, ops.OP, :]
         codes, counts = np.unique(ops_TxS, return_counts=True)
-        return {int(code): count / ops_TxS.size for code, count in zip(codes, counts, strict=True)}
+        return {int(code): float(count / ops_TxS.size) for code, count in zip(codes, counts, strict=True)}
 
     @property
     def ticks(self) -> int:

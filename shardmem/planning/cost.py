@@ -958,7 +958,7 @@ def estimate_step_time(
                  if re.fullmatch(r"(shard_map/)?pipeline[^/]*", scope)}  # fmt: skip
         bubble = bubble_fraction * (sum(ticks.values()) if ticks else totals.seconds)
     collectives = tuple(
-        CollectiveCost(kind, size, link, round(count), moved, seconds, algorithm)
+        CollectiveCost(kind, size, link, round(count), round(moved), seconds, algorithm)
         for (kind, size, link, algorithm), (count, moved, seconds) in sorted(replay.collectives.items())
     )
     seen, loops = set(), []
