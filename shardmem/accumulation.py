@@ -22,6 +22,13 @@ could otherwise have reduce-scattered into a data-sharded one; the one reduction
 then a reduce-scatter onto the optimizer's shards (``grad_shardings``). Axes the model itself splits work over
 (``seq``, ``expert``, ``layers`` rules) are never deferred.
 
+Context parallelism splits each sequence over the ``seq`` rule's axes, whose devices' gradients are partial
+sums over positions: where no weight is split over them (:meth:`Rules.seq_only_axes`), the micro-batch's
+gradients are taken in a ``jax.shard_map`` manual over them (and the deferred axes), so each device sums
+its own positions' (:func:`shardmem.parallel.context.split_by_hand`) in a ``[sums, *param]`` accumulator
+split over both, and the one reduction after the loop is over both; XLA's partitioner all-reduced every
+micro-batch's gradients over them.
+
 Only a loss whose rows are independent and equal in weight may be split so: the reference model's
 next-token loss. A model of your own, or a ``train.loss``, may couple rows (batch statistics, a
 contrastive loss), so its gradients are reduced per micro-batch as XLA partitions them.

@@ -172,6 +172,21 @@ def test_matmul_flops_count_shard_map_bodies_once_per_shard():
 
     assert hlo.matmul_flops(jax.make_jaxpr(f)(jnp.ones((8, 16)), jnp.ones((16, 32)))) == 2 * 8 * 16 * 32
 
+    # A body that takes its own part by its index along an axis (a sequence split by hand) does different
+    # work on each of that axis's devices; a shard_map nested in it that splits nothing more counts once.
+    def own_rows(x, w):
+        mine = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("b") * 2, 2)
+        inner = jax.shard_map(lambda m, w: (m + jax.lax.axis_index("b")) @ w, in_specs=(P(), P()),
+                              mesh=jax.sharding.get_abstract_mesh(), out_specs=P(), axis_names=set(),
+                              check_vma=False)  # fmt: skip
+        return inner(mine, w)
+
+    def g(x, w):
+        return jax.shard_map(own_rows, mesh=mesh, in_specs=(P(), P()), out_specs=P(("a", "b")),
+                             check_vma=False)(x, w)  # fmt: skip
+
+    assert hlo.matmul_flops(jax.make_jaxpr(g)(jnp.ones((8, 16)), jnp.ones((16, 32)))) == 4 * 2 * 2 * 16 * 32
+
 
 def test_live_buffers_of_a_real_compile(tmp_path):
     target = resolve_target("h100-sxm", n_devices=8)
@@ -208,6 +223,7 @@ def test_collective_bytes_count_the_branch_of_a_conditional_that_moves_most():
     assert hlo.collective_bytes(text)["all-reduce"] == 1024 * 4
 
 
+@pytest.mark.newest
 def test_loops_of_which_a_device_runs_one_count_as_the_costliest_alone():
     # A 1F1B tick runs its stage's op as one of several loops, each run once or never (in place, where a
     # conditional copies what it returns): FLOPs, collective bytes and the step-time replay count the

@@ -134,7 +134,9 @@ def _shards(params) -> int:
         for entry in spec or ():
             axes.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
     axes |= _indexed_axes(params["jaxpr"])
-    manual = params.get("newly_manual_axes") or params.get("manual_axes") or params.get("axis_names")
+    # The axes this shard_map makes manual (a nested one: only those its enclosing one left to XLA).
+    names = ("newly_manual_axes", "manual_axes", "axis_names")
+    manual = next((params[name] for name in names if params.get(name) is not None), None)
     return math.prod(mesh.shape[a] for a in axes if manual is None or a in manual)
 
 
