@@ -111,8 +111,8 @@ class PrecisionConfig:
     """Dtypes: ``params`` for the weights and optimizer, ``compute`` for the forward and backward passes
     (weights are cast where they are used). ``master: float32`` under ``params: bfloat16`` (or float16)
     keeps a float32 copy of the weights in the optimizer state, updates it and rounds it to ``params``
-    after each step, with the gradients accumulated in float32 (a pipeline's micro-batches: in the
-    weights' dtype): mixed-precision training as Megatron's
+    after each step, with the gradients accumulated in float32 (a 1F1B pipeline's micro-batches too; a
+    GPipe one's in the weights' dtype): mixed-precision training as Megatron's
     (bf16 model, fp32 main weights and gradients), which with ``optimizer.shard_over_data`` splits the
     master copy over the data axes as its distributed optimizer does. ``loss_scale``: ``dynamic``
     multiplies the loss by a scale the optimizer keeps (:func:`shardmem.optimizer.dynamic_loss_scaling`),
