@@ -112,8 +112,8 @@ class PrecisionConfig:
     """Dtypes: ``params`` for the weights and optimizer, ``compute`` for the forward and backward passes
     (weights are cast where they are used). ``master: float32`` under ``params: bfloat16`` (or float16)
     keeps a float32 copy of the weights in the optimizer state, updates it and rounds it to ``params``
-    after each step, with the gradients accumulated in float32 (a pipeline's micro-batches: in the
-    weights' dtype): mixed-precision training as Megatron's
+    after each step, with the gradients accumulated in float32 (a 1F1B pipeline's micro-batches too; a
+    GPipe one's in the weights' dtype): mixed-precision training as Megatron's
     (bf16 model, fp32 main weights and gradients), which with ``optimizer.shard_over_data`` splits the
     master copy over the data axes as its distributed optimizer does. ``loss_scale``: ``dynamic``
     multiplies the loss by a scale the optimizer keeps
@@ -147,7 +147,7 @@ class OptimizerConfig:
     eps: float = 1e-8  # Adam's epsilon.
     grad_clip: float | None = 1.0  # Clip the gradients' global norm to this (None: no clipping).
     mu_dtype: str | None = None  # Adam's first moment in this dtype (None: the params dtype).
-    shard_over_data: bool = False  # ZeRO-1: state split over the batch axes parameters are replicated on.
+    shard_over_data: bool = False  # ZeRO-1: state split over the data (and context) axes weights repeat on.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Gradient accumulation reduces the gradients across devices once per step
-(shardmem.program.accumulation)."""
+"""Gradient accumulation reduces the gradients across devices once per step (shardmem.program.accumulation):
+over the data axes, and over the context axes, whose devices each sum their own positions' gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +16,11 @@ from shardmem.program.accumulation import deferred_axes
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
-def _config(axes, micro_batches, **train):
+def _config(axes, micro_batches, rules=None, **train):
     return config_from_dict({
         "model": {"preset": "tiny", "n_layers": 2},
         "mesh": {"axes": axes},
+        "rules": rules or {},
         "remat": {"policy": "minimal"},
         "precision": {"params": "float32", "compute": "float32"},
         "optimizer": {"name": "sgd", "warmup_steps": 0, "learning_rate": 1.0, "grad_clip": None},
@@ -27,9 +28,9 @@ def _config(axes, micro_batches, **train):
     })  # fmt: skip
 
 
-def _one_step(axes, micro_batches, **train):
+def _one_step(axes, micro_batches, rules=None, **train):
     """(bytes per device of each collective kind in the compiled step, loss, grad_norm, the gradients)."""
-    config = _config(axes, micro_batches, **train)
+    config = _config(axes, micro_batches, rules, **train)
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     compiled = program.step.lower(program.abstract_state, program.abstract_batch).compile()
     state = program.init()
@@ -63,6 +64,33 @@ def test_accumulated_loss_and_gradients_equal_the_whole_batch(one_and_sixteen):
     assert norm_sixteen == pytest.approx(norm_one, rel=1e-4)
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-7)  # noqa: E731
     jax.tree.map(close, grads_sixteen, grads_one)
+
+
+@pytest.fixture(scope="module")
+def context_steps():
+    """Data 4 x context 2, the weights whole on every device (rules.embed: null): one step without
+    accumulation and with 2 and 8 micro-batches."""
+    axes, rules = {"data": 4, "context": 2}, {"embed": None}
+    return {k: _one_step(axes, k, rules) for k in (1, 2, 8)}
+
+
+@pytest.mark.newest
+def test_context_parallel_gradients_are_reduced_once_whatever_the_micro_batches(context_steps):
+    # Each device sums its own positions' gradients over the micro-batches (the sequence split by hand),
+    # reduced over data x context after the loop: XLA's partitioner all-reduced every micro-batch's over
+    # context (and data), 1.8 MB at 2 micro-batches, 5.0 MB at 8.
+    one, two, eight = (context_steps[k][0] for k in (1, 2, 8))
+    assert two == eight
+    # No more than the step without accumulation reduces (the fp32 gradients, once).
+    assert 200_000 < sum(eight[kind] for kind in REDUCTIONS) <= sum(one[kind] for kind in REDUCTIONS)
+
+
+def test_context_parallel_accumulation_gives_the_whole_batchs_loss_and_gradients(context_steps):
+    _, loss_one, norm_one, grads_one = context_steps[1]
+    for k in (2, 8):
+        _, loss, norm, grads = context_steps[k]
+        assert loss == pytest.approx(loss_one, rel=1e-5) and norm == pytest.approx(norm_one, rel=1e-4)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-7), grads, grads_one)
 
 
 def _deferred(axes, **train):

@@ -130,7 +130,7 @@ def test_unknown_target_is_a_usage_error():
     assert result.returncode == 2 and "unknown target 'tpu-v5'" in result.stderr
     assert "choose from cpu, local, h100-sxm" in result.stderr
     result = shardmem("plan", "configs/tiny.yaml", "--target", "h100")
-    assert result.returncode == 2 and "did you mean h100-sxm or h100-pcie?" in result.stderr
+    assert result.returncode == 2 and "did you mean h100-sxm or h100-sxm-96g?" in result.stderr
 
 
 def test_policies_lists_presets_policies_and_targets():

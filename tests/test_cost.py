@@ -5,7 +5,6 @@ import dataclasses
 import json
 import re
 
-import numpy as np
 import pytest
 
 from shardmem.config import load_config
@@ -218,48 +217,6 @@ ENTRY %main (a: (s32[], f32[80,1024,1024], f32[1,1024,1024])) -> f32[8] {
     assert estimate.memory_bound == pytest.approx(80 * 2 * slice_bytes / (3.35e12 * cost.MEMORY_EFFICIENCY))
     assert estimate.kernels == 80
     assert estimate.loops[0].trips == 80
-
-
-_TICKS = """HloModule m
-
-%idle (p: f32[1024]) -> f32[1024] {
-  %p = f32[1024]{0} parameter(0)
-  ROOT %n = f32[1024]{0} negate(%p)
-}
-
-%work (p: f32[1024]) -> f32[1024] {
-  %p = f32[1024]{0} parameter(0)
-  %n1 = f32[1024]{0} negate(%p)
-  %n2 = f32[1024]{0} negate(%n1)
-  %n3 = f32[1024]{0} negate(%n2)
-  ROOT %n4 = f32[1024]{0} negate(%n3)
-}
-
-%body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {
-  %p = (s32[], f32[1024]{0}) parameter(0)
-  %i = s32[] get-tuple-element(%p), index=0
-  %x = f32[1024]{0} get-tuple-element(%p), index=1
-  %c = f32[1024]{0} conditional(%i, %x, %x), branch_computations={%idle, %work}, metadata={op_name="jit(step)/shard_map/pipeline_1f1b/while/body/cond"}
-  ROOT %t = (s32[], f32[1024]{0}) tuple(%i, %c)
-}
-
-ENTRY %main (a: (s32[], f32[1024])) -> f32[8] {
-  %a = (s32[], f32[1024]{0}) parameter(0)
-  %w = (s32[], f32[1024]{0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
-}
-"""
-
-
-@pytest.mark.newest  # HLO text as XLA writes it.
-def test_a_1f1b_tick_costs_the_slowest_op_its_stages_run_not_the_slowest_branch():
-    module = hlo.parse_module(_TICKS)
-    # Two stages, four ticks: both idle, one works (twice), both idle: the stages wait for the worker.
-    ops_TxS = np.array([[0, 0], [0, 1], [1, 0], [0, 0]])
-    ticked = cost.estimate_step_time(module, H100, [0], tick_ops={"pipeline_1f1b": ops_TxS})
-    slowest = cost.estimate_step_time(module, H100, [0])
-    assert slowest.kernels == 4 * 4  # Every tick charged the working branch's 4 kernels.
-    assert ticked.kernels == 2 * 1 + 2 * 4
-    assert ticked.seconds == pytest.approx(slowest.seconds * 10 / 16)  # Each negate costs the same.
 
 
 def test_interconnect_overrides_the_targets_links():

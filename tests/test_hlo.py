@@ -169,26 +169,6 @@ def test_matmul_flops_count_cudnn_attention_by_its_mask():
     assert hlo.fused_attention_flops(eqn("dot_general", None)) is None
 
 
-@pytest.mark.newest  # Name stacks in jaxprs differ between JAX versions.
-def test_matmul_flops_count_a_switch_by_how_often_a_table_runs_each_branch():
-    """A scan whose trip picks a branch from a table (the 1F1B schedule's ticks): each branch counts as
-    often as it runs, not the costliest one every trip."""
-
-    def f(ops_T, w, x):
-        def tick(x, op):
-            branches = [lambda x: x, lambda x: x @ w, lambda x: x @ w @ w @ w]
-            return jax.lax.switch(op, branches, x), None
-
-        with jax.named_scope("ticks"):
-            return jax.lax.scan(tick, x, ops_T)[0].sum()
-
-    jaxpr = jax.make_jaxpr(f)(jnp.zeros(6, jnp.int32), jnp.ones((16, 16)), jnp.ones((4, 16)))
-    one = 2 * 4 * 16 * 16
-    assert hlo.matmul_flops(jaxpr) == 6 * 3 * one  # The costliest branch, every trip.
-    assert hlo.matmul_flops(jaxpr, branch_runs={"ticks": (3, 2, 1)}) == (2 * 1 + 1 * 3) * one
-    assert hlo.matmul_flops(jaxpr, branch_runs={"other": (3, 2, 1)}) == 6 * 3 * one
-
-
 def test_matmul_flops_count_shard_map_bodies_once_per_shard():
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
 
@@ -197,6 +177,21 @@ def test_matmul_flops_count_shard_map_bodies_once_per_shard():
                              out_specs=P("a", None))(x, w)  # fmt: skip
 
     assert hlo.matmul_flops(jax.make_jaxpr(f)(jnp.ones((8, 16)), jnp.ones((16, 32)))) == 2 * 8 * 16 * 32
+
+    # A body that takes its own part by its index along an axis (a sequence split by hand) does different
+    # work on each of that axis's devices; a shard_map nested in it that splits nothing more counts once.
+    def own_rows(x, w):
+        mine = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("b") * 2, 2)
+        inner = jax.shard_map(lambda m, w: (m + jax.lax.axis_index("b")) @ w, in_specs=(P(), P()),
+                              mesh=jax.sharding.get_abstract_mesh(), out_specs=P(), axis_names=set(),
+                              check_vma=False)  # fmt: skip
+        return inner(mine, w)
+
+    def g(x, w):
+        return jax.shard_map(own_rows, mesh=mesh, in_specs=(P(), P()), out_specs=P(("a", "b")),
+                             check_vma=False)(x, w)  # fmt: skip
+
+    assert hlo.matmul_flops(jax.make_jaxpr(g)(jnp.ones((8, 16)), jnp.ones((16, 32)))) == 4 * 2 * 2 * 16 * 32
 
 
 def test_live_buffers_of_a_real_compile(tmp_path):
@@ -232,3 +227,51 @@ def test_collective_bytes_count_the_branch_of_a_conditional_that_moves_most():
     text = step.lower(jnp.ones((8 * 1024,), jnp.float32)).compile().as_text()
     assert "conditional" in text
     assert hlo.collective_bytes(text)["all-reduce"] == 1024 * 4
+
+
+@pytest.mark.newest
+def test_loops_of_which_a_device_runs_one_count_as_the_costliest_alone():
+    # A 1F1B tick runs its stage's op as one of several loops, each run once or never (in place, where a
+    # conditional copies what it returns): FLOPs, collective bytes and the step-time replay count the
+    # costliest loop alone, once per tick, as of a conditional's branches.
+    from jax.sharding import AxisType
+
+    from shardmem.parallel.pipeline import _run_one_of
+    from shardmem.planning import cost
+    from shardmem.planning.targets import GPU_TARGETS
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",), axis_types=(AxisType.Auto,))
+
+    def body(a_N, w_NxN):
+        def small(carry):
+            a, w = carry
+            return jax.lax.psum(a[:16], "x").sum() + a, w[:, :8] @ w[:8]
+
+        def big(carry):
+            a, w = carry
+            return jax.lax.psum(a, "x") + a, w @ w
+
+        def tick(carry, op):
+            return _run_one_of(op, [None, small, big], carry), None
+
+        return jax.lax.scan(tick, (a_N, w_NxN), jnp.arange(6) % 3)[0][0]
+
+    step = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+    args = jax.ShapeDtypeStruct((8 * 2**22,), jnp.float32), jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    text = jax.jit(step).lower(*args).compile().as_text()
+    module = hlo.parse_module(text)
+    assert "conditional" not in text
+    groups = [group for c in module.computations.values() for group in hlo.one_of_groups(c).values()]
+    assert [len(group) for group in groups] == [2]  # The two loops of a tick.
+    assert hlo.collective_bytes(module)["all-reduce"] == 6 * 2**24  # The big psum, every tick.
+    assert hlo.matmul_flops(jax.make_jaxpr(step)(*args)) == 8 * 6 * 2 * 1024**3  # Every shard's big matmul.
+    h100 = cost.Hardware("h100-sxm", GPU_TARGETS["h100-sxm"].peak_flops, 3.35e12, 450e9, 50e9, 64e9)
+    estimate = cost.estimate_step_time(module, h100, [0] * 8)
+    assert sum(c.bytes for c in estimate.collectives if c.kind == "all-reduce") == 6 * 2**24
+    # Given the ops some stage runs at each tick (a 1F1B table's), a tick costs the slowest of those: the
+    # big op at two ticks of six, the small one at three, nothing at the idle one.
+    by_tick = cost.estimate_step_time(module, h100, [0] * 8, tick_ops=[{1}, {1, 2}, {1}, set(), {2}, {1}])
+    assert sum(c.bytes for c in by_tick.collectives if c.kind == "all-reduce") == 2 * 2**24 + 3 * 64
+    assert by_tick.seconds < estimate.seconds
+    jaxpr = jax.make_jaxpr(step)(*args)  # Each op's FLOPs as often as the schedule runs it.
+    assert hlo.matmul_flops(jaxpr, {1: 0.5, 2: 0.25}) == 8 * 6 * 2 * (0.25 * 1024**3 + 0.5 * 1024**2 * 8)

@@ -403,7 +403,7 @@ def search_layouts(
     from shardmem.models.llama import ModelConfig
     from shardmem.planning import hlo
     from shardmem.planning.cost import Hardware
-    from shardmem.planning.memory import branch_runs
+    from shardmem.planning.memory import op_shares
     from shardmem.program import build_program
 
     if not isinstance(config.model, ModelConfig):
@@ -432,7 +432,7 @@ def search_layouts(
         candidate = config.replace(f"remat.policy={policy}", "remat.layers={}")
         program = build_program(candidate, mesh)
         jaxpr = program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
-        flops[policy] = hlo.matmul_flops(jaxpr, branch_runs=branch_runs(program))
+        flops[policy] = hlo.matmul_flops(jaxpr, op_shares(program))
         residuals[policy] = residual_bytes(candidate, program.attention) * candidate.train.micro_batches
     estimator = Estimator(config, hardware, per_host, flops, residuals)
     from shardmem.planning.memory import budget as budget_of

@@ -36,7 +36,7 @@ from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import STAGE_AXIS
 from shardmem.parallel.rules import Rules, spec_axes
 from shardmem.planning import hlo
-from shardmem.planning.memory import branch_runs, make_target, model_flops, plan
+from shardmem.planning.memory import make_target, model_flops, op_shares, plan
 from shardmem.program import build_program, pipeline_for
 from shardmem.remat import PRESETS
 from shardmem.units import clip, format_bytes, format_seconds
@@ -227,7 +227,7 @@ def _tune_remat(planner: Planner, target, allow_offload: bool) -> TuneResult:
     for policy in policies:
         program = build_program(config.replace(*_uniform(policy)), mesh)
         jaxpr = program.step.trace(program.abstract_state, program.abstract_batch).jaxpr
-        flops[policy] = hlo.matmul_flops(jaxpr, branch_runs=branch_runs(program))
+        flops[policy] = hlo.matmul_flops(jaxpr, op_shares(program))
         if policy == "none":  # The model's FLOPs, every report's baseline (no recomputation at all).
             planner.flops_no_remat = model_flops(program, jaxpr)
         device_residual[policy] = residual_bytes(config.replace(*_uniform(policy)), program.attention)

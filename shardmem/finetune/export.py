@@ -211,7 +211,8 @@ def _layer(value, layer):
 def _hf_tensors(program, state, dtype, adapters_only: bool) -> Iterator[tuple[str, tuple, object]]:
     """(name, shape, make) of each tensor to write, ``make()`` its numpy array in ``dtype``."""
     finetune = program.finetune
-    full = finetune.assemble(state["params"], state["frozen"]) if finetune else state["params"]
+    full = program.natural_params(finetune.assemble(state["params"], state["frozen"]) if finetune
+                                  else state["params"])  # fmt: skip
     layout = _layout(program, {p: None for p in _flat(program.model_params)})
     shapes = {p: leaf.shape for p, leaf in _flat(program.model_params).items()}
     values = _flat(full, is_leaf=lambda x: not isinstance(x, dict))

@@ -314,7 +314,7 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD):
         cfg = self.cfg
         x_BxLxD = checkpoint_name(constrain(x_BxLxD, RESIDUAL), "layer_input")
-        positions_L = context.positions(x_BxLxD.shape[1], context.shards())  # Zigzag order when split.
+        positions_L = context.layer_positions(x_BxLxD.shape[1])  # Zigzag order when split.
 
         with jax.named_scope("attention"):
             # With sequence parallelism (rules.residual_seq over tensor) the norm runs on its share of
@@ -412,8 +412,11 @@ class Llama(nnx.Module):
         # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the
         # partitioner's slow fallback to reach the batch-sharded activations.
         table_VxD = constrain(weight(value_of(self.embedding), self.compute_dtype), (None, None))
-        shards = context.shards()  # Context parallelism: the layers see the sequence in zigzag order.
-        x_BxLxD = constrain(table_VxD[context.to_zigzag(tokens_BxL, shards)], RESIDUAL)
+        # Context parallelism: the layers see the sequence in zigzag order; split by hand, a device's own
+        # chunks of it, which it returns (the loss takes its targets' chunks too: losses.next_token_loss).
+        shards, by_hand = context.shards(), context.split_by_hand()
+        tokens_BxL = context.own_chunks(tokens_BxL) if by_hand else context.to_zigzag(tokens_BxL, shards)
+        x_BxLxD = constrain(table_VxD[tokens_BxL], RESIDUAL)
         if self.cfg.scale_embeddings:  # Gemma: by sqrt(d_model), rounded to the compute dtype as it does.
             x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.compute_dtype)
         run_layers = self.pipeline.run if self.pipeline else remat_scan
@@ -421,7 +424,7 @@ class Llama(nnx.Module):
         h_BxLxD = _whole_seq(_split_seq(self.final_norm(x_BxLxD)), ("batch", "seq", None))  # See Block.
         return (
             h_BxLxD
-            if shards == 1
+            if shards == 1 or by_hand
             else constrain(context.from_zigzag(h_BxLxD, shards), ("batch", "seq", None))
         )
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shardmem.parallel import context
 from shardmem.parallel.rules import constrain
 
 #: Vocabulary entries per chunk of ``model.loss_chunk: auto``.
@@ -52,6 +53,8 @@ def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
     vocabulary when the model has a ``loss_chunk`` (and ``hidden_states``/``unembedding``, as the
     reference model)."""
     inputs_BxL, targets_BxL = batch_BxL1[:, :-1], batch_BxL1[:, 1:]
+    if context.split_by_hand():  # The model returns a device's own chunks of the sequence: their loss.
+        targets_BxL = context.own_chunks(targets_BxL)
     pipeline = getattr(model, "pipeline", None)
     if pipeline is not None and pipeline.runs_loss:  # 1F1B: the last stage runs the loss.
         return model.pipelined_loss(inputs_BxL, targets_BxL)

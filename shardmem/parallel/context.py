@@ -49,6 +49,43 @@ def shards() -> int:
     return math.prod(mesh.shape[a] for a in rules.mesh_axes("seq") or ())
 
 
+def _seq_axes() -> tuple[str, ...]:
+    active = _rules.active()
+    return tuple(active[1].mesh_axes("seq") or ()) if active else ()
+
+
+def split_by_hand() -> bool:
+    """Whether an enclosing ``jax.shard_map`` splits the sequence by hand (manual over the ``seq`` rule's
+    axes: gradient accumulation and the 1F1B pipeline, so that each device sums its own positions'
+    weight gradients): the layers then see each device's own chunks, and attention gathers the keys
+    and values with explicit collectives, where otherwise XLA's partitioner splits the sequence."""
+    axes = _seq_axes()
+    return bool(axes) and shards() > 1 and set(axes) <= _rules.manual_axes()
+
+
+def own_chunks(x_BxL):
+    """Whole sequences ``[B, L]`` (in order, the same on every device of the sequence) as the layers take
+    them when the sequence is split by hand: this device's chunks ``i`` and ``2C - 1 - i`` of the zigzag
+    order, ``[B, L / C]``."""
+    n = shards()
+    local = x_BxL.shape[1] // n
+    return jax.lax.dynamic_slice_in_dim(to_zigzag(x_BxL, n), _shard_index() * local, local, axis=1)
+
+
+def _shard_index():
+    """This device's index along the (manual) ``seq`` axes, in the order their shards lie."""
+    return jax.lax.axis_index(_seq_axes())
+
+
+def layer_positions(length: int):
+    """Returns the real positions of the ``length`` sequence places a layer sees: all of them in zigzag
+    order (:func:`positions`), or, where the sequence is split by hand, this device's own."""
+    n = shards()
+    if not split_by_hand():
+        return positions(length, n)
+    return jnp.asarray(positions(length * n, n)).reshape(n, length)[_shard_index()]
+
+
 def to_zigzag(x, shards: int, axis: int = 1):
     """Reorders ``axis`` (length ``L``, a multiple of ``2 * shards``) so that a contiguous split in
     ``shards`` gives device ``i`` chunks ``i`` and ``2 * shards - 1 - i`` of ``2 * shards``."""
@@ -98,6 +135,8 @@ def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None
         return flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, kernel=kernel)
     if kernel.name not in ("xla", "chunked"):
         raise ValueError(f"attention kernel {kernel.name!r} has no context-parallel form; use pallas")
+    if split_by_hand():
+        return _attend_by_hand(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window)
     # The all-gather over context: keys and values whole along the sequence, still split by heads.
     k_BxLxGxK = _rules.constrain(k_BxLxGxK, ("batch", None, "kv_heads", None))
     v_BxLxGxK = _rules.constrain(v_BxLxGxK, ("batch", None, "kv_heads", None))
@@ -109,6 +148,34 @@ def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None
                                           k_positions=positions_L, window=window)  # fmt: skip
     chunk = max(c for c in range(1, chunk + 1) if local % c == 0)
     return _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n, chunk, window)
+
+
+def _attend_by_hand(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window: int | None = None):
+    """``xla`` and ``chunked`` on this device's own chunks of a sequence split by hand: the keys and values
+    all-gathered over the ``seq`` axes (their gradients reduce-scattered back in the backward pass); a
+    ``window`` masks them as in :func:`attend`."""
+    from shardmem.models.attention import causal_attention
+
+    n, local = shards(), q_BxLxHxK.shape[1]
+    k_BxLxGxK, v_BxLxGxK = (jax.lax.all_gather(a, _seq_axes(), axis=1, tiled=True)
+                            for a in (k_BxLxGxK, v_BxLxGxK))  # fmt: skip
+    k_positions, q_positions = positions(local * n, n), layer_positions(local)
+    chunk = kernel.chunk if kernel.name == "chunked" else None
+    if not chunk or chunk >= local:
+        return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=q_positions,
+                                k_positions=k_positions, window=window)  # fmt: skip
+    chunk = max(c for c in range(1, chunk + 1) if local % c == 0)
+    b, _, h, k = q_BxLxHxK.shape
+    q_NxBxCxHxK = q_BxLxHxK.reshape(b, local // chunk, chunk, h, k).swapaxes(0, 1)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def block(args):
+        q_BxCxHxK, q_positions_C = args
+        return causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=q_positions_C,
+                                k_positions=k_positions, window=window)  # fmt: skip
+
+    ctx_NxBxCxHxK = jax.lax.map(block, (q_NxBxCxHxK, q_positions.reshape(-1, chunk)))
+    return ctx_NxBxCxHxK.swapaxes(0, 1).reshape(b, local, h, k)
 
 
 def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int, window: int | None = None):

@@ -23,23 +23,28 @@ peak grows with the micro-batches. ``schedule="1f1b"`` (and ``"interleaved"``, i
                          head_loss=head_loss, head_params=head_params)
 
 1F1B runs its stages out of step, as Megatron-LM's: a stage runs a forward while its neighbour runs a
-backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage) and
-a ``jax.lax.switch`` per tick, which runs on each device only the branch its stage takes: a chunk's
-forward (``jax.vjp``: the output, and the residuals, kept in a ring of slots, less the weights), or one of
-``backward_parts`` parts of its backward (the pullback of the part's layers: a backward is about two
-forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage waits long on
-a neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute`` calls); the one it
-is for queues it. Which op each stage runs at each tick is a table built in Python by running the schedule
-(:mod:`shardmem.parallel.schedule`): with R = 1 Megatron's 1F1B, stage s holding ``S - s`` micro-batches'
-residuals (the first stage ``S``, whatever M: the peak stays flat as micro-batches are added); with R > 1
-Megatron's interleaved order and warm-up, ``2 (S - 1) + (R - 1) S + 1`` chunk passes at the first stage.
-Both tables are ``(M R + S - 1) (1 + parts)`` ticks long, so the bubble is the formula's. The first
+backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage),
+running each tick the op its stage takes, each op a loop run once there and never elsewhere (so XLA
+updates the tick's state in place, where a ``jax.lax.switch`` copied it: :func:`_run_one_of`): a chunk's
+forward (``jax.vjp`` of that chunk's layers, its weights sliced from the stage's at the op's repeat: the
+output, and the residuals, kept in a ring of slots, less the weights), or one of ``backward_parts`` parts
+of its backward (the pullback of the part's layers, its gradient added at that chunk's slots: a backward
+is about two forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage
+waits long on a neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute``
+calls); the one it is for queues it. Which op each stage runs at each tick is a table built in Python by
+running the schedule (:mod:`shardmem.parallel.schedule`): with R = 1 Megatron's 1F1B, stage s holding
+``S - s`` micro-batches' residuals (the first stage ``S``, whatever M: the peak stays flat as
+micro-batches are added); with R > 1 Megatron's interleaved order and warm-up, ``2 (S - 1) + (R - 1) S +
+1`` chunk passes at the first stage, each of one chunk's residuals. Both tables are ``(M R + S - 1) (1 +
+parts)`` ticks long, so the bubble is the formula's. The first
 chunk's forward embeds its micro-batch (``embed``, so no stage holds the whole batch's embedded inputs or
 their gradient) and the last chunk's runs the head and the loss, whose gradient starts that micro-batch's
 backward. The body splits the batch by hand too, over the data axes that split nothing else
-(:meth:`Rules.batch_only_axes`): each device sums its own rows' weight gradients over the ticks, and they
-are all-reduced once after the last; the compiler splits the tensor and FSDP axes inside it as everywhere.
-The gradients come out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates
+(:meth:`Rules.batch_only_axes`), and the sequence over the context axes that split no weight
+(:meth:`Rules.seq_only_axes`, :func:`shardmem.parallel.context.split_by_hand`): each device sums its own
+rows' and positions' weight gradients over the ticks (in ``grad_dtype``), and they are all-reduced once
+after the last; the compiler splits the tensor and FSDP axes inside it as everywhere. The gradients come
+out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates
 the loss as any other. The price of the parts: a part's scan runs over a slice of the stage's stacked
 weights, which XLA copies (in their stored dtype) while the part runs.
 
@@ -50,12 +55,14 @@ One program runs every stage, so each runs ``max(layer_counts)`` layer slots per
 past its own layers repeat its last layer with the output masked to the input (``jnp.where``), so they
 cost their FLOPs (counted in the plan) but change nothing and get zero gradients.
 
-Parameters stay stored as the model stacks them (``[n_layers, ...]``, the ``layers`` axis sharded over
-``stage`` when the stage count divides ``n_layers``, else replicated over it: :meth:`Pipeline.storage_rules`),
-so a checkpoint does not depend on the stage count or the split. With R = 1 and an even split stage ``s``
-holds its own contiguous layers and nothing moves; with R > 1 its chunks are strided, and with uneven
-stages each stage's layers are gathered into ``[S, K_max, ...]`` in the step: XLA moves them into place
-each step (the plan's collectives show the bytes).
+With R = 1 parameters stay stored as the model stacks them (``[n_layers, ...]``, the ``layers`` axis
+sharded over ``stage`` when the stage count divides ``n_layers``, else replicated over it:
+:meth:`Pipeline.storage_rules`), so a checkpoint does not depend on the stage count or the split; with
+an even split stage ``s`` holds its own contiguous layers and nothing moves, with uneven stages each
+stage's layers are gathered into ``[S, K_max, ...]`` in the step (XLA moves them into place each step:
+the plan's collectives show the bytes). With R > 1 a stage's chunks are strided, so each stack is stored
+as ``[R, n_layers / R, ...]`` (:meth:`Pipeline.stored`: the same values in order, split over ``stage`` on
+the second axis) and each stage stores its own chunks.
 """
 
 from __future__ import annotations
@@ -68,7 +75,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
@@ -95,15 +104,20 @@ SCHEDULES = {
 class _Stages(NamedTuple):
     """The layers as the stages run them (:meth:`Pipeline._stages`)."""
 
-    weights_S: dict  # The stored parameters with a leading stage axis: [S, K, ...] or [S, K, R, ...].
-    run_stage: Callable  # (weights, x_bxLxD, repeat, valid_K[, first]) -> one stage's chunk applied to x.
+    # The stored parameters with a leading stage axis: [S, K, ...] or [S, K, R, ...] (GPipe, circular), or
+    # [S, R, K, ...] (1F1B: repeat-major, so that one chunk's weights are one contiguous slice).
+    weights_S: dict
+    run_stage: Callable  # (weights [K, ...] or [K, R, ...], x_bxLxD, repeat, valid_K) -> its chunk on x.
+    run_chunk: Callable  # (one chunk's weights [K', ...], x_bxLxD, valid_K', first slot) -> those slots on x.
     valid_SxK: jax.Array | None  # Which of each stage's K layer slots hold a layer (None: all do).
 
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """``stages`` pipeline stages, ``micro_batches`` micro-batches per step, ``repeats`` layer chunks per
-    stage, run by ``schedule`` (a key of :data:`SCHEDULES`; None: GPipe, or circular for ``repeats`` > 1)."""
+    stage, run by ``schedule`` (a key of :data:`SCHEDULES`; None: GPipe, or circular for ``repeats`` > 1).
+    1F1B sums the gradients over the micro-batches in ``grad_dtype``: float32 for narrower weights with
+    master weights (``precision.master``), as Megatron-LM sums into float32 main gradients."""
 
     stages: int
     micro_batches: int
@@ -111,6 +125,7 @@ class Pipeline:
     layer_counts: tuple[int, ...] = ()  # Layers per stage, in order (empty: the most even split).
     schedule: str | None = None  # None: "gpipe", or "circular" for repeats > 1.
     backward_parts: int = 2  # 1F1B: the ticks a chunk's backward takes (about a forward's work each).
+    grad_dtype: str | None = None  # 1F1B: the dtype gradients are summed in (None: each parameter's).
 
     def __post_init__(self):
         if self.backward_parts < 1:
@@ -155,6 +170,46 @@ class Pipeline:
 
         return dataclasses.replace(rules, logical=tuple((n, kept(n, a)) for n, a in rules.logical))
 
+    def stored(self, params, logical):
+        """Returns ``params`` (a pure dict of arrays or ShapeDtypeStructs; ``logical`` their logical axes)
+        as the step keeps them: with R > 1 each stack of layers ``[n_layers, ...]`` as ``[R, n_layers / R,
+        ...]``, the same values in the same order. The ``layers`` rule then splits the second axis, so
+        stage s stores its own chunk of every repeat (layers ``(r * S + s) * K ...``) where a split
+        ``n_layers`` axis would give it contiguous layers, and every step would move nearly all of them
+        (XLA all-gathered GPT-3 175B's whole MLP weights to reshape them). R = 1: ``params`` itself."""
+        if self.repeats == 1:
+            return params
+
+        def store(leaf, names):
+            if not _is_stack(names):
+                return leaf
+            shape = (self.repeats, leaf.shape[0] // self.repeats, *leaf.shape[1:])
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(shape, leaf.dtype)
+            return leaf.reshape(shape)
+
+        return jax.tree.map(store, params, logical, is_leaf=_is_names)
+
+    def stored_logical(self, logical):
+        """The logical axes of :meth:`stored` parameters: a stack's leading axis, its repeats, unnamed
+        (every stage holds all its repeats). :meth:`Program.natural_params
+        <shardmem.program.Program.natural_params>` turns stored parameters back into the model's."""
+        if self.repeats == 1:
+            return logical
+        return jax.tree.map(lambda names: P(None, *names) if _is_stack(names) else names, logical,
+                            is_leaf=_is_names)  # fmt: skip
+
+    def stored_shardings(self, shardings, logical):
+        """The shardings of :meth:`stored` parameters, from the stacks' as the model makes them: the
+        repeats axis whole, the rest split as before (``layers`` over ``stage``)."""
+        if self.repeats == 1:
+            return shardings
+
+        def store(sharding, names):
+            return NamedSharding(sharding.mesh, P(None, *sharding.spec)) if _is_stack(names) else sharding
+
+        return jax.tree.map(store, shardings, logical, is_leaf=_is_names)
+
     @property
     def table(self) -> ScheduleTable:
         """The 1F1B schedule's table of ticks (:func:`~shardmem.parallel.schedule.schedule_table`); only
@@ -162,14 +217,12 @@ class Pipeline:
         return schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
 
     @property
-    def op_runs(self) -> tuple[float, ...]:
-        """How many times, over the whole 1F1B schedule, a stage runs each op (the branches of the tick's
-        ``jax.lax.switch``, by op number), on average over the stages: what the step executes, where
-        counting each tick's costliest branch would charge every stage the last stage's head and the
-        costliest backward part in every tick (:func:`shardmem.planning.hlo.matmul_flops`)."""
+    def op_shares(self) -> dict[int, float]:
+        """The share of the 1F1B table's ticks and stages that runs each op (IDLE the rest), by op code:
+        what a step's FLOPs count of each (:func:`shardmem.planning.hlo.matmul_flops`)."""
         ops_TxS = self.table.rows[:, ops.OP, :]
-        kinds = ops.BACKWARD + self.backward_parts
-        return tuple(float((ops_TxS == op).sum()) / self.stages for op in range(kinds))
+        codes, counts = np.unique(ops_TxS, return_counts=True)
+        return {int(code): float(count / ops_TxS.size) for code, count in zip(codes, counts, strict=True)}
 
     @property
     def ticks(self) -> int:
@@ -329,9 +382,10 @@ class Pipeline:
             by_slot.setdefault(slot, policies[layer])
         return LayerPlan(tuple(by_slot[slot] for slot in sorted(by_slot)))
 
-    def _stages(self, layers: nnx.Module, plan: LayerPlan) -> _Stages:
-        """Returns the layers as each stage runs them: their weights with a leading stage axis and the
-        one-stage function the schedules run on each stage (vmapped over it, or in 1F1B's shard_map)."""
+    def _stages(self, layers: nnx.Module, plan: LayerPlan, repeat_major: bool = False) -> _Stages:
+        """Returns the layers as each stage runs them: their weights with a leading stage axis (then the
+        repeats, where ``repeat_major``) and the functions the schedules run on each stage (vmapped over
+        it, or in 1F1B's shard_map)."""
         graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise ConfigError(
@@ -339,21 +393,24 @@ class Pipeline:
                 "statistics, RNG streams), which a pipeline cannot carry between stages; set "
                 "mesh.axes.stage=1"
             )
-        n_layers = jax.tree.leaves(params)[0].shape[0]
+        logical = nnx.to_pure_dict(nnx.get_partition_spec(params))
+        leaf, names = jax.tree.leaves(params)[0], jax.tree.leaves(logical, is_leaf=_is_names)[0]
+        n_layers = leaf.shape[0] * (leaf.shape[1] if _is_stored(leaf, names) else 1)
         self.check(n_layers, plan)
         s, r = self.stages, self.repeats
         counts = self.split(n_layers)
         even = len(set(counts)) == 1  # Always with R > 1 (check), whose chunks split a stage's layers.
         k = n_layers // (s * r) if even else max(counts)
         chunk_plan = self.chunk_plan(plan, n_layers)
-        logical = nnx.to_pure_dict(nnx.get_partition_spec(params))
         starts = [sum(counts[:i]) for i in range(s)]
 
         def to_chunks(leaf, names):
-            # [n_layers, ...] -> [R, S, K, ...]: chunk (r, s) holds layers (r * S + s) * K ... + K - 1.
+            # [n_layers, ...] or as stored ([R, n_layers / R, ...], see stored) -> [R, S, K, ...]: chunk
+            # (r, s) holds layers (r * S + s) * K ... + K - 1, so a stored stack splits where it is split.
             rest_names = tuple(names)[1:] if names is not None else (None,) * (leaf.ndim - 1)
+            layer_shape = leaf.shape[2:] if _is_stored(leaf, names) else leaf.shape[1:]
             if even:
-                chunked = leaf.reshape(r, s, k, *leaf.shape[1:])
+                chunked = leaf.reshape(r, s, k, *layer_shape)
             else:  # Static slices, each stage's padded with copies of its last layer (masked in the run).
                 chunked = jnp.stack([
                     jnp.concatenate([leaf[a:a + n], *[leaf[a + n - 1:a + n]] * (k - n)]) if n < k
@@ -361,10 +418,14 @@ class Pipeline:
                 ])[None]  # fmt: skip
             return constrain(chunked, (None, "layers", None, *rest_names))
 
-        chunks = jax.tree.map(to_chunks, nnx.to_pure_dict(params), logical,
-                              is_leaf=lambda x: x is None or isinstance(x, P))  # fmt: skip
-        # [R, S, K, ...] -> [S, K, ...] (R = 1) or [S, K, R, ...]: each stage's layers, all their repeats.
-        weights_S = jax.tree.map((lambda c: c[0]) if r == 1 else (lambda c: jnp.moveaxis(c, 0, 2)), chunks)
+        chunks = jax.tree.map(to_chunks, nnx.to_pure_dict(params), logical, is_leaf=_is_names)
+
+        # [R, S, K, ...] -> [S, R, K, ...] (repeat_major), [S, K, ...] (R = 1) or [S, K, R, ...]: each
+        # stage's layers, all their repeats.
+        def per_stage(c):
+            return jnp.moveaxis(c, 0, 1) if repeat_major else c[0] if r == 1 else jnp.moveaxis(c, 0, 2)
+
+        weights_S = jax.tree.map(per_stage, chunks)
         # Which of each stage's K slots hold one of its layers (None: all do).
         valid_SxK = None if even else jnp.arange(k)[None, :] < jnp.asarray(counts)[:, None]
 
@@ -381,17 +442,20 @@ class Pipeline:
 
             return select
 
-        def run_stage(weights, x_mbxLxD, repeat, valid_K, first=0):
-            """One stage's chunk at ``repeat`` (weights [K, ...], or [K, R, ...] for R > 1) on ``x``; or,
-            given the weights of its slots ``first`` onwards alone, those slots."""
+        def run_chunk(weights, x_mbxLxD, valid_K=None, first=0, prepare=None):
+            """Layer slots ``first`` onwards of a chunk (their weights [K', ...]) on ``x``."""
             module = nnx.merge(graphdef, weights, rest)
             slots = jax.tree.leaves(weights)[0].shape[0]
             slot_plan = LayerPlan(chunk_plan.policies[first : first + slots])
-            if r > 1:
-                return remat_scan(module, x_mbxLxD, slot_plan, prepare=select_repeat(repeat))
-            return remat_scan(module, x_mbxLxD, slot_plan, mask=valid_K)
+            return remat_scan(module, x_mbxLxD, slot_plan, prepare=prepare, mask=valid_K)
 
-        return _Stages(weights_S, run_stage, valid_SxK)
+        def run_stage(weights, x_mbxLxD, repeat, valid_K):
+            """One stage's chunk at ``repeat`` (weights [K, ...], or [K, R, ...] for R > 1) on ``x``."""
+            if r > 1:
+                return run_chunk(weights, x_mbxLxD, prepare=select_repeat(repeat))
+            return run_chunk(weights, x_mbxLxD, valid_K)
+
+        return _Stages(weights_S, run_stage, run_chunk, valid_SxK)
 
     def _micro_batches(self, x_BxA: jax.Array) -> jax.Array:
         """``[B, ...]`` -> ``[M, B / M, ...]``: micro-batch i takes every M-th row, so each device keeps its
@@ -454,41 +518,58 @@ class Pipeline:
         if active is None:
             raise ValueError("Pipeline.loss runs inside Rules.activate(mesh): it needs the stage mesh axis")
         mesh, rules = active
-        stages = self._stages(layers, plan)
+        stages = self._stages(layers, plan, repeat_major=True)
         table = schedule_table(self.stages, self.micro_batches, self.repeats, self.backward_parts)
         s, m, n_parts = self.stages, self.micro_batches, self.backward_parts
-        k = jax.tree.leaves(stages.weights_S)[0].shape[1]
+        k = jax.tree.leaves(stages.weights_S)[0].shape[2]  # [S, R, K, ...]
         if n_parts > k:
             raise ValueError(f"Pipeline.backward_parts={n_parts} is more than a chunk's {k} layers")
         bounds = [round(i * k / n_parts) for i in range(n_parts + 1)]  # Part p: layer slots [b_p, b_p+1).
         spec = ("batch", "residual_seq", None)
         layouts: list[dict] = [{} for _ in range(n_parts)]  # Each part's pullback structure, when traced.
 
-        def part_weights(weights, p):
-            return jax.tree.map(lambda w: w[bounds[p] : bounds[p + 1]], weights)
+        def at_part(w_RxKxA, repeat, p):
+            """The start and size of part ``p`` of chunk ``repeat`` in a stage's [R, K, ...] array."""
+            start = (repeat, bounds[p]) + (0,) * (w_RxKxA.ndim - 2)
+            return start, (1, bounds[p + 1] - bounds[p], *w_RxKxA.shape[2:])
 
-        def run_part(p, weights_p, x_bxLxD, repeat, valid_K):
+        def part_weights(weights_RxK, repeat, p):
+            """Part ``p``'s layer slots of chunk ``repeat`` alone: one slice of the stage's weights, which
+            the op that runs them reads, and no pass keeps (the vjp's residuals leave them out)."""
+            return jax.tree.map(lambda w: jax.lax.dynamic_slice(w, *at_part(w, repeat, p))[0], weights_RxK)
+
+        def add_part(sums_RxK, d_part, repeat, p):
+            """The gradient sums with part ``p``'s gradient added at chunk ``repeat``'s slots."""
+
+            def add(sum_RxKxA, d_KxA):
+                start, size = at_part(sum_RxKxA, repeat, p)
+                old = jax.lax.dynamic_slice(sum_RxKxA, start, size)
+                return jax.lax.dynamic_update_slice(sum_RxKxA, old + d_KxA[None].astype(old.dtype), start)
+
+            return jax.tree.map(add, sums_RxK, d_part)
+
+        def run_part(p, weights_p, x_bxLxD, valid_K):
             valid = None if valid_K is None else valid_K[bounds[p] : bounds[p + 1]]
-            return stages.run_stage(weights_p, x_bxLxD, repeat, valid, first=bounds[p])
+            return stages.run_chunk(weights_p, x_bxLxD, valid, first=bounds[p])
 
         def forward(weights, x_bxLxD, repeat, valid_K):
-            """The chunk's forward, part by part; returns its output and the residuals each part's
+            """Chunk ``repeat``'s forward, part by part; returns its output and the residuals each part's
             backward needs, less the weights (the same every tick, so not stored per micro-batch)."""
             residuals = []
             for p in range(n_parts):
-                weights_p = part_weights(weights, p)
-                x_bxLxD, pullback = jax.vjp(functools.partial(run_part, p, repeat=repeat, valid_K=valid_K),
-                                            weights_p, x_bxLxD)  # fmt: skip
+                weights_p = part_weights(weights, repeat, p)
+                x_bxLxD, pullback = jax.vjp(functools.partial(run_part, p, valid_K=valid_K), weights_p,
+                                            x_bxLxD)  # fmt: skip
                 leaves, layouts[p]["treedef"] = jax.tree.flatten(pullback)
                 weight_at = {id(w): i for i, w in enumerate(jax.tree.leaves(weights_p))}
                 layouts[p]["weight_at"] = [weight_at.get(id(leaf)) for leaf in leaves]
                 residuals.append([leaf for leaf in leaves if id(leaf) not in weight_at])
             return x_bxLxD, residuals
 
-        def backward(p, weights, residuals_p, dy_bxLxD):
-            """Part ``p`` of the chunk's backward from the residuals ``forward`` kept for it: (d its
+        def backward(p, weights, repeat, residuals_p, dy_bxLxD):
+            """Part ``p`` of chunk ``repeat``'s backward from the residuals ``forward`` kept for it: (d its
             weights, d input)."""
-            weight_leaves, stored = jax.tree.leaves(part_weights(weights, p)), iter(residuals_p)
+            weight_leaves, stored = jax.tree.leaves(part_weights(weights, repeat, p)), iter(residuals_p)
             leaves = [next(stored) if at is None else weight_leaves[at] for at in layouts[p]["weight_at"]]
             return jax.tree.unflatten(layouts[p]["treedef"], leaves)(dy_bxLxD)
 
@@ -500,14 +581,16 @@ class Pipeline:
             x_shape = jax.eval_shape(embed, embed_params, inputs_MxbxA[0])
             zeros_bxLxD = jnp.zeros(x_shape.shape, x_shape.dtype)
             _, residual_shapes = jax.eval_shape(forward, weights, zeros_bxLxD, 0, valid_K)
-            # What the ops change: the residual rings, the gradient sums and the loss. Each branch of the
-            # switch takes them all and returns them with its own change, so XLA updates them in place.
+            # What the ops change: the residual rings, the gradient sums and the loss. Each op takes them all
+            # and returns them with its own change, in a loop of its own (_run_one_of): XLA updates them in
+            # place.
+            # The gradients are summed over the micro-batches in grad_dtype (float32 under master weights).
+            zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, self.grad_dtype or a.dtype))
             state = dict(
                 rings=[[jnp.zeros((table.ring_slots, *a.shape), a.dtype) for a in part]
                        for part in residual_shapes],
-                d_parts=[jax.tree.map(jnp.zeros_like, part_weights(weights, p)) for p in range(n_parts)],
-                d_embed=jax.tree.map(jnp.zeros_like, embed_params),
-                d_head=jax.tree.map(jnp.zeros_like, head_params), loss=jnp.zeros((), jnp.float32),
+                d_weights=zeros(weights), d_embed=zeros(embed_params), d_head=zeros(head_params),
+                loss=jnp.zeros((), jnp.float32),
             )  # fmt: skip
 
             def store(rings, ring, residuals):
@@ -536,7 +619,7 @@ class Pipeline:
                 y, residuals = forward(weights, constrain(x, spec), repeat, valid_K)
                 loss, pullback = jax.vjp(lambda h, y: head_loss(h, y, targets), head_params, y)
                 d_head, dy = pullback(jnp.asarray(1.0 / m, loss.dtype))
-                d_head = jax.tree.map(jnp.add, state["d_head"], d_head)
+                d_head = jax.tree.map(lambda a, d: a + d.astype(a.dtype), state["d_head"], d_head)
                 rings = store(state["rings"], ring, residuals)
                 state = dict(state, rings=rings, d_head=d_head, loss=state["loss"] + loss / m)
                 return done(state, kept=dy.astype(y.dtype))
@@ -544,13 +627,12 @@ class Pipeline:
             def run_backward(p, to_input=False):
                 def branch(state, x, dy, inputs, targets, ring, repeat):
                     held = [jax.lax.dynamic_index_in_dim(r, ring, 0, False) for r in state["rings"][p]]
-                    d_part, dx = backward(p, weights, held, constrain(dy, spec))
-                    d_parts = list(state["d_parts"])
-                    d_parts[p] = jax.tree.map(jnp.add, d_parts[p], d_part)
-                    state = dict(state, d_parts=d_parts)
+                    d_part, dx = backward(p, weights, repeat, held, constrain(dy, spec))
+                    state = dict(state, d_weights=add_part(state["d_weights"], d_part, repeat, p))
                     if to_input:  # The first chunk's part 0: on into the embedding.
                         (d_embed,) = jax.vjp(lambda e: embed(e, inputs), embed_params)[1](dx)
-                        return done(dict(state, d_embed=jax.tree.map(jnp.add, state["d_embed"], d_embed)))
+                        d_embed = jax.tree.map(lambda a, d: a + d.astype(a.dtype), state["d_embed"], d_embed)
+                        return done(dict(state, d_embed=d_embed))
                     # Part 0's input gradient goes to the stage before; a later part's stays for the next.
                     sent, kept = (dx, None) if p == 0 else (None, dx)
                     return done(state, out=sent, kept=kept)
@@ -574,8 +656,10 @@ class Pipeline:
                 dy = jax.lax.dynamic_index_in_dim(carry["grads"], source, 0, keepdims=False)
                 inputs, targets = (jax.lax.dynamic_index_in_dim(a, micro, 0, keepdims=False)
                                    for a in (inputs_MxbxA, targets_MxbxA))  # fmt: skip
-                operands = (carry["state"], x, dy, inputs, targets, ring, repeat)
-                carry["state"], out, kept = jax.lax.switch(op, branches, *operands)
+                operands = (x, dy, inputs, targets, ring, repeat)
+                runs = [None if branch is idle else functools.partial(_on_state, branch, operands)
+                        for branch in branches]  # fmt: skip
+                carry["state"], out, kept = _run_one_of(op, runs, done(carry["state"]))
                 carry["grads"] = _put(carry["grads"], local, kept)
                 # What a stage made moves to both neighbours; each keeps what the table says is for it.
                 ring_of = functools.partial(jax.lax.ppermute, axis_name=STAGE_AXIS)
@@ -588,29 +672,32 @@ class Pipeline:
             with jax.named_scope(SCOPE_1F1B):
                 carry, _ = jax.lax.scan(tick, carry, table_TxN)
 
-            # Each device's loss and gradients are of its rows' mean: the batch's mean over the data axes
-            # (reduced once here, not every micro-batch) and the last stage's over the stages.
+            # Each device's loss and gradients are of its rows' and positions' mean: the batch's mean over
+            # the data and sequence axes (reduced once here, not every micro-batch) and the last stage's
+            # over the stages.
             def mean(x, over_stages=True):
-                x = jax.lax.psum(x, data_axes) / n_data if data_axes else x
+                x = jax.lax.psum(x, by_hand) / n_by_hand if by_hand else x
                 return jax.lax.psum(x, STAGE_AXIS) if over_stages else x
 
             state = carry["state"]
-            d_weights = jax.tree.map(lambda *parts: jnp.concatenate(parts), *state["d_parts"])
-            d_weights_1xS = jax.tree.map(lambda d: mean(d, over_stages=False)[None], d_weights)
+            d_weights_1xS = jax.tree.map(lambda d: mean(d, over_stages=False)[None], state["d_weights"])
             d_embed, d_head = (jax.tree.map(mean, state[key]) for key in ("d_embed", "d_head"))
             return mean(state["loss"]), (d_weights_1xS, d_embed, d_head)
 
-        # The body splits the stages by hand, and the batch over the data axes that split nothing else
-        # (so each device sums its own rows' weight gradients over the ticks); the compiler splits the
-        # rest (tensor, fsdp) as everywhere.
-        data_axes = rules.batch_only_axes()
-        n_data = math.prod(mesh.shape[a] for a in data_axes)
-        stage_spec, whole, rows = P(STAGE_AXIS), P(), P(None, data_axes or None)
+        # The body splits the stages by hand, the batch over the data axes that split nothing else, and
+        # the (zigzag-ordered) sequence over the context axes that split no weight (so each device sums
+        # its own rows' and positions' weight gradients over the ticks: context.split_by_hand); the
+        # compiler splits the rest (tensor, fsdp) as everywhere.
+        data_axes, seq_axes = rules.batch_only_axes(), rules.seq_only_axes(mesh)
+        by_hand = (*data_axes, *seq_axes)
+        n_by_hand = math.prod(mesh.shape[a] for a in by_hand)
+        stage_spec, whole = P(STAGE_AXIS), P()
+        rows = P(None, data_axes or None, seq_axes or None)  # [M, b, L]
         weight_specs = jax.tree.map(lambda _: stage_spec, stages.weights_S)
         embed_specs, head_specs = (jax.tree.map(lambda _: whole, p) for p in (embed_params, head_params))
         valid_spec = None if stages.valid_SxK is None else stage_spec
         sharded = jax.shard_map(
-            body, mesh=mesh, axis_names={STAGE_AXIS, *data_axes}, check_vma=False,
+            body, mesh=mesh, axis_names={STAGE_AXIS, *by_hand}, check_vma=False,
             in_specs=(weight_specs, valid_spec, embed_specs, head_specs, rows, rows,
                       P(None, None, STAGE_AXIS)),
             out_specs=(whole, (weight_specs, embed_specs, head_specs)),
@@ -628,8 +715,11 @@ class Pipeline:
         def pipelined(weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA):
             return schedule(weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA)[0]
 
+        # The gradients leave in their parameters' dtypes (summed in grad_dtype, rounded once).
+        dtypes = jax.tree.map(lambda a: a.dtype, (stages.weights_S, embed_params, head_params))
+
         def scaled(grads, g):
-            return (*jax.tree.map(lambda d: (g * d).astype(d.dtype), grads), None, None)
+            return (*jax.tree.map(lambda d, dtype: (g * d).astype(dtype), grads, dtypes), None, None)
 
         pipelined.defvjp(schedule, scaled)
         inputs_MxbxA, targets_MxbxA = self._micro_batches(inputs_BxA), self._micro_batches(targets_BxA)
@@ -670,6 +760,44 @@ def parse_stages(ranges: Sequence[object], n_layers: int) -> tuple[int, ...]:
             f"{n_layers - 1}"
         )
     return tuple(counts)
+
+
+def _is_names(x) -> bool:
+    """A leaf of a tree of logical axes (a PartitionSpec of names, or None)."""
+    return x is None or isinstance(x, P)
+
+
+def _is_stack(names) -> bool:
+    """Whether a parameter with these logical axes is a stack of layers (``[n_layers, ...]``)."""
+    return bool(names) and names[0] == "layers"
+
+
+def _is_stored(leaf, names) -> bool:
+    """Whether a stack of layers is as :meth:`Pipeline.stored` keeps it: one axis more than the model's
+    logical axes (which the layers' variables still carry) name."""
+    return _is_stack(names) and leaf.ndim == len(names) + 1
+
+
+def _run_one_of(index, functions: Sequence[Callable | None], carry):
+    """Returns ``functions[index](carry)`` (``carry`` where that is None), as ``jax.lax.switch`` would run
+    it, but with each function in a while loop that runs once where ``index`` is its own and never
+    elsewhere. The loops carry ``carry``, which XLA updates in place; a conditional's branches copy what
+    they return (on XLA:GPU all of it, each call: a 1F1B tick's residual rings and gradient sums). The
+    loops are named as :data:`~shardmem.parallel.schedule.ONE_OF_SCOPE` says, for the step-time model."""
+    for i, function in enumerate(functions):
+        if function is None:
+            continue
+        trips = (index == i).astype(jnp.int32)
+        with jax.named_scope(f"{ops.ONE_OF_SCOPE}_{len(functions)}/{i}"):
+            _, carry = jax.lax.while_loop(lambda c, trips=trips: c[0] < trips,
+                                          lambda c, function=function: (c[0] + 1, function(c[1])),
+                                          (jnp.zeros((), jnp.int32), carry))  # fmt: skip
+    return carry
+
+
+def _on_state(branch: Callable, operands: tuple, carry: tuple):
+    """A 1F1B op on the state of ``(state, sent, kept)``: ``branch(state, *operands)``."""
+    return branch(carry[0], *operands)
 
 
 def _put(buffer_NxA: jax.Array, slot, value_A: jax.Array) -> jax.Array:

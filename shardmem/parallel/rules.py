@@ -128,6 +128,15 @@ class Rules:
         others |= {a for _, entries in self.by_path for axes in entries for a in axes or ()}
         return tuple(a for a in self.mesh_axes("batch") or () if a not in others)
 
+    def seq_only_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """The ``seq`` rule's mesh axes (context parallelism, size > 1) when no parameter rule (nor a
+        parameter-path rule) uses them: every device of the sequence holds the same weights, so a
+        device's own positions' weight gradients can be summed by hand and reduced once."""
+        params = {a for name, axes in self.logical if name not in ACTIVATION_AXES for a in axes or ()}
+        params |= {a for _, entries in self.by_path for axes in entries for a in axes or ()}
+        seq = tuple(a for a in self.mesh_axes("seq") or () if mesh.shape[a] > 1)
+        return seq if seq and not set(seq) & params else ()
+
     def matches_path(self, path: str) -> bool:
         """Whether a parameter-path rule applies to ``path``."""
         return self.path_rule(path) is not None
@@ -236,15 +245,16 @@ def active() -> tuple[Mesh, Rules] | None:
     return _active.get()
 
 
-def _manual_axes() -> set[str]:
-    """The mesh axes an enclosing ``jax.shard_map`` body splits by hand (the 1F1B pipeline's)."""
+def manual_axes() -> set[str]:
+    """The mesh axes an enclosing ``jax.shard_map`` body splits by hand (the 1F1B pipeline's, gradient
+    accumulation's over the sequence)."""
     return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
 
 
 def without_manual(spec: P) -> P:
     """Returns ``spec`` less the mesh axes an enclosing shard_map's body already splits by hand: inside it
     each device sees its own shard along them."""
-    manual = _manual_axes()
+    manual = manual_axes()
     if not manual:
         return spec
 
@@ -258,7 +268,7 @@ def without_manual(spec: P) -> P:
 def shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
     """``jax.shard_map(fn, ...)`` over every axis of ``mesh``, or, inside another shard_map's body (the
     1F1B pipeline's, manual over ``stage`` and the data axes), over the axes still left to the compiler."""
-    manual = _manual_axes()
+    manual = manual_axes()
     if not manual:
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     in_specs, out_specs = jax.tree.map(
@@ -276,7 +286,7 @@ def constrain(x, logical_axes: Sequence[str | None]):
     if active is None:
         return x
     mesh, rules = active
-    manual = _manual_axes()
+    manual = manual_axes()
     if manual >= set(mesh.axis_names):  # Inside a shard_map's body manual over every axis: nothing to split.
         return x
     spec = without_manual(residual_spec(rules, mesh, logical_axes, x.shape) or rules.spec(logical_axes))

@@ -31,6 +31,11 @@ IDLE, FORWARD, FORWARD_FROM_INPUT, FORWARD_AND_HEAD, BACKWARD_TO_INPUT, BACKWARD
 COLUMNS = ("op", "micro", "repeat", "ring", "source", "local", "from_before", "from_after")
 OP, MICRO, REPEAT, RING, SOURCE, LOCAL, FROM_BEFORE, FROM_AFTER = range(len(COLUMNS))
 
+#: The program runs a tick's op as one of several loops, each run once where the op is its own and never
+#: elsewhere, named ``{ONE_OF_SCOPE}_{n}/{i}`` (op i of n): a device runs one of them, so the step-time
+#: model charges the slowest alone (:func:`shardmem.planning.hlo.one_of_groups`).
+ONE_OF_SCOPE = "one_of"
+
 
 class ScheduleTable(NamedTuple):
     """What each stage does at each tick of a 1F1B schedule (:func:`schedule_table`)."""

@@ -742,16 +742,17 @@ class _Totals:
 
 
 class _Replay:
-    def __init__(self, module, hardware, hosts_of, attention, tick_ops=None):
+    def __init__(self, module, hardware, hosts_of, attention, tick_ops=()):
         self.module, self.hardware, self.hosts_of = module, hardware, hosts_of
-        # Named scope -> [ticks, stages] branch numbers of a loop's per-tick switch (the 1F1B schedule).
-        self.tick_ops: dict[str, np.ndarray] = dict(tick_ops or {})
         self.kernels = _Kernels(module, hardware, attention)
         self.memo: dict[str, _Totals] = {}
         self.collectives: dict[tuple[str, int, str, str], list] = {}
         self.unread: list[str] = []  # Collectives whose device groups were in a form not read.
         self.loops: list[tuple[str, int, _Totals]] = []
         self.multiplier = 1
+        self.tick_ops = tick_ops  # The ops some stage runs at each 1F1B tick (estimate_step_time).
+        # Per computation, its groups of alternatives in order: (the op charged, {op: its tally}).
+        self.one_of: dict[str, list[tuple[int, dict[int, tuple[_Totals, dict]]]]] = {}
 
     def computation(self, name: str) -> _Totals:
         if name in self.memo:
@@ -759,8 +760,21 @@ class _Replay:
         totals = _Totals()
         clock, streams = 0.0, {"comm": 0.0, "host": 0.0}
         pending: dict[str, tuple[str, float]] = {}  # start -> (stream, finish time)
-        for ins in self.module.computations.get(name, ()):
+        instructions = self.module.computations.get(name, ())
+        one_of = hlo.one_of_groups(instructions)  # Loops of which a device runs one: charged as a group.
+        grouped = {loop.name for loops in one_of.values() for loop in loops}
+        for ins in instructions:
             op = ins.opcode
+            if ins.name in grouped:
+                if ins.name in one_of:
+                    loops = one_of[ins.name]
+                    inner, charged, tallies = self._slowest([(loop, loop.called) for loop in loops], True)
+                    ops = [hlo.one_of_index(loop) for loop in loops]
+                    by_op = dict(zip(ops, tallies, strict=True))
+                    self.one_of.setdefault(name, []).append((ops[charged], by_op))
+                    totals.add(inner)
+                    clock += inner.seconds
+                continue
             if op in _FREE or (
                 op == "custom-call" and any(f'"{t}"' in ins.attributes for t in _FREE_CUSTOM_CALLS)
             ):
@@ -829,6 +843,8 @@ class _Replay:
             if body:
                 per_trip = self.computation(body.group(1))
                 totals.add(per_trip, trips)
+                if self.tick_ops and body.group(1) in self.one_of:
+                    totals.add(self._by_tick(self.one_of[body.group(1)], trips))
                 self.loops.append(
                     (hlo.readable_scope(ins.op_name) if ins.op_name else ins.name, trips, per_trip)
                 )
@@ -836,49 +852,56 @@ class _Replay:
                 totals.add(self.computation(condition.group(1)), trips + 1)
             self.multiplier = saved
         elif ins.opcode == "conditional":
-            # A device runs one branch: charge the slowest, and count the collectives of that branch
-            # alone; at a tick of a schedule whose stages run in lockstep (1F1B), the slowest its stages run.
-            ops_TxS, outer = self._tick_ops_of(ins), self.tick_ops
-            if ops_TxS is not None:
-                self.tick_ops = {}  # The conditionals inside its branches are plain ones.
-            before, tallies = self.collectives, []
-            for name in ins.called:
-                self.collectives = {key: list(entry) for key, entry in before.items()}
-                tallies.append((self.computation(name), self.collectives))
-            self.collectives, self.tick_ops = before, outer
-            if tallies and ops_TxS is not None:
-                self._charge_ticks(totals, tallies, ops_TxS)
-            elif tallies:
-                slowest, self.collectives = max(tallies, key=lambda tally: tally[0].seconds)
-                totals.add(slowest)
+            totals.add(self._slowest([(ins, (name,)) for name in ins.called]))
         else:
             for name in ins.called:
                 totals.add(self.computation(name))
         return totals
 
-    def _tick_ops_of(self, ins: hlo.Instruction) -> np.ndarray | None:
-        """The [ticks, stages] branch table of ``ins`` when it is the per-tick switch of a loop in
-        :attr:`tick_ops`; else None."""
-        for scope, ops_TxS in self.tick_ops.items():
-            if scope in (ins.op_name or "") and int(ops_TxS.max()) < len(ins.called):
-                return ops_TxS
-        return None
+    def _slowest(self, alternatives: Sequence[tuple[hlo.Instruction, Sequence[str]]], tallied=False):
+        """Of alternatives a device runs one of (a conditional's branches; a 1F1B tick's ops, each a
+        loop run once or never: ``(instruction, the computations it runs)``), the slowest's totals; the
+        collectives are counted as that one's alone. ``tallied``: also which one, and each one's totals
+        and collectives (their counts per run: :meth:`_by_tick`)."""
+        before, tallies = self.collectives, []
+        for ins, names in alternatives:
+            self.collectives = {key: list(entry) for key, entry in before.items()}
+            totals = _Totals()
+            if ins.opcode == "while":  # Run once: its body and its condition twice.
+                totals.add(self._control(ins))
+            else:
+                for name in names:
+                    totals.add(self.computation(name))
+            added = {key: [(entry[i] - before.get(key, (0, 0, 0.0))[i]) / self.multiplier for i in range(3)]
+                     for key, entry in self.collectives.items()}  # fmt: skip
+            tallies.append((totals, self.collectives, added))
+        self.collectives = before
+        if not tallies:
+            return (_Totals(), -1, []) if tallied else _Totals()
+        charged = max(range(len(tallies)), key=lambda i: tallies[i][0].seconds)
+        slowest, self.collectives, _ = tallies[charged]
+        return (slowest, charged, [(t, added) for t, _, added in tallies]) if tallied else slowest
 
-    def _charge_ticks(self, totals: _Totals, tallies: list, ops_TxS: np.ndarray) -> None:
-        """Charges one trip of a loop of ticks whose switch ``tallies`` holds each branch's totals and
-        collectives: at each tick the stages wait for the slowest op any of them runs, so each branch is
-        charged (its collectives counted) in the share of the ticks where it is that op."""
-        before = {key: list(entry) for key, entry in self.collectives.items()}
-        seconds = [branch.seconds for branch, _ in tallies]
-        slowest = [max(row, key=lambda op: seconds[op]) for row in ops_TxS.tolist()]
-        for op in sorted(set(slowest)):
-            share = slowest.count(op) / len(slowest)
-            branch, tally = tallies[op]
-            totals.add(branch, share)
-            for key, entry in tally.items():
-                had = before.get(key, [0, 0, 0.0])
-                mine = self.collectives.setdefault(key, [0, 0, 0.0])
-                mine[:] = [a + share * (new - old) for a, new, old in zip(mine, entry, had, strict=True)]
+    def _by_tick(self, groups, trips: int) -> _Totals:
+        """The correction to a loop of 1F1B ticks charged its slowest op every tick (:meth:`_slowest`):
+        each tick is as long as the slowest op some stage runs at it (``tick_ops``), its collectives
+        that op's. ``groups``: the loop body's groups of ops, one per tick it runs (XLA may unroll it)."""
+        correction = _Totals()
+        peeled = len(self.tick_ops) - trips * len(groups)  # Ticks XLA ran before the loop it unrolled.
+        if not 0 <= peeled < len(groups):
+            return correction  # Not the table's loop.
+        once = self.multiplier / trips  # Each tick runs once per run of the loop.
+        for tick, ops in enumerate(self.tick_ops[peeled:]):
+            charged, tallies = groups[tick % len(groups)]
+            ran = [tallies[op] for op in ops if op in tallies]
+            chosen = max(ran, key=lambda tally: tally[0].seconds) if ran else (_Totals(), {})
+            for (totals, added), sign in ((chosen, 1), (tallies[charged], -1)):
+                correction.add(totals, sign)
+                for key, counts in added.items():
+                    entry = self.collectives.setdefault(key, [0, 0, 0.0])
+                    for i, value in enumerate(counts):
+                        entry[i] += sign * value * once
+        return correction
 
     def _wrapped_collective(self, ins: hlo.Instruction) -> str | None:
         if ins.opcode != "async-start":
@@ -914,17 +937,18 @@ def estimate_step_time(
     tokens_per_step: int | None = None,
     model_flops: float | None = None,
     hardware_flops: float | None = None,
-    tick_ops: Mapping[str, np.ndarray] | None = None,
+    tick_ops: Sequence[frozenset[int]] = (),
 ) -> StepTime:
     """Predicts one step of an optimized, scheduled HLO module on ``hardware``.
 
     ``hosts_of[i]`` is the host of the program's device ``i`` (its partition id: the mesh's devices in
     order); ``attention`` maps fused-attention kernel names to (matmuls, causal), as
     :func:`shardmem.planning.hlo.fused_attention_kernels` reads them from the jaxpr; ``bubble_fraction``
-    is the pipeline schedule's idle share of its loops of ticks; ``tick_ops`` maps the named scope of a
-    loop of ticks to its [ticks, stages] table of the branch each stage takes (the 1F1B schedule's
-    ops), whose switch is charged tick by tick rather than its slowest branch every time."""
-    replay = _Replay(module, hardware, hosts_of, attention or {}, tick_ops)
+    is the pipeline schedule's idle share of its loops of ticks. ``tick_ops``: for a 1F1B schedule, the
+    ops some stage runs at each tick (the table's): each tick is as long as the slowest of those (a
+    stage waits for its neighbours' hand-offs), where without it every tick is charged the slowest op
+    of all, the last stage's head, say, that runs once a micro-batch."""
+    replay = _Replay(module, hardware, hosts_of, attention or {}, tuple(tick_ops))
     totals = replay.computation(module.entry)
     bubble = 0.0
     if bubble_fraction:
@@ -934,7 +958,7 @@ def estimate_step_time(
                  if re.fullmatch(r"(shard_map/)?pipeline[^/]*", scope)}  # fmt: skip
         bubble = bubble_fraction * (sum(ticks.values()) if ticks else totals.seconds)
     collectives = tuple(
-        CollectiveCost(kind, size, link, count, moved, seconds, algorithm)
+        CollectiveCost(kind, size, link, round(count), round(moved), seconds, algorithm)
         for (kind, size, link, algorithm), (count, moved, seconds) in sorted(replay.collectives.items())
     )
     seen, loops = set(), []

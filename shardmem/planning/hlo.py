@@ -15,61 +15,65 @@ from pathlib import Path
 
 from jax.extend import core as jex_core
 
+from shardmem.parallel.schedule import ONE_OF_SCOPE
+
 # --- FLOPs ---------------------------------------------------------------------------------------
 
 
-def matmul_flops(
-    jaxpr, *, recomputed: bool = True, branch_runs: Mapping[str, Sequence[float]] | None = None
-) -> float:
+def matmul_flops(jaxpr, op_shares: Mapping[int, float] | None = None, *, recomputed: bool = True) -> float:
     """Returns the FLOPs of every ``dot_general`` and convolution in a (closed) jaxpr, counting scan trip
     counts and the recomputation that remat adds to the backward pass (it appears as extra ops there),
     the matmuls inside fused attention kernels (:func:`fused_attention_flops`), and ``shard_map`` bodies
     once per shard. ``recomputed=False`` leaves out what fused attention kernels recompute in their
     backward (a ``jax.checkpoint``'s recomputation is left out by tracing the step without it): the
-    model's FLOPs, as MFU counts them.
-
-    A conditional counts its costliest branch, as if it ran every time, unless the branch a scan's trip
-    takes comes from a table built in Python (the 1F1B schedule's ``jax.lax.switch``): ``branch_runs``
-    maps that scan's named scope to how many times each branch runs over all its trips, per shard."""
+    model's FLOPs, as MFU counts them. Of loops a device runs one of (a 1F1B tick's ops,
+    :func:`one_of_groups`) the costliest counts, or, given ``op_shares`` (the share of a schedule's ticks
+    and stages that runs each op: :attr:`~shardmem.parallel.pipeline.Pipeline.op_shares`), each op its
+    share."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return sum(_eqn_flops(eqn, recomputed, branch_runs or {}) for eqn in jaxpr.eqns)
 
-
-def _eqn_flops(eqn, recomputed: bool, branch_runs: Mapping[str, Sequence[float]]) -> float:
     def count(sub) -> float:
-        return matmul_flops(sub, recomputed=recomputed, branch_runs=branch_runs)
+        return matmul_flops(sub, op_shares, recomputed=recomputed)
 
-    name = eqn.primitive.name
-    fused = fused_attention_flops(eqn, recomputed=recomputed)
-    if fused is not None:
-        return fused
-    if name == "dot_general":
-        (contracting, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        k = math.prod(lhs[d] for d in contracting)
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-    if name == "conv_general_dilated":
-        # Each output element is a dot over the kernel's spatial window and its input features
-        # (per feature group): 2 x output size x kernel elements / output features.
-        rhs = eqn.invars[1].aval.shape
-        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
-    if name == "cond":
-        return max((count(b) for b in eqn.params["branches"]), default=0.0)
-    if name == "scan":
-        scope = str(eqn.source_info.name_stack).rsplit("/", 1)[-1]
-        runs = next((r for key, r in branch_runs.items() if key in scope), None)
-        body = eqn.params["jaxpr"].jaxpr
-        switches = [e for e in body.eqns if e.primitive.name == "cond"]
-        if runs is None or len(switches) != 1 or len(switches[0].params["branches"]) != len(runs):
-            return eqn.params["length"] * count(body)
-        branches = switches[0].params["branches"]
-        rest = sum(_eqn_flops(e, recomputed, branch_runs) for e in body.eqns if e is not switches[0])
-        return eqn.params["length"] * rest + sum(n * count(b) for n, b in zip(runs, branches, strict=True))
-    inner = sum(count(sub) for sub in _sub_jaxprs(eqn.params))
-    if name == "shard_map":  # The body sees one shard; count every distinct shard once.
-        inner *= _shards(eqn.params["mesh"], eqn.params["in_specs"])
-    return inner
+    total = 0.0
+    loops = [(eqn, str(eqn.source_info.name_stack)) for eqn in jaxpr.eqns if eqn.primitive.name == "while"]
+    for group in _one_of_runs(loops):
+        flops = {_eqn_one_of_index(eqn): sum(count(sub) for sub in _sub_jaxprs(eqn.params)) for eqn in group}
+        if op_shares is None:
+            total += max(flops.values())
+        else:
+            total += sum(op_shares.get(op, 0.0) * value for op, value in flops.items())
+    grouped = {id(eqn) for group in _one_of_runs(loops) for eqn in group}
+    for eqn in jaxpr.eqns:
+        if id(eqn) in grouped:
+            continue
+        name = eqn.primitive.name
+        fused = fused_attention_flops(eqn, recomputed=recomputed)
+        if fused is not None:
+            total += fused
+            continue
+        if name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            k = math.prod(lhs[d] for d in contracting)
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+            continue
+        if name == "conv_general_dilated":
+            # Each output element is a dot over the kernel's spatial window and its input features
+            # (per feature group): 2 x output size x kernel elements / output features.
+            rhs = eqn.invars[1].aval.shape
+            out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
+            continue
+        inner = sum(count(sub) for sub in _sub_jaxprs(eqn.params))
+        if name == "scan":
+            inner *= eqn.params["length"]
+        elif name == "cond":
+            inner = max((count(b) for b in eqn.params["branches"]), default=0.0)
+        elif name == "shard_map":  # The body sees one shard; count every distinct shard once.
+            inner *= _shards(eqn.params)
+        total += inner
+    return total
 
 
 #: JAX's Pallas flash-attention kernels (jax.experimental.pallas.ops.gpu.attention), by pallas_call name.
@@ -134,14 +138,32 @@ def _count_primitive(jaxpr, primitive: str) -> int:
                for sub in _sub_jaxprs(eqn.params)) for eqn in jaxpr.eqns)  # fmt: skip
 
 
-def _shards(mesh, in_specs) -> int:
-    """The number of distinct shards a ``shard_map`` computes: the sizes of the mesh axes its inputs
-    are split over (the other axes repeat the same work)."""
-    axes = set()
-    for spec in in_specs:
+def _shards(params) -> int:
+    """The number of distinct shards a ``shard_map`` (its equation's ``params``) computes: the sizes of the
+    mesh axes it splits by hand that its inputs are split over, or whose index its body reads (a
+    sequence split by hand takes each device's chunk so); the other axes repeat the same work."""
+    mesh, axes = params["mesh"], set()
+    for spec in params["in_specs"]:
         for entry in spec or ():
             axes.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
-    return math.prod(mesh.shape[a] for a in axes)
+    axes |= _indexed_axes(params["jaxpr"])
+    # The axes this shard_map makes manual (a nested one: only those its enclosing one left to XLA).
+    names = ("newly_manual_axes", "manual_axes", "axis_names")
+    manual = next((params[name] for name in names if params.get(name) is not None), None)
+    return math.prod(mesh.shape[a] for a in axes if manual is None or a in manual)
+
+
+def _indexed_axes(jaxpr) -> set[str]:
+    """The mesh axes a (closed) jaxpr reads its device's index along (``lax.axis_index``)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    axes = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "axis_index":
+            name = eqn.params["axis_name"]
+            axes.update(name if isinstance(name, tuple) else (name,))
+        for sub in _sub_jaxprs(eqn.params):
+            axes |= _indexed_axes(sub)
+    return axes
 
 
 #: ``jax.checkpoint``'s primitive, by its names across JAX versions.
@@ -779,11 +801,49 @@ def collective_result_bytes(ins: Instruction) -> int:
     return shape_bytes(shape)
 
 
+_ONE_OF = re.compile(rf"(?:^|/){ONE_OF_SCOPE}_\d+/(\d+)(?:/|$)")
+
+
+def one_of_groups(instructions: Sequence[Instruction]) -> dict[str, tuple[Instruction, ...]]:
+    """Returns, for a computation's instructions, the loops of which a device runs one (a 1F1B tick's
+    op: :data:`~shardmem.parallel.schedule.ONE_OF_SCOPE`), by the name of each group's first loop."""
+    loops = [(ins, ins.op_name) for ins in instructions if ins.opcode == "while"]
+    return {group[0].name: group for group in _one_of_runs(loops)}
+
+
+def one_of_index(loop: Instruction) -> int:
+    """Which of its group's alternatives a loop of :func:`one_of_groups` is (a 1F1B tick's op code)."""
+    return int(_ONE_OF.search(loop.op_name).group(1))
+
+
+def _eqn_one_of_index(eqn) -> int:  # The same, of a jaxpr's loop.
+    return int(_ONE_OF.search(str(eqn.source_info.name_stack)).group(1))
+
+
+def _one_of_runs(items: Sequence[tuple[object, str]]) -> list[tuple]:
+    """Groups ``(item, scope)`` pairs, in program order, whose scope names one of alternatives: a group
+    is one run of them by increasing index, so a lower or equal index starts the next group (a loop of
+    ticks XLA unrolled twice runs two groups)."""
+    groups: list[list] = []
+    last = -1
+    for item, scope in items:
+        match = _ONE_OF.search(scope)
+        if not match:
+            continue
+        index = int(match.group(1))
+        if index <= last or not groups:
+            groups.append([])
+        groups[-1].append(item)
+        last = index
+    return [tuple(group) for group in groups]
+
+
 def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
     """Returns the bytes per device that each kind of collective produces in one run of an optimized
     HLO module (result shapes), with ops inside while loops counted once per known trip and, of a
-    conditional's branches, the one that moves the most (a device runs one: a 1F1B tick its stage's op;
-    the step-time replay charges the slowest branch, and its collectives)."""
+    conditional's branches or a group of loops of which a device runs one (:func:`one_of_groups`), the
+    one that moves the most (a 1F1B tick runs its stage's op; the step-time replay charges the slowest,
+    and its collectives)."""
     module = hlo_text if isinstance(hlo_text, HloModule) else parse_module(hlo_text)
     memo: dict[str, dict[str, int]] = {}
 
@@ -793,12 +853,20 @@ def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
         totals = dict.fromkeys(COLLECTIVES, 0)
         if name in seen:
             return totals
-        for ins in module.computations.get(name, ()):
+        instructions = module.computations.get(name, ())
+        groups = one_of_groups(instructions)
+        grouped = {loop.name for loops in groups.values() for loop in loops}
+        for ins in instructions:
             kind = collective_kind(ins)
             if kind:
                 totals[kind] += collective_result_bytes(ins)
+            if ins.name in grouped and ins.name not in groups:
+                continue  # Counted with its group's first loop.
             inner = [moved(called, (*seen, name)) for called in ins.called]
-            if ins.opcode == "conditional" and inner:
+            if ins.name in groups:
+                inner = [_summed([moved(called, (*seen, name)) for called in loop.called])
+                         for loop in groups[ins.name]]  # fmt: skip
+            if (ins.opcode == "conditional" or ins.name in groups) and inner:
                 inner = [max(inner, key=lambda branch: sum(branch.values()))]
             for branch in inner:
                 for key, value in branch.items():
@@ -807,3 +875,7 @@ def collective_bytes(hlo_text: str | HloModule) -> dict[str, int]:
         return totals
 
     return moved(module.entry)
+
+
+def _summed(tallies: Sequence[dict[str, int]]) -> dict[str, int]:
+    return {key: sum(tally[key] for tally in tallies) for key in COLLECTIVES}

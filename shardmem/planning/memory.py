@@ -29,9 +29,9 @@ from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.finetune.weights import check_init_from
 from shardmem.parallel.mesh import build_mesh
-from shardmem.parallel.pipeline import SCOPE_1F1B, Pipeline
+from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
-from shardmem.parallel.schedule import OP
+from shardmem.parallel.schedule import IDLE, OP
 from shardmem.planning import codegen, cost, hlo, kernel_cache, overlap
 from shardmem.planning.targets import (
     Target,
@@ -284,8 +284,9 @@ def plan_program(
     attention = program.attention.describe(window) if program.attention else ""
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
-    runs = branch_runs(program)
-    report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr, branch_runs=runs),
+    # A 1F1B step's FLOPs: each op as often as the schedule runs it (hlo.matmul_flops).
+    shares = op_shares(program)
+    report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr, shares),
                                  warnings=warnings, sharding=rows, attention=attention, pipeline=pipeline,
                                  load_host_bytes=_load_host_bytes(program))  # fmt: skip
     rematted = hlo.remat_count(traced.jaxpr) > 0
@@ -313,17 +314,11 @@ def plan_program(
                           planned.tokens), compiled  # fmt: skip
 
 
-def branch_runs(program: Program) -> dict[str, tuple[float, ...]] | None:
-    """How often a 1F1B step runs each op of its ticks (:func:`shardmem.planning.hlo.matmul_flops`'s
-    ``branch_runs``); None for any other program."""
+def op_shares(program: Program) -> dict[int, float] | None:
+    """The share of a 1F1B step's ticks and stages that runs each op (:func:`hlo.matmul_flops`'s
+    ``op_shares``: each op counted as often as the schedule runs it); None for any other program."""
     pipeline = program.pipeline
-    return {SCOPE_1F1B: pipeline.op_runs} if pipeline is not None and pipeline.runs_loss else None
-
-
-def _tick_ops(pipeline: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The op each stage runs at each tick of a 1F1B step (its report's ``pipeline``), for the replay."""
-    schedule = Pipeline.from_json(pipeline) if pipeline else None
-    return {SCOPE_1F1B: schedule.table.rows[:, OP, :]} if schedule and schedule.runs_loss else None
+    return pipeline.op_shares if pipeline is not None and pipeline.runs_loss else None
 
 
 def model_flops(program: Program, jaxpr, function: str | None = None) -> float:
@@ -333,15 +328,26 @@ def model_flops(program: Program, jaxpr, function: str | None = None) -> float:
     ``jax.checkpoint``, the program's variant without it is traced again (no compile); chunked attention
     then becomes ``xla``, the same products without recomputing each block. So the function's own FLOPs
     are never fewer."""
-    runs = branch_runs(program)
+    shares = op_shares(program)
     if hlo.remat_count(jaxpr) == 0:
-        return hlo.matmul_flops(jaxpr, recomputed=False, branch_runs=runs)
+        return hlo.matmul_flops(jaxpr, shares, recomputed=False)
     overrides = ["remat.policy=none", "remat.layers={}", "remat.modules={}"]
     kernel = program.attention
     if kernel is not None and kernel.name == "chunked" and kernel.context == 1:
         overrides.append("model.attention=xla")
     plain_jaxpr = program.variant(*overrides).function(function).trace().jaxpr
-    return hlo.matmul_flops(plain_jaxpr, recomputed=False, branch_runs=runs)
+    return hlo.matmul_flops(plain_jaxpr, shares, recomputed=False)
+
+
+def _tick_ops(pipeline: dict | None) -> tuple[frozenset[int], ...]:
+    """The ops some stage runs at each tick of a 1F1B schedule (a report's ``pipeline`` entry), for the
+    step-time model; none for other schedules."""
+    if not pipeline:
+        return ()
+    schedule = Pipeline.from_json(pipeline)
+    if not schedule.runs_loss:
+        return ()
+    return tuple(frozenset(int(op) for op in row if op != IDLE) for row in schedule.table.rows[:, OP, :])
 
 
 def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconnect=None,
@@ -356,7 +362,10 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
                 "(planning.targets.GPU_TARGETS)")  # fmt: skip
         return dataclasses.replace(report, step_time_note=note)
     idle = report.pipeline.get("bubble_fraction", 0.0) if report.pipeline else 0.0
-    useful = 1.0 - idle  # The flops count idle stages' work on placeholders; MFU counts the model's.
+    tick_ops = _tick_ops(report.pipeline)
+    # GPipe's flops count idle stages' work on placeholders, MFU the model's; 1F1B's count each op as
+    # often as the schedule runs it (idle ticks none).
+    useful = 1.0 if tick_ops else 1.0 - idle
     model_flops = report.flops_no_remat if report.flops_no_remat is not None else None
     domains = link_domains(mesh.devices.flat)
     estimate = cost.estimate_step_time(
@@ -364,7 +373,7 @@ def with_step_time(report: MemoryReport, target: Target, mesh, jaxpr, interconne
         attention=hlo.fused_attention_kernels(jaxpr), bubble_fraction=idle, tokens_per_step=tokens_per_step,
         model_flops=model_flops * useful if model_flops else None,
         hardware_flops=report.flops_per_step * useful if report.flops_per_step else None,
-        tick_ops=_tick_ops(report.pipeline),
+        tick_ops=tick_ops,
     )  # fmt: skip
     if target.platform not in ("cpu", "tpu"):  # Calibrated on an H200; no TPU measurement backs it.
         estimate = dataclasses.replace(estimate, uncertainty=cost.CALIBRATED_ERROR)

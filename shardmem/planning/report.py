@@ -91,7 +91,9 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
         flops += ", fused attention from its shapes"
     if report.recompute_overhead is not None:
         flops += f"; recomputation +{report.recompute_overhead:.1%} over the model's"
-    if report.pipeline:  # Idle stages still run their layers, on the fill and drain's placeholders.
+    if report.pipeline.get("schedule") in ("1f1b", "interleaved"):  # Each op as often as the table runs it.
+        flops += "; each stage's ops as the schedule runs them"
+    elif report.pipeline:  # Idle stages still run their layers, on the fill and drain's placeholders.
         flops += "; the bubble's idle-stage work included"
     parts.append(Text(flops + ")"))
     moved = {k: v for k, v in report.collectives.items() if v}

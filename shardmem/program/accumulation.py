@@ -22,6 +22,13 @@ could otherwise have reduce-scattered into a data-sharded one; the one reduction
 then a reduce-scatter onto the optimizer's shards (``grad_shardings``). Axes the model itself splits work over
 (``seq``, ``expert``, ``layers`` rules) are never deferred.
 
+Context parallelism splits each sequence over the ``seq`` rule's axes, whose devices' gradients are partial
+sums over positions: where no weight is split over them (:meth:`Rules.seq_only_axes`), the micro-batch's
+gradients are taken in a ``jax.shard_map`` manual over them (and the deferred axes), so each device sums
+its own positions' (:func:`shardmem.parallel.context.split_by_hand`) in a ``[sums, *param]`` accumulator
+split over both, and the one reduction after the loop is over both; XLA's partitioner all-reduced every
+micro-batch's gradients over them.
+
 Only a loss whose rows are independent and equal in weight may be split so: the reference model's
 next-token loss. A model of your own, or a ``train.loss``, may couple rows (batch statistics, a
 contrastive loss), so its gradients are reduced per micro-batch as XLA partitions them.
@@ -115,8 +122,14 @@ def accumulate_gradients(
         if rows_independent
         else ()
     )
+    # Context parallelism: each device sums its own positions' gradients (the sequence split by hand).
+    by_hand = rules.seq_only_axes(mesh) if rows_independent else ()
     groups = math.prod(mesh.shape[a] for a in axes)
     group_entry = (axes[0] if len(axes) == 1 else axes) if axes else None
+    # The accumulator: one sum per device of the sequence's axes (split by hand) and per group of rows.
+    summed = (*by_hand, *axes)
+    sums = math.prod(mesh.shape[a] for a in summed)
+    sum_entry = (summed[0] if len(summed) == 1 else summed) if summed else None
 
     def split(x, sharding):
         # Micro-batch i takes every k-th row, so each device keeps its own rows; then one group per
@@ -131,16 +144,24 @@ def accumulate_gradients(
 
     micro = jax.tree.map(split, batch, batch_sharding)
     accumulator_shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, P(group_entry, *_without(s.spec, axes))), param_shardings
+        lambda s: NamedSharding(mesh, P(sum_entry, *_without(s.spec, summed))), param_shardings
     )
     inner_rules = _inner_rules(rules, axes)
 
+    def one_group(params, rest, one_batch):
+        return jax.tree.map(lambda x: x[None], grad_fn(params, rest, jax.tree.map(lambda x: x[0], one_batch)))
+
+    # Split by hand over the sequence's axes, each device takes its group of rows by hand too: [1, ...] each.
+    by_device = jax.shard_map(one_group, mesh=mesh, in_specs=(P(), P(), P(group_entry)),
+                              out_specs=P(sum_entry), axis_names=set(summed), check_vma=False)  # fmt: skip
+
     def per_group(rest, one_batch):
+        """``[sums, ...]``: the results of each group of rows and, split by hand, each device's positions."""
         with inner_rules.activate(mesh):
+            if by_hand:
+                return by_device(params, rest, one_batch)
             if not axes:
-                return jax.tree.map(
-                    lambda x: x[None], grad_fn(params, rest, jax.tree.map(lambda x: x[0], one_batch))
-                )
+                return one_group(params, rest, one_batch)
             return jax.vmap(grad_fn, in_axes=(None, None, 0), spmd_axis_name=axes)(params, rest, one_batch)
 
     def one_rest(rest_G):
@@ -160,16 +181,16 @@ def accumulate_gradients(
     first = jax.tree.map(lambda x: x[0], micro)
     metric_shapes = jax.eval_shape(lambda: per_group(rest, first)[0][1][0])
     zeros = (
-        jnp.zeros((groups,), jnp.float32),
+        jnp.zeros((sums,), jnp.float32),
         jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
         jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: jnp.zeros((groups, *p.shape), grad_dtype or p.dtype), params),
+            jax.tree.map(lambda p: jnp.zeros((sums, *p.shape), grad_dtype or p.dtype), params),
             accumulator_shardings,
         ),
         rest,
     )
     (loss, metrics, grads, rest), _ = jax.lax.scan(accumulate, zeros, micro)
-    count = k * groups
+    count = k * sums
     with jax.named_scope("gradient_reduction"):  # The step's one reduction over the deferred axes.
         grads = jax.tree.map(lambda g: g.sum(0) / count, grads)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings or param_shardings)

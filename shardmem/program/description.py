@@ -188,6 +188,10 @@ def _fine_tune(config: Config, model: Model, pipeline: Pipeline | None, custom: 
             "stages split plain layer weights only, not adapted or quantized ones; set mesh.axes.stage=1 "
             "(shard with fsdp), or freeze without them"
         )
+    if pipeline is not None:  # Stacks of layers as the stages split them (Pipeline.stored).
+        abstract_params = pipeline.stored(abstract_params, model.param_logical)
+        param_shardings = pipeline.stored_shardings(param_shardings, model.param_logical)
+        param_logical = pipeline.stored_logical(model.param_logical)
     if finetune is not None:  # From here on "params" are what trains; the frozen ones ride along.
         abstract_params, abstract_frozen = jax.eval_shape(
             finetune.prepare, abstract_params, jax.random.key(0)

@@ -172,12 +172,15 @@ def optimizer_shardings(config: Config, tx, abstract_opt, abstract_params, param
 def gradient_shardings(config: Config, abstract_params, param_shardings, rules: Rules, mesh: Mesh):
     """Returns the shardings the optimizer reads each gradient in: its parameter's, further split over the
     batch axes the parameter is replicated over with ``optimizer.shard_over_data`` (as its moments are),
+    and the context axes that split no weight (the sequence's devices hold the same weights, and their
+    gradients are reduced over them too: Megatron's distributed optimizer splits over data x context),
     so that the gradients are reduce-scattered over those axes, not all-reduced (half the bytes) and then
     sliced, as Megatron's distributed optimizer does."""
     if not config.optimizer.shard_over_data:
         return param_shardings
     batch_axes = spec_axes(rules.spec(("batch",))[0] if rules.spec(("batch",)) else None)
-    return jax.tree.map(lambda leaf, s: _split_over(leaf.shape, s, batch_axes, mesh),
+    axes = (*batch_axes, *rules.seq_only_axes(mesh))
+    return jax.tree.map(lambda leaf, s: _split_over(leaf.shape, s, axes, mesh),
                         abstract_params, param_shardings)  # fmt: skip
 
 

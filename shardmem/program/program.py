@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+import jax
 from jax.sharding import Mesh
 
 from shardmem.config import Config
@@ -85,6 +86,14 @@ class Program(abc.ABC):
     def variant(self, *overrides: str) -> Program:
         """Returns the program of the same kind for the config with ``key=value`` overrides."""
         return self.build(self.description.resolve_again(*overrides))
+
+    def natural_params(self, params):
+        """Returns the model's full parameters (``model_params``' tree) as the model makes them from the
+        program's ``params``: a pipeline's stored stacks of layers (:meth:`Pipeline.stored`, the same values
+        in the same order) reshaped to ``[n_layers, ...]``; ``params`` itself otherwise."""
+        if self.pipeline is None or self.pipeline.repeats == 1:
+            return params
+        return jax.tree.map(lambda value, model: value.reshape(model.shape), params, self.model_params)
 
     def sharding_table(self):
         """Returns one :class:`~shardmem.parallel.rules.ShardingRow` per parameter (trainable ones,

@@ -258,6 +258,8 @@ def initializers(description: Description) -> tuple[Callable, Callable]:
             model = factory(nnx.Rngs(key))  # With loaded weights, only its other variables are kept.
         _, params, rest = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params) if loaded is None else loaded
+        if d.pipeline is not None:  # Stacks of layers as the stages split them (Pipeline.stored).
+            params = d.pipeline.stored(params, d.model.param_logical)
         if finetune is not None:
             params, frozen = finetune.prepare(params, jax.random.fold_in(key, 1))
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
