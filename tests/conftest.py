@@ -21,6 +21,31 @@ if "SHARDMEM_KERNEL_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["SHARDMEM_KERNEL_CACHE"], ignore_errors=True)
 
 
+# Test modules that must share one pytest-xdist worker, in collection order: the site renders the notebooks
+# tests/test_notebooks.py executed (building it alongside would execute them a second time, racing).
+_SAME_WORKER = {"test_notebooks.py": "docs", "test_site.py": "docs"}
+
+
+@pytest.hookimpl(tryfirst=True)  # Before xdist's own hook reads the groups.
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n 2 --dist loadgroup`` (.ci/run), keeps each module's tests that share a module-scoped
+    fixture on one worker, so the program it compiles is compiled once, and schedules every other test on
+    its own, so that the two workers stay busy to the end."""
+    if not config.pluginmanager.hasplugin("xdist") or config.getoption("dist", None) != "loadgroup":
+        return
+    for item in items:
+        module = item.path.name
+        if module in _SAME_WORKER or _uses_a_shared_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(_SAME_WORKER.get(module, module)))
+
+
+def _uses_a_shared_fixture(item) -> bool:
+    """Whether ``item`` uses (directly or through another fixture) a fixture of the test suite's own that
+    outlives one test: pytest's built-in ones (``tmp_path_factory`` under ``tmp_path``) do not count."""
+    return any(defs and defs[-1].baseid and defs[-1].scope != "function"
+               for defs in item._fixtureinfo.name2fixturedefs.values())  # fmt: skip
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """``small_disk("1m")`` mounts a tmpfs of that size (a disk that fills up) and returns its path;
