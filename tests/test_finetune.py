@@ -16,6 +16,9 @@ from shardmem import ConfigError, build_mesh, build_program, config_from_dict
 from shardmem.finetune import Adapted, project, quantize, weight
 from shardmem.models.llama import Llama, ModelConfig
 
+# On the newest JAX too (.ci/run): Flax NNX and Linen modules, Optax's partitioned updates, planned bytes.
+pytestmark = pytest.mark.newest
+
 TARGETS = ["layers/wq", "layers/wk", "layers/wv", "layers/wo"]
 
 

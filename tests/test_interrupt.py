@@ -83,6 +83,7 @@ def _group(pgid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.newest
 def test_sigint_in_a_native_call_ends_the_block_workers_and_watcher_at_once(tmp_path):
     # The stand-in for a compile: a C call that never returns to Python, a spawned worker, a watcher.
     script = tmp_path / "blocked.py"
@@ -108,6 +109,7 @@ def test_sigint_in_a_native_call_ends_the_block_workers_and_watcher_at_once(tmp_
     assert err == "shardmem: interrupted\n", err
 
 
+@pytest.mark.newest
 def test_ctrl_c_during_plan_exits_130_mid_compile():
     # The long-sequence config compiles for several seconds; the watcher runs only while it does.
     started = Started([sys.executable, "-m", "shardmem", "plan", "configs/llama-7b-long.yaml"])

@@ -12,6 +12,9 @@ from shardmem.planning.memory import plan
 from shardmem.run.training import compiled_step
 from shardmem.step import build_program
 
+# On the newest JAX too (.ci/run): XLA's GPU overlap options, spelled as each version accepts them.
+pytestmark = pytest.mark.newest
+
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 
 

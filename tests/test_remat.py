@@ -8,6 +8,9 @@ from shardmem.errors import ConfigError
 from shardmem.models.llama import CHECKPOINT_TAGS, Llama, ModelConfig
 from shardmem.remat import PRESETS, LayerPlan, ModulePlan, RematPolicy, remat_modules
 
+# On the newest JAX too (.ci/run): jax.checkpoint policies and Flax NNX's transforms.
+pytestmark = pytest.mark.newest
+
 CFG = ModelConfig.preset("tiny")
 
 

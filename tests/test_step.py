@@ -9,6 +9,9 @@ from shardmem.optimizer import master_weights
 from shardmem.parallel.mesh import build_mesh
 from shardmem.step import build_program
 
+# On the newest JAX too (.ci/run): shardings, meshes and the compiled step, as each JAX partitions them.
+pytestmark = pytest.mark.newest
+
 
 def _config(axes, optimizer="sgd", **train):
     return config_from_dict({

@@ -21,6 +21,7 @@ def tiny_fp16():
     return shardmem.load_config("configs/tiny.yaml", overrides=[*ONE_CARD, "precision.compute=float16"])
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("name", NEW_TARGETS)
 def test_each_card_plans_the_tiny_model_deviceless(name, tiny_fp16):
     spec = GPU_TARGETS[name]

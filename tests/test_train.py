@@ -107,6 +107,7 @@ def reference(tmp_path_factory):
     return config, train(config, run_dir, console=Console(quiet=True))
 
 
+@pytest.mark.newest
 def test_train_writes_the_run_dir_and_the_loss_falls(reference):
     config, result = reference
     assert (result.status, result.start_step, result.final_step) == ("finished", 0, STEPS)
@@ -124,6 +125,7 @@ def test_train_writes_the_run_dir_and_the_loss_falls(reference):
     assert int(result.state["step"]) == STEPS
 
 
+@pytest.mark.newest
 def test_one_process_trains_with_the_plans_compiled_step(tmp_path, monkeypatch):
     import shardmem.run.training
 
@@ -137,6 +139,7 @@ def test_one_process_trains_with_the_plans_compiled_step(tmp_path, monkeypatch):
     assert built[0].step._cache_size() == 0, "the step was compiled again on its first call"
 
 
+@pytest.mark.newest
 def test_checkpoint_restores_exactly_onto_half_the_devices(reference):
     config, result = reference
     restored = _restore(result.run_dir, config, jax.devices()[:4], STEPS)
@@ -313,6 +316,7 @@ def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch)
     assert "needs a command after --" in capsys.readouterr().err
 
 
+@pytest.mark.newest
 def test_cli_gate_exits_3_with_the_report(child_env, tmp_path):
     run_dir = tmp_path / "run"
     too_small = ["memory.reserve=0", "memory.usable_fraction=0.000001"]
@@ -324,6 +328,7 @@ def test_cli_gate_exits_3_with_the_report(child_env, tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.newest
 def test_a_planning_error_on_process_0_stops_every_process_alike(child_env, tmp_path):
     # 2 rows cannot be split over 4 devices: process 0's plan fails, and the other one must not wait.
     overrides = [FSDP_OVER_ALL, "train.global_batch=2"]
@@ -362,6 +367,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(child
     _assert_trees_equal(from_two, _restore(one, config, jax.devices(), 6), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.newest
 def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(reference, tmp_path):
     config, result = reference
     run_dir = tmp_path / "run"
@@ -381,6 +387,7 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(
     assert [name.split(".")[0] for name in aside] == ["20", "24"]
 
 
+@pytest.mark.newest
 def test_a_checkpoint_that_fills_the_disk_stops_the_run_at_once(small_disk, caplog):
     run_dir = small_disk("2m") / "run"  # One checkpoint of the 2-layer tiny model (1.4 MiB) fits.
     caplog.set_level(logging.ERROR)
