@@ -39,7 +39,6 @@ def test_plan_json_is_one_object_with_the_documented_keys():
     assert report["jax_version"] == jax.__version__
 
 
-@pytest.mark.newest
 def test_plan_table_for_a_gpu_target_and_overrides():
     result = shardmem("plan", "configs/llama-7b.yaml", "--set", "model.n_layers=4", "--set",
                       "remat.layers={}", "--sharding")  # fmt: skip
@@ -52,7 +51,6 @@ def test_plan_table_for_a_gpu_target_and_overrides():
         assert text in out
 
 
-@pytest.mark.newest
 def test_plan_json_with_sharding_has_the_sharding_table(capsys):
     args = ["plan", TINY, "--target", "cpu", "--json", "--sharding", "--set", "rules.embed=[data, fsdp]"]
     assert main(args) == 0

@@ -16,9 +16,6 @@ from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import budget, plan, plan_function
 from shardmem.planning.targets import resolve_target
 
-# On the newest JAX too (.ci/run): buffer assignments and deviceless compiles, as each XLA makes them.
-pytestmark = pytest.mark.newest
-
 
 def _tiny(**sections):
     return config_from_dict({
@@ -30,6 +27,7 @@ def _tiny(**sections):
     })  # fmt: skip
 
 
+@pytest.mark.newest
 def test_parameter_optimizer_and_batch_bytes_are_exact():
     report = plan(_tiny())
     # Worked by hand for tiny (d=64, 4 layers, 4 heads of 16, 2 KV heads, d_ff=192, vocab 256) with only
@@ -50,6 +48,7 @@ def test_parameter_optimizer_and_batch_bytes_are_exact():
     assert report.approximate
 
 
+@pytest.mark.newest
 def test_plan_function_reports_any_jitted_function():
     target = resolve_target("cpu", n_devices=8)
     mesh = build_mesh({"fsdp": 8}, target.devices)
@@ -89,6 +88,7 @@ def _h100_plan(policy: str, n_layers: int):
     }))  # fmt: skip
 
 
+@pytest.mark.newest
 def test_gpu_target_compiles_deviceless_and_remat_cuts_temporaries():
     none, full = _h100_plan("none", 8), _h100_plan("full", 8)
     assert none.devices == 8 and not none.approximate
@@ -105,12 +105,14 @@ def test_gpu_target_compiles_deviceless_and_remat_cuts_temporaries():
     assert any("layers_0-7" in b.scope or "argument" in b.scope for b in full.top_buffers)
 
 
+@pytest.mark.newest
 def test_offload_moves_bytes_to_host_on_gpu_targets():
     offload, minimal = _h100_plan("offload", 2), _h100_plan("minimal", 2)
     assert offload.per_device["host"] > 0
     assert offload.per_device["temp"] < minimal.per_device["temp"]
 
 
+@pytest.mark.newest
 def test_plan_a_users_own_nnx_module():
     class TwoLayer(nnx.Module):
         def __init__(self, rngs):
