@@ -88,7 +88,6 @@ def _h100_plan(policy: str, n_layers: int):
     }))  # fmt: skip
 
 
-@pytest.mark.newest
 def test_gpu_target_compiles_deviceless_and_remat_cuts_temporaries():
     none, full = _h100_plan("none", 8), _h100_plan("full", 8)
     assert none.devices == 8 and not none.approximate

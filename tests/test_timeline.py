@@ -157,7 +157,9 @@ def _chromium() -> str | None:
 
     def apt_get(*args: str) -> bool:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        return subprocess.run(["apt-get", *args], capture_output=True, timeout=900, env=env).returncode == 0
+        # Waits for the package lock another apt (a test of another xdist worker, cluster.sh) holds.
+        command = ["apt-get", "-o", "DPkg::Lock::Timeout=600", *args]
+        return subprocess.run(command, capture_output=True, timeout=900, env=env).returncode == 0
 
     if not apt_get("install", "-y", "-q", "chromium"):  # A stale package list: refresh it once.
         apt_get("update", "-q") and apt_get("install", "-y", "-q", "chromium")

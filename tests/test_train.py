@@ -367,7 +367,6 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(child
     _assert_trees_equal(from_two, _restore(one, config, jax.devices(), 6), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.newest
 def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(reference, tmp_path):
     config, result = reference
     run_dir = tmp_path / "run"
@@ -387,7 +386,6 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(
     assert [name.split(".")[0] for name in aside] == ["20", "24"]
 
 
-@pytest.mark.newest
 def test_a_checkpoint_that_fills_the_disk_stops_the_run_at_once(small_disk, caplog):
     run_dir = small_disk("2m") / "run"  # One checkpoint of the 2-layer tiny model (1.4 MiB) fits.
     caplog.set_level(logging.ERROR)
