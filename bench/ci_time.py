@@ -44,6 +44,17 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+_outcomes: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Keeps each test's outcome: failed if any phase failed, else skipped if one was, else passed."""
+    if report.failed or (report.skipped and _outcomes.get(report.nodeid) != "failed"):
+        _outcomes[report.nodeid] = report.outcome
+    else:
+        _outcomes.setdefault(report.nodeid, "passed")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Records one test's wall and CPU seconds (setup, call and teardown) where ``bench/ci_time.py`` reads."""
@@ -57,6 +68,7 @@ def pytest_runtest_protocol(item, nextitem):
             "markers": sorted({mark.name for mark in item.iter_markers()} & {"slow", "newest"}),
             "wall_s": time.perf_counter() - wall,
             "cpu_s": _cpu_seconds() - cpu,
+            "outcome": _outcomes.pop(item.nodeid, "passed"),
         }
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(Path(folder) / f"{worker}.jsonl", "a") as out:
