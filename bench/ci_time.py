@@ -2,8 +2,8 @@
 the whole run, on a machine other jobs may share.
 
     python bench/ci_time.py -- tests/test_hlo.py                       # serially, as pytest would
-    python bench/ci_time.py -- -n 2 --dist loadgroup                  # as .ci/run runs the main suite
-    python bench/ci_time.py --python .venv-newest/bin/python -- -n 2 --dist loadgroup -m newest
+    python bench/ci_time.py -- -n 2 --dist loadfile                   # as .ci/run runs the main suite
+    python bench/ci_time.py --python .venv-newest/bin/python -- -n 2 --dist loadfile -m newest
     python bench/ci_time.py --json times.json -- -m "not slow"        # the per-test records too
 
 Runs pytest with the arguments after ``--`` in a child process, with this file as a plugin that records

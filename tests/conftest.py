@@ -21,29 +21,35 @@ if "SHARDMEM_KERNEL_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["SHARDMEM_KERNEL_CACHE"], ignore_errors=True)
 
 
-# Test modules that must share one pytest-xdist worker, in collection order: the site renders the notebooks
+# Test modules that share one pytest-xdist worker, in collection order: the site renders the notebooks
 # tests/test_notebooks.py executed (building it alongside would execute them a second time, racing).
 _SAME_WORKER = {"test_notebooks.py": "docs", "test_site.py": "docs"}
+# Started first, so that the rest of the suite runs beside them rather than after: they mostly wait (on
+# SLURM jobs, notebook kernels, a browser) and are the longest (BENCHMARKS.md, issue 41 item 1).
+_START_FIRST = ("tests/test_cluster.py", "docs")
 
 
-@pytest.hookimpl(tryfirst=True)  # Before xdist's own hook reads the groups.
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n 2 --dist loadgroup`` (.ci/run), keeps each module's tests that share a module-scoped
-    fixture on one worker, so the program it compiles is compiled once, and schedules every other test on
-    its own, so that the two workers stay busy to the end."""
-    if not config.pluginmanager.hasplugin("xdist") or config.getoption("dist", None) != "loadgroup":
-        return
-    for item in items:
-        module = item.path.name
-        if module in _SAME_WORKER or _uses_a_shared_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(_SAME_WORKER.get(module, module)))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``pytest -n 2 --dist loadfile`` (.ci/run): each test module runs on one worker, so the programs its
+    module-scoped fixtures compile are compiled once; the notebooks and the site share one. (xdist's
+    ``loadgroup`` would say so with marks, but it groups nothing under pytest 9.2: pytest-xdist#1386.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
 
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            module = super()._split_scope(nodeid)
+            return _SAME_WORKER.get(module.rpartition("/")[2], module)
 
-def _uses_a_shared_fixture(item) -> bool:
-    """Whether ``item`` uses (directly or through another fixture) a fixture of the test suite's own that
-    outlives one test: pytest's built-in ones (``tmp_path_factory`` under ``tmp_path``) do not count."""
-    return any(defs and defs[-1].baseid and defs[-1].scope != "function"
-               for defs in item._fixtureinfo.name2fixturedefs.values())  # fmt: skip
+        def _assign_work_unit(self, node):
+            for scope in reversed(_START_FIRST):  # The queue is built by then, largest module first.
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture
