@@ -22,8 +22,9 @@ install() {
   fi
   need_root
   command -v apt-get >/dev/null || { echo "cluster.sh: no apt-get: install SLURM, munge and Open MPI by hand" >&2; exit 1; }
-  apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge openmpi-bin >/dev/null
+  # Waits for a package lock that another apt holds (a test installing Chromium, another job).
+  apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq slurm-wlm munge openmpi-bin >/dev/null
 }
 
 alive() {  # alive PIDFILE: whether the process in it runs

@@ -21,6 +21,37 @@ if "SHARDMEM_KERNEL_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["SHARDMEM_KERNEL_CACHE"], ignore_errors=True)
 
 
+# Test modules that share one pytest-xdist worker, in collection order: the site renders the notebooks
+# tests/test_notebooks.py executed (building it alongside would execute them a second time, racing).
+_SAME_WORKER = {"test_notebooks.py": "docs", "test_site.py": "docs"}
+# Started first, so that the rest of the suite runs beside them rather than after: they mostly wait (on
+# SLURM jobs, notebook kernels, a browser) and are the longest (BENCHMARKS.md, issue 41 item 1).
+_START_FIRST = ("tests/test_cluster.py", "docs")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``pytest -n 2 --dist loadfile`` (.ci/run): each test module runs on one worker, so the programs its
+    module-scoped fixtures compile are compiled once; the notebooks and the site share one. (xdist's
+    ``loadgroup`` would say so with marks, but it groups nothing under pytest 9.2: pytest-xdist#1386.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            module = super()._split_scope(nodeid)
+            return _SAME_WORKER.get(module.rpartition("/")[2], module)
+
+        def _assign_work_unit(self, node):
+            for scope in reversed(_START_FIRST):  # The queue is built by then, largest module first.
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """``small_disk("1m")`` mounts a tmpfs of that size (a disk that fills up) and returns its path;

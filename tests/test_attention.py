@@ -12,6 +12,9 @@ from shardmem.models.attention import (
     resolve_attention,
 )
 
+# On the newest JAX too (.ci/run): the attention kernels (Pallas, cuDNN's, chunked) and their gradients.
+pytestmark = pytest.mark.newest
+
 
 def _qkv(dtype=jnp.float32, length=64, heads=4, kv_heads=2):
     keys = jax.random.split(jax.random.key(0), 3)

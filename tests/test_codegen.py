@@ -10,6 +10,9 @@ from shardmem import config_from_dict, plan
 from shardmem.planning import codegen, kernel_cache, overlap
 from shardmem.planning.memory import make_target
 
+# On the newest JAX too (.ci/run): XLA's GPU code generation and the options it accepts.
+pytestmark = pytest.mark.newest
+
 TINY_GPU = {
     "model": {"preset": "tiny"},
     "mesh": {"axes": {"fsdp": -1}, "devices_per_host": 8},

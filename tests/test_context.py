@@ -57,6 +57,7 @@ KERNELS = [
 ]
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
 def test_each_kernel_on_a_split_sequence_matches_one_device_with_its_gradients(kernel):
     """context=4 beside data=2 (the Pallas kernel in interpret mode: the code a GPU compiles, forward and

@@ -137,6 +137,7 @@ def test_bad_arguments_raise_config_errors():
         SyntheticSource(vocab_size=16, seq_len=8, seed=-1)
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize(
     "mesh_shape, spec",
     [
@@ -158,6 +159,7 @@ def test_global_batch_matches_the_unsharded_rows(mesh_shape, spec):
     np.testing.assert_array_equal(np.asarray(batch), source.rows(3, 0, 16, 16))
 
 
+@pytest.mark.newest
 def test_global_batch_generates_each_row_once_per_process():
     class CountingSource(SyntheticSource):
         calls: list[tuple[int, int]] = []

@@ -153,6 +153,7 @@ def test_initialize_rejects_bad_settings(clean_env, monkeypatch, kwargs, env, me
     assert not jax.distributed.is_initialized()
 
 
+@pytest.mark.newest
 def test_a_cluster_jax_cannot_read_is_a_config_error(clean_env, monkeypatch):
     # Kubernetes, but no kubernetes package; in a fresh process, since JAX checks that first.
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
@@ -166,12 +167,14 @@ def test_a_cluster_jax_cannot_read_is_a_config_error(clean_env, monkeypatch):
     assert "SHARDMEM_COORDINATOR" in result.stdout
 
 
+@pytest.mark.newest
 def test_joining_after_jax_started_is_a_config_error(clean_env):
     jax.devices()
     with pytest.raises(ConfigError, match="before any JAX computation"):
         initialize(coordinator="127.0.0.1:1", num_processes=2, process_id=1)
 
 
+@pytest.mark.newest
 def test_local_device_count_after_backend_start_is_a_config_error(clean_env):
     jax.devices()
     with pytest.raises(ConfigError, match="--local-devices 3.*before any JAX computation"):
@@ -180,6 +183,7 @@ def test_local_device_count_after_backend_start_is_a_config_error(clean_env):
         initialize(local_device_count=0)
 
 
+@pytest.mark.newest
 def test_launch_runs_a_cross_process_computation(clean_env, tmp_path, capsys):
     command = [sys.executable, _script(tmp_path, SUM_OVER_ALL_DEVICES)]
     assert launch(2, [], command=command) == 0
@@ -189,6 +193,7 @@ def test_launch_runs_a_cross_process_computation(clean_env, tmp_path, capsys):
     assert "[1] process 1 sum 120.0" in lines, lines
 
 
+@pytest.mark.newest
 def test_processes_share_batches_and_checkpoints(clean_env, tmp_path, capsys):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

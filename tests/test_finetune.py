@@ -40,6 +40,7 @@ def lora_program():
     return build_program(config, build_mesh(config.mesh.axes, jax.devices()))
 
 
+@pytest.mark.newest
 def test_a_lora_step_matches_a_hand_written_one(lora_program):
     program = lora_program
     state = program.init()
@@ -99,6 +100,7 @@ def test_the_plan_counts_adapters_exactly_and_gives_frozen_weights_no_optimizer_
     assert "frozen parameters" in console.export_text()
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("fmt, group", [("int8", 64), ("int4", 16), ("nf4", 64)])
 def test_a_quantized_base_is_planned_to_the_byte(fmt, group):
     config = _config({"freeze": ["layers/*", "embedding"], "quantize": {"format": fmt, "group": group,
@@ -178,6 +180,7 @@ def test_finetune_values_are_checked_when_the_config_loads(section, message):
         _config(section)
 
 
+@pytest.mark.newest
 def test_lora_on_a_users_nnx_and_linen_models_trains_only_the_adapters():
     import flax.linen as nn
 
@@ -233,6 +236,7 @@ def test_lora_on_a_users_nnx_and_linen_models_trains_only_the_adapters():
         assert not np.allclose(np.asarray(jax.tree.leaves(state["params"])[1]), b_before)  # B moved.
 
 
+@pytest.mark.newest
 def test_adapters_and_codes_carry_their_matrix_logical_axes(lora_program):
     rows = {row.path: row for row in lora_program.sharding_table()}
     assert rows["layers/wq/lora_a"].logical == ("layers", "embed", None)

@@ -108,6 +108,7 @@ def _group(pgid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.newest
 def test_sigint_in_a_native_call_ends_the_block_workers_and_watchers_at_once(tmp_path):
     # The stand-in for a compile: a C call that never returns to Python, a spawned worker compiling (in
     # C, its stderr captured, with XLA's complaint about memory in it), and watchers in both. The worker's
@@ -230,6 +231,7 @@ def test_ctrl_c_while_export_writes_exits_130_and_leaves_no_file(tmp_path):
     assert list(out.iterdir()) == [], "a half-written file stays"
 
 
+@pytest.mark.newest
 def test_ctrl_c_during_plan_exits_130_mid_compile():
     # The long-sequence config compiles for several seconds; the watcher runs only while it does.
     started = Started([sys.executable, "-m", "shardmem", "plan", "configs/llama-7b-long.yaml"])

@@ -9,6 +9,9 @@ from shardmem import config_from_dict, plan
 from shardmem.planning import kernel_cache
 from shardmem.planning.memory import make_target
 
+# On the newest JAX too (.ci/run): XLA's GPU kernel cache option and file.
+pytestmark = pytest.mark.newest
+
 TINY_GPU = {
     "model": {"preset": "tiny"},
     "mesh": {"axes": {"fsdp": -1}, "devices_per_host": 8},

@@ -10,6 +10,7 @@ from shardmem.models.llama import Llama, ModelConfig
 from shardmem.models.losses import chunked_cross_entropy, next_token_loss, resolve_loss_chunk
 
 
+@pytest.mark.newest
 def test_chunked_cross_entropy_matches_the_whole_loss_and_its_gradients():
     keys = jax.random.split(jax.random.key(0), 3)
     hidden = jax.random.normal(keys[0], (2, 64, 16))
@@ -89,6 +90,7 @@ def test_bad_loss_chunks_are_config_errors(value, message):
         config_from_dict({"model": {"preset": "tiny", "loss_chunk": value}})
 
 
+@pytest.mark.newest
 def test_chunked_loss_lowers_the_planned_temporaries():
     """On a CPU plan of a small model with a large vocabulary, the whole fp32 logits disappear from the
     temporaries (B x L x V x 4 bytes per device = 2 x 256 x 8192 x 4 = 16 MiB) ."""

@@ -29,6 +29,7 @@ def _tiny(**sections):
     })  # fmt: skip
 
 
+@pytest.mark.newest
 def test_parameter_optimizer_and_batch_bytes_are_exact():
     report = plan(_tiny())
     # Worked by hand for tiny (d=64, 4 layers, 4 heads of 16, 2 KV heads, d_ff=192, vocab 256) with only
@@ -49,6 +50,7 @@ def test_parameter_optimizer_and_batch_bytes_are_exact():
     assert report.approximate
 
 
+@pytest.mark.newest
 def test_plan_function_reports_any_jitted_function():
     target = resolve_target("cpu", n_devices=8)
     mesh = build_mesh({"fsdp": 8}, target.devices)
@@ -128,12 +130,14 @@ def test_recomputation_is_never_negative_and_hfu_never_below_mfu():
         assert hlo.matmul_flops(jaxpr) > model_flops(program, jaxpr) == dots.flops_no_remat, policy
 
 
+@pytest.mark.newest
 def test_offload_moves_bytes_to_host_on_gpu_targets():
     offload, minimal = _h100_plan("offload", 2), _h100_plan("minimal", 2)
     assert offload.per_device["host"] > 0
     assert offload.per_device["temp"] < minimal.per_device["temp"]
 
 
+@pytest.mark.newest
 def test_plan_a_users_own_nnx_module():
     class TwoLayer(nnx.Module):
         def __init__(self, rngs):

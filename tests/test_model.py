@@ -5,6 +5,9 @@ from flax import nnx
 
 from shardmem.models.llama import PRESETS, Llama, ModelConfig
 
+# On the newest JAX too (.ci/run): Flax NNX's modules and variables.
+pytestmark = pytest.mark.newest
+
 
 @pytest.mark.parametrize(
     "name, expected",

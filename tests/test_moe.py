@@ -50,6 +50,7 @@ def test_capacity_is_the_balanced_share_times_the_factor_within_the_group():
     assert expert_capacity(10, 8, 1, 0.01) == 1 and expert_capacity(10, 2, 2, 4.0) == 10
 
 
+@pytest.mark.newest
 def test_top_k_matches_lax_top_k():
     x = jax.random.normal(jax.random.key(0), (3, 5, 8))
     for k in (1, 2, 3):
@@ -240,6 +241,7 @@ class UserMoE(nnx.Module):
         return (x_BxLxD + y_BxLxD) @ self.head[...]
 
 
+@pytest.mark.newest
 def test_a_users_own_moe_module_plans_with_an_expert_axis():
     config = _config({"data": 2, "expert": 4})
     report = plan(config, "cpu", model_factory=UserMoE, count_remat_overhead=False)

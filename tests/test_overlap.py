@@ -15,6 +15,7 @@ from shardmem.run.training import compiled_step
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 
 
+@pytest.mark.newest
 def test_every_overlap_option_has_a_spelling_this_xla_accepts():
     options = overlap.gpu_options()
     assert len(options) == len(overlap.GPU_OVERLAP)  # One per option, none dropped as unknown.
@@ -28,6 +29,7 @@ def gpu_plan():
     return config, plan(config, "h100-sxm")
 
 
+@pytest.mark.newest
 def test_gpu_plans_compile_with_the_overlap_options_and_the_users_win(gpu_plan):
     _, report = gpu_plan
     want = {**overlap.gpu_options(), LHS: False}
@@ -39,6 +41,7 @@ def test_cpu_plans_take_no_gpu_options():
     assert not set(report.compiler_options) & set(overlap.gpu_options())
 
 
+@pytest.mark.newest
 def test_training_compiles_its_step_with_the_plans_options(gpu_plan):
     config, report = gpu_plan
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))

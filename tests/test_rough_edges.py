@@ -123,6 +123,7 @@ def test_large_but_possible_sizes_still_load():
         config_from_dict({"data": {"batch": {"x": {"shape": ["global_batch", 2_000_000_000, 2_000_000]}}}})
 
 
+@pytest.mark.newest
 def test_a_native_abort_while_stderr_is_silenced_still_leaves_one_line(tmp_path):
     # XLA aborts the process (SIGABRT) on a shape whose extent overflows int64; with stderr pointed
     # at /dev/null for the compile, the user saw nothing at all, only exit status 134.

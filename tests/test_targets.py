@@ -8,9 +8,11 @@ from shardmem.models.attention import resolve_attention
 from shardmem.planning import cost
 from shardmem.planning.targets import GPU_TARGETS, MIG_PROFILES, MIG_TARGETS, target_for_device_kind
 
-# One card per compute capability is a fast test; the others differ from it only in their figures.
+# One card per compute capability is a fast test, on the newest JAX too (whose XLA may drop or change a
+# capability); the others differ from it only in their figures.
 NEW_TARGETS = [
-    "t4", "v100-16g", "rtx-3090", "rtx-4090", "h100-nvl",
+    *(pytest.param(name, marks=pytest.mark.newest) for name in ("t4", "v100-16g", "rtx-3090", "rtx-4090",
+                                                                 "h100-nvl")),
     *(pytest.param(name, marks=pytest.mark.slow) for name in ("v100-32g", "a10g", "rtx-a6000", "l4", "l40s")),
 ]  # fmt: skip
 ONE_CARD = ["mesh.axes={data: 1, fsdp: 1, tensor: 1}"]

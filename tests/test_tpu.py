@@ -81,6 +81,7 @@ def test_without_libtpu_a_tpu_target_is_one_line_saying_what_to_install(monkeypa
     assert err.count("\n") == 0 and "libtpu" in err and "jax[tpu]" in err
 
 
+@pytest.mark.newest
 def test_plan_on_a_v5e_slice_gives_exact_per_chip_bytes_and_the_same_api_as_gpus():
     report = shardmem.plan(_config("v5e-4"))
     assert report.devices == 4 and report.target == "tpu-v5e" and not report.approximate
@@ -104,6 +105,7 @@ def test_plan_on_a_v5e_slice_gives_exact_per_chip_bytes_and_the_same_api_as_gpus
     json.dumps(report.to_json())
 
 
+@pytest.mark.newest
 def test_a_step_libtpu_refuses_as_over_the_chips_hbm_is_a_verdict_exit_3(monkeypatch, capsys):
     # XLA's TPU compiler fails on a program over the chip's HBM (RESOURCE_EXHAUSTED), as llama-7b does on a
     # v5e-16 (23.52G of temporaries over 15.75G); simulated here, the real one takes a minute to fail.
@@ -148,6 +150,7 @@ def test_a_step_libtpu_refuses_as_over_the_chips_hbm_is_a_verdict_exit_3(monkeyp
     assert captured.err.count("\n") == 1 and "does not fit" in captured.err
 
 
+@pytest.mark.newest
 def test_two_slices_put_the_data_axis_across_them():
     config = _config("2xv5e-4", mesh={"axes": {"data": 2, "fsdp": 4}}, rules={"batch": ["data", "fsdp"]})
     report = shardmem.plan(config)
@@ -177,6 +180,7 @@ def test_verdict_around_a_v5e_chips_16_gib(vocab_size, fits):
     assert report.fits is fits
 
 
+@pytest.mark.newest
 def test_plan_cli_on_a_tpu_slice_exits_by_the_verdict(capsys):
     args = ["plan", "configs/tiny.yaml", "--target", "v6e-4", "--set", "precision.compute=bfloat16"]
     assert main(args) == 0
@@ -191,6 +195,7 @@ def _kernel(body: str) -> tuple[cost._Kernels, hlo.Instruction]:
     return cost._Kernels(module, hardware, {}), module.by_name["c"]
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize(
     "lhs, rhs, conv, flops",
     [
@@ -218,6 +223,7 @@ def test_a_convolution_counts_only_the_window_taps_on_real_input(lhs, rhs, conv,
     assert kernels.flops(ins)[0] == flops
 
 
+@pytest.mark.newest
 def test_a_megascale_send_is_a_collective_over_dcn_between_the_slices():
     attributes = ('is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
                   '_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}')  # fmt: skip
@@ -287,6 +293,7 @@ def test_a_peak_at_the_chips_hbm_says_the_compiler_fitted_it_itself():
     assert targets.tpu_notes(resolve_target("h100-sxm", n_devices=1), memory, 1 << 40) == []
 
 
+@pytest.mark.newest
 def test_host_offload_compiles_to_the_tpu_hosts_pinned_memory():
     report = shardmem.plan(_config("v5e-4", memory={"target": "v5e-4", "offload_optimizer": True}))
     # Adam's mu and nu leave the chip for its host: two float32 copies of each chip's parameter shard.
@@ -298,6 +305,7 @@ def test_host_offload_compiles_to_the_tpu_hosts_pinned_memory():
     assert "AsyncCollectiveStart" in report.step_time_note
 
 
+@pytest.mark.newest
 def test_a_tpu_target_starts_jax_quietly(tmp_path):
     # Issue 30, item 9: every TPU plan (and every tune worker) printed absl's and the CUDA plugin's C++
     # start-up lines, as JAX's backends started mid-plan, after the silenced topology.

@@ -107,6 +107,7 @@ def reference(tmp_path_factory):
     return config, train(config, run_dir, console=Console(quiet=True))
 
 
+@pytest.mark.newest
 def test_train_writes_the_run_dir_and_the_loss_falls(reference):
     config, result = reference
     assert (result.status, result.start_step, result.final_step) == ("finished", 0, STEPS)
@@ -124,6 +125,7 @@ def test_train_writes_the_run_dir_and_the_loss_falls(reference):
     assert int(result.state["step"]) == STEPS
 
 
+@pytest.mark.newest
 def test_one_process_trains_with_the_plans_compiled_step(tmp_path, monkeypatch):
     import shardmem.run.training
 
@@ -151,6 +153,7 @@ def test_a_start_that_fails_before_its_first_step_leaves_the_run_directory_as_it
     assert [p.name for p in there.iterdir()] == ["notes.txt"], "its run.lock or checkpoints/ stays"
 
 
+@pytest.mark.newest
 def test_checkpoint_restores_exactly_onto_half_the_devices(reference):
     config, result = reference
     restored = _restore(result.run_dir, config, jax.devices()[:4], STEPS)
@@ -327,6 +330,7 @@ def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch)
     assert "needs a command after --" in capsys.readouterr().err
 
 
+@pytest.mark.newest
 def test_cli_gate_exits_3_with_the_report(child_env, tmp_path):
     run_dir = tmp_path / "run"
     too_small = ["memory.reserve=0", "memory.usable_fraction=0.000001"]
@@ -338,6 +342,7 @@ def test_cli_gate_exits_3_with_the_report(child_env, tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.newest
 def test_a_planning_error_on_process_0_stops_every_process_alike(child_env, tmp_path):
     # 2 rows cannot be split over 4 devices: process 0's plan fails, and the other one must not wait.
     overrides = [FSDP_OVER_ALL, "train.global_batch=2"]

@@ -120,6 +120,7 @@ def _batch(program, seed=0):
             "y": jax.device_put((x[:, 0] > 0).astype(np.int32), program.batch_sharding["y"])}  # fmt: skip
 
 
+@pytest.mark.newest
 def test_nnx_variables_beyond_params_are_carried_not_trained():
     # No model section: the model, loss and batch all come from Python.
     train_section = {"global_batch": 16, "micro_batches": 2}
@@ -174,6 +175,7 @@ def _stack_loss(model, x):
 STACK_BATCH = {"shape": ["global_batch", 16], "dtype": "float32"}
 
 
+@pytest.mark.newest
 def test_user_remat_plan_reaches_layers_and_unmatched_tags_warn():
     batch, loss = STACK_BATCH, _stack_loss
 
@@ -220,6 +222,7 @@ def test_model_passed_in_code_gets_its_tags_whatever_the_yaml_model_section():
         build_program(tagged, build_mesh(tagged.mesh.axes, jax.devices()))
 
 
+@pytest.mark.newest
 def test_deviceless_compile_failure_retries_without_triton_gemm(monkeypatch):
     calls = []
     real = memory._compile
@@ -312,6 +315,7 @@ def test_unused_param_rules_and_conv_flops():
     assert hlo.matmul_flops(jaxpr) == 2 * (2 * 4 * 4 * 5) * (2 * 2 * 3)
 
 
+@pytest.mark.newest
 def test_linen_batch_statistics_update_and_are_not_trained():
     import flax.linen as nn
 
@@ -338,6 +342,7 @@ def test_linen_batch_statistics_update_and_are_not_trained():
     assert not np.allclose(np.asarray(after), np.asarray(before))
 
 
+@pytest.mark.newest
 def test_a_linen_module_returned_directly_is_a_config_error_naming_from_linen(tmp_path):
     import flax.linen as nn
 
@@ -431,6 +436,7 @@ def _third_party_plan(build, modules=None):
     return shardmem.plan(config, target="h100-sxm", model_factory=build, loss_fn=loss, batch=TOKENS, top=1)
 
 
+@pytest.mark.newest
 def test_an_unedited_third_party_model_gets_a_model_flops_baseline_and_mfu():
     """No remat argument, no remat.modules: the traced step has no jax.checkpoint, so it is its own
     no-remat baseline, and the plan reports MFU."""
@@ -458,6 +464,7 @@ def test_remat_modules_reach_a_model_under_nn_jit_in_any_order_of_plans():
     assert full.step_time.mfu == pytest.approx(plain.step_time.mfu, rel=0.3)  # Model FLOPs, not the remat's.
 
 
+@pytest.mark.newest
 def test_a_remat_that_did_not_happen_is_reported_as_not_applied(monkeypatch):
     """With JAX's trace caches left as they are, nn.jit reuses the trace made without remat: the plan
     says so instead of reporting the remat it asked for."""

@@ -19,6 +19,9 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from shardmem import ConfigError, build_mesh, build_program, config_from_dict  # noqa: E402
 from shardmem.finetune.export import export_safetensors  # noqa: E402
 
+# On the newest JAX too (.ci/run): checkpoint formats: safetensors, transformers' Flax models, Orbax.
+pytestmark = pytest.mark.newest
+
 MODEL = {"vocab_size": V, "d_model": D, "n_layers": L, "n_heads": H, "n_kv_heads": G, "d_ff": F,
          "seq_len": 16, "norm_eps": 1e-6, "rope_theta": 10000.0}  # fmt: skip
 LLAMA = hf.hf_config("llama")
