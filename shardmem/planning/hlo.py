@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from jax.extend import core as jex_core
@@ -17,14 +18,15 @@ from jax.extend import core as jex_core
 # --- FLOPs ---------------------------------------------------------------------------------------
 
 
-def matmul_flops(jaxpr) -> float:
+def matmul_flops(jaxpr, used: Sequence[bool] | None = None) -> float:
     """Returns the FLOPs of every ``dot_general`` and convolution in a (closed) jaxpr, counting scan trip
     counts and the recomputation that remat adds to the backward pass (it appears as extra ops there),
     the matmuls inside fused attention kernels (:func:`fused_attention_flops`), and ``shard_map`` bodies
-    once per shard."""
+    once per shard; not those whose results nothing uses (XLA removes them), ``used`` saying which of
+    the jaxpr's outputs are (default: all)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
-    for eqn in jaxpr.eqns:
+    for eqn, outputs_used in _live_eqns(jaxpr, used):
         name = eqn.primitive.name
         fused = fused_attention_flops(eqn)
         if fused is not None:
@@ -43,7 +45,11 @@ def matmul_flops(jaxpr) -> float:
             out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
             continue
-        inner = sum(matmul_flops(sub) for sub in _sub_jaxprs(eqn.params))
+        subs = list(_sub_jaxprs(eqn.params))
+        if name in _BODY_CALLS and len(subs) == 1:  # Its outputs are its body's: unused ones stay unused.
+            inner = matmul_flops(subs[0], outputs_used)
+        else:
+            inner = sum(matmul_flops(sub) for sub in subs)
         if name == "scan":
             inner *= eqn.params["length"]
         elif name == "cond":
@@ -52,6 +58,28 @@ def matmul_flops(jaxpr) -> float:
             inner *= _shards(eqn.params["mesh"], eqn.params["in_specs"])
         total += inner
     return total
+
+
+#: Primitives that run one jaxpr whose outputs are theirs, one for one.
+_BODY_CALLS = {"pjit", "jit", "closed_call", "core_call", "shard_map", "checkpoint", "remat", "remat2"}
+
+
+def _live_eqns(jaxpr, used: Sequence[bool] | None = None) -> list:
+    """``(equation, which of its outputs are used)`` for the equations of ``jaxpr`` whose results are used
+    (by its outputs, ``used`` saying which, or a used equation) or that have effects: XLA removes the
+    rest, such as the forward matmul that ``jax.vjp`` traces inside a ``custom_vjp`` rule for a pullback
+    alone, or a gradient nobody asked for (:mod:`shardmem.parallel.collective_matmul`)."""
+    outputs = jaxpr.outvars if used is None else [v for v, u in zip(jaxpr.outvars, used, strict=True) if u]
+    needed = {id(v) for v in outputs if not hasattr(v, "val")}  # Literals carry a value.
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        outputs_used = [id(v) in needed for v in eqn.outvars]
+        if eqn.effects:
+            outputs_used = [True] * len(eqn.outvars)
+        if any(outputs_used):
+            live.append((eqn, outputs_used))
+            needed.update(id(v) for v in eqn.invars if not hasattr(v, "val"))
+    return live[::-1]
 
 
 #: JAX's Pallas flash-attention kernels (jax.experimental.pallas.ops.gpu.attention), by pallas_call name.
