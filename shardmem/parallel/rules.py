@@ -236,7 +236,7 @@ def active() -> tuple[Mesh, Rules] | None:
     return _active.get()
 
 
-def _manual_axes() -> set[str]:
+def manual_axes() -> set[str]:
     """The mesh axes an enclosing ``jax.shard_map`` body splits by hand (the 1F1B pipeline's)."""
     return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
 
@@ -244,7 +244,7 @@ def _manual_axes() -> set[str]:
 def without_manual(spec: P) -> P:
     """Returns ``spec`` less the mesh axes an enclosing shard_map's body already splits by hand: inside it
     each device sees its own shard along them."""
-    manual = _manual_axes()
+    manual = manual_axes()
     if not manual:
         return spec
 
@@ -258,7 +258,7 @@ def without_manual(spec: P) -> P:
 def shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
     """``jax.shard_map(fn, ...)`` over every axis of ``mesh``, or, inside another shard_map's body (the
     1F1B pipeline's, manual over ``stage`` and the data axes), over the axes still left to the compiler."""
-    manual = _manual_axes()
+    manual = manual_axes()
     if not manual:
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     in_specs, out_specs = jax.tree.map(
@@ -275,14 +275,25 @@ def constrain(x, logical_axes: Sequence[str | None]):
     active = _active.get()
     if active is None:
         return x
-    mesh, rules = active
-    manual = _manual_axes()
+    mesh, _ = active
+    manual = manual_axes()
     if manual >= set(mesh.axis_names):  # Inside a shard_map's body manual over every axis: nothing to split.
         return x
-    spec = without_manual(residual_spec(rules, mesh, logical_axes, x.shape) or rules.spec(logical_axes))
+    spec = activation_spec(logical_axes, x.shape)
     if manual:  # The rest, on the body's mesh, whose manual axes each device already holds its shard of.
         mesh = jax.sharding.get_abstract_mesh()
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def activation_spec(logical_axes: Sequence[str | None], shape) -> P:
+    """Returns the spec :func:`constrain` gives an activation of ``shape`` with ``logical_axes`` under the
+    active rules (:func:`residual_spec` for the residual stream), less the axes an enclosing shard_map's
+    body splits by hand; ``P()`` outside :meth:`Rules.activate`."""
+    active = _active.get()
+    if active is None:
+        return P()
+    mesh, rules = active
+    return without_manual(residual_spec(rules, mesh, logical_axes, shape) or rules.spec(logical_axes))
 
 
 def residual_spec(rules: Rules, mesh: Mesh, logical_axes: Sequence[str | None], shape) -> P | None:
