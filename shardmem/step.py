@@ -60,6 +60,7 @@ from shardmem.optimizer import (
     to_device,
     to_host,
 )
+from shardmem.parallel import collective_matmul
 from shardmem.parallel.mesh import auto_axes
 from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline, parse_stages
 from shardmem.parallel.rules import Rules, sequence_parallel, sharding_table, spec_axes
@@ -76,10 +77,11 @@ def next_token_loss(model: nnx.Module, batch_BxL1: jax.Array) -> jax.Array:
 
 
 def default_model_factory(config: Config, attention: AttentionKernel | None = None,
-                          pipeline: Pipeline | None = None) -> ModelFactory:  # fmt: skip
+                          pipeline: Pipeline | None = None,
+                          collective_matmuls: bool = False) -> ModelFactory:  # fmt: skip
     """Returns ``rngs -> model`` for the config: the reference Llama (its layers in ``pipeline`` stages,
-    where given), or ``model.factory`` called with ``model.options`` (and ``remat=`` the per-layer plan,
-    where it takes one)."""
+    where given; its projections as collective matmuls with ``collective_matmuls``), or ``model.factory``
+    called with ``model.options`` (and ``remat=`` the per-layer plan, where it takes one)."""
     if config.model is None:
         raise ConfigError(
             "the config has no model section; add e.g. model: {preset: tiny} (presets: "
@@ -95,7 +97,7 @@ def default_model_factory(config: Config, attention: AttentionKernel | None = No
         return Llama(config.model, rngs=rngs, remat=plan,
                      param_dtype=jnp.dtype(config.precision.params),
                      compute_dtype=jnp.dtype(config.precision.compute), attention=attention,
-                     pipeline=pipeline)  # fmt: skip
+                     pipeline=pipeline, collective_matmuls=collective_matmuls)  # fmt: skip
 
     return factory
 
@@ -162,6 +164,8 @@ class Program:
     # (params, model_state, batch) -> (loss, (metrics, new model_state)): what the step differentiates.
     loss: Callable | None = None
     attention: AttentionKernel | None = None  # The reference model's kernel, resolved for the mesh's devices.
+    # The reference model's projections run as collective matmuls (overlap.tensor_parallel, resolved).
+    collective_matmuls: bool = False
     pipeline: Pipeline | None = None  # The layers' pipeline stages (None: no stage axis, or stage=1).
     finetune: FineTune | None = None  # Frozen, adapted and quantized parameters (None: all train).
     # The model's own parameters (before the fine-tune split), with their shardings: what weights load into.
@@ -269,6 +273,9 @@ def build_program(
                                       where=device_class(mesh.devices.flat),
                                       dtype=config.precision.compute, context=context,
                                       shared_memory=shared_memory_per_block(mesh.devices.flat))  # fmt: skip
+    collective = collective_matmul.resolve(config.overlap.tensor_parallel, rules, mesh,
+                                           reference_model=not custom,
+                                           pipelined=pipeline is not None)  # fmt: skip
     if attention is not None and not custom:
         attention.check_length(batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len)
         attention.check_head_dim(config.model.head_size)
@@ -289,7 +296,7 @@ def build_program(
         plan = config.remat_plan(user_model=True)  # A model passed in code is the user's, whatever the YAML.
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
     else:
-        factory = default_model_factory(config, None if custom else attention, pipeline)
+        factory = default_model_factory(config, None if custom else attention, pipeline, collective)
     takes_remat = getattr(factory, "takes_remat", not custom)
     modules = config.module_plan(user_model=True) if custom else ModulePlan()
     matched: set[str] = set()  # The remat.modules patterns that named a module, for the plan's warnings.
@@ -454,7 +461,8 @@ def build_program(
                    custom_model=custom, remat_plan=config.remat_plan(custom) if takes_remat else None,
                    module_plan=modules, module_matches=matched,
                    token_batch=token, loss=loss_of_params, attention=None if custom else attention,
-                   pipeline=pipeline, finetune=finetune, model_params=model_params, start_from=start,
+                   collective_matmuls=collective, pipeline=pipeline, finetune=finetune,
+                   model_params=model_params, start_from=start,
                    frozen_logical=frozen_logical,
                    overlap_off=overlap_exceptions(config, mesh, rules, param_shardings, batch_sharding,
                                                   rows_independent=rows_independent,
