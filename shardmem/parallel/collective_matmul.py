@@ -46,6 +46,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
@@ -125,9 +126,9 @@ def gather_matmul(project: Project, x, weights: tuple, weight_axes, output_axes)
     logical axes ``weight_axes`` (one tuple each); ``output_axes`` name each output's dimensions, whose
     tensor-parallel one comes back split."""
     layout = _Layout.of(x.shape)
-    weights = tuple(_dequantized(w, x.dtype) for w in weights)
+    weights, weight_specs = layout.weights(weights, weight_axes, x.dtype)
     gather = _gather(project, layout, assembled=True)
-    specs = (layout.spec(None), layout.weight_specs(weights, weight_axes))
+    specs = (layout.spec(None), weight_specs)
     out_specs = tuple(map(layout.spec, output_axes))
     body = layout.shard_map(lambda x, w: gather(layout.merge(x), w), specs, out_specs)
     return tuple(layout.unchunk(y) for y in body(layout.chunk(x), weights))
@@ -138,11 +139,11 @@ def matmul_scatter(project: Project, x, weight, weight_axes, input_axes):
     stream is (a reduce-scatter), run in chunks under the matmuls. ``x`` holds every token of the
     device's rows, its tensor-parallel dimension (named in ``input_axes``) split."""
     layout = _Layout.of((*x.shape[:2], 1))
-    weight = _dequantized(weight, x.dtype)
+    (weight,), (weight_spec,) = layout.weights((weight,), (weight_axes,), x.dtype)
     scatter = _scatter(project, layout, assembled=True)
     # x enters whole (chunked inside the custom_vjp): it is then the very value the layer saves for the
     # backward pass (the attention's output), not a reshaped copy saved beside it.
-    specs = (layout.spec(input_axes, chunked=False), layout.weight_spec(weight, weight_axes))
+    specs = (layout.spec(input_axes, chunked=False), weight_spec)
     body = layout.shard_map(lambda x, w: layout.split(scatter(x, w)), specs, layout.spec(None))
     return layout.unchunk(body(x, weight))
 
@@ -153,16 +154,15 @@ def gather_matmul_scatter(project_in: Project, activation: Callable, project_out
     scattered: :func:`gather_matmul` then :func:`matmul_scatter` in one shard_map, ``activation`` (per
     token, e.g. a gated MLP's) applied to each chunk of tokens as it is made, so that none is assembled."""
     layout = _Layout.of(x.shape)
-    weights_in = tuple(_dequantized(w, x.dtype) for w in weights_in)
-    weight_out = _dequantized(weight_out, x.dtype)
+    weights_in, specs_in = layout.weights(weights_in, weight_in_axes, x.dtype)
+    (weight_out,), (spec_out,) = layout.weights((weight_out,), (weight_out_axes,), x.dtype)
     gather, scatter = _gather(project_in, layout), _scatter(project_out, layout)
 
     def body(x, weights_in, weight_out):
         hidden = [activation(*ys) for ys in gather(layout.merge(x), weights_in)]
         return layout.split(scatter(hidden, weight_out))
 
-    specs = (layout.spec(None), layout.weight_specs(weights_in, weight_in_axes),
-             layout.weight_spec(weight_out, weight_out_axes))  # fmt: skip
+    specs = (layout.spec(None), specs_in, spec_out)
     mapped = layout.shard_map(body, specs, layout.spec(None))
     return layout.unchunk(mapped(layout.chunk(x), weights_in, weight_out))
 
@@ -277,9 +277,24 @@ class _Layout:
         ``offset`` places to its right."""
         return jax.lax.ppermute(x, self.axis, [(k, (k + offset) % self.n) for k in range(self.n)])
 
-    def weight_specs(self, values, logical_axes) -> tuple:
-        """:meth:`weight_spec` of each of ``values``, with its logical axes."""
-        return tuple(self.weight_spec(v, a) for v, a in zip(values, logical_axes, strict=True))
+    def weights(self, values, logical_axes, dtype) -> tuple[tuple, tuple]:
+        """``(values, shard_map specs)`` of weights (with their logical axes) for the shard_map: a quantized
+        base dequantized to ``dtype`` (its codes' and scales' blocks need not split over ``axis`` as the
+        matrix does: ``FineTune.fit_shardings`` keeps such ones whole), and each gathered over the axes
+        other than ``axis`` (FSDP's) here, once: inside, every chunk's matmul would gather it again."""
+        values = tuple(_dequantized(v, dtype) for v in values)
+        specs = tuple(self.weight_spec(v, a) for v, a in zip(values, logical_axes, strict=True))
+        mesh, _ = active()
+
+        def gather(leaf, spec):
+            return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+
+        def split_elsewhere(names) -> bool:  # Over an axis besides the overlap axis (FSDP's, context's).
+            return any(a != self.axis for entry in self.rules.spec(names) for a in spec_axes(entry))
+
+        gathered = tuple(jax.tree.map(gather, v, s) if split_elsewhere(a) else v
+                         for v, s, a in zip(values, specs, logical_axes, strict=True))  # fmt: skip
+        return gathered, specs
 
     def shard_map(self, body, in_specs, out_specs):
         """``jax.shard_map`` manual over ``axis`` (inside 1F1B's body, which splits others by hand, on its
@@ -297,8 +312,6 @@ class _Layout:
 
 
 def _dequantized(value, dtype):
-    """A quantized base dequantized before the shard_map: the blocks of its codes and scales need not
-    split over the tensor axis as the matrix does (``FineTune.fit_shardings`` keeps such ones whole)."""
     if isinstance(value, Adapted) and isinstance(value.base, Quantized):
         base = value.base.dequantize(dtype)
         return Adapted(base, value.lora_a, value.lora_b, value.scale, value.input_dims)
