@@ -2,6 +2,7 @@
 
     python bench/published_steps.py                  # every row, deviceless (minutes on 2 CPU cores)
     python bench/published_steps.py --only mpt-7b-8xh100 --json out.json
+    python bench/published_steps.py --only nemotron4-15b-16xh100 --collective-matmuls   # issue 38 item 3
 
 Plans, for every row of ``shared/reference/published-steps.md``, the closest shardmem config (the
 reference Llama model) deviceless for the row's GPUs over its node count, and prints predicted against
@@ -49,6 +50,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -222,20 +225,26 @@ ROWS: dict[str, tuple[float, str, dict, tuple[str, ...]]] = {
 }
 
 
-def config_for(row_id: str):
-    """Returns the shardmem Config and target for one row."""
+def config_for(row_id: str, collective_matmuls: bool = False, compiler_options: dict | None = None):
+    """Returns the shardmem Config and target for one row; ``collective_matmuls`` sets
+    ``overlap.tensor_parallel`` on the rows with sequence parallelism and no pipeline (Megatron's
+    ``tp_comm_overlap``), ``compiler_options`` adds XLA options (``memory.compiler_options``)."""
     _, target, sections, _ = ROWS[row_id]
-    base = {"precision": {"params": "float32", "compute": "bfloat16"},
-            "optimizer": {"name": "adamw"}, "memory": {"target": target}}  # fmt: skip
-    return config_from_dict({**base, **sections, "name": row_id}), target
+    memory = {"target": target, "compiler_options": compiler_options or {}}
+    base = {"precision": {"params": "float32", "compute": "bfloat16"}, "optimizer": {"name": "adamw"},
+            "memory": memory}  # fmt: skip
+    sequence_parallel = "residual_seq" in sections.get("rules", {}) and "pipeline" not in sections
+    overlap = {"overlap": {"tensor_parallel": True}} if collective_matmuls and sequence_parallel else {}
+    return config_from_dict({**base, **sections, **overlap, "name": row_id}), target
 
 
-def plan_row(row_id: str) -> dict:
-    """Plans one row; returns its figures (or the reason it could not be planned)."""
+def plan_row(row_id: str, collective_matmuls: bool = False, compiler_options: dict | None = None) -> dict:
+    """Plans one row (see :func:`config_for` for the options); returns its figures (or the reason it could
+    not be planned)."""
     published, target, _, assumptions = ROWS[row_id]
     start = time.perf_counter()
     try:
-        config, target = config_for(row_id)
+        config, target = config_for(row_id, collective_matmuls, compiler_options)
         report = shardmem.plan(config, target=target, count_remat_overhead=False)
     except ShardmemError as e:
         return {"id": row_id, "error": str(e), "assumptions": assumptions}
@@ -267,11 +276,19 @@ def main(argv=None) -> int:
         "--only", action="append", choices=sorted(ROWS), help="plan only this row (repeatable)"
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    overlap = "overlap.tensor_parallel: true on the sequence-parallel rows without a pipeline"
+    parser.add_argument("--collective-matmuls", action="store_true", help=overlap)
+    xla = "an XLA option for every compile, e.g. xla_gpu_memory_limit_slop_factor=200"
+    parser.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE", help=xla)
     args = parser.parse_args(argv)
+    options = {}
+    for option in args.xla:
+        name, _, value = option.partition("=")
+        options[name] = yaml.safe_load(value)
     results = []
     print(f"{'row':24} {'published':>9} {'predicted':>9} {'ratio':>6}  breakdown (s)")
     for row_id in args.only or ROWS:
-        result = plan_row(row_id)
+        result = plan_row(row_id, args.collective_matmuls, options)
         results.append(result)
         if "error" in result:
             print(f"{row_id:24} cannot be planned: {result['error']}")

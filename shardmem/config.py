@@ -241,6 +241,20 @@ class InterconnectConfig:
 _RATE_KEYS = ("nvlink", "network", "host")  # The Bandwidth fields of InterconnectConfig.
 
 
+@dataclasses.dataclass(frozen=True)
+class OverlapConfig:
+    """Communication the step overlaps with compute by how it is written, beside what XLA's scheduler
+    overlaps by itself (:mod:`shardmem.planning.overlap`). ``tensor_parallel``: under sequence
+    parallelism, the reference model's all-gathers and reduce-scatters around its tensor-parallel
+    matmuls run in chunks under them, as collective matmuls (:mod:`shardmem.parallel.collective_matmul`;
+    NeMo's ``tp_comm_overlap``). Off by default: XLA overlaps the chunks only where its scheduler has
+    memory to spare, and the chunking costs memory-bound kernels of its own (BENCHMARKS.md, issue 38
+    item 3): plan both."""
+
+    # Sequence parallelism's collectives in chunks under the tensor-parallel matmuls (collective matmuls).
+    tensor_parallel: bool = False
+
+
 def _rate_text(rate: float) -> str:
     """A rate as text that parses back to the same float: "50GB/s", or exact bytes per second."""
     return f"{rate / 1e9:g}GB/s" if float(f"{rate / 1e9:g}") * 1e9 == rate else f"{rate:.17g}B/s"
@@ -309,6 +323,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     interconnect: InterconnectConfig = dataclasses.field(default_factory=InterconnectConfig)
+    overlap: OverlapConfig = dataclasses.field(default_factory=OverlapConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
     name: str = "run"  # The run's name, one folder name: runs/<name> (default: the config file's name).
     # The loaded file's folder, where import paths (model.factory, ...) are looked up first; not a key.

@@ -132,6 +132,26 @@ def test_matmul_flops_count_scan_trips():
     assert hlo.matmul_flops(jaxpr) == 3 * 2 * 4 * 16 * 16
 
 
+def test_matmul_flops_leave_out_the_matmuls_nobody_uses():
+    # jax.vjp inside a custom_vjp rule traces the forward matmul as well as the pullback, and a rule's
+    # cotangent for an input nobody differentiates is computed, then dropped: XLA removes both, so must
+    # the count, through the shard_map (or jit) whose body makes them.
+    @jax.custom_vjp
+    def project(x, w):
+        return x @ w
+
+    def backward(residuals, g):
+        x, w = residuals
+        return g @ w.T, jax.vjp(lambda w: x @ w, w)[1](g)[0]  # Forward x @ w unused; d w unused below.
+
+    project.defvjp(lambda x, w: (x @ w, (x, w)), backward)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    mapped = jax.shard_map(project, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    step = jax.value_and_grad(lambda x, w: mapped(x, w).sum())
+    jaxpr = jax.make_jaxpr(step)(jnp.ones((4, 8)), jnp.ones((8, 16)))
+    assert hlo.matmul_flops(jaxpr) == 2 * (2 * 4 * 8 * 16)  # The forward and d x: no d w, no 2nd forward.
+
+
 @pytest.mark.newest  # The Pallas kernel differs between JAX versions.
 @pytest.mark.parametrize("causal", [True, False])
 def test_matmul_flops_count_the_pallas_flash_kernel_from_its_shapes(causal):

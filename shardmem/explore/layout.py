@@ -82,6 +82,8 @@ class Layout:
                f"remat.policy={self.policy}", "remat.layers={}", "pipeline.stages=null",
                f"pipeline.schedule={self.schedule or 'null'}",
                f"optimizer.shard_over_data={str(self.zero1).lower()}")  # fmt: skip
+        if config.overlap.tensor_parallel and (not self.sequence or self.schedule):
+            out += ("overlap.tensor_parallel=false",)  # It needs sequence parallelism and no pipeline.
         if self.global_batch is not None:
             out += (f"train.global_batch={self.global_batch}",)
         return out

@@ -36,9 +36,9 @@ from shardmem.models.attention import (
 from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
 from shardmem.models.rope import RopeScaling, rope
-from shardmem.parallel import context
+from shardmem.parallel import collective_matmul, context
 from shardmem.parallel.pipeline import Pipeline
-from shardmem.parallel.rules import constrain, sequence_parallel
+from shardmem.parallel.rules import constrain, manual_axes, sequence_parallel
 from shardmem.remat import LayerPlan, layer_saves, remat_scan
 
 #: The intermediates a layer tags for remat policies, in the order they are computed.
@@ -205,6 +205,10 @@ _XLA = AttentionKernel("xla")
 RESIDUAL = ("batch", "residual_seq", None)
 _HEADS, _KV_HEADS = ("batch", "seq", "heads", None), ("batch", "seq", "kv_heads", None)
 _MLP = ("batch", "seq", "mlp")
+# The weights' logical axes, inputs first.
+_WQ, _WKV = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+_WO = ("heads", "head_dim", "embed")
+_W_IN, _W_OUT = ("embed", "mlp"), ("mlp", "embed")
 
 
 # Sequence parallelism (Korthikanti et al. 2022): the tensor-parallel regions see whole sequences (an
@@ -262,20 +266,23 @@ def _gathered_projections(project, h_BxLxD, names):
 
 class Block(nnx.Module):
     """One decoder layer: pre-norm grouped-query attention, then a pre-norm SwiGLU MLP (or, with
-    ``n_experts``, a mixture of SwiGLU experts)."""
+    ``n_experts``, a mixture of SwiGLU experts). ``collective_matmuls``: under sequence parallelism,
+    the tensor-parallel projections run as collective matmuls
+    (:mod:`shardmem.parallel.collective_matmul`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype, compute_dtype,
-                 attention: AttentionKernel = _XLA):  # fmt: skip
+                 attention: AttentionKernel = _XLA, collective_matmuls: bool = False):  # fmt: skip
         d, h, kv, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.attention = attention
+        self.collective_matmuls = collective_matmuls
         norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, offset=cfg.norm_offset)
         self.attn_norm = RMSNorm(d, cfg.norm_eps, **norm)
-        self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), param_dtype, d)
-        self.wk = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
-        self.wv = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), param_dtype, d)
-        self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), param_dtype, h * k)
+        self.wq = _param(rngs, (d, h, k), _WQ, param_dtype, d)
+        self.wk = _param(rngs, (d, kv, k), _WKV, param_dtype, d)
+        self.wv = _param(rngs, (d, kv, k), _WKV, param_dtype, d)
+        self.wo = _param(rngs, (h, k, d), _WO, param_dtype, h * k)
         if cfg.qkv_bias:
 
             def bias(axes, shape):
@@ -292,24 +299,84 @@ class Block(nnx.Module):
                                       load_balance_weight=cfg.load_balance_weight,
                                       param_dtype=param_dtype, compute_dtype=compute_dtype)  # fmt: skip
         else:
-            self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
-            self.w_up = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, d)
-            self.w_down = _param(rngs, (f, d), ("mlp", "embed"), param_dtype, f)
+            self.w_gate = _param(rngs, (d, f), _W_IN, param_dtype, d)
+            self.w_up = _param(rngs, (d, f), _W_IN, param_dtype, d)
+            self.w_down = _param(rngs, (f, d), _W_OUT, param_dtype, f)
 
     def _project(self, spec: str, x, param):
         # The weight may be frozen, quantized or adapted (shardmem.finetune): read through project.
         return project(spec, x, value_of(param), self.compute_dtype)
 
+    def _overlapped(self) -> bool:
+        # Never inside a pipeline stage's shard_map (see collective_matmul.resolve).
+        return self.collective_matmuls and sequence_parallel() and not manual_axes()
+
     def _projections(self, normed_BxLxD, *specs):
-        """The tensor-parallel projections ``(einsum spec, weight, output axes, checkpoint name)`` of a
-        norm's output over the whole sequence (:func:`_gathered_projections`)."""
+        """The tensor-parallel projections ``(einsum spec, weight, weight axes, output axes, checkpoint
+        name)`` of a norm's output over the whole sequence (:func:`_gathered_projections`, or gathered
+        in chunks under the matmuls: :func:`~shardmem.parallel.collective_matmul.gather_matmul`)."""
+        h_BxLxD = _split_seq(normed_BxLxD)
+        if self._overlapped():
+            outputs = collective_matmul.gather_matmul(
+                self._chunk_projections(specs), h_BxLxD, tuple(value_of(s[1]) for s in specs),
+                tuple(s[2] for s in specs), tuple(s[3] for s in specs),
+            )  # fmt: skip
+            return tuple(checkpoint_name(_whole_seq(y, axes), name)
+                         for y, (*_, axes, name) in zip(outputs, specs, strict=True))  # fmt: skip
 
-        def project(h_BxLxD):
+        def project_all(h_BxLxD):
             return tuple(checkpoint_name(_whole_seq(self._project(spec, h_BxLxD, param), axes), name)
-                         for spec, param, axes, name in specs)  # fmt: skip
+                         for spec, param, _, axes, name in specs)  # fmt: skip
 
-        names = tuple(name for *_, name in specs)
-        return _gathered_projections(project, _split_seq(normed_BxLxD), names)
+        return _gathered_projections(project_all, h_BxLxD, tuple(s[4] for s in specs))
+
+    def _chunk_projections(self, specs):
+        """``(chunk of tokens, weight values) -> projections`` for the collective matmuls."""
+        dtype = self.compute_dtype
+
+        def project_chunk(h_BxLxD, values):
+            return tuple(project(s[0], h_BxLxD, v, dtype) for s, v in zip(specs, values, strict=True))
+
+        return project_chunk
+
+    def _scattered_projection(self, spec: str, x, param, weight_axes, input_axes):
+        """A row-parallel projection summed over the tensor axis onto the residual stream's share of the
+        tokens (:func:`_scatter_seq`, or in chunks under the matmuls:
+        :func:`~shardmem.parallel.collective_matmul.matmul_scatter`)."""
+        if not self._overlapped():
+            return _scatter_seq(self._project(spec, x, param))
+        dtype = self.compute_dtype
+        out = collective_matmul.matmul_scatter(lambda chunk, v: project(spec, chunk, v, dtype), x,
+                                               value_of(param), weight_axes, input_axes)  # fmt: skip
+        return _split_seq(out)
+
+    def _mlp(self, normed_BxLxD):
+        """The gated MLP of a norm's output, summed onto the residual stream's share of the tokens; in
+        chunks under the collective matmuls
+        (:func:`~shardmem.parallel.collective_matmul.gather_matmul_scatter`)."""
+        specs = (("bld,df->blf", self.w_gate, _W_IN, _MLP, "mlp_gate"),
+                 ("bld,df->blf", self.w_up, _W_IN, _MLP, "mlp_up"))  # fmt: skip
+        activation = self.cfg.mlp_activation
+        if not self._overlapped():
+            gate_BxLxF, up_BxLxF = self._projections(normed_BxLxD, *specs)
+            act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF, activation)
+            return self._scattered_projection("blf,fd->bld", act_BxLxF, self.w_down, _W_OUT, _MLP)
+
+        def activate(gate_BxLxF, up_BxLxF):  # Of each chunk of tokens.
+            return _swiglu(checkpoint_name(gate_BxLxF, "mlp_gate"), checkpoint_name(up_BxLxF, "mlp_up"),
+                           activation)  # fmt: skip
+
+        dtype = self.compute_dtype
+
+        def project_down(chunk_BxLxF, value):
+            return project("blf,fd->bld", chunk_BxLxF, value, dtype)
+
+        out = collective_matmul.gather_matmul_scatter(
+            self._chunk_projections(specs), activate, project_down,
+            _split_seq(normed_BxLxD), (value_of(self.w_gate), value_of(self.w_up)), (_W_IN, _W_IN),
+            value_of(self.w_down), _W_OUT,
+        )  # fmt: skip
+        return _split_seq(out)
 
     def __call__(self, x_BxLxD):
         cfg = self.cfg
@@ -323,9 +390,9 @@ class Block(nnx.Module):
             # The layer keeps that share for the backward pass, not the gathered sequence.
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self._projections(
                 self.attn_norm(x_BxLxD),
-                ("bld,dhk->blhk", self.wq, _HEADS, "query_proj"),
-                ("bld,dgk->blgk", self.wk, _KV_HEADS, "key_proj"),
-                ("bld,dgk->blgk", self.wv, _KV_HEADS, "value_proj"),
+                ("bld,dhk->blhk", self.wq, _WQ, _HEADS, "query_proj"),
+                ("bld,dgk->blgk", self.wk, _WKV, _KV_HEADS, "key_proj"),
+                ("bld,dgk->blgk", self.wv, _WKV, _KV_HEADS, "value_proj"),
             )
             if cfg.qkv_bias:
                 q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
@@ -340,9 +407,8 @@ class Block(nnx.Module):
             ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_context")
             # Summed over the tensor-parallel heads: an all-reduce, or a reduce-scatter onto the residual
             # stream's share of the sequence with sequence parallelism.
-            out_BxLxD = checkpoint_name(
-                _scatter_seq(self._project("blhk,hkd->bld", ctx_BxLxHxK, self.wo)), "out_proj"
-            )
+            out_BxLxD = self._scattered_projection("blhk,hkd->bld", ctx_BxLxHxK, self.wo, _WO, _HEADS)
+            out_BxLxD = checkpoint_name(out_BxLxD, "out_proj")
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
@@ -350,20 +416,15 @@ class Block(nnx.Module):
                 h_BxLxD = _whole_seq(_split_seq(self.mlp_norm(x_BxLxD)), ("batch", "seq", None))
                 return x_BxLxD + self.moe(h_BxLxD)
 
-            gate_BxLxF, up_BxLxF = self._projections(
-                self.mlp_norm(x_BxLxD),
-                ("bld,df->blf", self.w_gate, _MLP, "mlp_gate"),
-                ("bld,df->blf", self.w_up, _MLP, "mlp_up"),
-            )
-            act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF, cfg.mlp_activation)
-            down_BxLxD = _scatter_seq(self._project("blf,fd->bld", act_BxLxF, self.w_down))
-            return x_BxLxD + checkpoint_name(down_BxLxD, "mlp_out")
+            return x_BxLxD + checkpoint_name(self._mlp(self.mlp_norm(x_BxLxD)), "mlp_out")
 
 
 class Llama(nnx.Module):
     """The reference decoder. ``remat`` gives each layer its checkpoint policy (default: none);
     ``attention`` is the resolved kernel (default: ``cfg.attention`` resolved for ``jax.devices()``);
-    ``pipeline`` runs the layer stack in stages (default: all layers in one scan)."""
+    ``pipeline`` runs the layer stack in stages (default: all layers in one scan);
+    ``collective_matmuls`` overlaps sequence parallelism's collectives with the tensor-parallel
+    matmuls (:mod:`shardmem.parallel.collective_matmul`; default: not)."""
 
     def __init__(
         self,
@@ -375,6 +436,7 @@ class Llama(nnx.Module):
         compute_dtype=jnp.bfloat16,
         attention: AttentionKernel | None = None,
         pipeline: Pipeline | None = None,
+        collective_matmuls: bool = False,
     ):
         if attention is None:
             attention = resolve_attention(cfg.attention, chunk=cfg.attention_chunk,
@@ -392,7 +454,7 @@ class Llama(nnx.Module):
         @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(key):
             return Block(cfg, rngs=nnx.Rngs(params=key), param_dtype=param_dtype, compute_dtype=compute_dtype,
-                         attention=attention)  # fmt: skip
+                         attention=attention, collective_matmuls=collective_matmuls)  # fmt: skip
 
         self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
         norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, offset=cfg.norm_offset)

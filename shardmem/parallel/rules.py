@@ -285,14 +285,25 @@ def constrain(x, logical_axes: Sequence[str | None]):
     active = _active.get()
     if active is None:
         return x
-    mesh, rules = active
+    mesh, _ = active
     manual = manual_axes()
     if manual >= set(mesh.axis_names):  # Inside a shard_map's body manual over every axis: nothing to split.
         return x
-    spec = without_manual(residual_spec(rules, mesh, logical_axes, x.shape) or rules.spec(logical_axes))
+    spec = activation_spec(logical_axes, x.shape)
     if manual:  # The rest, on the body's mesh, whose manual axes each device already holds its shard of.
         mesh = jax.sharding.get_abstract_mesh()
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def activation_spec(logical_axes: Sequence[str | None], shape) -> P:
+    """Returns the spec :func:`constrain` gives an activation of ``shape`` with ``logical_axes`` under the
+    active rules (:func:`residual_spec` for the residual stream), less the axes an enclosing shard_map's
+    body splits by hand; ``P()`` outside :meth:`Rules.activate`."""
+    active = _active.get()
+    if active is None:
+        return P()
+    mesh, rules = active
+    return without_manual(residual_spec(rules, mesh, logical_axes, shape) or rules.spec(logical_axes))
 
 
 def residual_spec(rules: Rules, mesh: Mesh, logical_axes: Sequence[str | None], shape) -> P | None:

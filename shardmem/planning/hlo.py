@@ -20,13 +20,20 @@ from shardmem.parallel.schedule import ONE_OF_SCOPE
 # --- FLOPs ---------------------------------------------------------------------------------------
 
 
-def matmul_flops(jaxpr, op_shares: Mapping[int, float] | None = None, *, recomputed: bool = True) -> float:
+def matmul_flops(
+    jaxpr,
+    op_shares: Mapping[int, float] | None = None,
+    *,
+    recomputed: bool = True,
+    used: Sequence[bool] | None = None,
+) -> float:
     """Returns the FLOPs of every ``dot_general`` and convolution in a (closed) jaxpr, counting scan trip
     counts and the recomputation that remat adds to the backward pass (it appears as extra ops there),
     the matmuls inside fused attention kernels (:func:`fused_attention_flops`), and ``shard_map`` bodies
-    once per shard. ``recomputed=False`` leaves out what fused attention kernels recompute in their
-    backward (a ``jax.checkpoint``'s recomputation is left out by tracing the step without it): the
-    model's FLOPs, as MFU counts them. Of loops a device runs one of (a 1F1B tick's ops,
+    once per shard; not those whose results nothing uses (XLA removes them), ``used`` saying which of
+    the jaxpr's outputs are (default: all). ``recomputed=False`` leaves out what fused attention kernels
+    recompute in their backward (a ``jax.checkpoint``'s recomputation is left out by tracing the step
+    without it): the model's FLOPs, as MFU counts them. Of loops a device runs one of (a 1F1B tick's ops,
     :func:`one_of_groups`) the costliest counts, or, given ``op_shares`` (the share of a schedule's ticks
     and stages that runs each op: :attr:`~shardmem.parallel.pipeline.Pipeline.op_shares`), each op its
     share."""
@@ -36,7 +43,8 @@ def matmul_flops(jaxpr, op_shares: Mapping[int, float] | None = None, *, recompu
         return matmul_flops(sub, op_shares, recomputed=recomputed)
 
     total = 0.0
-    loops = [(eqn, str(eqn.source_info.name_stack)) for eqn in jaxpr.eqns if eqn.primitive.name == "while"]
+    live = _live_eqns(jaxpr, used)
+    loops = [(eqn, str(eqn.source_info.name_stack)) for eqn, _ in live if eqn.primitive.name == "while"]
     for group in _one_of_runs(loops):
         flops = {_eqn_one_of_index(eqn): sum(count(sub) for sub in _sub_jaxprs(eqn.params)) for eqn in group}
         if op_shares is None:
@@ -44,7 +52,7 @@ def matmul_flops(jaxpr, op_shares: Mapping[int, float] | None = None, *, recompu
         else:
             total += sum(op_shares.get(op, 0.0) * value for op, value in flops.items())
     grouped = {id(eqn) for group in _one_of_runs(loops) for eqn in group}
-    for eqn in jaxpr.eqns:
+    for eqn, outputs_used in live:
         if id(eqn) in grouped:
             continue
         name = eqn.primitive.name
@@ -65,7 +73,11 @@ def matmul_flops(jaxpr, op_shares: Mapping[int, float] | None = None, *, recompu
             out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
             continue
-        inner = sum(count(sub) for sub in _sub_jaxprs(eqn.params))
+        subs = list(_sub_jaxprs(eqn.params))
+        if name in _BODY_CALLS and len(subs) == 1:  # Its outputs are its body's: unused ones stay unused.
+            inner = matmul_flops(subs[0], op_shares, recomputed=recomputed, used=outputs_used)
+        else:
+            inner = sum(count(sub) for sub in subs)
         if name == "scan":
             inner *= eqn.params["length"]
         elif name == "cond":
@@ -74,6 +86,28 @@ def matmul_flops(jaxpr, op_shares: Mapping[int, float] | None = None, *, recompu
             inner *= _shards(eqn.params)
         total += inner
     return total
+
+
+#: Primitives that run one jaxpr whose outputs are theirs, one for one.
+_BODY_CALLS = {"pjit", "jit", "closed_call", "core_call", "shard_map", "checkpoint", "remat", "remat2"}
+
+
+def _live_eqns(jaxpr, used: Sequence[bool] | None = None) -> list:
+    """``(equation, which of its outputs are used)`` for the equations of ``jaxpr`` whose results are used
+    (by its outputs, ``used`` saying which, or a used equation) or that have effects: XLA removes the
+    rest, such as the forward matmul that ``jax.vjp`` traces inside a ``custom_vjp`` rule for a pullback
+    alone, or a gradient nobody asked for (:mod:`shardmem.parallel.collective_matmul`)."""
+    outputs = jaxpr.outvars if used is None else [v for v, u in zip(jaxpr.outvars, used, strict=True) if u]
+    needed = {id(v) for v in outputs if not hasattr(v, "val")}  # Literals carry a value.
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        outputs_used = [id(v) in needed for v in eqn.outvars]
+        if eqn.effects:
+            outputs_used = [True] * len(eqn.outvars)
+        if any(outputs_used):
+            live.append((eqn, outputs_used))
+            needed.update(id(v) for v in eqn.invars if not hasattr(v, "val"))
+    return live[::-1]
 
 
 #: JAX's Pallas flash-attention kernels (jax.experimental.pallas.ops.gpu.attention), by pallas_call name.

@@ -28,6 +28,7 @@ from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config, MemoryConfig
 from shardmem.errors import ConfigError, DoesNotFit, PlanError
 from shardmem.finetune.weights import check_init_from
+from shardmem.parallel import collective_matmul
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import rule_warnings, sharding_table, unused_path_rules
@@ -94,6 +95,8 @@ class MemoryReport:
     #: Every buffer over the compiled step's schedule (XLA's buffer assignment); what the timeline draws.
     schedule: hlo.BufferSchedule | None = dataclasses.field(default=None, repr=False, compare=False)
     attention: str = ""  # The attention kernel planned, and what a stand-in stands for.
+    # How sequence parallelism's collectives run around the tensor-parallel matmuls ("": none to run).
+    tensor_parallel: str = ""
     jax_version: str = jax.__version__  # Plans move with the XLA version (BENCHMARKS.md).
     # XLA options the compile used beyond the defaults (memory.compiler_options, and any retry's).
     compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -146,6 +149,7 @@ class MemoryReport:
             "mesh": self.mesh,
             "remat": self.remat,
             "attention": self.attention,
+            "tensor_parallel": self.tensor_parallel,
             "per_device": self.per_device,
             "device_memory_bytes": self.device_memory_bytes,
             "budget_bytes": self.budget_bytes,
@@ -282,12 +286,16 @@ def plan_program(
     window = None if program.custom_model else config.model.sliding_window
     window = window if window is not None and window < config.model.seq_len else None  # Else masks nothing.
     attention = program.attention.describe(window) if program.attention else ""
+    tensor_parallel = collective_matmul.describe(program.collective_matmuls, program.rules, program.mesh,
+                                                 reference_model=not program.custom_model,
+                                                 pipelined=program.pipeline is not None)  # fmt: skip
     # Every device runs the same program, one stage's shard of every buffer: its peak is every stage's.
     pipeline = program.pipeline.to_json(config.model.n_layers) if program.pipeline else {}
     # A 1F1B step's FLOPs: each op as often as the schedule runs it (hlo.matmul_flops).
     shares = op_shares(program)
     report = dataclasses.replace(report, flops_per_step=hlo.matmul_flops(traced.jaxpr, shares),
-                                 warnings=warnings, sharding=rows, attention=attention, pipeline=pipeline,
+                                 warnings=warnings, sharding=rows, attention=attention,
+                                 tensor_parallel=tensor_parallel, pipeline=pipeline,
                                  load_host_bytes=_load_host_bytes(program))  # fmt: skip
     rematted = hlo.remat_count(traced.jaxpr) > 0
     if layer_plan is None and not modules:  # A model that remats itself: no plan of ours to compare with.

@@ -40,6 +40,8 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     parts.append(Text(f"mesh {mesh}" + (f"   remat {report.remat}" if report.remat else "")))
     if report.attention:
         parts.append(Text(f"attention {report.attention}"))
+    if report.tensor_parallel:
+        parts.append(Text(f"tensor parallel: {report.tensor_parallel}"))
     if report.pipeline:
         parts.append(Text(_pipeline_line(report.pipeline)))
 

@@ -36,6 +36,7 @@ from shardmem.models.attention import (
     shared_memory_per_block,
 )
 from shardmem.models.llama import lora_input_dims
+from shardmem.parallel import collective_matmul
 from shardmem.parallel.mesh import auto_axes
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import Rules
@@ -104,6 +105,8 @@ class Description:
     training: Training | None
     # describe()'s keyword arguments, to resolve a variant of the config alike (resolve_again).
     arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # The reference model's projections run as collective matmuls (overlap.tensor_parallel, resolved).
+    collective_matmuls: bool = False
 
     def resolve_again(self, *overrides: str) -> Description:
         """Returns the description of the config with ``key=value`` overrides, on the same mesh and with
@@ -154,7 +157,11 @@ def describe(
         attention.check_length(length)
         attention.check_head_dim(config.model.head_size)
         attention.check_window(config.model.sliding_window, length)
-    factory = resolve_factory(config, model_factory, custom=custom, attention=attention, pipeline=pipeline)
+    collective = collective_matmul.resolve(config.overlap.tensor_parallel, rules, mesh,
+                                           reference_model=not custom,
+                                           pipelined=pipeline is not None)  # fmt: skip
+    factory = resolve_factory(config, model_factory, custom=custom, attention=attention, pipeline=pipeline,
+                              collective_matmuls=collective)  # fmt: skip
     if training:
         batch_tree, token = declared_batch(config, batch, batch_shape)
         loss_fn = resolve_loss(config, loss_fn, token)
@@ -167,6 +174,7 @@ def describe(
         config, mesh, rules, model, None if custom else attention, config.precision, pipeline, context,
         **_fine_tune(config, model, pipeline, custom), seed=config.train.seed,
         init_from=config.finetune.init_from, training=None, arguments=arguments,
+        collective_matmuls=collective,
     )  # fmt: skip
     if not training:
         return description

@@ -89,6 +89,7 @@ def resolve_factory(
     custom: bool,
     attention: AttentionKernel | None,
     pipeline: Pipeline | None,
+    collective_matmuls: bool = False,
 ) -> Factory:
     """Returns how the model is built: ``model_factory`` (a model passed in code, the user's whatever the
     config's model section says), else the config's; raises ConfigError for remat settings the reference
@@ -110,7 +111,7 @@ def resolve_factory(
         plan = config.remat_plan(user_model=True)  # A model passed in code is the user's, whatever the YAML.
         factory = _with_options(model_factory, plan, {}) if takes(model_factory, "remat") else model_factory
     else:
-        factory = default_model_factory(config, None if custom else attention, pipeline)
+        factory = default_model_factory(config, None if custom else attention, pipeline, collective_matmuls)
     takes_remat = getattr(factory, "takes_remat", not custom)
     modules = config.module_plan(user_model=True) if custom else ModulePlan()
     matched: set[str] = set()  # The remat.modules patterns that named a module, for the plan's warnings.
@@ -151,10 +152,11 @@ def sharded(tree, shardings):
 
 
 def default_model_factory(config: Config, attention: AttentionKernel | None = None,
-                          pipeline: Pipeline | None = None) -> ModelFactory:  # fmt: skip
+                          pipeline: Pipeline | None = None,
+                          collective_matmuls: bool = False) -> ModelFactory:  # fmt: skip
     """Returns ``rngs -> model`` for the config: the reference Llama (its layers in ``pipeline`` stages,
-    where given), or ``model.factory`` called with ``model.options`` (and ``remat=`` the per-layer plan,
-    where it takes one)."""
+    where given; its projections as collective matmuls with ``collective_matmuls``), or ``model.factory``
+    called with ``model.options`` (and ``remat=`` the per-layer plan, where it takes one)."""
     if config.model is None:
         raise ConfigError(
             "the config has no model section; add e.g. model: {preset: tiny} (presets: "
@@ -170,7 +172,7 @@ def default_model_factory(config: Config, attention: AttentionKernel | None = No
         return Llama(config.model, rngs=rngs, remat=plan,
                      param_dtype=jnp.dtype(config.precision.params),
                      compute_dtype=jnp.dtype(config.precision.compute), attention=attention,
-                     pipeline=pipeline)  # fmt: skip
+                     pipeline=pipeline, collective_matmuls=collective_matmuls)  # fmt: skip
 
     return factory
 

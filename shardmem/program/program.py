@@ -128,6 +128,11 @@ class Program(abc.ABC):
         return self.description.attention
 
     @property
+    def collective_matmuls(self) -> bool:
+        """Whether the reference model's projections run as collective matmuls (overlap.tensor_parallel)."""
+        return self.description.collective_matmuls
+
+    @property
     def pipeline(self) -> Pipeline | None:
         """The layers' pipeline stages (None: no stage axis, or stage=1)."""
         return self.description.pipeline
