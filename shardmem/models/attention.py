@@ -324,8 +324,9 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions
                      window: int | None = None):  # fmt: skip
     """Causal softmax attention with fp32 scores (kernel ``xla``). Query i sits at position
     ``q_offset + i`` of the keys, or at ``q_positions[i]`` against keys at ``k_positions`` when given
-    (a permuted sequence: :mod:`shardmem.parallel.context`); with a ``window``, it attends to keys fewer
-    than ``window`` positions before it."""
+    (a permuted sequence: :mod:`shardmem.parallel.context`; ``q_positions`` ``[B, L]``: each sequence's
+    own, as a KV cache's decode has them); with a ``window``, it attends to keys fewer than ``window``
+    positions before it."""
     b, length, h, k = q_BxLxHxK.shape
     g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
@@ -334,10 +335,12 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions
         rows_LxM = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
         cols_LxM = jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
     else:
-        rows_LxM, cols_LxM = jnp.asarray(q_positions)[:, None], jnp.asarray(k_positions)[None, :]
+        rows_LxM, cols_LxM = jnp.asarray(q_positions)[..., :, None], jnp.asarray(k_positions)[None, :]
     causal_LxM = rows_LxM >= cols_LxM
     if window is not None:
         causal_LxM = causal_LxM & (rows_LxM - cols_LxM < window)
+    if causal_LxM.ndim == 3:  # Per sequence: [B, L, M] under the G and R axes of the scores.
+        causal_LxM = causal_LxM[:, None, None]
     scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM.astype(jnp.float32), -1e30)
     probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(v_BxLxGxK.dtype)
     ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxLxGxK)

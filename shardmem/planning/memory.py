@@ -52,6 +52,7 @@ CATEGORIES = (
     "optimizer",
     "model_state",
     "batch",
+    "kv_cache",
     "outputs",
     "temp",
     "alias",

@@ -13,6 +13,7 @@ from shardmem.errors import DoesNotFit
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import ShardingRow
 from shardmem.planning.memory import MemoryReport
+from shardmem.planning.serving import ServingPlan
 from shardmem.units import format_bytes, format_flops, format_seconds
 
 _LABELS = {
@@ -21,6 +22,7 @@ _LABELS = {
     "optimizer": "optimizer state",
     "model_state": "model state (statistics, RNG)",
     "batch": "batch",
+    "kv_cache": "KV cache",
     "outputs": "outputs",
     "temp": "temporaries (activations, workspace)",
     "alias": "aliased with inputs (donated)",
@@ -49,7 +51,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     table.add_column("", justify="right", style="dim")
     for key, label in _LABELS.items():
         value = report.per_device.get(key, 0)
-        if key in ("model_state", "frozen") and not value:
+        if key in ("model_state", "frozen", "kv_cache") and not value:
             continue
         sign = "-" if key == "alias" and value else ""
         share = ""
@@ -133,6 +135,41 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     return Group(*parts)
 
 
+def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
+    """Returns a serving plan as a rich renderable: what serving holds per device and its verdict, then
+    the prefill's and the decode step's reports."""
+    serve = plan.serve
+    quantized = f", weights {serve['quantize']['format']}" if serve.get("quantize") else ""
+    name = plan.decode.name.removesuffix(": decode")
+    head = Text.assemble(("shardmem plan --serve", "bold"), f"  {name}  ·  {plan.decode.target}: ",
+                         plan.decode.target_label)  # fmt: skip
+    what = Text(f"serve batch {serve['batch']}, prompts of {serve['prompt_len']}, room for "
+                f"{serve['max_len']} positions per sequence, KV cache {serve['kv_dtype']}"
+                + quantized)  # fmt: skip
+    table = Table(title="Serving, per device", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("", style="dim")
+    figures = plan.per_device
+    rows = (("weights", "weights", "held throughout"), ("KV cache", "kv_cache", "held throughout"),
+            ("prefill temporaries", "prefill_temp", ""), ("decode temporaries", "decode_temp", ""),
+            ("prefill peak", "prefill_peak", "its new cache an output"),
+            ("decode peak", "decode_peak", "the cache donated, updated in place"))  # fmt: skip
+    for label, key, note in rows:
+        table.add_row(label, format_bytes(figures[key]), note)
+    which = "prefill" if figures["prefill_peak"] >= figures["decode_peak"] else "decode"
+    table.add_row(Text("peak", style="bold"), Text(format_bytes(figures["peak"]), style="bold"),
+                  f"the {which}'s: one function runs at a time")  # fmt: skip
+    verdict = {"fits": "FITS", "tight": "TIGHT, LIKELY FITS", "does not fit": "DOES NOT FIT"}[plan.verdict]
+    style = {"fits": "bold green", "tight": "bold yellow", "does not fit": "bold red"}[plan.verdict]
+    fit = Text.assemble("budget ", format_bytes(plan.decode.budget_bytes), ": ", (verdict, style),
+                        f" (prefill {plan.prefill.verdict}, decode {plan.decode.verdict})")  # fmt: skip
+    parts: list = [head, what, table, fit]
+    for report in (plan.prefill, plan.decode):
+        parts += [Text(""), render(report, sharding=sharding and report is plan.decode)]
+    return Group(*parts)
+
+
 def render_refused(error: DoesNotFit, name: str, target: str) -> Group:
     """Returns what is known per chip of a step libtpu refused as over the chip's HBM (no report): the
     bytes from shapes and shardings, and the figures libtpu's message states."""
@@ -142,7 +179,7 @@ def render_refused(error: DoesNotFit, name: str, target: str) -> Group:
     table.add_column("bytes", justify="right")
     table.add_column("", style="dim")
     for key, value in error.per_device.items():
-        if value or key not in ("model_state", "frozen"):
+        if value or key not in ("model_state", "frozen", "kv_cache"):
             table.add_row(_LABELS[key], format_bytes(value), "from shapes and shardings")
     for label, value in (("temporaries (HLO temporaries, libtpu)", error.required_bytes),
                          ("available HBM (libtpu)", error.available_bytes)):  # fmt: skip
