@@ -141,6 +141,9 @@ def _plan(args) -> int:
         if path and args.serve:
             raise ConfigError(f"{flag} draws the training step's memory timeline, which plan --serve "
                               f"does not make yet; leave {flag} out")  # fmt: skip
+    for value, flag in ((args.memory_fraction, "--memory-fraction"), (args.capacity, "--capacity")):
+        if value is not None and value is not False and not args.serve:
+            raise ConfigError(f"{flag} sizes the serving plan's KV cache: add --serve, or leave {flag} out")
     for path, flag in ((args.html, "--html"), (args.png, "--png")):
         if path:
             check_writable(path, flag)
@@ -190,10 +193,14 @@ def _plan(args) -> int:
 def _plan_serving(args, config, target: str) -> int:
     """``plan --serve``: the serving program's prefill and decode, compiled for the target."""
     from shardmem.planning.report import render_serving, sharding_json
-    from shardmem.planning.serving import plan_serving
+    from shardmem.planning.serving import plan_serving, search_capacity, with_memory_fraction
 
+    config = with_memory_fraction(config, args.memory_fraction)
     with _progress_lines(f"compiling the prefill and decode of {config.name} for {target}"):
-        plan = plan_serving(config, args.target, top=args.top)
+        if args.capacity:
+            plan = search_capacity(config, args.target)
+        else:
+            plan = plan_serving(config, args.target, top=args.top)
     if args.json:
         data = plan.to_json()
         if args.sharding:
@@ -234,7 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="PATH", help="write the memory timeline as a PNG image")
     p.add_argument("--serve", action="store_true",
                    help="plan the serving program instead (the serve section): its prefill and decode step, "
-                   "the weights, the KV cache and each one's temporaries per device")  # fmt: skip
+                   "the weights, the KV cache and each one's temporaries per device, time to first token, "
+                   "decode step time beside its HBM bound, output tokens/s, the KV cache's room")  # fmt: skip
+    p.add_argument("--memory-fraction", type=float, metavar="F",
+                   help="with --serve: the budget is F x device memory, nothing else held back (vLLM's "
+                   "gpu_memory_utilization), in place of memory.usable_fraction, reserve and the deviceless "
+                   "margin")  # fmt: skip
+    p.add_argument("--capacity", action="store_true",
+                   help="with --serve: find the largest serve.batch and the longest serve.max_len that "
+                   "fit by compiles (two points and a check each), not from the plan's bytes per "
+                   "token")  # fmt: skip
     p.set_defaults(run=cmd_plan)
 
     p = commands.add_parser("policies", help="list remat policies, model presets and targets")

@@ -10,9 +10,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardmem import ConfigError, build_mesh, config_from_dict
+from shardmem.cli import main
 from shardmem.finetune.quant import Quantized
+from shardmem.planning import cost
 from shardmem.planning.report import render_serving
-from shardmem.planning.serving import plan_serving
+from shardmem.planning.serving import plan_serving, search_capacity, with_memory_fraction
+from shardmem.planning.targets import GPU_TARGETS
 from shardmem.program import ServingProgram, serving_program
 
 pytestmark = pytest.mark.newest
@@ -27,8 +30,9 @@ LENGTHS = np.array([8, 3, 1, 5, 8, 2, 7, 4], np.int32)  # Prompts of every lengt
 
 
 def _program(axes: dict, **serve) -> ServingProgram:
+    serve = {"batch": B, "prompt_len": P_LEN, "max_len": T, **serve}
     config = config_from_dict({"model": MODEL, "mesh": {"axes": axes}, "precision": {"compute": "float32"},
-                               "serve": {"batch": B, "prompt_len": P_LEN, "max_len": T, **serve}})  # fmt: skip
+                               "serve": serve})  # fmt: skip
     devices = jax.devices()[: int(np.prod(list(axes.values())))]
     return serving_program(config, build_mesh(config.mesh.axes, devices))
 
@@ -38,7 +42,8 @@ def _weights(program: ServingProgram):
     weights = program.init()
     leaves, tree = jax.tree.flatten(jax.device_get(weights))
     rng = np.random.default_rng(1)
-    noisy = [w + (0.1 * rng.normal(size=w.shape)).astype(w.dtype) if w.dtype.kind == "f" else w for w in leaves]
+    noisy = [w + (0.1 * rng.normal(size=w.shape)).astype(w.dtype) if w.dtype.kind == "f" else w
+             for w in leaves]  # fmt: skip
     return jax.device_put(jax.tree.unflatten(tree, noisy), program.description.frozen_shardings)
 
 
@@ -119,7 +124,8 @@ def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(sharded):
 def test_quantized_weights_serve_the_model_they_quantize():
     program = _program({"data": 2, "tensor": 2}, quantize={"format": "nf4", "targets": ["layers/*"]})
     weights = program.init()
-    assert set(weights["layers"]["wq"]) == {"codes", "scales"} and weights["layers"]["wq"]["codes"].dtype == np.uint8
+    assert set(weights["layers"]["wq"]) == {"codes", "scales"}
+    assert weights["layers"]["wq"]["codes"].dtype == np.uint8
     assert weights["embedding"].dtype == np.float32  # Not a layer weight: as it was.
     d = program.description
     assert isinstance(d.finetune.assemble({}, weights)["layers"]["w_up"], Quantized)
@@ -146,7 +152,8 @@ def test_the_serving_plan_lists_the_kv_cache_and_decodes_it_in_place():
     assert plan.fits and plan.verdict == "fits" and plan.decode.cross_check["matches"]
     assert plan.prefill.step_time.tokens_per_second > 0 and plan.decode.flops_per_step > 0
     data = plan.to_json()
-    assert data["serve"]["kv_dtype"] == "int8" and data["decode"]["per_device"]["kv_cache"] == 2 * (codes + scales)
+    assert data["serve"]["kv_dtype"] == "int8"
+    assert data["decode"]["per_device"]["kv_cache"] == 2 * (codes + scales)
     from rich.console import Console
 
     console = Console(width=140, record=True)
@@ -184,3 +191,91 @@ def test_a_model_of_your_own_is_refused_and_a_variant_stays_a_serving_program():
     variant = program.variant("serve.max_len=4096")
     assert isinstance(variant, ServingProgram) and variant.serving.max_len == 4096
     assert [f.name for f in variant.functions] == ["prefill", "decode"]
+
+
+# A serving plan for a GPU that is not here: the tiny model at tensor 2 x 2 replicas on A100s, with a
+# budget of a few MiB (--memory-fraction) so that the KV cache's room is a few dozen sequences.
+GPU_SERVE = {"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 2, "tensor": 2}},
+             "precision": {"params": "bfloat16", "compute": "bfloat16"},
+             "serve": {"batch": 4, "prompt_len": 32, "max_len": 128},
+             "memory": {"target": "a100-80g"}}  # fmt: skip
+FRACTION = 4e-5  # Of an A100's 85.1 GB: 3.4 MB per device.
+
+
+@pytest.fixture(scope="module")
+def gpu_plan():
+    return plan_serving(with_memory_fraction(config_from_dict(GPU_SERVE), FRACTION))
+
+
+def test_a_static_batchs_time_never_beats_its_hbm_bound(gpu_plan):
+    time, figures = gpu_plan.time, gpu_plan.per_device
+    assert time.time_to_first_token == gpu_plan.prefill.step_time.seconds
+    assert time.decode_at_max_len == gpu_plan.decode.step_time.seconds
+    bandwidth = GPU_TARGETS["a100-80g"].memory_bandwidth
+    per_position = figures["kv_cache"] // 128  # Two sequences per device, 4 layers, 2 KV heads of 16, bf16.
+    assert per_position == 2 * 4 * 2 * 2 * 16 * 2 // 2
+    for context in time.contexts:  # 33 and 128 live positions.
+        bound = (figures["weights"] + context * per_position) / bandwidth
+        assert time.bound_seconds(context) == pytest.approx(bound)
+        assert time.decode_seconds(context) >= bound
+    # A step one position longer reads one more position of the cache, at the rate kernels stream HBM.
+    step = time.decode_seconds(100) - time.decode_seconds(99)
+    assert step == pytest.approx(per_position / (bandwidth * cost.MEMORY_EFFICIENCY))
+    assert time.output_len == 97  # The prefill's token, then one per decode step until 128 positions.
+    total = time.time_to_first_token + 96 * (time.decode_seconds(33) + time.decode_seconds(128)) / 2
+    assert time.output_tokens_per_second == pytest.approx(4 * 97 / total)
+    # The dot merger is off: it would copy the query, key and value weights at every decode step.
+    assert gpu_plan.decode.compiler_options["xla_gpu_dot_merger_threshold_mb"] == 0
+
+
+def test_the_decode_steps_cache_write_is_costed_in_place(gpu_plan):
+    module = gpu_plan.decode.module
+    kernels = cost._Kernels(module, cost.Hardware.of(_a100(4)), {})
+    writes = [ins for ins in module.computations[module.entry] if ins.opcode == "fusion" and any(
+        inner.opcode == "scatter" for inner in module.computations.get(ins.called[0], ()))]  # fmt: skip
+    assert writes  # A batch of 4 writes each sequence's token at its own position: a scatter.
+    cache_bytes = 4 * 4 * 128 * 2 * 16 * 2  # One of the stacked keys or values, whole.
+    assert all(kernels.bytes(ins) < cache_bytes // 16 for ins in writes)  # Its tokens, not the cache.
+
+
+def _a100(n: int):
+    from shardmem.planning.targets import resolve_target
+
+    return resolve_target("a100-80g", n_devices=n)
+
+
+def test_the_kv_caches_room_is_the_budget_less_the_peaks_other_bytes(gpu_plan):
+    figures, room = gpu_plan.per_device, gpu_plan.capacity
+    assert gpu_plan.decode.budget_bytes == int(GPU_TARGETS["a100-80g"].memory_bytes * FRACTION)
+    assert room.cache_bytes == gpu_plan.decode.budget_bytes - (figures["peak"] - figures["kv_cache"])
+    assert room.bytes_per_token == 4 * 2 * 2 * 16 * 2 // 2  # Layers x (keys, values) x KV heads / tensor.
+    tokens = room.cache_bytes // room.bytes_per_token  # Per device: its two sequences' share.
+    assert room.max_batch == tokens // 128 * 2 and room.max_len == tokens // 2 and not room.verified
+    assert gpu_plan.to_json()["kv_capacity"]["tokens"] == tokens
+
+
+@pytest.mark.slow
+def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys):
+    config = with_memory_fraction(config_from_dict(GPU_SERVE), FRACTION)
+    room = search_capacity(config).capacity
+    assert room.verified and room.max_batch % 2 == 0 and room.max_batch > 4 and room.max_len > 128
+    # One plan's bytes per token hold the temporaries as planned: more sequences' prefill needs more (74
+    # sequences, where the cache alone has room for 186), a longer cache little more than itself.
+    closed = plan_serving(config).capacity
+    assert room.max_batch <= closed.max_batch and 0.8 * closed.max_len <= room.max_len <= closed.max_len
+    over = config_from_dict({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "batch": room.max_batch + 2}})
+    assert not plan_serving(with_memory_fraction(over, FRACTION)).fits  # One more pair of sequences: over.
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--serve", "--memory-fraction", "1.5"], "--memory-fraction=1.5: give the share of device memory"),
+    (["--memory-fraction", "0.9"], "--memory-fraction sizes the serving plan's KV cache: add --serve"),
+    (["--capacity"], "--capacity sizes the serving plan's KV cache: add --serve"),
+])  # fmt: skip
+def test_plan_serve_usage_errors_exit_2_with_one_line(args, message, capsys):
+    from pathlib import Path
+
+    tiny = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
+    assert main(["plan", tiny, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

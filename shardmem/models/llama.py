@@ -460,7 +460,9 @@ class Llama(nnx.Module):
             return block(x_BxLxD, CacheSlot(cache, index, positions, prefill)), None
 
         stack = (params, rest, jnp.arange(self.cfg.n_layers))
-        (x_BxLxD, cache), _ = jax.lax.scan(layer, (x_BxLxD, cache), stack)
+        # Unrolled: in a loop, XLA's GPU compiler copies each layer's weights out of the stack before its
+        # matmuls (a dynamic slice it cannot fuse into them), tripling a decode step's weight traffic.
+        (x_BxLxD, cache), _ = jax.lax.scan(layer, (x_BxLxD, cache), stack, unroll=True)
         return self.final_norm(x_BxLxD), cache
 
     def _embed(self, tokens_BxL, table_axes):

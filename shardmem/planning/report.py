@@ -164,10 +164,44 @@ def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
     style = {"fits": "bold green", "tight": "bold yellow", "does not fit": "bold red"}[plan.verdict]
     fit = Text.assemble("budget ", format_bytes(plan.decode.budget_bytes), ": ", (verdict, style),
                         f" (prefill {plan.prefill.verdict}, decode {plan.decode.verdict})")  # fmt: skip
-    parts: list = [head, what, table, fit]
+    parts: list = [head, what, table, fit, *_serving_time(plan), *_serving_capacity(plan)]
     for report in (plan.prefill, plan.decode):
         parts += [Text(""), render(report, sharding=sharding and report is plan.decode)]
     return Group(*parts)
+
+
+def _serving_time(plan: ServingPlan) -> list:
+    """The static batch's predicted times, each decode step beside its HBM bound."""
+    time = plan.time
+    if time is None:
+        return [Text(plan.decode.step_time_note or "no time estimate for this target", style="dim")]
+    table = Table(title=f"Time, a static batch of {time.batch} x {time.output_len} new tokens",
+                  title_justify="left", show_edge=False, pad_edge=False)  # fmt: skip
+    table.add_column("")
+    table.add_column("predicted", justify="right")
+    table.add_column("HBM bound", justify="right")
+    table.add_column("", style="dim")
+    table.add_row("time to first token", format_seconds(time.time_to_first_token), "", "the prefill")
+    for label, context in zip(("first decode step", "last decode step"), time.contexts, strict=True):
+        table.add_row(label, format_seconds(time.decode_seconds(context)),
+                      format_seconds(time.bound_seconds(context)), f"{context:,} live positions")  # fmt: skip
+    table.add_row("whole batch", format_seconds(time.total_seconds), "", "prefill and every decode step")
+    table.add_row(Text("output tokens/s", style="bold"), Text(f"{time.output_tokens_per_second:,.0f}",
+                  style="bold"), "", "new tokens of every sequence, prefill included")  # fmt: skip
+    return [Text(""), table]
+
+
+def _serving_capacity(plan: ServingPlan) -> list:
+    """What the KV cache has room for beside the weights and the temporaries."""
+    room = plan.capacity
+    if room is None:
+        return []
+    how = "compiled and fit" if room.verified else "from this plan's bytes per token; --capacity compiles"
+    lines = (f"KV cache room per device: {format_bytes(room.cache_bytes)} = {room.tokens:,} positions of "
+             f"{format_bytes(room.bytes_per_token)}; at most serve.batch={room.max_batch:,} at "
+             f"serve.max_len={plan.serve['max_len']:,}, serve.max_len={room.max_len:,} at "
+             f"serve.batch={plan.serve['batch']:,} ({how})")  # fmt: skip
+    return [Text(lines)]
 
 
 def render_refused(error: DoesNotFit, name: str, target: str) -> Group:

@@ -36,6 +36,12 @@ from shardmem.program.description import Description, Serving, describe
 from shardmem.program.model import sharded
 from shardmem.program.program import Function, Program
 
+#: XLA options prefill and decode compile with (and are planned with). XLA's GPU compiler merges matmuls
+#: that share an input into one over their weights concatenated, a copy of those weights at every call:
+#: in a decode step, which reads each weight once, that copy doubles the query, key and value weights'
+#: traffic.
+COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
 
 @dataclasses.dataclass
 class ServingProgram(Program):
@@ -58,9 +64,10 @@ class ServingProgram(Program):
         prompts = jax.ShapeDtypeStruct((s.batch, s.prompt_len), jnp.int32, sharding=s.tokens)
         prefill = Function("prefill", self.prefill, (weights, prompts, rows),
                            {"params": weights, "batch": {"prompts": prompts, "lengths": rows}},
-                           tokens=s.batch * s.prompt_len)  # fmt: skip
+                           tokens=s.batch * s.prompt_len, compiler_options=COMPILER_OPTIONS)  # fmt: skip
         groups = {"params": weights, "kv_cache": s.cache, "batch": {"tokens": rows, "positions": rows}}
-        decode = Function("decode", self.decode, (weights, s.cache, rows, rows), groups, tokens=s.batch)
+        decode = Function("decode", self.decode, (weights, s.cache, rows, rows), groups, tokens=s.batch,
+                          compiler_options=COMPILER_OPTIONS)  # fmt: skip
         return prefill, decode
 
     @property
@@ -139,9 +146,10 @@ def _jitted(d: Description) -> tuple[Callable, Callable]:
     rows, weights = s.rows, d.frozen_shardings
     outputs = (s.logits, s.cache_shardings)
     return (
-        jax.jit(prefill, in_shardings=(weights, s.tokens, rows), out_shardings=outputs),
+        jax.jit(prefill, in_shardings=(weights, s.tokens, rows), out_shardings=outputs,
+                compiler_options=COMPILER_OPTIONS),
         jax.jit(decode, in_shardings=(weights, s.cache_shardings, rows, rows), out_shardings=outputs,
-                donate_argnums=1),
+                donate_argnums=1, compiler_options=COMPILER_OPTIONS),
     )  # fmt: skip
 
 
