@@ -254,6 +254,13 @@ def test_the_kv_caches_room_is_the_budget_less_the_peaks_other_bytes(gpu_plan):
     assert gpu_plan.to_json()["kv_capacity"]["tokens"] == tokens
 
 
+def test_prompts_the_gpus_flash_kernel_cannot_tile_name_serve_prompt_len():
+    config = config_from_dict({**GPU_SERVE, "serve": {"batch": 4, "prompt_len": 200, "max_len": 256}})
+    with pytest.raises(ConfigError, match=r"^serve\.prompt_len=200: the pallas .* use a prompt_len that is a "
+                                          r"multiple of 128 \(e\.g\. 128 or 256\)"):  # fmt: skip
+        plan_serving(config)
+
+
 @pytest.mark.slow
 def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys):
     config = with_memory_fraction(config_from_dict(GPU_SERVE), FRACTION)

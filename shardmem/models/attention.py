@@ -109,9 +109,10 @@ class AttentionKernel:
             "or chunked"
         )
 
-    def check_length(self, seq_len: int) -> None:
+    def check_length(self, seq_len: int, key: str = "model.seq_len") -> None:
         """Raises ConfigError where the Pallas kernel cannot tile ``seq_len`` positions (with a context
-        axis: each of the ``2 x context`` blocks :mod:`shardmem.parallel.context` gives it)."""
+        axis: each of the ``2 x context`` blocks :mod:`shardmem.parallel.context` gives it), naming the
+        config ``key`` that set them."""
         if self.name != "pallas":
             return
         pieces = 2 * self.context if self.context > 1 else 1
@@ -123,9 +124,9 @@ class AttentionKernel:
         each = f"each of its 2 x {self.context} context blocks has {block}" if pieces > 1 else f"{seq_len}"
         kernel = "pallas" + (f" (standing in for {self.stands_for})" if self.stands_for else "")
         raise ConfigError(
-            f"model.seq_len={seq_len}: the {kernel} flash kernel tiles a sequence in blocks of "
+            f"{key}={seq_len}: the {kernel} flash kernel tiles a sequence in blocks of "
             f"{PALLAS_BLOCK} positions, and {each} is neither at most one block nor a multiple of one; "
-            f"use a seq_len that is a multiple of {step} "
+            f"use a {key.split('.')[-1]} that is a multiple of {step} "
             f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or model.attention=chunked"
         )
 

@@ -188,7 +188,7 @@ def describe(
     if attention is not None and not custom:
         length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
         length = config.serve.prompt_len if serving else length  # Prefill attends over the prompts.
-        attention.check_length(length)
+        attention.check_length(length, "serve.prompt_len" if serving else "model.seq_len")
         attention.check_head_dim(config.model.head_size)
         attention.check_window(config.model.sliding_window, length)
     factory = resolve_factory(config, model_factory, custom=custom, attention=attention, pipeline=pipeline)
