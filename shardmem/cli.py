@@ -137,10 +137,6 @@ def _plan(args) -> int:
     from shardmem.planning.report import render, render_refused, sharding_json
 
     at_least("--top", args.top, 0, "give the number of buffers to list, 0 or more")
-    for path, flag in ((args.html, "--html"), (args.png, "--png")):
-        if path and args.serve:
-            raise ConfigError(f"{flag} draws the training step's memory timeline, which plan --serve "
-                              f"does not make yet; leave {flag} out")  # fmt: skip
     for value, flag in ((args.memory_fraction, "--memory-fraction"), (args.capacity, "--capacity")):
         if value is not None and value is not False and not args.serve:
             raise ConfigError(f"{flag} sizes the serving plan's KV cache: add --serve, or leave {flag} out")
@@ -173,21 +169,27 @@ def _plan(args) -> int:
         print(json.dumps(data, indent=2), flush=True)
     else:
         console().print(render(report, sharding=args.sharding))
-    if args.html or args.png:
-        from shardmem._files import staged
-        from shardmem.planning.timeline import timeline
-
-        figure = timeline(report)
-        for path, flag, save in (
-            (args.html, "--html", figure.save_html),
-            (args.png, "--png", figure.save_png),
-        ):
-            if path:
-                with staged([path], flag) as (temporary,):  # Whole or not at all: the old file otherwise.
-                    save(temporary)
-        written = " and ".join(path for path in (args.html, args.png) if path)
-        print(f"wrote the memory timeline to {written}", file=sys.stderr)
+    _write_timeline(args, report)
     return {"fits": EXIT_OK, "tight": EXIT_TIGHT, "does not fit": EXIT_DOES_NOT_FIT}[report.verdict]
+
+
+def _write_timeline(args, report, what: str = "") -> None:
+    """Writes ``report``'s memory timeline where ``--html`` and ``--png`` say, if they do."""
+    if not (args.html or args.png):
+        return
+    from shardmem._files import staged
+    from shardmem.planning.timeline import timeline
+
+    figure = timeline(report)
+    for path, flag, save in (
+        (args.html, "--html", figure.save_html),
+        (args.png, "--png", figure.save_png),
+    ):
+        if path:
+            with staged([path], flag) as (temporary,):  # Whole or not at all: the old file otherwise.
+                save(temporary)
+    written = " and ".join(path for path in (args.html, args.png) if path)
+    print(f"wrote the memory timeline{what} to {written}", file=sys.stderr)
 
 
 def _plan_serving(args, config, target: str) -> int:
@@ -208,6 +210,7 @@ def _plan_serving(args, config, target: str) -> int:
         print(json.dumps(data, indent=2), flush=True)
     else:
         console().print(render_serving(plan, sharding=args.sharding))
+    _write_timeline(args, plan.peaked, f" of the {plan.peaked_function} (the serving peak)")
     return {"fits": EXIT_OK, "tight": EXIT_TIGHT, "does not fit": EXIT_DOES_NOT_FIT}[plan.verdict]
 
 

@@ -274,6 +274,24 @@ def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys
     assert not plan_serving(with_memory_fraction(over, FRACTION)).fits  # One more pair of sequences: over.
 
 
+def test_plan_serve_prints_json_with_times_and_room_and_draws_the_peak_functions_timeline(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    path, html = tmp_path / "serve.yaml", tmp_path / "serve.html"
+    path.write_text(yaml.safe_dump(GPU_SERVE))
+    assert main(["plan", str(path), "--serve", "--json", "--memory-fraction", str(FRACTION), "--html",
+                 str(html)]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["budget_bytes"] == int(GPU_TARGETS["a100-80g"].memory_bytes * FRACTION)
+    assert data["time"]["decode_seconds"]["last"] >= data["time"]["decode_bound_seconds"]["last"] > 0
+    assert data["kv_capacity"]["max_batch"] > 4 and not data["kv_capacity"]["verified"]
+    assert data["decode"]["compiler_options"]["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert "the memory timeline of the prefill (the serving peak)" in err and "peak" in html.read_text()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--serve", "--memory-fraction", "1.5"], "--memory-fraction=1.5: give the share of device memory"),
     (["--memory-fraction", "0.9"], "--memory-fraction sizes the serving plan's KV cache: add --serve"),

@@ -157,9 +157,8 @@ def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
             ("decode peak", "decode_peak", "the cache donated, updated in place"))  # fmt: skip
     for label, key, note in rows:
         table.add_row(label, format_bytes(figures[key]), note)
-    which = "prefill" if figures["prefill_peak"] >= figures["decode_peak"] else "decode"
     table.add_row(Text("peak", style="bold"), Text(format_bytes(figures["peak"]), style="bold"),
-                  f"the {which}'s: one function runs at a time")  # fmt: skip
+                  f"the {plan.peaked_function}'s: one function runs at a time")  # fmt: skip
     verdict = {"fits": "FITS", "tight": "TIGHT, LIKELY FITS", "does not fit": "DOES NOT FIT"}[plan.verdict]
     style = {"fits": "bold green", "tight": "bold yellow", "does not fit": "bold red"}[plan.verdict]
     fit = Text.assemble("budget ", format_bytes(plan.decode.budget_bytes), ": ", (verdict, style),

@@ -157,6 +157,16 @@ class ServingPlan:
         }
 
     @property
+    def peaked_function(self) -> str:
+        """The function whose peak is serving's: ``"prefill"``, unless the decode step's is higher."""
+        return "prefill" if self.prefill.per_device["peak"] >= self.decode.per_device["peak"] else "decode"
+
+    @property
+    def peaked(self) -> MemoryReport:
+        """The report of :attr:`peaked_function` (whose memory timeline ``plan --serve --html`` draws)."""
+        return self.prefill if self.peaked_function == "prefill" else self.decode
+
+    @property
     def fits(self) -> bool:
         """Whether both functions fit the budget."""
         return self.prefill.fits and self.decode.fits
