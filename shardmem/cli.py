@@ -560,7 +560,7 @@ def _tune(args, trials) -> int:
     default_compiles = {"layout": 40, "finetune": 16}.get(search, 12)
     max_compiles = args.max_compiles if args.max_compiles is not None else default_compiles
     progress = None
-    if args.search == "layout" and not args.json:
+    if args.search in ("layout", "serve") and not args.json:
         progress = lambda message: print(f"  {message}", file=sys.stderr, flush=True)  # noqa: E731
     result = tune(config, args.target, search=search, allow_offload=False if args.no_offload else None,
                   max_compiles=max_compiles, objective=args.objective, jobs=args.jobs,
@@ -615,16 +615,19 @@ def _add_explore_commands(commands) -> None:
     )
     _config_args(p)
     p.add_argument("--target", type=_target, metavar="TARGET", help=target_help)
-    p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout", "finetune"),
+    p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout", "finetune", "serve"),
                    help="what to tune (default: finetune for a config with a finetune section, else remat); "
                    "layout: the mesh, micro-batches, remat and ZeRO-1 with the shortest predicted step "
                    "time; finetune: LoRA rank, base quantization, remat, micro-batches (and sequence "
-                   "length with --min-seq-len), with what each costs")  # fmt: skip
+                   "length with --min-seq-len), with what each costs; serve: the serving program's tensor "
+                   "degree and KV dtype (and batch, for throughput)")  # fmt: skip
     p.add_argument("--min-seq-len", type=int, metavar="N",
                    help="--search finetune may halve model.seq_len down to N (default: never)")  # fmt: skip
-    p.add_argument("--objective", choices=("step_time", "throughput"),
+    p.add_argument("--objective", choices=("step_time", "throughput", "latency"),
                    help="--search layout ranks by predicted step time (default), or by tokens/s per device "
-                   "at the largest batch that fits (throughput)")  # fmt: skip
+                   "at the largest batch that fits (throughput); --search serve by the static batch's "
+                   "time (latency, default) or by output tokens/s at the largest batch that fits "
+                   "(throughput)")  # fmt: skip
     p.add_argument(
         "--jobs", type=int, help="--search layout: worker processes for its compiles (default: CPUs)"
     )

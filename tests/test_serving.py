@@ -304,3 +304,39 @@ def test_plan_serve_usage_errors_exit_2_with_one_line(args, message, capsys):
     assert main(["plan", tiny, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_tune_serve_ranks_the_layouts_that_fit_by_the_batchs_time(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "batch": 2}}))
+    assert main(["tune", str(path), "--search", "serve", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # 4 devices, 2 KV heads: tensor 1 or 2. Tensor 1 leaves 4 data replicas for 2 sequences: skipped.
+    skipped = [t for t in result["trials"] if t["how"] == "skipped"]
+    assert [t["candidate"] for t in skipped] == ["tensor 1 x data 4, KV bfloat16",
+                                                 "tensor 1 x data 4, KV int8"]  # fmt: skip
+    ranked = result["ranked"]
+    assert [r["layout"] for r in ranked] == sorted([r["layout"] for r in ranked], key=lambda layout: next(
+        r["total_seconds"] for r in ranked if r["layout"] == layout))  # fmt: skip
+    assert {r["layout"] for r in ranked} == {"tensor 2 x data 2, KV bfloat16", "tensor 2 x data 2, KV int8"}
+    assert result["compiles"] == 4 and all(r["fits"] and r["batch"] == 2 for r in ranked)  # Latency: as set.
+    assert result["overrides"][:2] == ranked[0]["overrides"][:2] == ["mesh.axes={data: 2, tensor: 2}",
+                                                                     ranked[0]["overrides"][1]]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tune_serve_for_throughput_takes_the_largest_batch_that_fits():
+    from shardmem.explore.tune import tune
+
+    two = config_from_dict({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "batch": 2}})
+    config = with_memory_fraction(two, FRACTION)
+    result = tune(config, search="serve", objective="throughput", max_compiles=16)
+    best = result.ranked[0]
+    assert best["fits"] and best["batch"] > 2 and best["batch"] % 2 == 0
+    assert [r["tokens_per_second"] for r in result.ranked] == sorted(
+        (r["tokens_per_second"] for r in result.ranked), reverse=True)  # fmt: skip
+    assert result.config.serve.batch == best["batch"] and result.found
