@@ -137,11 +137,16 @@ def _plan(args) -> int:
     from shardmem.planning.report import render, render_refused, sharding_json
 
     at_least("--top", args.top, 0, "give the number of buffers to list, 0 or more")
+    for value, flag in ((args.memory_fraction, "--memory-fraction"), (args.capacity, "--capacity")):
+        if value is not None and value is not False and not args.serve:
+            raise ConfigError(f"{flag} sizes the serving plan's KV cache: add --serve, or leave {flag} out")
     for path, flag in ((args.html, "--html"), (args.png, "--png")):
         if path:
             check_writable(path, flag)
     config = _load(args, planning_only=True)
     target = args.target or config.memory.target
+    if args.serve:
+        return _plan_serving(args, config, target)
     try:
         with _progress_lines(f"compiling the step of {config.name} for {target}"):
             report = plan(config, args.target, top=args.top)
@@ -164,21 +169,49 @@ def _plan(args) -> int:
         print(json.dumps(data, indent=2), flush=True)
     else:
         console().print(render(report, sharding=args.sharding))
-    if args.html or args.png:
-        from shardmem._files import staged
-        from shardmem.planning.timeline import timeline
-
-        figure = timeline(report)
-        for path, flag, save in (
-            (args.html, "--html", figure.save_html),
-            (args.png, "--png", figure.save_png),
-        ):
-            if path:
-                with staged([path], flag) as (temporary,):  # Whole or not at all: the old file otherwise.
-                    save(temporary)
-        written = " and ".join(path for path in (args.html, args.png) if path)
-        print(f"wrote the memory timeline to {written}", file=sys.stderr)
+    _write_timeline(args, report)
     return {"fits": EXIT_OK, "tight": EXIT_TIGHT, "does not fit": EXIT_DOES_NOT_FIT}[report.verdict]
+
+
+def _write_timeline(args, report, what: str = "") -> None:
+    """Writes ``report``'s memory timeline where ``--html`` and ``--png`` say, if they do."""
+    if not (args.html or args.png):
+        return
+    from shardmem._files import staged
+    from shardmem.planning.timeline import timeline
+
+    figure = timeline(report)
+    for path, flag, save in (
+        (args.html, "--html", figure.save_html),
+        (args.png, "--png", figure.save_png),
+    ):
+        if path:
+            with staged([path], flag) as (temporary,):  # Whole or not at all: the old file otherwise.
+                save(temporary)
+    written = " and ".join(path for path in (args.html, args.png) if path)
+    print(f"wrote the memory timeline{what} to {written}", file=sys.stderr)
+
+
+def _plan_serving(args, config, target: str) -> int:
+    """``plan --serve``: the serving program's prefill and decode, compiled for the target."""
+    from shardmem.planning.report import render_serving, sharding_json
+    from shardmem.planning.serving import plan_serving, search_capacity, with_memory_fraction
+
+    config = with_memory_fraction(config, args.memory_fraction)
+    with _progress_lines(f"compiling the prefill and decode of {config.name} for {target}"):
+        if args.capacity:
+            plan = search_capacity(config, args.target)
+        else:
+            plan = plan_serving(config, args.target, top=args.top)
+    if args.json:
+        data = plan.to_json()
+        if args.sharding:
+            data["sharding"] = sharding_json(plan.decode.sharding)
+        print(json.dumps(data, indent=2), flush=True)
+    else:
+        console().print(render_serving(plan, sharding=args.sharding))
+    _write_timeline(args, plan.peaked, f" of the {plan.peaked_function} (the serving peak)")
+    return {"fits": EXIT_OK, "tight": EXIT_TIGHT, "does not fit": EXIT_DOES_NOT_FIT}[plan.verdict]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,6 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharding", action="store_true", help="also print the parameter sharding table")
     p.add_argument("--html", metavar="PATH", help="write the memory timeline as a self-contained HTML page")
     p.add_argument("--png", metavar="PATH", help="write the memory timeline as a PNG image")
+    p.add_argument("--serve", action="store_true",
+                   help="plan the serving program instead (the serve section): its prefill and decode step, "
+                   "the weights, the KV cache and each one's temporaries per device, time to first token, "
+                   "decode step time beside its HBM bound, output tokens/s, the KV cache's room")  # fmt: skip
+    p.add_argument("--memory-fraction", type=float, metavar="F",
+                   help="with --serve: the budget is F x device memory, nothing else held back (vLLM's "
+                   "gpu_memory_utilization), in place of memory.usable_fraction, reserve and the deviceless "
+                   "margin")  # fmt: skip
+    p.add_argument("--capacity", action="store_true",
+                   help="with --serve: find the largest serve.batch and the longest serve.max_len that "
+                   "fit by compiles (two points and a check each), not from the plan's bytes per "
+                   "token")  # fmt: skip
     p.set_defaults(run=cmd_plan)
 
     p = commands.add_parser("policies", help="list remat policies, model presets and targets")
@@ -289,6 +334,55 @@ def cmd_launch(args) -> int:
     return launch(args.nproc, argv, devices_per_process=args.local_devices)
 
 
+def cmd_generate(args) -> int:
+    with ends_on_interrupt():  # Ctrl-C ends it at once, exit 130, even mid-compile.
+        return _generate(args)
+
+
+def _generate(args) -> int:
+    import jax
+
+    from shardmem._quiet import native_stderr_silenced
+    from shardmem.parallel.mesh import build_mesh
+    from shardmem.planning.targets import ensure_cpu_devices
+    from shardmem.program.serving import serving_program
+    from shardmem.run import generation
+    from shardmem.run.sampling import Sampling
+
+    at_least("--max-new-tokens", args.max_new_tokens, 1, "generate at least 1 token")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.prompt_ids is not None:
+        prompts = [generation.parse_prompt_ids(args.prompt_ids)]
+    else:
+        prompts = generation.read_prompts(args.prompt_file)
+    eos = generation.parse_prompt_ids(args.eos, "--eos") if args.eos is not None else None
+    config = _load(args)
+    eos = generation.checkpoint_eos(config) if eos is None else eos
+    generation.check_prompts(config, prompts, args.max_new_tokens, eos)  # Before anything is built.
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        ensure_cpu_devices(config.mesh.device_count())
+    with native_stderr_silenced():
+        devices = jax.devices()  # Start the backends without the CUDA stub's expected complaint.
+    program = serving_program(config, build_mesh(config.mesh.axes, devices))
+    weights = program.init()
+    stream = sys.stderr if args.json else sys.stdout  # With --json, stdout holds the JSON object alone.
+
+    def show(step: int, tokens: list) -> None:
+        print(" ".join("-" if t is None else str(t) for t in tokens), file=stream, flush=True)
+
+    started = time.monotonic()
+    result = generation.generate(program, weights, prompts, max_new_tokens=args.max_new_tokens,
+                                 sampling=sampling, eos=eos, on_step=show)  # fmt: skip
+    seconds = time.monotonic() - started
+    made = sum(len(t) for t in result.tokens)
+    if args.json:
+        print(json.dumps({**result.to_json(), "seconds": round(seconds, 3)}), flush=True)
+    print(f"generated {made} tokens for {len(prompts)} prompt{'s' * (len(prompts) > 1)} in {seconds:.1f} s "
+          f"(compiles included) on {len(devices)} {devices[0].platform} device{'s' * (len(devices) > 1)}",
+          file=sys.stderr)  # fmt: skip
+    return EXIT_OK
+
+
 def _add_train_commands(commands) -> None:
     p = commands.add_parser(
         "train",
@@ -345,6 +439,36 @@ def _add_train_commands(commands) -> None:
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the shardmem command each process runs")  # fmt: skip
     p.set_defaults(run=cmd_launch)
+
+    p = commands.add_parser(
+        "generate",
+        help="generate tokens from prompts of token ids with the serving program (prefill, KV-cache decode)",
+        description="Builds the config's serving program (the serve section: batch, prompt_len, max_len, "
+        "kv_dtype, quantize) on the devices there are, with random weights from train.seed or "
+        "finetune.init_from's, prefills the prompts and decodes greedily or by sampling, printing one line "
+        "per step as the tokens come: each prompt's next token, '-' for a prompt that has drawn EOS. A "
+        "prompt is token ids (no tokenizer). Exit 2: config or usage error (a prompt longer than "
+        "serve.prompt_len, more prompts than serve.batch, too little serve.max_len, ...); 130: interrupted.",
+    )
+    _config_args(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", metavar="IDS", help="one prompt's token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt-file", metavar="PATH",
+                        help="a file of prompts, one line of token ids each (1 2 3 or 1,2,3)")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt at most")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="divides the logits before sampling; 0 is greedy (the largest logit)")  # fmt: skip
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the likeliest tokens whose probabilities add up to p")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the sampling: the same seed gives the same tokens")  # fmt: skip
+    p.add_argument("--eos", metavar="IDS",
+                   help="end-of-sequence token ids, e.g. 2 or 128001,128009 (default: finetune.init_from's "
+                   "config.json eos_token_id, else none)")  # fmt: skip
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout at the end (the steps on stderr)")  # fmt: skip
+    p.set_defaults(run=cmd_generate)
 
 
 def cmd_sweep(args) -> int:
@@ -436,7 +560,7 @@ def _tune(args, trials) -> int:
     default_compiles = {"layout": 40, "finetune": 16}.get(search, 12)
     max_compiles = args.max_compiles if args.max_compiles is not None else default_compiles
     progress = None
-    if args.search == "layout" and not args.json:
+    if args.search in ("layout", "serve") and not args.json:
         progress = lambda message: print(f"  {message}", file=sys.stderr, flush=True)  # noqa: E731
     result = tune(config, args.target, search=search, allow_offload=False if args.no_offload else None,
                   max_compiles=max_compiles, objective=args.objective, jobs=args.jobs,
@@ -491,16 +615,19 @@ def _add_explore_commands(commands) -> None:
     )
     _config_args(p)
     p.add_argument("--target", type=_target, metavar="TARGET", help=target_help)
-    p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout", "finetune"),
+    p.add_argument("--search", choices=("remat", "batch", "micro_batches", "layout", "finetune", "serve"),
                    help="what to tune (default: finetune for a config with a finetune section, else remat); "
                    "layout: the mesh, micro-batches, remat and ZeRO-1 with the shortest predicted step "
                    "time; finetune: LoRA rank, base quantization, remat, micro-batches (and sequence "
-                   "length with --min-seq-len), with what each costs")  # fmt: skip
+                   "length with --min-seq-len), with what each costs; serve: the serving program's tensor "
+                   "degree and KV dtype (and batch, for throughput)")  # fmt: skip
     p.add_argument("--min-seq-len", type=int, metavar="N",
                    help="--search finetune may halve model.seq_len down to N (default: never)")  # fmt: skip
-    p.add_argument("--objective", choices=("step_time", "throughput"),
+    p.add_argument("--objective", choices=("step_time", "throughput", "latency"),
                    help="--search layout ranks by predicted step time (default), or by tokens/s per device "
-                   "at the largest batch that fits (throughput)")  # fmt: skip
+                   "at the largest batch that fits (throughput); --search serve by the static batch's "
+                   "time (latency, default) or by output tokens/s at the largest batch that fits "
+                   "(throughput)")  # fmt: skip
     p.add_argument(
         "--jobs", type=int, help="--search layout: worker processes for its compiles (default: CPUs)"
     )

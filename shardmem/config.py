@@ -25,6 +25,7 @@ from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.finetune.hf_config import disagreements, pretrained_model
 from shardmem.finetune.quant import FORMATS
 from shardmem.models.attention import ATTENTION_CHOICES
+from shardmem.models.kv_cache import KV_DTYPES
 from shardmem.models.llama import CHECKPOINT_TAGS, MLP_ACTIVATIONS, PRESETS, ModelConfig
 from shardmem.planning.targets import MIG_TARGETS, TARGET_NAMES, is_target_name
 from shardmem.remat import LayerPlan, ModulePlan
@@ -306,6 +307,22 @@ class FinetuneConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """Serving (:mod:`shardmem.program.serving`, ``shardmem generate``, ``shardmem plan --serve``): a
+    static batch of ``batch`` prompts, right-padded to ``prompt_len`` tokens, each with room for
+    ``max_len`` positions (prompt and generated tokens) in the KV cache. The weights are stored in
+    ``precision.compute``, or in 8 or 4 bits with ``quantize`` (its formats are ``finetune.quantize``'s;
+    ``finetune.freeze`` and ``lora`` describe training and do not apply); the KV cache in ``kv_dtype``:
+    ``int8`` keeps one float32 scale per token and KV head."""
+
+    batch: int = 8  # Sequences prefilled and decoded together.
+    prompt_len: int = 512  # Prompt tokens per sequence in a prefill (shorter prompts are padded).
+    max_len: int = 2048  # Positions per sequence in the KV cache: the prompt and the tokens generated.
+    kv_dtype: str | None = None  # The KV cache's: bfloat16, float16, float32 or int8 (None: compute's).
+    quantize: QuantizeConfig | None = None  # {format, group, targets}: weight matrices in 8 or 4 bits.
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """One training run, as a YAML file describes it."""
 
@@ -325,6 +342,7 @@ class Config:
     interconnect: InterconnectConfig = dataclasses.field(default_factory=InterconnectConfig)
     overlap: OverlapConfig = dataclasses.field(default_factory=OverlapConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
+    serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
     name: str = "run"  # The run's name, one folder name: runs/<name> (default: the config file's name).
     # The loaded file's folder, where import paths (model.factory, ...) are looked up first; not a key.
     folder: str | None = dataclasses.field(default=None, compare=False, metadata={"internal": True})
@@ -751,6 +769,7 @@ def _validate(config: Config) -> None:
     _validate_sizes(config)
     _validate_rest(config)
     _validate_finetune(config.finetune)
+    _validate_serve(config.serve)
 
 
 def _validate_name(name: str) -> None:
@@ -779,22 +798,48 @@ def _validate_finetune(ft: FinetuneConfig) -> None:
                               "[layers/wq, layers/wv] or [layers/w*]")  # fmt: skip
         globs.append(("finetune.lora.targets", ft.lora.targets))
     if ft.quantize is not None:
-        q = ft.quantize
-        if q.format not in FORMATS:
-            raise ConfigError(f"finetune.quantize.format={q.format!r}{did_you_mean(q.format, FORMATS)}; "
-                              f"use {one_of(FORMATS)}")  # fmt: skip
-        _positive("finetune.quantize.group", q.group)
-        if q.format != "int8" and q.group % 2:
-            raise ConfigError(f"finetune.quantize.group={q.group}: {q.format} packs two codes a byte, so "
-                              f"the group must be even; use {q.group + 1}")  # fmt: skip
+        _validate_quantize(ft.quantize, "finetune.quantize")
         if not ft.active:
             raise ConfigError("finetune.quantize stores frozen weights, but nothing is frozen; add "
                               "finetune.freeze (e.g. ['*']) or finetune.lora")  # fmt: skip
-        globs.append(("finetune.quantize.targets", q.targets))
+        globs.append(("finetune.quantize.targets", ft.quantize.targets))
     for key, patterns in globs:
-        for pattern in patterns:
-            if not isinstance(pattern, str) or not pattern:
-                raise ConfigError(f"{key}: {pattern!r} is not a glob of parameter paths such as layers/wq")
+        _validate_globs(key, patterns)
+
+
+def _validate_globs(key: str, patterns: list) -> None:
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"{key}: {pattern!r} is not a glob of parameter paths such as layers/wq")
+
+
+def _validate_quantize(q: QuantizeConfig, key: str) -> None:
+    if q.format not in FORMATS:
+        raise ConfigError(
+            f"{key}.format={q.format!r}{did_you_mean(q.format, FORMATS)}; use {one_of(FORMATS)}"
+        )
+    _positive(f"{key}.group", q.group)
+    if q.format != "int8" and q.group % 2:
+        raise ConfigError(f"{key}.group={q.group}: {q.format} packs two codes a byte, so the group must be "
+                          f"even; use {q.group + 1}")  # fmt: skip
+
+
+def _validate_serve(serve: ServeConfig) -> None:
+    """The serve section's values; against the model (its cache's heads, the mesh) when the serving
+    program is described (:func:`shardmem.program.describe`)."""
+    for name in ("batch", "prompt_len", "max_len"):
+        _positive(f"serve.{name}", getattr(serve, name))
+    if serve.prompt_len > serve.max_len:
+        raise ConfigError(f"serve.prompt_len={serve.prompt_len} is longer than serve.max_len="
+                          f"{serve.max_len}, the room each sequence has in the KV cache for its prompt and "
+                          f"what it generates; raise serve.max_len to at least {serve.prompt_len}, or "
+                          "shorten the prompts")  # fmt: skip
+    if serve.kv_dtype is not None and serve.kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"serve.kv_dtype={serve.kv_dtype!r}{did_you_mean(serve.kv_dtype, KV_DTYPES)}; use "
+                          f"{one_of(KV_DTYPES)}, or null for precision.compute")  # fmt: skip
+    if serve.quantize is not None:
+        _validate_quantize(serve.quantize, "serve.quantize")
+        _validate_globs("serve.quantize.targets", serve.quantize.targets)
 
 
 def _validate_sizes(config: Config) -> None:
@@ -824,6 +869,10 @@ def _validate_sizes(config: Config) -> None:
             ("train.global_batch x model.seq_len x model.vocab_size", tokens * m.vocab_size),
         ]  # fmt: skip
         scores = batch * m.n_heads * m.seq_len**2
+        serve = config.serve  # The KV cache a serving program would hold.
+        dims |= {"serve.batch": serve.batch, "serve.max_len": serve.max_len}
+        arrays.append(("model.n_layers x serve.batch x serve.max_len x model.n_kv_heads x model.head_dim",
+                       m.n_layers * serve.batch * serve.max_len * m.n_kv_heads * m.head_size))  # fmt: skip
     elif isinstance(m, UserModelConfig) and m.n_layers is not None:
         _at_most("model.n_layers", m.n_layers, MAX_LAYERS, "the deepest models have a few hundred")
     for name, leaf in _batch_leaves(config.data.batch or {}, "data.batch"):

@@ -41,7 +41,7 @@ from shardmem.program import build_program, pipeline_for
 from shardmem.remat import PRESETS
 from shardmem.units import clip, format_bytes, format_seconds
 
-SEARCHES = ("remat", "batch", "micro_batches", "layout", "finetune")
+SEARCHES = ("remat", "batch", "micro_batches", "layout", "finetune", "serve")
 
 #: Policy -> policies that keep a superset of what it keeps on the device (so need no less memory).
 _SAVES_MORE = {
@@ -93,7 +93,10 @@ def tune(
     worker processes (:mod:`shardmem.explore.layout`; ``objective`` and ``jobs`` are for that search
     only, and it needs ``max_compiles`` of 3 or more, the others 2); ``"finetune"`` the LoRA rank, base
     quantization, remat, micro-batches and (down to ``min_seq_len``, where given) sequence length of a
-    fine-tune, with what each knob costs (:mod:`shardmem.explore.finetune`). ``search`` defaults to
+    fine-tune, with what each knob costs (:mod:`shardmem.explore.finetune`); ``"serve"`` the tensor degree,
+    KV dtype (and for ``objective="throughput"`` the batch) of the serving program with the least time
+    for its static batch (``objective="latency"``, the default) or the most output tokens/s
+    (:mod:`shardmem.explore.serving`). ``search`` defaults to
     ``"finetune"`` for a config with a ``finetune:`` section, else ``"remat"``. ``allow_offload`` defaults
     to whether the target is a GPU (offloading saves nothing on CPU). At most ``max_compiles`` compiles.
     ``trials``: a list the search appends each trial to as it goes (what a caller interrupted mid-search
@@ -116,11 +119,13 @@ def tune(
         at_least("--max-compiles", max_compiles, 2, f"--search {search} needs at least 2")
     at_least("--jobs", jobs, 1, JOBS_FIX)
     for option, value in (("--objective", objective), ("--jobs", jobs)):
-        if value is not None and search != "layout":
-            raise ConfigError(f"{option} {value}: only --search layout uses it (this is --search {search}); "
-                              f"add --search layout, or drop {option}")  # fmt: skip
-    objective = objective or "step_time"
-    if objective not in OBJECTIVES:
+        users = ("layout", "serve") if option == "--objective" else ("layout",)
+        if value is not None and search not in users:
+            raise ConfigError(f"{option} {value}: only --search {' or '.join(users)} uses it (this is "
+                              f"--search {search}); add --search layout, or drop {option}")  # fmt: skip
+    if search != "serve":
+        objective = objective or "step_time"
+    if search != "serve" and objective not in OBJECTIVES:
         raise ConfigError(f"--objective {objective!r}: use {one_of(OBJECTIVES)}")
     resolved = make_target(config, target)
     if allow_offload is None:
@@ -134,6 +139,10 @@ def tune(
         from shardmem.explore.finetune import tune_finetune
 
         result = tune_finetune(planner, resolved, min_seq_len)
+    elif search == "serve":
+        from shardmem.explore.serving import tune_serving
+
+        result = tune_serving(planner, resolved, objective)
     elif search == "batch":
         result = _tune_batch(planner, resolved)
     else:
@@ -607,6 +616,10 @@ def render_tune(result: TuneResult):
         from shardmem.explore.finetune import render_costs
 
         return render_costs(result)
+    if result.search == "serve":
+        from shardmem.explore.serving import render_serving_tune
+
+        return render_serving_tune(result)
     table = Table(title=f"shardmem tune --search {result.search}", title_justify="left", show_edge=False)
     for column in ("candidate", "peak / device", "host", "recompute", "verdict", "how", "why"):
         figure = column in ("peak / device", "host", "recompute")  # Never "0" over "B": the why wraps.

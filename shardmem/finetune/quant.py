@@ -58,16 +58,17 @@ class Quantized:
         return blocks.reshape(values.shape).astype(dtype)
 
 
-def group_for(path: str, last: int, group: int, format: str) -> int:
+def group_for(path: str, last: int, group: int, format: str, key: str = "finetune.quantize") -> int:
     """Returns the block size for a weight whose last axis has ``last`` entries: ``group``, or the whole
-    axis when it is shorter; raises ConfigError naming ``path`` when ``group`` does not divide it."""
+    axis when it is shorter; raises ConfigError naming ``path`` (and the config section ``key``) when
+    ``group`` does not divide it."""
     size = min(group, last)
     if last % size or (format != "int8" and size % 2):
         fits = [g for g in range(2, min(last, 4 * group) + 1, 2) if last % g == 0]
         raise ConfigError(
-            f"finetune.quantize.group={group} does not divide the last axis of {path} ({last} entries) "
+            f"{key}.group={group} does not divide the last axis of {path} ({last} entries) "
             f"into blocks{' of an even size' if format != 'int8' else ''}; use one of {fits[-6:] or [last]}, "
-            "or leave it out of finetune.quantize.targets"
+            f"or leave it out of {key}.targets"
         )
     return size
 

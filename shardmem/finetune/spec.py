@@ -73,15 +73,7 @@ class FineTune:
         stacks = {path: _stack(logical.get(path)) for path in shapes}
 
         def matching(key: str, pattern: str, among=None) -> list:
-            among = shapes if among is None else among
-            found = [p for p in among if fnmatch.fnmatchcase(names[p], pattern)]
-            if not found:
-                pool = [names[p] for p in among]
-                close = difflib.get_close_matches(pattern, pool, n=5, cutoff=0.4) or pool[:8]
-                which = " of those" if among is not shapes else ""
-                raise ConfigError(f"{key}: {pattern!r} matches no parameter{which}; paths such as "
-                                  f"{', '.join(close)}")  # fmt: skip
-            return found
+            return _matching(key, pattern, names, shapes if among is None else among)
 
         lora = ft.lora
         freeze = ft.freeze if ft.freeze is not None else (["*"] if lora else [])
@@ -108,16 +100,13 @@ class FineTune:
         frozen |= set(adapted)
         quantized = {}
         if ft.quantize is not None:
-            q = ft.quantize
             matrices = [p for p in frozen if len(shapes[p]) - stacks[p] >= 2]
             if not matrices:
                 raise ConfigError(
                     "finetune.quantize: no frozen parameter is a matrix; freeze weight matrices "
                     "(finetune.freeze or finetune.lora) or remove finetune.quantize"
                 )
-            for pattern in q.targets:
-                for path in matching("finetune.quantize.targets", pattern, matrices):
-                    quantized[path] = group_for(names[path], shapes[path][-1], q.group, q.format)
+            quantized = _quantized(ft.quantize, "finetune.quantize", matrices, names, shapes)
         if not set(shapes) - frozen and not adapted:
             raise ConfigError(
                 f"finetune.freeze={freeze} freezes every parameter and finetune.lora adds none: "
@@ -131,6 +120,22 @@ class FineTune:
             base_dtype=jnp.dtype(ft.base_dtype or precision.compute),
             adapter_dtype=jnp.dtype(precision.params), in_model=reference_model,
         )  # fmt: skip
+
+    @staticmethod
+    def serving(config, abstract_params, param_logical, *, reference_model: bool) -> FineTune:
+        """Returns the description of a serving program's weights: every parameter frozen, stored in
+        ``precision.compute``, the matrices ``serve.quantize`` names in 8 or 4 bits (nothing trains, so
+        ``finetune.freeze`` and ``lora`` do not apply)."""
+        shapes = {path: leaf.shape for path, leaf in _flat(abstract_params).items()}
+        logical = dict(_flat(param_logical, is_leaf=lambda x: isinstance(x, P) or x is None))
+        names = {path: _name(path) for path in shapes}
+        q = config.serve.quantize
+        quantized = {}
+        if q is not None:
+            matrices = [p for p in shapes if len(shapes[p]) - _stack(logical.get(p)) >= 2]
+            quantized = _quantized(q, "serve.quantize", matrices, names, shapes)
+        return FineTune(frozenset(shapes), {}, quantized, rank=0, scale=0.0, format=q.format if q else "",
+                        base_dtype=jnp.dtype(config.precision.compute), in_model=reference_model)  # fmt: skip
 
     def prepare(self, params, key) -> tuple[dict, dict]:
         """Returns ``(trainable, frozen)`` from the model's full parameters: frozen ones cast (and
@@ -246,6 +251,28 @@ class FineTune:
                 value = weight(value, dtype)
             _put(full, path, value)
         return full
+
+
+def _matching(key: str, pattern: str, names: Mapping, among) -> list:
+    """The paths among ``among`` whose names ``pattern`` matches; a ConfigError naming close ones when
+    none does."""
+    found = [p for p in among if fnmatch.fnmatchcase(names[p], pattern)]
+    if not found:
+        pool = [names[p] for p in among]
+        close = difflib.get_close_matches(pattern, pool, n=5, cutoff=0.4) or pool[:8]
+        which = " of those" if len(among) != len(names) else ""
+        raise ConfigError(f"{key}: {pattern!r} matches no parameter{which}; paths such as "
+                          f"{', '.join(close)}")  # fmt: skip
+    return found
+
+
+def _quantized(q, key: str, matrices: list, names: Mapping, shapes: Mapping) -> dict:
+    """Path -> block size of each matrix that ``q.targets`` (``{key}.targets``) names."""
+    quantized = {}
+    for pattern in q.targets:
+        for path in _matching(f"{key}.targets", pattern, names, matrices):
+            quantized[path] = group_for(names[path], shapes[path][-1], q.group, q.format, key)
+    return quantized
 
 
 def _is_adapter(x) -> bool:

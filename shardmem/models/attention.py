@@ -109,9 +109,10 @@ class AttentionKernel:
             "or chunked"
         )
 
-    def check_length(self, seq_len: int) -> None:
+    def check_length(self, seq_len: int, key: str = "model.seq_len") -> None:
         """Raises ConfigError where the Pallas kernel cannot tile ``seq_len`` positions (with a context
-        axis: each of the ``2 x context`` blocks :mod:`shardmem.parallel.context` gives it)."""
+        axis: each of the ``2 x context`` blocks :mod:`shardmem.parallel.context` gives it), naming the
+        config ``key`` that set them."""
         if self.name != "pallas":
             return
         pieces = 2 * self.context if self.context > 1 else 1
@@ -123,9 +124,9 @@ class AttentionKernel:
         each = f"each of its 2 x {self.context} context blocks has {block}" if pieces > 1 else f"{seq_len}"
         kernel = "pallas" + (f" (standing in for {self.stands_for})" if self.stands_for else "")
         raise ConfigError(
-            f"model.seq_len={seq_len}: the {kernel} flash kernel tiles a sequence in blocks of "
+            f"{key}={seq_len}: the {kernel} flash kernel tiles a sequence in blocks of "
             f"{PALLAS_BLOCK} positions, and {each} is neither at most one block nor a multiple of one; "
-            f"use a seq_len that is a multiple of {step} "
+            f"use a {key.split('.')[-1]} that is a multiple of {step} "
             f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or model.attention=chunked"
         )
 
@@ -324,8 +325,9 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions
                      window: int | None = None):  # fmt: skip
     """Causal softmax attention with fp32 scores (kernel ``xla``). Query i sits at position
     ``q_offset + i`` of the keys, or at ``q_positions[i]`` against keys at ``k_positions`` when given
-    (a permuted sequence: :mod:`shardmem.parallel.context`); with a ``window``, it attends to keys fewer
-    than ``window`` positions before it."""
+    (a permuted sequence: :mod:`shardmem.parallel.context`; ``q_positions`` ``[B, L]``: each sequence's
+    own, as a KV cache's decode has them); with a ``window``, it attends to keys fewer than ``window``
+    positions before it."""
     b, length, h, k = q_BxLxHxK.shape
     g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
@@ -334,10 +336,12 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions
         rows_LxM = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
         cols_LxM = jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
     else:
-        rows_LxM, cols_LxM = jnp.asarray(q_positions)[:, None], jnp.asarray(k_positions)[None, :]
+        rows_LxM, cols_LxM = jnp.asarray(q_positions)[..., :, None], jnp.asarray(k_positions)[None, :]
     causal_LxM = rows_LxM >= cols_LxM
     if window is not None:
         causal_LxM = causal_LxM & (rows_LxM - cols_LxM < window)
+    if causal_LxM.ndim == 3:  # Per sequence: [B, L, M] under the G and R axes of the scores.
+        causal_LxM = causal_LxM[:, None, None]
     scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM.astype(jnp.float32), -1e30)
     probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(v_BxLxGxK.dtype)
     ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxLxGxK)

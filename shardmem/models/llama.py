@@ -3,6 +3,7 @@
     model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
     logits_BxLxV = model(tokens_BxL)
     h_BxLxD, head_DxV = model.hidden_states(tokens_BxL), model.unembedding()   # for a chunked loss
+    h_BxLxD, cache = model.cached_hidden_states(prompts_BxL, cache, positions_L, prefill=True)  # serving
 
 Every parameter carries logical axis names (``embed``, ``heads``, ``mlp``, ...) that the config's rules map
 to mesh axes. Every intermediate that a remat policy may want to keep is tagged with
@@ -10,7 +11,9 @@ to mesh axes. Every intermediate that a remat policy may want to keep is tagged 
 leading ``layers`` axis and run by :func:`shardmem.remat.remat_scan`, one scanned segment per remat policy.
 Attention runs the kernel :mod:`shardmem.models.attention` resolves for the devices the model is built for.
 With a ``context`` mesh axis the layers see each sequence split over its devices, in the zigzag order of
-:mod:`shardmem.parallel.context`, and the hidden states come back in sequence order.
+:mod:`shardmem.parallel.context`, and the hidden states come back in sequence order. Serving runs the
+same layers with a KV cache (:mod:`shardmem.models.kv_cache`): each :class:`Block` is one forward,
+with or without a cache, so training's and serving's cannot drift apart.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from shardmem.models.attention import (
     resolve_attention,
     shared_memory_per_block,
 )
+from shardmem.models.kv_cache import CacheSlot, KVCache
 from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
 from shardmem.models.rope import RopeScaling, rope
@@ -378,10 +382,17 @@ class Block(nnx.Module):
         )  # fmt: skip
         return _split_seq(out)
 
-    def __call__(self, x_BxLxD):
+    def __call__(self, x_BxLxD, cache: CacheSlot | None = None):
+        """Returns the layer's output; with a ``cache`` (serving's prefill or decode step), ``(output,
+        cache)``: the same layer, its keys and values written to the cache and attention over it."""
         cfg = self.cfg
         x_BxLxD = checkpoint_name(constrain(x_BxLxD, RESIDUAL), "layer_input")
-        positions_L = context.layer_positions(x_BxLxD.shape[1])  # Zigzag order when split.
+        if cache is None:
+            positions = context.layer_positions(x_BxLxD.shape[1])  # Zigzag order when split.
+        else:
+            positions = cache.positions  # Each sequence's own in a decode step.
+        # Dynamic RoPE's frequencies depend on the length: a cache's is its room, fixed for every step.
+        length = None if cache is None else cache.cache.max_len
 
         with jax.named_scope("attention"):
             # With sequence parallelism (rules.residual_seq over tensor) the norm runs on its share of
@@ -398,11 +409,16 @@ class Block(nnx.Module):
                 q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
                 k_BxLxGxK = k_BxLxGxK + weight(value_of(self.bk), self.compute_dtype)
                 v_BxLxGxK = v_BxLxGxK + weight(value_of(self.bv), self.compute_dtype)
-            q_BxLxHxK = rope(q_BxLxHxK, positions_L, cfg.rope_theta, cfg.rope_scaling)
-            k_BxLxGxK = rope(k_BxLxGxK, positions_L, cfg.rope_theta, cfg.rope_scaling)
-            ctx_BxLxHxK = context.attend(
-                self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=cfg.sliding_window
-            )
+            q_BxLxHxK = rope(q_BxLxHxK, positions, cfg.rope_theta, cfg.rope_scaling, length)
+            k_BxLxGxK = rope(k_BxLxGxK, positions, cfg.rope_theta, cfg.rope_scaling, length)
+            if cache is None:
+                ctx_BxLxHxK = context.attend(
+                    self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=cfg.sliding_window
+                )
+            else:
+                ctx_BxLxHxK, written = cache.attend(
+                    self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=cfg.sliding_window
+                )
             ctx_BxLxHxK = _whole_seq(ctx_BxLxHxK, _HEADS)
             ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_context")
             # Summed over the tensor-parallel heads: an all-reduce, or a reduce-scatter onto the residual
@@ -412,11 +428,15 @@ class Block(nnx.Module):
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
-            if cfg.n_experts:
-                h_BxLxD = _whole_seq(_split_seq(self.mlp_norm(x_BxLxD)), ("batch", "seq", None))
-                return x_BxLxD + self.moe(h_BxLxD)
+            x_BxLxD = x_BxLxD + self._feed_forward(x_BxLxD)
+        return x_BxLxD if cache is None else (x_BxLxD, written)
 
-            return x_BxLxD + checkpoint_name(self._mlp(self.mlp_norm(x_BxLxD)), "mlp_out")
+    def _feed_forward(self, x_BxLxD):
+        """The MLP's (or the experts') output for the residual stream ``x``, before it is added."""
+        if self.cfg.n_experts:
+            h_BxLxD = _whole_seq(_split_seq(self.mlp_norm(x_BxLxD)), ("batch", "seq", None))
+            return self.moe(h_BxLxD)
+        return checkpoint_name(self._mlp(self.mlp_norm(x_BxLxD)), "mlp_out")
 
 
 class Llama(nnx.Module):
@@ -473,14 +493,11 @@ class Llama(nnx.Module):
         """Returns the final normed hidden states, which :meth:`unembedding` turns into logits."""
         # Gather from an all-gathered (compute-dtype) table: a sharded gather would need the
         # partitioner's slow fallback to reach the batch-sharded activations.
-        table_VxD = constrain(weight(value_of(self.embedding), self.compute_dtype), (None, None))
         # Context parallelism: the layers see the sequence in zigzag order; split by hand, a device's own
         # chunks of it, which it returns (the loss takes its targets' chunks too: losses.next_token_loss).
         shards, by_hand = context.shards(), context.split_by_hand()
         tokens_BxL = context.own_chunks(tokens_BxL) if by_hand else context.to_zigzag(tokens_BxL, shards)
-        x_BxLxD = constrain(table_VxD[tokens_BxL], RESIDUAL)
-        if self.cfg.scale_embeddings:  # Gemma: by sqrt(d_model), rounded to the compute dtype as it does.
-            x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.compute_dtype)
+        x_BxLxD = self._embed(tokens_BxL, table_axes=(None, None))
         run_layers = self.pipeline.run if self.pipeline else remat_scan
         x_BxLxD = run_layers(self.layers, x_BxLxD, self.remat)
         h_BxLxD = _whole_seq(_split_seq(self.final_norm(x_BxLxD)), ("batch", "seq", None))  # See Block.
@@ -489,6 +506,36 @@ class Llama(nnx.Module):
             if shards == 1 or by_hand
             else constrain(context.from_zigzag(h_BxLxD, shards), ("batch", "seq", None))
         )
+
+    def cached_hidden_states(self, tokens_BxL, cache: KVCache, positions, *, prefill: bool):
+        """Returns ``(h_BxLxD, cache)``: :meth:`hidden_states` of a step of serving, the same layers run
+        with a KV cache (:mod:`shardmem.models.kv_cache`). A prefill's ``tokens`` are right-padded prompts
+        at ``positions`` ``[L]`` (0 .. L-1), written to the cache's first L places; a decode step's are
+        one token per sequence (``L`` = 1) at ``positions`` ``[B, 1]``, each sequence's own."""
+        # Vocab-parallel lookup (Megatron's, as the pipeline's embed): a decode step looks up a few rows,
+        # where all-gathering the table would move all of it every step.
+        x_BxLxD = self._embed(tokens_BxL, table_axes=("vocab", None))
+        graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
+
+        def layer(carry, stored):
+            x_BxLxD, cache = carry
+            params, rest, index = stored
+            block = nnx.merge(graphdef, params, rest)
+            return block(x_BxLxD, CacheSlot(cache, index, positions, prefill)), None
+
+        stack = (params, rest, jnp.arange(self.cfg.n_layers))
+        # Unrolled: in a loop, XLA's GPU compiler copies each layer's weights out of the stack before its
+        # matmuls (a dynamic slice it cannot fuse into them), tripling a decode step's weight traffic.
+        (x_BxLxD, cache), _ = jax.lax.scan(layer, (x_BxLxD, cache), stack, unroll=True)
+        return self.final_norm(x_BxLxD), cache
+
+    def _embed(self, tokens_BxL, table_axes):
+        """The input embeddings of ``tokens``, looked up in the table constrained to ``table_axes``."""
+        table_VxD = constrain(weight(value_of(self.embedding), self.compute_dtype), table_axes)
+        x_BxLxD = constrain(table_VxD[tokens_BxL], RESIDUAL)
+        if self.cfg.scale_embeddings:  # Gemma: by sqrt(d_model), rounded to the compute dtype as it does.
+            x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.compute_dtype)
+        return x_BxLxD
 
     def pipelined_loss(self, tokens_BxL, targets_BxL):
         """Returns the mean next-token cross-entropy of ``targets`` with the embedding, the layers, the

@@ -146,13 +146,14 @@ def _yarn(
     return inv_freq.astype(np.float32), float(attention)
 
 
-def rope(x_BxLxHxK, positions_L, theta: float, scaling: RopeScaling | None = None, length: int | None = None):
+def rope(x_BxLxHxK, positions, theta: float, scaling: RopeScaling | None = None, length: int | None = None):
     """Rotary position embedding on the last axis (half-split convention, as Llama's), with
-    ``scaling``'s frequencies for sequences of ``length`` positions (default: ``x``'s)."""
+    ``scaling``'s frequencies for sequences of ``length`` positions (default: ``x``'s). ``positions``
+    are ``[L]``, the same for every sequence, or ``[B, L]``, each sequence's own (a KV cache's decode)."""
     half = x_BxLxHxK.shape[-1] // 2
     inv_freq_K, attention = frequencies(2 * half, theta, scaling, length or x_BxLxHxK.shape[1])
-    angles_LxK = positions_L[:, None].astype(jnp.float32) * jnp.asarray(inv_freq_K)[None, :]
-    sin, cos = jnp.sin(angles_LxK)[:, None, :], jnp.cos(angles_LxK)[:, None, :]
+    angles_xLxK = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_K)
+    sin, cos = jnp.sin(angles_xLxK)[..., None, :], jnp.cos(angles_xLxK)[..., None, :]
     if attention != 1.0:  # YaRN's: on cos and sin, as transformers applies it.
         sin, cos = sin * attention, cos * attention
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)

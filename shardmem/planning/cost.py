@@ -504,6 +504,9 @@ class _Kernels:
             return self._fusion_bytes(ins)
         if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
             return 2 * hlo.shape_bytes(self.shape(ins.operands[1]))
+        if ins.opcode == "scatter" and len(ins.operands) > 2:  # In place: the updates and their indices.
+            indices, updates = (hlo.shape_bytes(self.shape(o)) for o in ins.operands[1:3])
+            return 2 * updates + indices
         if ins.opcode in ("dynamic-slice", "slice", "gather"):
             return 2 * hlo.shape_bytes(ins.shape)
         return hlo.shape_bytes(ins.shape) + sum(hlo.shape_bytes(self.shape(o)) for o in ins.operands)
@@ -533,6 +536,8 @@ class _Kernels:
                 continue
             if out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
                 total += hlo.shape_bytes(self.shape(out.operands[1]))
+            elif out.opcode == "scatter" and len(out.operands) > 2:  # A KV cache's decode-step write.
+                total += hlo.shape_bytes(self.shape(out.operands[2]))
             else:
                 total += hlo.shape_bytes(out.shape)
         return total
@@ -546,7 +551,7 @@ class _Kernels:
                     stack.append(user)
                 elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == value.name:
                     reads += hlo.shape_bytes(user.shape)
-                elif user.opcode == "dynamic-update-slice" and user.operands[0] == value.name:
+                elif user.opcode in ("dynamic-update-slice", "scatter") and user.operands[0] == value.name:
                     continue  # Updated in place: only the update is written.
                 else:
                     return full

@@ -53,6 +53,7 @@ CATEGORIES = (
     "optimizer",
     "model_state",
     "batch",
+    "kv_cache",
     "outputs",
     "temp",
     "alias",
@@ -268,7 +269,11 @@ def plan_program(
     planned = program.function(function)
     traced = planned.trace()
     config = program.config
-    report, compiled = _compile_and_analyze(traced, target, config.memory, groups=planned.groups, top=top,
+    memory = config.memory
+    if planned.compiler_options:  # The function's own options, which its jit runs with; the user's win.
+        options = {**planned.compiler_options, **memory.compiler_options}
+        memory = dataclasses.replace(memory, compiler_options=options)
+    report, compiled = _compile_and_analyze(traced, target, memory, groups=planned.groups, top=top,
                                             overlap_off=planned.overlap_off,
                                             name=config.name)  # fmt: skip
     rows = program.sharding_table()

@@ -13,6 +13,7 @@ from shardmem.errors import DoesNotFit
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import ShardingRow
 from shardmem.planning.memory import MemoryReport
+from shardmem.planning.serving import ServingPlan
 from shardmem.units import format_bytes, format_flops, format_seconds
 
 _LABELS = {
@@ -21,6 +22,7 @@ _LABELS = {
     "optimizer": "optimizer state",
     "model_state": "model state (statistics, RNG)",
     "batch": "batch",
+    "kv_cache": "KV cache",
     "outputs": "outputs",
     "temp": "temporaries (activations, workspace)",
     "alias": "aliased with inputs (donated)",
@@ -51,7 +53,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     table.add_column("", justify="right", style="dim")
     for key, label in _LABELS.items():
         value = report.per_device.get(key, 0)
-        if key in ("model_state", "frozen") and not value:
+        if key in ("model_state", "frozen", "kv_cache") and not value:
             continue
         sign = "-" if key == "alias" and value else ""
         share = ""
@@ -137,6 +139,74 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     return Group(*parts)
 
 
+def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
+    """Returns a serving plan as a rich renderable: what serving holds per device and its verdict, then
+    the prefill's and the decode step's reports."""
+    serve = plan.serve
+    quantized = f", weights {serve['quantize']['format']}" if serve.get("quantize") else ""
+    name = plan.decode.name.removesuffix(": decode")
+    head = Text.assemble(("shardmem plan --serve", "bold"), f"  {name}  ·  {plan.decode.target}: ",
+                         plan.decode.target_label)  # fmt: skip
+    what = Text(f"serve batch {serve['batch']}, prompts of {serve['prompt_len']}, room for "
+                f"{serve['max_len']} positions per sequence, KV cache {serve['kv_dtype']}"
+                + quantized)  # fmt: skip
+    table = Table(title="Serving, per device", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("", style="dim")
+    figures = plan.per_device
+    rows = (("weights", "weights", "held throughout"), ("KV cache", "kv_cache", "held throughout"),
+            ("prefill temporaries", "prefill_temp", ""), ("decode temporaries", "decode_temp", ""),
+            ("prefill peak", "prefill_peak", "its new cache an output"),
+            ("decode peak", "decode_peak", "the cache donated, updated in place"))  # fmt: skip
+    for label, key, note in rows:
+        table.add_row(label, format_bytes(figures[key]), note)
+    table.add_row(Text("peak", style="bold"), Text(format_bytes(figures["peak"]), style="bold"),
+                  f"the {plan.peaked_function}'s: one function runs at a time")  # fmt: skip
+    verdict = {"fits": "FITS", "tight": "TIGHT, LIKELY FITS", "does not fit": "DOES NOT FIT"}[plan.verdict]
+    style = {"fits": "bold green", "tight": "bold yellow", "does not fit": "bold red"}[plan.verdict]
+    fit = Text.assemble("budget ", format_bytes(plan.decode.budget_bytes), ": ", (verdict, style),
+                        f" (prefill {plan.prefill.verdict}, decode {plan.decode.verdict})")  # fmt: skip
+    parts: list = [head, what, table, fit, *_serving_time(plan), *_serving_capacity(plan)]
+    for report in (plan.prefill, plan.decode):
+        parts += [Text(""), render(report, sharding=sharding and report is plan.decode)]
+    return Group(*parts)
+
+
+def _serving_time(plan: ServingPlan) -> list:
+    """The static batch's predicted times, each decode step beside its HBM bound."""
+    time = plan.time
+    if time is None:
+        return [Text(plan.decode.step_time_note or "no time estimate for this target", style="dim")]
+    table = Table(title=f"Time, a static batch of {time.batch} x {time.output_len} new tokens",
+                  title_justify="left", show_edge=False, pad_edge=False)  # fmt: skip
+    table.add_column("")
+    table.add_column("predicted", justify="right")
+    table.add_column("HBM bound", justify="right")
+    table.add_column("", style="dim")
+    table.add_row("time to first token", format_seconds(time.time_to_first_token), "", "the prefill")
+    for label, context in zip(("first decode step", "last decode step"), time.contexts, strict=True):
+        table.add_row(label, format_seconds(time.decode_seconds(context)),
+                      format_seconds(time.bound_seconds(context)), f"{context:,} live positions")  # fmt: skip
+    table.add_row("whole batch", format_seconds(time.total_seconds), "", "prefill and every decode step")
+    table.add_row(Text("output tokens/s", style="bold"), Text(f"{time.output_tokens_per_second:,.0f}",
+                  style="bold"), "", "new tokens of every sequence, prefill included")  # fmt: skip
+    return [Text(""), table]
+
+
+def _serving_capacity(plan: ServingPlan) -> list:
+    """What the KV cache has room for beside the weights and the temporaries."""
+    room = plan.capacity
+    if room is None:
+        return []
+    how = "compiled and fit" if room.verified else "from this plan's bytes per token; --capacity compiles"
+    lines = (f"KV cache room per device: {format_bytes(room.cache_bytes)} = {room.tokens:,} positions of "
+             f"{format_bytes(room.bytes_per_token)}; at most serve.batch={room.max_batch:,} at "
+             f"serve.max_len={plan.serve['max_len']:,}, serve.max_len={room.max_len:,} at "
+             f"serve.batch={plan.serve['batch']:,} ({how})")  # fmt: skip
+    return [Text(lines)]
+
+
 def render_refused(error: DoesNotFit, name: str, target: str) -> Group:
     """Returns what is known per chip of a step libtpu refused as over the chip's HBM (no report): the
     bytes from shapes and shardings, and the figures libtpu's message states."""
@@ -146,7 +216,7 @@ def render_refused(error: DoesNotFit, name: str, target: str) -> Group:
     table.add_column("bytes", justify="right")
     table.add_column("", style="dim")
     for key, value in error.per_device.items():
-        if value or key not in ("model_state", "frozen"):
+        if value or key not in ("model_state", "frozen", "kv_cache"):
             table.add_row(_LABELS[key], format_bytes(value), "from shapes and shardings")
     for label, value in (("temporaries (HLO temporaries, libtpu)", error.required_bytes),
                          ("available HBM (libtpu)", error.available_bytes)):  # fmt: skip

@@ -16,11 +16,12 @@ Planning (:mod:`shardmem.planning`), the training loop (:mod:`shardmem.run`) and
 (:mod:`shardmem.explore`) consume programs, whatever their kind.
 """
 
-from shardmem.program.description import Description, Training, describe
+from shardmem.program.description import Description, Serving, Training, describe
 from shardmem.program.loss import LossFn, next_token_loss
 from shardmem.program.model import ModelFactory
 from shardmem.program.parallelism import pipeline_for
 from shardmem.program.program import Function, Program
+from shardmem.program.serving import ServingProgram, build_serving, serving_program
 from shardmem.program.step import TrainingProgram, build_program, build_training
 
 __all__ = [
@@ -29,11 +30,15 @@ __all__ = [
     "LossFn",
     "ModelFactory",
     "Program",
+    "Serving",
+    "ServingProgram",
     "Training",
     "TrainingProgram",
     "build_program",
+    "build_serving",
     "build_training",
     "describe",
     "next_token_loss",
     "pipeline_for",
+    "serving_program",
 ]

@@ -17,6 +17,8 @@ training with a frozen/adapted split, and a program of another kind (serving) re
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem.config import Config, PrecisionConfig
+from shardmem.config import Config, PrecisionConfig, RematConfig
 from shardmem.errors import ConfigError
 from shardmem.finetune import FineTune
 from shardmem.models.attention import (
@@ -35,11 +37,12 @@ from shardmem.models.attention import (
     resolve_attention,
     shared_memory_per_block,
 )
+from shardmem.models.kv_cache import KVCache
 from shardmem.models.llama import lora_input_dims
 from shardmem.parallel import collective_matmul
 from shardmem.parallel.mesh import auto_axes
-from shardmem.parallel.pipeline import Pipeline
-from shardmem.parallel.rules import Rules
+from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline
+from shardmem.parallel.rules import Rules, check_divisible
 from shardmem.program.batch import declared_batch
 from shardmem.program.batch import is_leaf as is_batch_leaf
 from shardmem.program.loss import LossFn, next_token_loss, resolve_loss
@@ -75,13 +78,35 @@ class Training:
 
 
 @dataclasses.dataclass(frozen=True)
+class Serving:
+    """What serving adds to the model (``serve:``): a static batch of prompts and the KV cache's layout.
+
+    ``cache`` is the abstract :class:`~shardmem.models.kv_cache.KVCache` (``jax.ShapeDtypeStruct`` with
+    shardings, ``cache_shardings``: its batch over the data replicas, its KV heads over ``tensor``, by
+    the rules). ``rows`` places one value per sequence (``[batch]``: lengths, positions, tokens),
+    ``tokens`` a prefill's prompts ``[batch, prompt_len]`` and ``logits`` ``[batch, vocab]``.
+    """
+
+    batch: int
+    prompt_len: int
+    max_len: int
+    kv_dtype: str
+    cache: KVCache
+    cache_shardings: KVCache
+    rows: NamedSharding
+    tokens: NamedSharding
+    logits: NamedSharding
+
+
+@dataclasses.dataclass(frozen=True)
 class Description:
     """What runs, resolved once from a config for a mesh: the decisions every builder reads.
 
     ``abstract_params`` are what trains (all of the model's parameters without a fine-tune) and
     ``abstract_frozen`` a fine-tune's frozen, possibly quantized, parameters (None without), as
     ``jax.ShapeDtypeStruct``, each with its shardings and logical axis names. ``training`` is None for a
-    description resolved with ``training=False``. ``config`` is what it was resolved from, kept for
+    description resolved with ``training=False``, ``serving`` None unless resolved with ``serving=True``
+    (whose weights are all "frozen": nothing trains). ``config`` is what it was resolved from, kept for
     reports (the run's name, memory options, warnings); builders read the decisions instead.
     """
 
@@ -103,6 +128,7 @@ class Description:
     seed: int  # train.seed: the parameters' initialisation.
     init_from: str | None  # finetune.init_from: the pretrained weights a program starts from.
     training: Training | None
+    serving: Serving | None = None
     # describe()'s keyword arguments, to resolve a variant of the config alike (resolve_again).
     arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # The reference model's projections run as collective matmuls (overlap.tensor_parallel, resolved).
@@ -124,6 +150,7 @@ def describe(
     batch_shape: tuple[int, ...] | None = None,
     attention: AttentionKernel | None = None,
     training: bool = True,
+    serving: bool = False,
 ) -> Description:
     """Returns the :class:`Description` of ``config`` on ``mesh``, raising ConfigError for anything in
     them that cannot run. Nothing the size of the model is allocated.
@@ -141,11 +168,20 @@ def describe(
     makes them (:func:`shardmem.parallel.mesh.auto_axes`), so it builds the same program.
     ``training=False`` resolves the model alone, for a program that neither differentiates nor updates
     it: no batch, loss or optimizer is asked for (``loss_fn`` and ``batch`` are then unused).
+    ``serving=True`` (which implies ``training=False``) resolves the ``serve:`` section for the serving
+    program (:func:`~shardmem.program.serving.build_serving`): its weights, every parameter frozen in
+    ``precision.compute`` or quantized by ``serve.quantize``, and its KV cache (:class:`Serving`); the
+    config's remat does not apply (nothing is differentiated).
     """
     mesh = auto_axes(mesh)
     custom = model_factory is not None or config.user_model
+    if serving:
+        training = False
+        config = dataclasses.replace(config, remat=RematConfig())  # No backward pass to recompute for.
     rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     context = context_shards(config, mesh, rules, custom, batch_shape)
+    if serving:
+        _check_serving(config, mesh, rules, custom, context)
     pipeline = pipeline_for(config, mesh, custom, rules)
     if attention is None and not custom:
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
@@ -154,12 +190,15 @@ def describe(
                                       shared_memory=shared_memory_per_block(mesh.devices.flat))  # fmt: skip
     if attention is not None and not custom:
         length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
-        attention.check_length(length)
+        length = config.serve.prompt_len if serving else length  # Prefill attends over the prompts.
+        attention.check_length(length, "serve.prompt_len" if serving else "model.seq_len")
         attention.check_head_dim(config.model.head_size)
         attention.check_window(config.model.sliding_window, length)
-    collective = collective_matmul.resolve(config.overlap.tensor_parallel, rules, mesh,
-                                           reference_model=not custom,
-                                           pipelined=pipeline is not None)  # fmt: skip
+    # Training's overlap of sequence parallelism's collectives; a decode step's single token per sequence
+    # has nothing to chunk, so serving runs the plain projections whatever the key says.
+    collective = not serving and collective_matmul.resolve(config.overlap.tensor_parallel, rules, mesh,
+                                                           reference_model=not custom,
+                                                           pipelined=pipeline is not None)  # fmt: skip
     factory = resolve_factory(config, model_factory, custom=custom, attention=attention, pipeline=pipeline,
                               collective_matmuls=collective)  # fmt: skip
     if training:
@@ -169,13 +208,18 @@ def describe(
     storage = pipeline.storage_rules(rules, config.model.n_layers) if pipeline else rules
     model = abstract_model(factory, mesh, storage, seed=config.train.seed)
     arguments = dict(model_factory=model_factory, loss_fn=loss_fn, batch=batch, batch_shape=batch_shape,
-                     training=training)  # fmt: skip
+                     training=training, serving=serving)  # fmt: skip
+    if serving:
+        weights = _serving_weights(config, model, custom)
+    else:
+        weights = _fine_tune(config, model, pipeline, custom)
     description = Description(
         config, mesh, rules, model, None if custom else attention, config.precision, pipeline, context,
-        **_fine_tune(config, model, pipeline, custom), seed=config.train.seed,
-        init_from=config.finetune.init_from, training=None, arguments=arguments,
-        collective_matmuls=collective,
+        **weights, seed=config.train.seed, init_from=config.finetune.init_from, training=None,
+        arguments=arguments, collective_matmuls=collective,
     )  # fmt: skip
+    if serving:
+        return dataclasses.replace(description, serving=_serving(config, mesh, rules))
     if not training:
         return description
     training_part = _training(config, description, batch_tree, token, loss_fn)
@@ -210,6 +254,70 @@ def _fine_tune(config: Config, model: Model, pipeline: Pipeline | None, custom: 
     return dict(finetune=finetune, abstract_params=abstract_params, param_shardings=param_shardings,
                 param_logical=param_logical, abstract_frozen=abstract_frozen,
                 frozen_shardings=frozen_shardings, frozen_logical=frozen_logical)  # fmt: skip
+
+
+def _check_serving(config: Config, mesh: Mesh, rules: Rules, custom: bool, context: int) -> None:
+    """Raises ConfigError for what the serving program cannot run: a model of your own, pipeline
+    stages, a sequence split over devices, a batch its devices do not divide."""
+    if custom:
+        raise ConfigError(
+            "serving runs the reference decoder (model.preset or model fields, or finetune.init_from a "
+            "Hugging Face Llama, Mistral, Gemma or Qwen2 folder): a model of your own has no KV-cache call "
+            "shardmem knows; serve it with your own code"
+        )
+    stages = dict(mesh.shape).get(STAGE_AXIS, 1)
+    if stages > 1:
+        raise ConfigError(
+            f"mesh.axes.stage={stages}: serving runs every layer on every device; split the "
+            "weights over tensor (heads) and the batch over data replicas, and set mesh.axes.stage=1"
+        )
+    if context > 1:
+        raise ConfigError(
+            f"rules.seq splits each sequence over {context} devices (context parallelism), which serving "
+            "does not do; set mesh.axes.context=1 (and rules.seq: null)"
+        )
+    batch_axes = rules.mesh_axes("batch") or ()
+    devices = math.prod(mesh.shape[a] for a in batch_axes)
+    if config.serve.batch % devices:
+        sizes = " x ".join(f"mesh.axes.{a}={mesh.shape[a]}" for a in batch_axes)
+        raise ConfigError(
+            f"serve.batch={config.serve.batch} does not split over the {devices} devices the batch is "
+            f"sharded over ({sizes}, rules.batch); use a multiple of {devices}"
+        )
+
+
+def _serving_weights(config: Config, model: Model, custom: bool) -> dict[str, Any]:
+    """A serving program's weights: every parameter frozen (:meth:`FineTune.serving`), nothing trains."""
+    finetune = FineTune.serving(config, model.abstract_params, model.param_logical,
+                                reference_model=not custom)  # fmt: skip
+    _, abstract_frozen = jax.eval_shape(finetune.prepare, model.abstract_params, jax.random.key(0))
+    _, frozen_shardings = finetune.shardings(model.param_shardings)
+    _, frozen_logical = finetune.logical(model.param_logical)
+    return dict(finetune=finetune, abstract_params={}, param_shardings={}, param_logical={},
+                abstract_frozen=abstract_frozen,
+                frozen_shardings=finetune.fit_shardings(frozen_shardings, abstract_frozen),
+                frozen_logical=frozen_logical)  # fmt: skip
+
+
+def _serving(config: Config, mesh: Mesh, rules: Rules) -> Serving:
+    """The serve section resolved: the KV cache's abstract arrays and shardings, and the batch's."""
+    serve, m = config.serve, config.model
+    kv_dtype = serve.kv_dtype or config.precision.compute
+    cache = jax.eval_shape(functools.partial(
+        KVCache.zeros, layers=m.n_layers, batch=serve.batch, max_len=serve.max_len, kv_heads=m.n_kv_heads,
+        head_dim=m.head_size, dtype=kv_dtype))  # fmt: skip
+
+    def sharding(axes):
+        spec = rules.spec(axes)
+        check_divisible("the KV cache", (m.n_layers, serve.batch, serve.max_len, m.n_kv_heads, m.head_size),
+                        spec, mesh, axes)  # fmt: skip
+        return NamedSharding(mesh, spec)
+
+    cache_shardings = cache.by_axes(sharding)
+    place = lambda *axes: NamedSharding(mesh, rules.spec(axes))  # noqa: E731
+    return Serving(serve.batch, serve.prompt_len, serve.max_len, kv_dtype, sharded(cache, cache_shardings),
+                   cache_shardings, place("batch"), place("batch", None),
+                   place("batch", "vocab"))  # fmt: skip
 
 
 def _training(config: Config, d: Description, batch_tree, token: bool, loss_fn: LossFn) -> Training:

@@ -37,7 +37,9 @@ class Function:
     shardings) it is planned with. ``groups`` names subtrees of the arguments whose per-device bytes a
     memory report lists (``{"params": ..., "batch": ...}``, in the report's order); ``tokens`` is how
     many tokens one call processes (for tokens per second; None where it is not tokens);
-    ``overlap_off`` the GPU overlap options it compiles without (:mod:`shardmem.planning.overlap`)."""
+    ``overlap_off`` the GPU overlap options it compiles without (:mod:`shardmem.planning.overlap`);
+    ``compiler_options`` the XLA options ``jitted`` carries, which a plan compiles it with too (beneath
+    ``memory.compiler_options``)."""
 
     name: str
     jitted: Any
@@ -45,6 +47,7 @@ class Function:
     groups: Mapping[str, Any]
     tokens: int | None = None
     overlap_off: tuple[str, ...] = ()
+    compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def trace(self):
         """Returns ``jitted.trace(*arguments)``: the traced function, ready to lower and compile."""

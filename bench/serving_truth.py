@@ -1,0 +1,196 @@
+"""Serving bench: shardmem's deviceless serving plan against published static-batch inference figures.
+
+    python bench/serving_truth.py                  # every row on a100-80g, the RTX 3090 KV check, 70B timing
+    python bench/serving_truth.py --only truth --json out.json
+
+Three checks (issue 39), nothing fitted to them: the times are the step-time model's
+(shardmem/planning/cost.py) on the targets' specs, the memory is the compiled programs'.
+
+1. ``truth``: every row of ``shared/reference/serving-truth.md`` (TensorRT-LLM's and lmdeploy's A100
+   static-batch figures) planned with ``plan --serve`` for ``a100-80g``: predicted time to first token
+   and output tokens/s against the published ones, then the median and worst ratio of each (bars:
+   within 20% median, 40% worst). A row's output of N tokens is ``serve.max_len = input + N - 1`` (the
+   prefill's token, then N - 1 decode steps); the row without an output length (GPT-J at batch 1) is
+   given 128, as its neighbour. Output tokens/s is every sequence's new tokens over the whole batch's
+   time, prefill included (lmdeploy says so of its figures; TensorRT-LLM's static-batch benchmark
+   times the whole generation).
+2. ``rtx3090``: Llama-3.1-8B in bf16 on ``rtx-3090`` with ``--memory-fraction 0.9`` at 20,000 positions
+   (vLLM issue #10517's start-up log: KV cache 3.81 GiB; 2.89 GiB at 29,000): the plan's KV room against
+   it, a prefill of 19,968 (28,928) tokens standing for vLLM's profiling forward of 20,000 (29,000).
+3. ``speed``: the wall and CPU time of ``shardmem plan --serve`` for Llama 3 70B at tensor 8 on
+   ``h100-sxm`` (bar: under 30 s on the idle 2-core machine; the load average is printed beside it). The
+   first plan of a model generates its kernels; later ones reuse them from the kernel cache
+   (``SHARDMEM_KERNEL_CACHE``; ``off`` or an empty folder times a first plan).
+
+How the models map: GPT-J 6B becomes the reference Llama with its sizes (28 layers, hidden 4096, 16
+heads of 256, vocab 50,400), its GELU MLP of width 16,384 a SwiGLU MLP of width 10,944 (two thirds, the
+calibration bench's convention, 10,923, rounded up to a multiple of 64: XLA pads an odd width's weight
+at every step, a copy GPT-J's aligned 16,384 never needs; 0.2% more weights), its parallel attention and
+MLP run one after the other (the same kernels), its biases dropped (4 vectors a layer). Llama 2 7B is the
+``llama-7b`` preset; Llama-3.1-8B and Llama 3 70B are Llama 2's sizes with 128,256 tokens, 8 KV heads
+(8B: MLP 14,336) and RoPE theta 500,000. Weights and KV cache in fp16 (A100 rows) or bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shardmem.config import config_from_dict  # noqa: E402
+from shardmem.planning.serving import plan_serving, with_memory_fraction  # noqa: E402
+
+GIB = 1 << 30
+
+MODELS = {
+    "gpt-j-6b": {"vocab_size": 50400, "d_model": 4096, "n_layers": 28, "n_heads": 16, "n_kv_heads": 16,
+                 "head_dim": 256, "d_ff": 10944, "seq_len": 2048},
+    "llama-2-7b": {"preset": "llama-7b"},
+    "llama-3.1-8b": {"preset": "llama-7b", "vocab_size": 128256, "n_kv_heads": 8, "d_ff": 14336,
+                     "rope_theta": 500000.0, "seq_len": 131072},
+    "llama-3-70b": {"preset": "llama-70b", "vocab_size": 128256, "rope_theta": 500000.0},
+}  # fmt: skip
+
+# (id, model, batch, input, output, published: {ttft seconds, output tokens/s, decode step seconds}).
+ROWS = [
+    ("gptj-6b-a100-bs1", "gpt-j-6b", 1, 128, 128, {"ttft": 12.5e-3, "tokens_per_second": 111}),
+    ("gptj-6b-a100-bs64", "gpt-j-6b", 64, 128, 128, {"ttft": 481e-3, "tokens_per_second": 3679}),
+    ("llama2-7b-a100-bs64", "llama-2-7b", 64, 128, 128, {"tokens_per_second": 3486}),
+    ("llama2-7b-a100-bs32-long", "llama-2-7b", 32, 2048, 128, {"tokens_per_second": 529}),
+    ("llama2-7b-a100-ttft-128", "llama-2-7b", 1, 128, 128, {"ttft": 16e-3}),
+    ("llama2-7b-a100-ttft-2048", "llama-2-7b", 1, 2048, 2048, {"ttft": 133e-3}),
+    ("llama2-7b-a100-lmdeploy-short", "llama-2-7b", 1, 128, 128,
+     {"ttft": 22e-3, "tokens_per_second": 102.21, "decode": 10e-3}),
+    ("llama2-7b-a100-lmdeploy-long", "llama-2-7b", 1, 2048, 2048,
+     {"ttft": 140e-3, "tokens_per_second": 93.78, "decode": 11e-3}),
+]  # fmt: skip
+
+
+def _config(model: str, batch: int, prompt: int, max_len: int, target: str, dtype: str, tensor: int = 1):
+    return config_from_dict({
+        "name": f"{model}-b{batch}-{prompt}-{max_len}",
+        "model": {**MODELS[model], "attention": "auto"},
+        "mesh": {"axes": {"data": 1, "tensor": tensor}},
+        "precision": {"params": dtype, "compute": dtype},
+        "serve": {"batch": batch, "prompt_len": prompt, "max_len": max_len},
+        "memory": {"target": target},
+    })  # fmt: skip
+
+
+def truth() -> dict:
+    """Every serving-truth row planned on a100-80g: predicted against published, and the ratios."""
+    plans, rows = {}, []
+    for row, model, batch, prompt, output, published in ROWS:
+        key = (model, batch, prompt, prompt + output - 1)
+        if key not in plans:  # Rows of the same shape share a plan.
+            started = time.perf_counter()
+            plans[key] = plan_serving(_config(*key, "a100-80g", "float16"))
+            print(f"planned {row} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        t = plans[key].time
+        predicted = {"ttft": t.time_to_first_token, "tokens_per_second": t.output_tokens_per_second,
+                     "decode": t.mean_decode_seconds}  # fmt: skip
+        for figure, value in published.items():
+            rows.append({"row": row, "figure": figure, "published": value, "predicted": predicted[figure],
+                         "ratio": predicted[figure] / value,
+                         "decode_bound": t.bound_seconds((t.contexts[0] + t.contexts[1]) // 2),
+                         "mean_decode": t.mean_decode_seconds})  # fmt: skip
+    summary = {}
+    for figure in ("ttft", "tokens_per_second", "decode"):
+        errors = [abs(r["ratio"] - 1) for r in rows if r["figure"] == figure]
+        if errors:
+            summary[figure] = {"median_error": statistics.median(errors), "worst_error": max(errors),
+                               "rows": len(errors)}  # fmt: skip
+    headline = [abs(r["ratio"] - 1) for r in rows if r["figure"] in ("ttft", "tokens_per_second")]
+    summary["headline"] = {"median_error": statistics.median(headline), "worst_error": max(headline)}
+    return {"rows": rows, "summary": summary}
+
+
+def rtx3090() -> dict:
+    """Llama-3.1-8B bf16 on an RTX 3090 at memory fraction 0.90: the KV room at 20,000 and 29,000 positions
+    against vLLM's log (3.81 GiB; 2.89 GiB)."""
+    out = {}
+    for max_len, vllm_gib, blocks in ((20000, 3.81, 1952), (29000, 2.89, 1478)):
+        # vLLM profiles one forward of max_num_batched_tokens (max_model_len) tokens; the prefill here takes
+        # the nearest length the flash kernel's blocks of 128 tile, with room for max_len positions.
+        prompt = max_len // 128 * 128
+        config = _config("llama-3.1-8b", 1, prompt, max_len, "rtx-3090", "bfloat16")
+        plan = plan_serving(with_memory_fraction(config, 0.9))
+        room, figures = plan.capacity, plan.per_device
+        out[max_len] = {"budget_gib": plan.decode.budget_bytes / GIB, "weights_gib": figures["weights"] / GIB,
+                        "prefill_temp_gib": figures["prefill_temp"] / GIB,
+                        "decode_temp_gib": figures["decode_temp"] / GIB,
+                        "peak_without_cache_gib": (figures["peak"] - figures["kv_cache"]) / GIB,
+                        "kv_room_gib": room.cache_bytes / GIB, "tokens": room.tokens, "vllm_gib": vllm_gib,
+                        "vllm_tokens": blocks * 16, "ratio": room.cache_bytes / GIB / vllm_gib}  # fmt: skip
+    return out
+
+
+def speed() -> dict:
+    """Wall time of `shardmem plan --serve` for Llama 3 70B at tensor 8 on h100-sxm, in a fresh process."""
+    config = {"name": "llama3-70b-tp8", "model": {**MODELS["llama-3-70b"], "attention": "auto"},
+              "mesh": {"axes": {"data": 1, "tensor": 8}},
+              "precision": {"params": "bfloat16", "compute": "bfloat16"},
+              "serve": {"batch": 8, "prompt_len": 512, "max_len": 2048},
+              "memory": {"target": "h100-sxm"}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "llama3-70b-tp8.yaml"
+        path.write_text(yaml.safe_dump(config))
+        load = os.getloadavg()[0]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "shardmem", "plan", str(path), "--serve", "--json"],
+                              capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+        seconds = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # On a loaded machine the wall time is the load's; the CPU time is about what an idle one would take.
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    if done.returncode not in (0, 3, 5):
+        raise SystemExit(done.stderr[-2000:])
+    plan = json.loads(done.stdout)
+    return {"seconds": seconds, "cpu_seconds": cpu, "load_average_before": load,
+            "load_average_after": os.getloadavg()[0],
+            "compile_seconds": {f: plan[f]["compile_seconds"] for f in ("prefill", "decode")},
+            "verdict": plan["verdict"], "time": plan["time"]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("truth", "rtx3090", "speed"), action="append")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args()
+    results = {}
+    for name, check in (("truth", truth), ("rtx3090", rtx3090), ("speed", speed)):
+        if args.only and name not in args.only:
+            continue
+        results[name] = check()
+        if name == "truth":
+            print("| row | figure | published | predicted | ratio | mean decode step | its HBM bound |")
+            print("|---|---|---|---|---|---|---|")
+            for r in results[name]["rows"]:
+                unit = (lambda v: f"{v:,.1f} tok/s") if r["figure"] == "tokens_per_second" else (
+                    lambda v: f"{v * 1e3:.1f} ms")  # fmt: skip
+                decode = f"{r['mean_decode'] * 1e3:.2f} ms | {r['decode_bound'] * 1e3:.2f} ms"
+                print(f"| {r['row']} | {r['figure']} | {unit(r['published'])} | {unit(r['predicted'])} | "
+                      f"{r['ratio']:.2f} | {decode} |")  # fmt: skip
+            for figure, s in results[name]["summary"].items():
+                print(f"{figure}: median |error| {s['median_error']:.1%}, worst {s['worst_error']:.1%}")
+        else:
+            print(json.dumps({name: results[name]}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Tuning a serving program to its devices: ``shardmem tune CONFIG --search serve``.
+
+    result = tune(config, target="h100-sxm", search="serve", objective="latency")
+    result.chosen.overrides     # e.g. ("mesh.axes={data: 2, tensor: 4}", "serve.kv_dtype=int8")
+    result.ranked               # every layout planned: its time, tokens/s, peak, verdict
+
+The knobs are the tensor-parallel degree (the config's devices split into ``tensor`` x ``data``
+replicas, the tensor degree dividing the KV heads) and the KV cache's dtype (the compute dtype, or
+int8); with ``objective="throughput"`` also the batch. Each candidate is a serving plan
+(:func:`~shardmem.planning.serving.plan_serving`: two compiles, prefill and decode):
+
+- ``latency``: the config's ``serve.batch``; the best candidate takes the least time for the whole
+  static batch (time to first token and every decode step), among those that fit.
+- ``throughput``: each candidate's batch is the largest that fits: read off its first plan's KV room
+  (an upper bound, the temporaries held as planned), compiled, and where that is over, the line through
+  the two compiled points solved for the budget and compiled again (as ``plan --serve --capacity``
+  does); the best has the most output tokens/s.
+
+Candidates whose ``serve.batch`` the data replicas do not divide are skipped and say so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardmem.config import Config
+from shardmem.errors import ConfigError
+from shardmem.explore.search import Planner, TuneResult, margin_text, no_fit
+from shardmem.planning.serving import ServingPlan, plan_serving
+from shardmem.planning.targets import Target
+from shardmem.units import format_bytes, format_seconds
+
+#: What ``--objective`` may ask of a serving search.
+SERVING_OBJECTIVES = ("latency", "throughput")
+
+
+def tune_serving(planner: Planner, target: Target, objective: str | None) -> TuneResult:
+    """The serving search (see the module docstring) within ``planner.max_compiles`` compiles."""
+    objective = objective or "latency"
+    if objective not in SERVING_OBJECTIVES:
+        raise ConfigError(f"--objective {objective!r}: --search serve ranks by latency or throughput")
+    config = planner.base
+    devices = len(target.devices)
+    kv_heads = config.model.n_kv_heads
+    compute = config.precision.compute
+    kv_dtypes = list(dict.fromkeys([config.serve.kv_dtype or compute, "int8"]))
+    budget = None
+    ranked: list[dict[str, Any]] = []
+    for tensor in [t for t in range(1, devices + 1) if devices % t == 0 and kv_heads % t == 0]:
+        replicas = devices // tensor
+        for kv_dtype in kv_dtypes:
+            label = f"tensor {tensor} x data {replicas}, KV {kv_dtype}"
+            layout = (f"mesh.axes={{data: {replicas}, tensor: {tensor}}}", f"serve.kv_dtype={kv_dtype}")
+            if config.serve.batch % replicas:
+                why = f"serve.batch={config.serve.batch} does not split over {replicas} data replicas"
+                planner.note(label, layout, None, None, None, False, "skipped", why)
+                continue
+            row = _best_batch(planner, config, label, layout, replicas, objective)
+            if row is None:
+                break  # Out of compiles.
+            budget = row.pop("budget_bytes")
+            ranked.append(row)
+        if planner.exhausted:
+            break
+    fitting = [r for r in ranked if r["fits"]]
+    key = (lambda r: r["total_seconds"]) if objective == "latency" else (lambda r: -r["tokens_per_second"])
+    ranked = sorted(fitting, key=key) + [r for r in ranked if not r["fits"]]
+    if not fitting:
+        return no_fit(planner, target, budget or 0, "serve", [
+            f"no layout of {devices} devices fits serve.batch={config.serve.batch} with either KV dtype",
+            "lower serve.batch or serve.max_len, quantize the weights (serve.quantize), or plan more devices",
+        ])  # fmt: skip
+    best = ranked[0]
+    chosen = next(t for t in planner.trials if t.overrides == tuple(best["overrides"]) and t.fits)
+    goal = ("the least time for the static batch" if objective == "latency"
+            else "the most output tokens/s")  # fmt: skip
+    explanation = [
+        f"serving layouts of {devices} devices for {goal} ({objective}), each planned deviceless "
+        f"(prefill and decode) on {target.label}",
+        f"chosen: {best['layout']} at serve.batch={best['batch']}: {format_seconds(best['total_seconds'])} "
+        f"for the batch, {best['tokens_per_second']:,.0f} output tokens/s, first token in "
+        f"{format_seconds(best['ttft'])}",
+        f"{planner.compiles} compiles",
+    ]
+    return TuneResult("serve", config.replace(*best["overrides"]), best.pop("report"), chosen, planner.trials,
+                      planner.compiles, budget, target.label, explanation,
+                      ranked=[{k: v for k, v in r.items() if k != "report"} for r in ranked])  # fmt: skip
+
+
+def _best_batch(planner: Planner, config: Config, label: str, layout: tuple[str, ...], replicas: int,
+                objective: str) -> dict[str, Any] | None:  # fmt: skip
+    """Plans one layout: at the config's batch, and for throughput at the largest batch that fits.
+    Returns its row (None when the compile budget ran out first)."""
+    plans: dict[int, ServingPlan] = {}
+
+    def planned(batch: int) -> ServingPlan | None:
+        if batch not in plans:
+            if planner.max_compiles - planner.compiles < 2:
+                return None
+            overrides = (*layout, f"serve.batch={batch}")
+            planner.progress(f"planning {label}, batch {batch}")
+            plans[batch] = plan_serving(config.replace(*overrides))
+            planner.compiles += 2
+            p = plans[batch]
+            why = f"{p.verdict}: {margin_text(p.decode.budget_bytes - p.per_device['peak'])}"
+            planner.note(f"{label}, batch {batch}", overrides, p.per_device["peak"], 0, None, p.fits,
+                         "compiled", why, step_time=p.time.to_json() if p.time else None)  # fmt: skip
+        return plans[batch]
+
+    batch = config.serve.batch
+    first = planned(batch)
+    if first is None:
+        return None
+    chosen = first
+    if objective == "throughput" and first.fits and first.capacity.max_batch > batch:
+        points = [(batch, first)]
+        guess = first.capacity.max_batch // replicas * replicas
+        for _ in range(3):  # The room read off the first plan, then the line through the last two points.
+            trial = planned(guess) if guess > batch else None
+            if trial is None:
+                break
+            if trial.fits:
+                chosen = trial
+                break
+            points.append((guess, trial))
+            (a, plan_a), (b, plan_b) = points[-2:]
+            slope = (plan_b.per_device["peak"] - plan_a.per_device["peak"]) / (b - a)
+            guess = int(b + (plan_b.decode.budget_bytes - plan_b.per_device["peak"]) / slope)
+            guess = guess // replicas * replicas
+    return _row(chosen, label, layout)
+
+
+def _row(plan: ServingPlan, label: str, layout: tuple[str, ...]) -> dict[str, Any]:
+    time = plan.time
+    return {
+        "layout": label, "overrides": [*layout, f"serve.batch={plan.serve['batch']}"],
+        "batch": plan.serve["batch"], "fits": plan.fits, "verdict": plan.verdict,
+        "peak_bytes": plan.per_device["peak"], "kv_cache_bytes": plan.per_device["kv_cache"],
+        "ttft": time.time_to_first_token if time else None,
+        "mean_decode_seconds": time.mean_decode_seconds if time else None,
+        "total_seconds": time.total_seconds if time else float("inf"),
+        "tokens_per_second": time.output_tokens_per_second if time else 0.0,
+        "budget_bytes": plan.decode.budget_bytes, "report": plan.decode,
+    }  # fmt: skip
+
+
+def render_serving_tune(result: TuneResult):
+    """The ranked serving layouts and the why, as a rich renderable."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="shardmem tune --search serve", title_justify="left", show_edge=False)
+    for column in ("#", "layout", "batch", "peak / device", "first token", "decode step", "batch time",
+                   "tokens/s"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for i, row in enumerate(result.ranked, 1):
+        fits = row["fits"]
+        table.add_row(str(i) if fits else "-", row["layout"], str(row["batch"]),
+                      Text(format_bytes(row["peak_bytes"]), style=None if fits else "red"),
+                      format_seconds(row["ttft"]) if row["ttft"] else "-",
+                      format_seconds(row["mean_decode_seconds"]) if row["mean_decode_seconds"] else "-",
+                      format_seconds(row["total_seconds"]) if fits else "over",
+                      f"{row['tokens_per_second']:,.0f}")  # fmt: skip
+    skipped = [t for t in result.trials if t.how == "skipped"]
+    lines = [Text(result.explanation[0]), table]
+    if skipped:
+        why = "; ".join(f"{t.candidate} ({t.reason})" for t in skipped)
+        lines.append(Text(f"skipped: {why}", style="dim"))
+    style = "bold green" if result.found else "bold red"
+    lines += [Text(line, style=style if i == 0 else None) for i, line in enumerate(result.explanation[1:])]
+    return Group(*lines)

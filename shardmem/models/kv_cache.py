@@ -1,0 +1,137 @@
+"""The KV cache of serving: every layer's keys and values for a batch of sequences, written by prefill
+and by each decode step, read by the decode step's attention.
+
+    cache = KVCache.zeros(layers=32, batch=8, max_len=4096, kv_heads=8, head_dim=128, dtype="int8")
+    shardings = cache.by_axes(lambda axes: NamedSharding(mesh, rules.spec(axes)))
+    slot = CacheSlot(cache, layer, positions_BxL, prefill=False)    # what one layer of the model sees
+    ctx_BxLxHxK, cache = slot.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=None)
+
+``keys`` and ``values`` are ``[layers, batch, max_len, kv_heads, head_dim]``, logical axes
+:data:`CACHE_AXES`: the partition rules shard the batch over the data replicas and the KV heads over
+``tensor``, as they shard the projections that write them. Stacked over the layers as the model's weights
+are, the layers' scan carries one array and updates it in place. ``int8`` keeps codes and one float32
+scale per token and KV head (``key_scales``, ``value_scales``: ``[layers, batch, max_len, kv_heads]``,
+:data:`SCALE_AXES`), each vector of ``head_dim`` entries rounded to 127 levels a side of its largest
+magnitude: 1 + 4 / head_dim bytes an entry where bfloat16 takes 2.
+
+Prefill writes positions ``0 .. P-1`` of every sequence and attends over its prompt with the model's own
+kernel, exactly as the training forward does: prompts are right-padded, so a causal query never sees the
+padding after it. Decode writes one token per sequence at that sequence's own position and attends over
+the cache up to it (the last ``window`` positions, with ``model.sliding_window``). A short prompt's padded
+positions lie past its length, and each is overwritten by decode before any query can see it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from shardmem.parallel.rules import constrain
+
+#: Values of ``serve.kv_dtype``.
+KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
+#: Logical axes of the stacked keys and values.
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+#: Logical axes of an int8 cache's scales: one per token and KV head.
+SCALE_AXES = CACHE_AXES[:-1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Every layer's keys and values (see the module docstring); the scales are None unless int8."""
+
+    keys: jax.Array
+    values: jax.Array
+    key_scales: jax.Array | None = None
+    value_scales: jax.Array | None = None
+
+    @staticmethod
+    def zeros(*, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: str) -> KVCache:
+        """Returns an empty cache (all zeros) of ``dtype``, one of :data:`KV_DTYPES`."""
+        shape = (layers, batch, max_len, kv_heads, head_dim)
+        if dtype != "int8":
+            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        scales = jnp.zeros(shape[:-1], jnp.float32)
+        return KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scales, scales)
+
+    def by_axes(self, fn) -> KVCache:
+        """Returns the cache's tree with ``fn(logical axes)`` in each array's place (its sharding:
+        ``lambda axes: NamedSharding(mesh, rules.spec(axes))``)."""
+        scales = (fn(SCALE_AXES), fn(SCALE_AXES)) if self.key_scales is not None else ()
+        return KVCache(fn(CACHE_AXES), fn(CACHE_AXES), *scales)
+
+    @property
+    def max_len(self) -> int:
+        """Positions each sequence has room for."""
+        return self.keys.shape[2]
+
+    def write(self, layer, positions, k_BxLxGxK, v_BxLxGxK) -> KVCache:
+        """Returns the cache with layer ``layer``'s keys and values at ``positions``: ``[L]``, the same
+        first ``L`` positions of every sequence (prefill), or ``[B, 1]``, one per sequence (decode)."""
+        new = {"keys": k_BxLxGxK, "values": v_BxLxGxK}
+        if self.key_scales is not None:
+            (k_codes, k_scales), (v_codes, v_scales) = _quantize(k_BxLxGxK), _quantize(v_BxLxGxK)
+            new = {"keys": k_codes, "values": v_codes, "key_scales": k_scales, "value_scales": v_scales}
+        updated = {}
+        for name, x in new.items():
+            stack = getattr(self, name)
+            x = x.astype(stack.dtype)
+            if positions.ndim == 1:  # Prefill: positions 0 .. L-1, a block of the layer's stack.
+                start = (layer, 0, 0) + (0,) * (stack.ndim - 3)
+                updated[name] = jax.lax.dynamic_update_slice(stack, x[None], start)
+            else:  # Decode: one token at each sequence's own position.
+                rows_B = jnp.arange(x.shape[0])
+                updated[name] = stack.at[layer, rows_B, positions[:, 0]].set(x[:, 0])
+            # Kept where the rules put the cache, so that the layers' loop updates each device's share.
+            updated[name] = constrain(updated[name], CACHE_AXES if name in ("keys", "values") else SCALE_AXES)
+        return dataclasses.replace(self, **updated)
+
+    def read(self, layer, dtype) -> tuple[jax.Array, jax.Array]:
+        """Returns layer ``layer``'s keys and values ``[B, max_len, G, K]`` in ``dtype``."""
+        k_BxTxGxK, v_BxTxGxK = self.keys[layer], self.values[layer]
+        if self.key_scales is None:
+            return k_BxTxGxK.astype(dtype), v_BxTxGxK.astype(dtype)
+        return (_dequantize(k_BxTxGxK, self.key_scales[layer], dtype),
+                _dequantize(v_BxTxGxK, self.value_scales[layer], dtype))  # fmt: skip
+
+
+def _quantize(x_BxLxGxK) -> tuple[jax.Array, jax.Array]:
+    """int8 codes and the float32 scale of each ``head_dim`` vector (its largest magnitude / 127)."""
+    x32 = x_BxLxGxK.astype(jnp.float32)
+    scales_BxLxG = jnp.max(jnp.abs(x32), axis=-1) / 127
+    safe = jnp.where(scales_BxLxG == 0, 1.0, scales_BxLxG)[..., None]
+    return jnp.round(x32 / safe).astype(jnp.int8), scales_BxLxG
+
+
+def _dequantize(codes_BxTxGxK, scales_BxTxG, dtype) -> jax.Array:
+    return (codes_BxTxGxK.astype(jnp.float32) * scales_BxTxG[..., None]).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSlot:
+    """What one layer of the model sees of the cache in a prefill or decode step: the whole ``cache``,
+    the layer's index in it, and the positions of the step's tokens (``[L]`` for a prefill's prompts,
+    ``[B, 1]`` for a decode step's tokens)."""
+
+    cache: KVCache
+    layer: jax.Array
+    positions: jax.Array
+    prefill: bool
+
+    def attend(self, kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
+        """Returns ``(ctx_BxLxHxK, cache)``: the step's attention, and the cache with the step's keys
+        and values written. Prefill attends over the prompt with ``kernel`` (the training forward's
+        attention); decode over the cache, up to each sequence's position."""
+        from shardmem.models.attention import attend, causal_attention
+
+        cache = self.cache.write(self.layer, self.positions, k_BxLxGxK, v_BxLxGxK)
+        if self.prefill:
+            return attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window), cache
+        k_BxTxGxK, v_BxTxGxK = cache.read(self.layer, q_BxLxHxK.dtype)
+        window = window if window is not None and window < cache.max_len else None
+        ctx_BxLxHxK = causal_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, q_positions=self.positions,
+                                       k_positions=jnp.arange(cache.max_len), window=window)  # fmt: skip
+        return ctx_BxLxHxK, cache

@@ -1,0 +1,312 @@
+"""The serving plan: the serving program's prefill and decode compiled for a target, what each needs and
+how fast a static batch runs.
+
+    serving = plan_serving(load_config("configs/llama-7b.yaml"), "h100-sxm")   # its serve: section
+    serving.prefill, serving.decode        # a MemoryReport of each function, as plan gives the step's
+    serving.per_device                     # weights, KV cache, each one's temporaries and peak
+    serving.time.time_to_first_token, serving.time.output_tokens_per_second
+    serving.capacity.max_batch, serving.capacity.max_len   # what the cache has room for beside them
+    print(render_serving(serving))         # shardmem plan CONFIG --serve
+
+Nothing the size of the model is allocated: the prefill (the prompts -> first logits and a new KV cache)
+and the decode step (one token per sequence, the cache donated and updated in place) are compiled on
+abstract arguments by :func:`~shardmem.planning.memory.plan_program`, deviceless for named GPUs and TPUs,
+and timed by its step-time model (:mod:`shardmem.planning.cost`). A static batch runs one function at a
+time, so serving fits when each of them does; its peak is the larger of the two.
+
+Time (:class:`ServingTime`): the first token comes from the prefill; each of the ``max_len - prompt_len``
+more is a decode step at a context one longer. The compiled decode step attends over all ``max_len``
+positions of the cache; a step at a shorter context reads only its live part, so its time is the
+compiled step's less the unread positions' bytes at the rate the model streams HBM (a step's time is
+affine in its context). Beside each step stands its bound: every weight and the live cache read once at
+the full HBM bandwidth, which no step can beat.
+
+Capacity (:class:`KVCapacity`): the bytes the cache may take are the budget less everything else at the
+peak (weights, the larger function's temporaries), as vLLM sizes its cache after a profiling run; the
+largest batch at ``max_len`` and the longest context at ``batch`` follow from the cache's bytes per token.
+:func:`search_capacity` checks them with compiles: the peak is affine in the batch and in the context,
+so two compiles give the line, the budget gives the answer, and one more compile verifies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardmem.config import Config
+from shardmem.errors import ConfigError
+from shardmem.parallel.mesh import build_mesh
+from shardmem.planning import cost
+from shardmem.planning.memory import MemoryReport, make_target, plan_program
+from shardmem.planning.targets import Target
+from shardmem.program.serving import ServingProgram, serving_program
+
+#: Verdicts from best to worst: a plan of several functions has its worst one's.
+_VERDICTS = ("fits", "tight", "does not fit")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingTime:
+    """Predicted times of a static batch on the target (see the module docstring): the prefill, then
+    ``output_len - 1`` decode steps at contexts ``prompt_len + 1`` to ``prompt_len + output_len - 1``."""
+
+    time_to_first_token: float  # The prefill's seconds: every prompt's first new token.
+    decode_at_max_len: float  # The compiled decode step's seconds: every max_len position read.
+    seconds_per_position: float  # What one more live position per sequence adds to a decode step.
+    weight_bytes: int  # Per device, read by every step.
+    kv_bytes_per_position: int  # Per device: one position of every sequence, every layer.
+    memory_bandwidth: float  # Bytes per second of HBM per device.
+    batch: int
+    prompt_len: int
+    max_len: int
+
+    @property
+    def output_len(self) -> int:
+        """New tokens per sequence: the prefill's and one per decode step, until the cache is full."""
+        return self.max_len - self.prompt_len + 1
+
+    def decode_seconds(self, context: int) -> float:
+        """A decode step's predicted seconds when each sequence has ``context`` live positions."""
+        return self.decode_at_max_len - (self.max_len - context) * self.seconds_per_position
+
+    def bound_seconds(self, context: int) -> float:
+        """The step's HBM bound: the weights and ``context`` live positions read once at full bandwidth."""
+        return (self.weight_bytes + context * self.kv_bytes_per_position) / self.memory_bandwidth
+
+    @property
+    def contexts(self) -> tuple[int, int]:
+        """The live positions of the first and of the last decode step."""
+        return self.prompt_len + 1, self.max_len
+
+    @property
+    def mean_decode_seconds(self) -> float:
+        """The decode steps' mean (affine in the context: the mean of the first and the last)."""
+        first, last = self.contexts
+        return (self.decode_seconds(first) + self.decode_seconds(last)) / 2
+
+    @property
+    def total_seconds(self) -> float:
+        """The whole static batch: the prefill and every decode step."""
+        return self.time_to_first_token + (self.output_len - 1) * self.mean_decode_seconds
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        """New tokens of every sequence over :attr:`total_seconds` (prefill included, as the static-batch
+        benchmarks of TensorRT-LLM and lmdeploy count them)."""
+        return self.batch * self.output_len / self.total_seconds
+
+    def to_json(self) -> dict[str, Any]:
+        first, last = self.contexts
+        return {
+            "time_to_first_token": self.time_to_first_token,
+            "output_len": self.output_len,
+            "decode_seconds": {"first": self.decode_seconds(first), "last": self.decode_seconds(last),
+                               "mean": self.mean_decode_seconds},
+            "decode_bound_seconds": {"first": self.bound_seconds(first), "last": self.bound_seconds(last)},
+            "total_seconds": self.total_seconds,
+            "output_tokens_per_second": self.output_tokens_per_second,
+        }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCapacity:
+    """How much cache fits beside the weights and the temporaries (see the module docstring). ``verified``
+    says whether the batch and context were compiled at and fit (:func:`search_capacity`), or read off
+    one plan's bytes per token, the temporaries held as planned: then ``max_batch`` is an upper bound,
+    since a larger batch's prefill needs more temporaries too."""
+
+    cache_bytes: int  # Per device: the budget less everything but the cache at the plan's peak.
+    bytes_per_token: int  # Per device: one position of one sequence, every layer's keys and values.
+    max_batch: int  # Sequences of max_len positions that fit (a multiple of the batch's shards).
+    max_len: int  # Positions per sequence that fit at the planned batch.
+    verified: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Positions the cache has room for, over every sequence (per device's share of the batch)."""
+        return self.cache_bytes // self.bytes_per_token if self.bytes_per_token else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "tokens": self.tokens}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingPlan:
+    """The prefill's and the decode step's reports for one ``serve:`` section on one target, with the
+    predicted times (None where the target has no step-time model) and the cache's capacity."""
+
+    prefill: MemoryReport
+    decode: MemoryReport
+    serve: dict[str, Any]  # The serve section planned: batch, prompt_len, max_len, kv_dtype, quantize.
+    time: ServingTime | None = None
+    capacity: KVCapacity | None = None
+
+    @property
+    def per_device(self) -> dict[str, int]:
+        """Bytes per device: the ``weights`` and ``kv_cache`` (both held while serving), each function's
+        temporaries and peak, and the serving ``peak`` (the larger)."""
+        prefill, decode = self.prefill.per_device, self.decode.per_device
+        return {
+            "weights": decode["params"],
+            "kv_cache": decode["kv_cache"],
+            "prefill_temp": prefill["temp"],
+            "decode_temp": decode["temp"],
+            "prefill_peak": prefill["peak"],
+            "decode_peak": decode["peak"],
+            "peak": max(prefill["peak"], decode["peak"]),
+        }
+
+    @property
+    def peaked_function(self) -> str:
+        """The function whose peak is serving's: ``"prefill"``, unless the decode step's is higher."""
+        return "prefill" if self.prefill.per_device["peak"] >= self.decode.per_device["peak"] else "decode"
+
+    @property
+    def peaked(self) -> MemoryReport:
+        """The report of :attr:`peaked_function` (whose memory timeline ``plan --serve --html`` draws)."""
+        return self.prefill if self.peaked_function == "prefill" else self.decode
+
+    @property
+    def fits(self) -> bool:
+        """Whether both functions fit the budget."""
+        return self.prefill.fits and self.decode.fits
+
+    @property
+    def verdict(self) -> str:
+        """The worse of the two functions' verdicts: ``"fits"``, ``"tight"`` or ``"does not fit"``."""
+        return max(self.prefill.verdict, self.decode.verdict, key=_VERDICTS.index)
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns the plan as plain JSON-ready data (``shardmem plan --serve --json``)."""
+        return {
+            "name": self.decode.name.removesuffix(": decode"),
+            "target": self.decode.target,
+            "serve": self.serve,
+            "per_device": self.per_device,
+            "budget_bytes": self.decode.budget_bytes,
+            "fits": self.fits,
+            "verdict": self.verdict,
+            "time": self.time.to_json() if self.time else None,
+            "kv_capacity": self.capacity.to_json() if self.capacity else None,
+            "prefill": self.prefill.to_json(),
+            "decode": self.decode.to_json(),
+        }
+
+
+def with_memory_fraction(config: Config, fraction: float | None) -> Config:
+    """Returns ``config`` whose budget is ``fraction`` of the device's memory and nothing else held back
+    (no ``memory.reserve``, no deviceless margin): what vLLM's ``gpu_memory_utilization`` gives its
+    engine, so that a plan's KV capacity compares with its start-up log. None: ``config`` as it is."""
+    if fraction is None:
+        return config
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"--memory-fraction={fraction}: give the share of device memory serving may use, "
+                          "in (0, 1], e.g. 0.9 (vLLM's gpu_memory_utilization)")  # fmt: skip
+    memory = dataclasses.replace(config.memory, usable_fraction=fraction, reserve=0, deviceless_margin=0.0)
+    return dataclasses.replace(config, memory=memory)
+
+
+def plan_serving(config: Config, target: str | None = None, *, top: int = 10) -> ServingPlan:
+    """Compiles the config's serving program (its ``serve:`` section) for ``target`` (default
+    ``memory.target``) and returns the :class:`ServingPlan` of its prefill and decode."""
+    resolved = make_target(config, target)
+    program = serving_program(config, build_mesh(config.mesh.axes, resolved.devices))
+    return _plan(program, resolved, top=top)
+
+
+def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingPlan:
+    config = program.config
+    reports = {}
+    for function in ("prefill", "decode"):
+        report, _ = plan_program(program, target, function=function, top=top)
+        reports[function] = dataclasses.replace(report, name=f"{config.name}: {function}")
+    s = program.serving
+    quantize = config.serve.quantize
+    serve = {"batch": s.batch, "prompt_len": s.prompt_len, "max_len": s.max_len, "kv_dtype": s.kv_dtype,
+             "quantize": dataclasses.asdict(quantize) if quantize else None}  # fmt: skip
+    plan = ServingPlan(reports["prefill"], reports["decode"], serve)
+    return dataclasses.replace(
+        plan, time=_time(plan, target), capacity=_capacity(plan, _batch_shards(program))
+    )
+
+
+def _time(plan: ServingPlan, target: Target) -> ServingTime | None:
+    """The static batch's times, from the two functions' step times (None without a time model)."""
+    prefill, decode = plan.prefill.step_time, plan.decode.step_time
+    if prefill is None or decode is None:
+        return None
+    hardware = cost.Hardware.of(target) or cost.Hardware.host(len(target.devices))
+    per_position = plan.per_device["kv_cache"] // plan.serve["max_len"]
+    return ServingTime(
+        time_to_first_token=prefill.seconds, decode_at_max_len=decode.seconds,
+        seconds_per_position=per_position / (hardware.memory_bandwidth * cost.MEMORY_EFFICIENCY),
+        weight_bytes=plan.per_device["weights"], kv_bytes_per_position=per_position,
+        memory_bandwidth=hardware.memory_bandwidth, batch=plan.serve["batch"],
+        prompt_len=plan.serve["prompt_len"], max_len=plan.serve["max_len"],
+    )  # fmt: skip
+
+
+def _capacity(plan: ServingPlan, batch_shards: int, verified: bool = False) -> KVCapacity:
+    """The cache's room read off one plan: the budget less the peak's other bytes, in whole sequences
+    (``batch_shards``: the devices a batch is split over, each holding its share of the sequences)."""
+    figures, serve = plan.per_device, plan.serve
+    cache_bytes = plan.decode.budget_bytes - (figures["peak"] - figures["kv_cache"])
+    rows = serve["batch"] // batch_shards  # Sequences per device.
+    per_token = figures["kv_cache"] // (rows * serve["max_len"])
+    if not per_token or cache_bytes <= 0:
+        return KVCapacity(max(cache_bytes, 0), per_token, 0, 0, verified)
+    tokens = cache_bytes // per_token
+    return KVCapacity(cache_bytes, per_token, tokens // serve["max_len"] * batch_shards, tokens // rows,
+                      verified)  # fmt: skip
+
+
+def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
+    """Returns the config's serving plan with its :class:`KVCapacity` found by compiles: the largest
+    ``serve.batch`` at ``serve.max_len`` and the longest ``serve.max_len`` at ``serve.batch`` that fit,
+    each from two compiled points (the peak is affine in each), then verified by compiling the answer
+    (one step back, and compiled again, where the rounding of a non-affine peak lands it over)."""
+    resolved = make_target(config, target)
+    program = serving_program(config, build_mesh(config.mesh.axes, resolved.devices))
+    plan = _plan(program, resolved)
+    shards = _batch_shards(program)
+    s = program.serving
+
+    def compiled(key: str, value: int) -> ServingPlan:
+        return _plan(program.variant(f"serve.{key}={value}"), resolved)
+
+    found = {}
+    for key, start, quantum, least in (
+        ("batch", s.batch, shards, shards),
+        ("max_len", s.max_len, 1, s.prompt_len),
+    ):
+        points = [(start, plan), (2 * start, compiled(key, 2 * start))]
+        found[key] = 0
+        for _ in range(3):  # The answer, or the line through the last two points again where it was over.
+            guess = _solve(points[-2:], plan.decode.budget_bytes) // quantum * quantum
+            if guess < least:
+                break
+            points.append((guess, compiled(key, guess)))
+            if points[-1][1].fits:
+                found[key] = guess
+                break
+    capacity = dataclasses.replace(_capacity(plan, shards), max_batch=found["batch"],
+                                   max_len=found["max_len"], verified=True)  # fmt: skip
+    return dataclasses.replace(plan, capacity=capacity)
+
+
+def _solve(points: list[tuple[int, ServingPlan]], budget: int) -> int:
+    """Where the line through two compiled points reaches ``budget``: the smaller of the prefill's and the
+    decode's answers (each function's peak is affine; the larger of the two need not be)."""
+    (a, plan_a), (b, plan_b) = points
+    answers = [1024 * max(a, b)]  # Where no peak grows, as far as a guess goes.
+    for peak in ("prefill_peak", "decode_peak"):
+        slope = (plan_b.per_device[peak] - plan_a.per_device[peak]) / (b - a)
+        if slope > 0:
+            answers.append(b + (budget - plan_b.per_device[peak]) / slope)
+    return int(min(answers))
+
+
+def _batch_shards(program: ServingProgram) -> int:
+    """Devices the batch is split over (each holds its share of the sequences and of their cache)."""
+    s = program.serving
+    return s.batch // s.rows.shard_shape((s.batch,))[0]

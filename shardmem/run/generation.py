@@ -1,0 +1,171 @@
+"""Generating tokens with a serving program: prefill the prompts, then decode one token per step.
+
+    program = serving_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    result = generate(program, program.init(), [[1, 2, 3], [4, 5]], max_new_tokens=16,
+                      sampling=Sampling(temperature=0.8, top_p=0.9, seed=0), eos=(2,),
+                      on_step=lambda step, tokens: print(step, tokens))
+    result.tokens       # each prompt's new tokens, up to and including its EOS
+
+The prompts are one static batch of ``serve.batch`` rows (fewer are padded with placeholder rows whose
+tokens are dropped), right-padded to ``serve.prompt_len``. Each step samples every sequence's next token
+(:mod:`shardmem.run.sampling`), hands it to ``on_step`` as it comes and decodes it into the KV cache at
+that sequence's own position; a sequence that draws one of the ``eos`` ids is finished, and the loop ends
+when every one is or after ``max_new_tokens``. Token ids only: no tokenizer is needed
+(:func:`checkpoint_eos` reads the ids a Hugging Face checkpoint's ``config.json`` ends with).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from shardmem.errors import ConfigError
+from shardmem.program.serving import ServingProgram
+from shardmem.run.sampling import Sampling, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What :func:`generate` made: each prompt's new ``tokens`` (its EOS last where it drew one), and
+    whether it ``finished`` (drew ``eos``) before ``max_new_tokens``."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    finished: list[bool]
+    steps: int  # Tokens sampled per sequence: max_new_tokens, or fewer when every sequence finished.
+
+    def to_json(self) -> dict:
+        """Returns the generation as plain JSON-ready data (``shardmem generate --json``)."""
+        return dataclasses.asdict(self)
+
+
+def parse_prompt_ids(text: str, where: str = "--prompt-ids") -> list[int]:
+    """Returns the token ids of a comma- (or space-) separated list such as ``1,2,3``; ConfigError
+    naming ``where`` for anything else."""
+    parts = [p for p in text.replace(",", " ").split() if p]
+    if not parts:
+        raise ConfigError(f"{where} is empty: give token ids such as 1,2,3")
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        bad = next(p for p in parts if not p.lstrip("-").isdigit())
+        raise ConfigError(f"{where}: {bad!r} is not a token id; give integers such as 1,2,3") from None
+
+
+def read_prompts(path: str | Path, flag: str = "--prompt-file") -> list[list[int]]:
+    """Returns the prompts of a file of token-id lines (``1 2 3`` or ``1,2,3`` per line; blank lines
+    skipped)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or "not a text file"
+        raise ConfigError(f"{flag} {str(path)!r}: cannot read it ({reason}); give a file of token-id lines "
+                          "such as 1 2 3") from None  # fmt: skip
+    prompts = [parse_prompt_ids(line, f"{flag} {path} line {i}")
+               for i, line in enumerate(lines, 1) if line.strip()]  # fmt: skip
+    if not prompts:
+        raise ConfigError(f"{flag} {str(path)!r} has no prompts: write one line of token ids per prompt")
+    return prompts
+
+
+def generate(
+    program: ServingProgram,
+    weights,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+    eos: Sequence[int] = (),
+    on_step: Callable[[int, list[int | None]], None] | None = None,
+) -> Generation:
+    """Returns ``max_new_tokens`` (fewer after ``eos``) new tokens for each of ``prompts`` from the serving
+    ``program`` with ``weights`` (``program.init()``), greedy unless ``sampling`` says otherwise.
+    ``on_step(step, tokens)`` sees each step's tokens as they come, one per prompt (None for a prompt
+    finished before). Raises ConfigError for prompts or lengths the program's ``serve`` section has no
+    room for, naming the key to raise."""
+    sampling = sampling or Sampling()
+    serving = program.serving
+    check_prompts(program.config, prompts, max_new_tokens, eos)
+    rows = len(prompts)
+    prompts_BxP = np.zeros((serving.batch, serving.prompt_len), np.int32)
+    lengths_B = np.ones(serving.batch, np.int32)  # Placeholder rows: one token each, dropped.
+    for i, prompt in enumerate(prompts):
+        prompts_BxP[i, : len(prompt)] = prompt
+        lengths_B[i] = len(prompt)
+    choose = jax.jit(functools.partial(sample, sampling=sampling), out_shardings=serving.rows)
+    key = sampling.key()
+    logits_BxV, cache = program.prefill(weights, prompts_BxP, lengths_B)
+    positions_B = jax.device_put(lengths_B, serving.rows)
+    new: list[list[int]] = [[] for _ in range(rows)]
+    finished = [False] * rows
+    step = 0
+    while True:
+        tokens_B = choose(logits_BxV, jax.random.fold_in(key, step))
+        drawn = np.asarray(tokens_B)[:rows].tolist()
+        shown: list[int | None] = []
+        for i, token in enumerate(drawn):
+            shown.append(None if finished[i] else token)
+            if not finished[i]:
+                new[i].append(token)
+                finished[i] = token in eos
+        step += 1
+        if on_step is not None:
+            on_step(step - 1, shown)
+        if step == max_new_tokens or all(finished):
+            break
+        logits_BxV, cache = program.decode(weights, cache, tokens_B, positions_B)
+        positions_B = positions_B + 1
+    return Generation([list(p) for p in prompts], new, finished, step)
+
+
+def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = ()) -> None:
+    """Raises ConfigError for prompts (and ``eos`` ids) the config's model and ``serve`` section cannot
+    take, or a ``max_new_tokens`` the KV cache has no room for, naming the key to change: before anything
+    is built."""
+    serving, vocab = config.serve, config.model.vocab_size
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={max_new_tokens}: generate at least 1 token")
+    if not prompts:
+        raise ConfigError("no prompts: give --prompt-ids 1,2,3 or a --prompt-file of token-id lines")
+    if len(prompts) > serving.batch:
+        n = len(prompts)
+        raise ConfigError(f"{n} prompts, but serve.batch={serving.batch} sequences are decoded together; set "
+                          f"serve.batch={n} (--set serve.batch={n}) or give fewer prompts")  # fmt: skip
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ConfigError(f"prompt {i} is empty: give it at least one token id")
+        if len(prompt) > serving.prompt_len:
+            n = len(prompt)
+            raise ConfigError(f"prompt {i} has {n} tokens, over serve.prompt_len={serving.prompt_len}; set "
+                              f"serve.prompt_len={n} (--set serve.prompt_len={n})")  # fmt: skip
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt {i} has token id {bad[0]}, outside the model's vocabulary of "
+                              f"model.vocab_size={vocab} (0 to {vocab - 1})")  # fmt: skip
+    longest = max(len(p) for p in prompts)
+    needed = longest + max_new_tokens - 1  # The last token drawn is never written to the cache.
+    if needed > serving.max_len:
+        raise ConfigError(f"--max-new-tokens={max_new_tokens} after a prompt of {longest} tokens needs "
+                          f"{needed} positions in the KV cache, over serve.max_len={serving.max_len}; set "
+                          f"serve.max_len={needed} (--set serve.max_len={needed}) or generate "
+                          f"{serving.max_len - longest + 1} tokens at most")  # fmt: skip
+    for token in eos:
+        if not 0 <= token < vocab:
+            raise ConfigError(f"--eos {token}: outside the model's vocabulary of model.vocab_size={vocab} "
+                              f"(0 to {vocab - 1})")  # fmt: skip
+
+
+def checkpoint_eos(config) -> tuple[int, ...]:
+    """Returns the end-of-sequence ids of ``finetune.init_from``'s Hugging Face ``config.json``
+    (``eos_token_id``: one id or a list), or none."""
+    from shardmem.finetune.hf_config import pretrained_model
+
+    source = pretrained_model(config.finetune.init_from)
+    eos = (source.hf or {}).get("eos_token_id") if source is not None else None
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))

@@ -1,0 +1,176 @@
+"""Generating tokens (shardmem.run.generation, shardmem.run.sampling and `shardmem generate`): greedy output
+of random transformers Flax Llama and Mistral checkpoints equals transformers' own `generate`, and with an
+active sliding window (and Gemma's and Qwen2's layouts) a numpy forward's; sampling filters as transformers
+does; the command streams, repeats itself for a seed and stops at EOS."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hf_reference as hf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardmem import ConfigError, build_mesh, config_from_dict
+from shardmem.cli import main
+from shardmem.program import serving_program
+from shardmem.run.generation import check_prompts, generate
+from shardmem.run.sampling import Sampling, sample
+
+ROOT = Path(__file__).parent.parent
+PROMPTS = [[5, 17, 99, 3, 200, 41], [7, 8], [250]]  # Different lengths, one batch.
+NEW_TOKENS = 10
+SMALL = ["--set", "serve.prompt_len=8", "--set", "serve.max_len=32"]  # The CLI tests' serve section.
+
+
+def _generated(folder, *, devices: int = 1, max_new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """shardmem's greedy tokens for PROMPTS from the checkpoint in ``folder`` (its config.json the model)."""
+    config = config_from_dict({"model": {"seq_len": 64}, "mesh": {"axes": {"data": devices}},
+                               "precision": {"compute": "float32"},
+                               "serve": {"batch": 4, "prompt_len": 8, "max_len": 24},
+                               "finetune": {"init_from": str(folder)}})  # fmt: skip
+    program = serving_program(config, build_mesh(config.mesh.axes, jax.devices()[:devices]))
+    return generate(program, program.init(), PROMPTS, max_new_tokens=max_new_tokens).tokens
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_greedy_output_equals_transformers_generate(name, tmp_path):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Everything is local; never ask the Hub.
+    transformers = pytest.importorskip("transformers", "4", reason="needs transformers<5 (its Flax models)")
+    if not hasattr(transformers, "FlaxLlamaForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Flax models")
+    # Weights of 0.2 for logits of order 1, so that no greedy choice is a near tie. Mistral's default
+    # window (4,096) is longer than these sequences: transformers' Flax Mistral masks a window of one
+    # position more than its PyTorch model (and shardmem) does, so the active window is checked below.
+    common = dict(vocab_size=hf.V, hidden_size=hf.D, intermediate_size=hf.F, num_hidden_layers=hf.L,
+                  num_attention_heads=hf.H, num_key_value_heads=hf.G, rms_norm_eps=1e-6,
+                  max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False)  # fmt: skip
+    model_class, config_class = {"llama": (transformers.FlaxLlamaForCausalLM, transformers.LlamaConfig),
+                                 "mistral": (transformers.FlaxMistralForCausalLM,
+                                             transformers.MistralConfig)}[name]  # fmt: skip
+    model = model_class(config_class(**common), seed=0, dtype=jnp.float32)
+    model.save_pretrained(tmp_path, safe_serialization=True)  # Flax layout, with its config.json.
+    width = max(map(len, PROMPTS))  # transformers pads on the left, shardmem on the right.
+    ids = np.array([[0] * (width - len(p)) + p for p in PROMPTS], np.int32)
+    mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS], np.int32)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    expected = np.asarray(out.sequences)[:, width:].tolist()
+    assert _generated(tmp_path) == expected
+
+
+def _numpy_greedy(config: dict, tensors: dict) -> list[list[int]]:
+    """Greedy decoding by transformers' PyTorch forward ported to numpy (tests/hf_reference.py), the whole
+    sequence again at every step: no cache to share a mistake with."""
+    out = []
+    for prompt in PROMPTS:
+        sequence = list(prompt)
+        for _ in range(NEW_TOKENS):
+            sequence.append(int(np.argmax(hf.logits(config, tensors, np.array([sequence]))[0, -1])))
+        out.append(sequence[len(prompt) :])
+    return out
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("model_type, options", [
+    ("mistral", {"sliding_window": 4}),  # Shorter than most of these sequences: the window is active.
+    pytest.param("gemma", {}, marks=pytest.mark.slow),
+    pytest.param("qwen2", {}, marks=pytest.mark.slow),
+])  # fmt: skip
+def test_greedy_output_equals_transformers_forward_with_a_sliding_window_gemma_and_qwen2(
+    model_type, options, tmp_path
+):
+    config = hf.hf_config(model_type, **options)
+    tensors = hf.random_tensors(config, seed=5)
+    tensors = {name: t * 2 for name, t in tensors.items()}  # Logits of order 1 (their weights are 0.1).
+    hf.save(tmp_path, config, tensors)
+    assert _generated(tmp_path, devices=2) == _numpy_greedy(config, tensors)
+
+
+@pytest.mark.newest
+def test_sampling_keeps_the_top_k_and_top_p_tokens_transformers_keeps():
+    probs = np.array([0.5, 0.3, 0.1, 0.06, 0.04], np.float32)
+    logits_NxV = jnp.log(jnp.asarray(np.tile(probs, (2000, 1))))
+    key = jax.random.key(0)
+
+    def drawn(sampling):
+        return set(np.asarray(sample(logits_NxV, key, sampling)).tolist())
+
+    assert drawn(Sampling()) == {0}  # Greedy: the largest logit, whatever the key.
+    assert drawn(Sampling(temperature=1.0)) == {0, 1, 2, 3, 4}
+    assert drawn(Sampling(temperature=1.0, top_k=3)) == {0, 1, 2}
+    assert drawn(Sampling(temperature=1.0, top_p=0.75)) == {0, 1}  # 0.5 + 0.3 reach 0.75 first.
+    assert drawn(Sampling(temperature=1.0, top_p=0.2)) == {0}  # The likeliest is always kept.
+    assert drawn(Sampling(temperature=1.0, top_k=4, top_p=0.85)) == {0, 1, 2}
+    other = np.asarray(sample(logits_NxV, jax.random.key(1), Sampling(temperature=1.0)))
+    assert (other != np.asarray(sample(logits_NxV, key, Sampling(temperature=1.0)))).any()  # Another seed.
+    # A temperature flattens the distribution: token 4 (4%) comes up more often at 5 than at 1.
+    hot = np.asarray(sample(logits_NxV, key, Sampling(temperature=5.0)))
+    cold = np.asarray(sample(logits_NxV, key, Sampling(temperature=1.0)))
+    assert (hot == 4).mean() > 2 * (cold == 4).mean()
+    with pytest.raises(ConfigError, match=r"top_p=1.5: use a probability in \(0, 1\]"):
+        Sampling(temperature=1.0, top_p=1.5)
+
+
+@pytest.mark.parametrize("prompts, new, message", [
+    ([list(range(1, 10))], 4, "prompt 0 has 9 tokens, over serve.prompt_len=8; set serve.prompt_len=9"),
+    ([[1]] * 5, 4, "5 prompts, but serve.batch=4 sequences are decoded together; set serve.batch=5"),
+    ([[1, 256]], 4, "prompt 0 has token id 256, outside the model's vocabulary of model.vocab_size=256"),
+    ([[1, 2, 3]], 23, "--max-new-tokens=23 after a prompt of 3 tokens needs 25 positions in the KV cache, "
+                      "over serve.max_len=24; set serve.max_len=25 (--set serve.max_len=25) or generate 22"),
+    ([[]], 4, "prompt 0 is empty"),
+])  # fmt: skip
+def test_prompts_the_serve_section_has_no_room_for_are_one_line_naming_the_key(prompts, new, message):
+    serve = {"batch": 4, "prompt_len": 8, "max_len": 24}
+    config = config_from_dict({"model": {"preset": "tiny"}, "serve": serve})
+    with pytest.raises(ConfigError) as error:
+        check_prompts(config, prompts, new)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def _shardmem_generate(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardmem", "generate", "configs/tiny.yaml", *SMALL, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_generate_streams_repeats_itself_for_a_seed_and_stops_at_eos(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3\n\n40,41\n")
+    sampled = ["--prompt-file", str(prompts), "--max-new-tokens", "6", "--temperature", "1.0",
+               "--top-k", "40", "--seed", "7"]  # fmt: skip
+    first = _shardmem_generate(*sampled, "--json")
+    assert first.returncode == 0, first.stderr
+    result = json.loads(first.stdout)  # stdout holds the JSON object alone; the steps stream to stderr.
+    assert result["prompts"] == [[1, 2, 3], [40, 41]] and result["steps"] == 6
+    tokens = result["tokens"]
+    assert [len(t) for t in tokens] == [6, 6] and result["finished"] == [False, False]
+    streamed = [line.split() for line in first.stderr.splitlines() if line and line[0].isdigit()]
+    assert streamed == [[str(a), str(b)] for a, b in zip(*tokens, strict=True)]  # One line per step.
+    # The same seed in another process: the same tokens, until the first prompt's third one, made its EOS.
+    eos = tokens[0][2]
+    again = _shardmem_generate(*sampled, "--eos", str(eos))
+    assert again.returncode == 0, again.stderr
+    lines = [line.split() for line in again.stdout.splitlines()]
+    first_prompt = [line[0] for line in lines]
+    stop = tokens[0].index(eos) + 1
+    assert first_prompt[:stop] == [str(t) for t in tokens[0][:stop]] and set(first_prompt[stop:]) <= {"-"}
+    if tokens[1][:stop].count(eos) == 0:  # The second prompt goes on (unless it drew that token too).
+        assert [line[1] for line in lines][:stop] == [str(t) for t in tokens[1][:stop]]
+    assert "generated" in again.stderr and "Traceback" not in again.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1,x"], "--prompt-ids: 'x' is not a token id; give integers such as 1,2,3"),
+    (["--prompt-ids", ",".join(["1"] * 9)], "prompt 0 has 9 tokens, over serve.prompt_len=8"),
+    (["--prompt-file", "missing.txt"], "--prompt-file 'missing.txt': cannot read it"),
+    (["--prompt-ids", "1", "--top-p", "0"], "top_p=0.0: use a probability in (0, 1]"),
+])  # fmt: skip
+def test_generate_errors_exit_2_with_one_line_before_anything_is_built(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["generate", "configs/tiny.yaml", *SMALL, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

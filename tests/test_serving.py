@@ -1,0 +1,342 @@
+"""The serving program (shardmem.program.serving, shardmem.models.kv_cache): prefill and decode with a KV
+cache give the training forward's logits at every position, sharded as on one device, with an int8 cache
+within its stated tolerance and quantized weights; and its plan (shardmem.planning.serving)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from shardmem import ConfigError, build_mesh, config_from_dict
+from shardmem.cli import main
+from shardmem.finetune.quant import Quantized
+from shardmem.planning import cost
+from shardmem.planning.report import render_serving
+from shardmem.planning.serving import plan_serving, search_capacity, with_memory_fraction
+from shardmem.planning.targets import GPU_TARGETS
+from shardmem.program import ServingProgram, serving_program
+
+pytestmark = pytest.mark.newest
+
+# Every feature the cached forward must carry over from the training one, in one tiny model: grouped-query
+# attention (4 heads, 2 KV heads), a sliding window shorter than the prompts, Qwen2's qkv biases, Gemma's
+# norm offset, embedding scale, tied head and GeGLU.
+MODEL = {"preset": "tiny", "n_layers": 2, "sliding_window": 6, "qkv_bias": True, "norm_offset": 1.0,
+         "scale_embeddings": True, "tie_embeddings": True, "mlp_activation": "gelu_tanh"}  # fmt: skip
+B, P_LEN, T = 8, 8, 16
+LENGTHS = np.array([8, 3, 1, 5, 8, 2, 7, 4], np.int32)  # Prompts of every length in one batch.
+
+
+def _program(axes: dict, **serve) -> ServingProgram:
+    serve = {"batch": B, "prompt_len": P_LEN, "max_len": T, **serve}
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": axes}, "precision": {"compute": "float32"},
+                               "serve": serve})  # fmt: skip
+    devices = jax.devices()[: int(np.prod(list(axes.values())))]
+    return serving_program(config, build_mesh(config.mesh.axes, devices))
+
+
+def _weights(program: ServingProgram):
+    """The program's weights with noise on every one, so that biases and norm scales are not their zeros."""
+    weights = program.init()
+    leaves, tree = jax.tree.flatten(jax.device_get(weights))
+    rng = np.random.default_rng(1)
+    noisy = [w + (0.1 * rng.normal(size=w.shape)).astype(w.dtype) if w.dtype.kind == "f" else w
+             for w in leaves]  # fmt: skip
+    return jax.device_put(jax.tree.unflatten(tree, noisy), program.description.frozen_shardings)
+
+
+def _tokens():
+    return np.random.default_rng(0).integers(0, 256, (B, T), dtype=np.int32)
+
+
+def _cached_logits(program: ServingProgram, weights, tokens_BxT) -> np.ndarray:
+    """``[B, T - 1, V]``: at position t, the logits that predict token t + 1, from the prefill (t = the
+    prompt's last) and then from decode steps fed the sequence's own tokens; NaN before the prompt's end."""
+    prompts_BxP = np.where(np.arange(P_LEN) < LENGTHS[:, None], tokens_BxT[:, :P_LEN], 0)
+    out = np.full((B, T - 1, 256), np.nan, np.float32)
+    logits_BxV, cache = program.prefill(weights, prompts_BxP, LENGTHS)
+    positions_B = LENGTHS.copy()
+    rows = np.arange(B)
+    out[rows, positions_B - 1] = np.asarray(logits_BxV)
+    while positions_B.min() < T - 1:
+        step = np.minimum(positions_B, T - 2)  # Rows at the end redo their last position (cache room).
+        logits_BxV, cache = program.decode(weights, cache, tokens_BxT[rows, step], step)
+        out[rows, step] = np.asarray(logits_BxV)
+        positions_B = step + 1
+    return out
+
+
+def _full_logits(program: ServingProgram, weights, tokens_BxT) -> np.ndarray:
+    """The training forward's logits ``[B, T - 1, V]`` of the same model and weights."""
+    d = program.description
+    with d.rules.activate(d.mesh):
+        model = nnx.merge(d.model.graphdef, d.finetune.assemble({}, weights))
+        return np.asarray(jax.jit(lambda t: model(t))(tokens_BxT))[:, :-1]
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """The program on 8 devices (4 data replicas x tensor 2), its noisy weights and teacher-forced logits."""
+    program = _program({"data": 4, "tensor": 2})
+    weights = _weights(program)
+    return program, weights, _cached_logits(program, weights, _tokens())
+
+
+def test_decode_with_the_cache_gives_the_full_forwards_logits_at_every_position(sharded):
+    program, weights, cached = sharded
+    full = _full_logits(program, weights, _tokens())
+    known = ~np.isnan(cached)
+    assert known.sum() == (T - LENGTHS).sum() * 256  # Every position from each prompt's end on.
+    assert np.abs(full).max() > 1  # Logits of order 1: near-zero ones would meet any tolerance.
+    # float32 throughout: only the order of the sums differs (the cache's attention is over max_len keys).
+    np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
+
+
+def test_a_tensor_by_data_program_on_8_devices_gives_one_devices_logits(sharded):
+    program, weights, cached = sharded
+    keys = program.serving.cache_shardings.keys
+    assert keys.spec == P(None, "data", None, "tensor")  # Batch over the replicas, KV heads over tensor.
+    assert program.description.frozen_shardings["layers"]["wk"].spec == P(None, None, "tensor")
+    one = _program({"data": 1})
+    alone = jax.device_put(jax.device_get(weights), one.description.frozen_shardings)
+    single = _cached_logits(one, alone, _tokens())
+    np.testing.assert_allclose(single, cached, atol=2e-5, rtol=2e-5)
+
+
+def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(sharded):
+    program, weights, cached = sharded
+    int8 = _program({"data": 4, "tensor": 2}, kv_dtype="int8")
+    cache = int8.serving.cache
+    assert cache.keys.dtype == jnp.int8 and cache.key_scales.shape == (2, B, T, 2)  # Per token and KV head.
+    quantized = _cached_logits(int8, weights, _tokens())
+    known = ~np.isnan(cached)
+    error = np.abs(quantized[known] - cached[known])
+    # Codes of 127 levels a side per head vector: logits within 3% of their largest magnitude (measured:
+    # 1.4% over these 8 sequences, a bfloat16 cache 0.4%). Prefill attends before quantizing: exact.
+    assert error.max() <= 0.03 * np.abs(cached[known]).max()
+    assert error.max() > 0  # Decoding did read the int8 codes.
+    prefill = np.arange(T - 1)[None, :] == LENGTHS[:, None] - 1
+    np.testing.assert_allclose(quantized[prefill], cached[prefill], atol=2e-5, rtol=2e-5)
+
+
+def test_quantized_weights_serve_the_model_they_quantize():
+    program = _program({"data": 2, "tensor": 2}, quantize={"format": "nf4", "targets": ["layers/*"]})
+    weights = program.init()
+    assert set(weights["layers"]["wq"]) == {"codes", "scales"}
+    assert weights["layers"]["wq"]["codes"].dtype == np.uint8
+    assert weights["embedding"].dtype == np.float32  # Not a layer weight: as it was.
+    d = program.description
+    assert isinstance(d.finetune.assemble({}, weights)["layers"]["w_up"], Quantized)
+    cached = _cached_logits(program, weights, _tokens())
+    full = _full_logits(program, weights, _tokens())
+    known = ~np.isnan(cached)
+    np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
+
+
+def test_the_serving_plan_lists_the_kv_cache_and_decodes_it_in_place():
+    config = config_from_dict({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 2, "tensor": 2}},
+                               "serve": {"batch": 4, "prompt_len": 32, "max_len": 128, "kv_dtype": "int8"},
+                               "memory": {"target": "cpu"}})  # fmt: skip
+    plan = plan_serving(config)
+    # 4 layers x 4 sequences x 128 positions x 2 KV heads x 16, over 2 replicas x 2 tensor shards: int8
+    # codes of keys and values, and a float32 scale per token and KV head of each.
+    codes, scales = 4 * 4 * 128 * 2 * 16 // 4, 4 * 4 * 128 * 2 * 4 // 4
+    assert plan.decode.per_device["kv_cache"] == 2 * (codes + scales) == plan.per_device["kv_cache"]
+    assert plan.decode.per_device["alias"] == plan.per_device["kv_cache"]  # Donated: updated in place.
+    assert plan.prefill.per_device["outputs"] >= plan.per_device["kv_cache"]  # Prefill makes it.
+    weights = plan.per_device["weights"]
+    assert weights == plan.prefill.per_device["params"] > 0
+    assert plan.per_device["peak"] == max(plan.prefill.per_device["peak"], plan.decode.per_device["peak"])
+    assert plan.fits and plan.verdict == "fits" and plan.decode.cross_check["matches"]
+    assert plan.prefill.step_time.tokens_per_second > 0 and plan.decode.flops_per_step > 0
+    data = plan.to_json()
+    assert data["serve"]["kv_dtype"] == "int8"
+    assert data["decode"]["per_device"]["kv_cache"] == 2 * (codes + scales)
+    from rich.console import Console
+
+    console = Console(width=140, record=True)
+    console.print(render_serving(plan))
+    text = console.export_text()
+    assert "KV cache" in text and "decode peak" in text and "shardmem plan  tiny: prefill" not in text
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"serve": {"kv_dtype": "int4"}}, "serve.kv_dtype='int4' (did you mean 'int8'?); use bfloat16, float16"),
+    ({"serve": {"prompt_len": 64, "max_len": 32}}, "serve.prompt_len=64 is longer than serve.max_len=32"),
+    ({"serve": {"batch": 3}}, "serve.batch=3 does not split over the 2 devices the batch is sharded over"),
+    ({"mesh": {"axes": {"stage": 2}}}, "mesh.axes.stage=2: serving runs every layer on every device"),
+    ({"mesh": {"axes": {"context": 2}}}, "rules.seq splits each sequence over 2 devices"),
+    ({"serve": {"quantize": {"format": "nf4", "targets": ["layers/wz"]}}},
+     "serve.quantize.targets: 'layers/wz' matches no parameter of those"),
+])  # fmt: skip
+def test_a_serve_section_serving_cannot_run_is_one_line_naming_the_key(change, message):
+    raw = {"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 2}}, "serve": {"batch": 4}}
+    for section, values in change.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    with pytest.raises(ConfigError) as error:
+        config = config_from_dict(raw)
+        devices = jax.devices()[: config.mesh.device_count()]
+        serving_program(config, build_mesh(config.mesh.axes, devices))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_model_of_your_own_is_refused_and_a_variant_stays_a_serving_program():
+    config = config_from_dict({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 1}}})
+    mesh = build_mesh(config.mesh.axes, jax.devices()[:1])
+    with pytest.raises(ConfigError, match="serving runs the reference decoder"):
+        serving_program(config, mesh, model_factory=lambda rngs: nnx.Linear(2, 2, rngs=rngs))
+    program = serving_program(config, mesh)
+    variant = program.variant("serve.max_len=4096")
+    assert isinstance(variant, ServingProgram) and variant.serving.max_len == 4096
+    assert [f.name for f in variant.functions] == ["prefill", "decode"]
+
+
+# A serving plan for a GPU that is not here: the tiny model at tensor 2 x 2 replicas on A100s, with a
+# budget of a few MiB (--memory-fraction) so that the KV cache's room is a few dozen sequences.
+GPU_SERVE = {"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 2, "tensor": 2}},
+             "precision": {"params": "bfloat16", "compute": "bfloat16"},
+             "serve": {"batch": 4, "prompt_len": 32, "max_len": 128},
+             "memory": {"target": "a100-80g"}}  # fmt: skip
+FRACTION = 4e-5  # Of an A100's 85.1 GB: 3.4 MB per device.
+
+
+@pytest.fixture(scope="module")
+def gpu_plan():
+    return plan_serving(with_memory_fraction(config_from_dict(GPU_SERVE), FRACTION))
+
+
+def test_a_static_batchs_time_never_beats_its_hbm_bound(gpu_plan):
+    time, figures = gpu_plan.time, gpu_plan.per_device
+    assert time.time_to_first_token == gpu_plan.prefill.step_time.seconds
+    assert time.decode_at_max_len == gpu_plan.decode.step_time.seconds
+    bandwidth = GPU_TARGETS["a100-80g"].memory_bandwidth
+    per_position = figures["kv_cache"] // 128  # Two sequences per device, 4 layers, 2 KV heads of 16, bf16.
+    assert per_position == 2 * 4 * 2 * 2 * 16 * 2 // 2
+    for context in time.contexts:  # 33 and 128 live positions.
+        bound = (figures["weights"] + context * per_position) / bandwidth
+        assert time.bound_seconds(context) == pytest.approx(bound)
+        assert time.decode_seconds(context) >= bound
+    # A step one position longer reads one more position of the cache, at the rate kernels stream HBM.
+    step = time.decode_seconds(100) - time.decode_seconds(99)
+    assert step == pytest.approx(per_position / (bandwidth * cost.MEMORY_EFFICIENCY))
+    assert time.output_len == 97  # The prefill's token, then one per decode step until 128 positions.
+    total = time.time_to_first_token + 96 * (time.decode_seconds(33) + time.decode_seconds(128)) / 2
+    assert time.output_tokens_per_second == pytest.approx(4 * 97 / total)
+    # The dot merger is off: it would copy the query, key and value weights at every decode step.
+    assert gpu_plan.decode.compiler_options["xla_gpu_dot_merger_threshold_mb"] == 0
+
+
+def test_the_decode_steps_cache_write_is_costed_in_place(gpu_plan):
+    module = gpu_plan.decode.module
+    kernels = cost._Kernels(module, cost.Hardware.of(_a100(4)), {})
+    writes = [ins for ins in module.computations[module.entry] if ins.opcode == "fusion" and any(
+        inner.opcode == "scatter" for inner in module.computations.get(ins.called[0], ()))]  # fmt: skip
+    assert writes  # A batch of 4 writes each sequence's token at its own position: a scatter.
+    cache_bytes = 4 * 4 * 128 * 2 * 16 * 2  # One of the stacked keys or values, whole.
+    assert all(kernels.bytes(ins) < cache_bytes // 16 for ins in writes)  # Its tokens, not the cache.
+
+
+def _a100(n: int):
+    from shardmem.planning.targets import resolve_target
+
+    return resolve_target("a100-80g", n_devices=n)
+
+
+def test_the_kv_caches_room_is_the_budget_less_the_peaks_other_bytes(gpu_plan):
+    figures, room = gpu_plan.per_device, gpu_plan.capacity
+    assert gpu_plan.decode.budget_bytes == int(GPU_TARGETS["a100-80g"].memory_bytes * FRACTION)
+    assert room.cache_bytes == gpu_plan.decode.budget_bytes - (figures["peak"] - figures["kv_cache"])
+    assert room.bytes_per_token == 4 * 2 * 2 * 16 * 2 // 2  # Layers x (keys, values) x KV heads / tensor.
+    tokens = room.cache_bytes // room.bytes_per_token  # Per device: its two sequences' share.
+    assert room.max_batch == tokens // 128 * 2 and room.max_len == tokens // 2 and not room.verified
+    assert gpu_plan.to_json()["kv_capacity"]["tokens"] == tokens
+
+
+def test_prompts_the_gpus_flash_kernel_cannot_tile_name_serve_prompt_len():
+    config = config_from_dict({**GPU_SERVE, "serve": {"batch": 4, "prompt_len": 200, "max_len": 256}})
+    with pytest.raises(ConfigError, match=r"^serve\.prompt_len=200: the pallas .* use a prompt_len that is a "
+                                          r"multiple of 128 \(e\.g\. 128 or 256\)"):  # fmt: skip
+        plan_serving(config)
+
+
+@pytest.mark.slow
+def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys):
+    config = with_memory_fraction(config_from_dict(GPU_SERVE), FRACTION)
+    room = search_capacity(config).capacity
+    assert room.verified and room.max_batch % 2 == 0 and room.max_batch > 4 and room.max_len > 128
+    # One plan's bytes per token hold the temporaries as planned: more sequences' prefill needs more (74
+    # sequences, where the cache alone has room for 186), a longer cache little more than itself.
+    closed = plan_serving(config).capacity
+    assert room.max_batch <= closed.max_batch and 0.8 * closed.max_len <= room.max_len <= closed.max_len
+    over = config_from_dict({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "batch": room.max_batch + 2}})
+    assert not plan_serving(with_memory_fraction(over, FRACTION)).fits  # One more pair of sequences: over.
+
+
+def test_plan_serve_prints_json_with_times_and_room_and_draws_the_peak_functions_timeline(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    path, html = tmp_path / "serve.yaml", tmp_path / "serve.html"
+    path.write_text(yaml.safe_dump(GPU_SERVE))
+    assert main(["plan", str(path), "--serve", "--json", "--memory-fraction", str(FRACTION), "--html",
+                 str(html)]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["budget_bytes"] == int(GPU_TARGETS["a100-80g"].memory_bytes * FRACTION)
+    assert data["time"]["decode_seconds"]["last"] >= data["time"]["decode_bound_seconds"]["last"] > 0
+    assert data["kv_capacity"]["max_batch"] > 4 and not data["kv_capacity"]["verified"]
+    assert data["decode"]["compiler_options"]["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert "the memory timeline of the prefill (the serving peak)" in err and "peak" in html.read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--serve", "--memory-fraction", "1.5"], "--memory-fraction=1.5: give the share of device memory"),
+    (["--memory-fraction", "0.9"], "--memory-fraction sizes the serving plan's KV cache: add --serve"),
+    (["--capacity"], "--capacity sizes the serving plan's KV cache: add --serve"),
+])  # fmt: skip
+def test_plan_serve_usage_errors_exit_2_with_one_line(args, message, capsys):
+    from pathlib import Path
+
+    tiny = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
+    assert main(["plan", tiny, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_tune_serve_ranks_the_layouts_that_fit_by_the_batchs_time(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "batch": 2}}))
+    assert main(["tune", str(path), "--search", "serve", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # 4 devices, 2 KV heads: tensor 1 or 2. Tensor 1 leaves 4 data replicas for 2 sequences: skipped.
+    skipped = [t for t in result["trials"] if t["how"] == "skipped"]
+    assert [t["candidate"] for t in skipped] == ["tensor 1 x data 4, KV bfloat16",
+                                                 "tensor 1 x data 4, KV int8"]  # fmt: skip
+    ranked = result["ranked"]
+    assert [r["layout"] for r in ranked] == sorted([r["layout"] for r in ranked], key=lambda layout: next(
+        r["total_seconds"] for r in ranked if r["layout"] == layout))  # fmt: skip
+    assert {r["layout"] for r in ranked} == {"tensor 2 x data 2, KV bfloat16", "tensor 2 x data 2, KV int8"}
+    assert result["compiles"] == 4 and all(r["fits"] and r["batch"] == 2 for r in ranked)  # Latency: as set.
+    assert result["overrides"][:2] == ranked[0]["overrides"][:2] == ["mesh.axes={data: 2, tensor: 2}",
+                                                                     ranked[0]["overrides"][1]]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tune_serve_for_throughput_takes_the_largest_batch_that_fits():
+    from shardmem.explore.tune import tune
+
+    two = config_from_dict({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "batch": 2}})
+    config = with_memory_fraction(two, FRACTION)
+    result = tune(config, search="serve", objective="throughput", max_compiles=16)
+    best = result.ranked[0]
+    assert best["fits"] and best["batch"] > 2 and best["batch"] % 2 == 0
+    assert [r["tokens_per_second"] for r in result.ranked] == sorted(
+        (r["tokens_per_second"] for r in result.ranked), reverse=True)  # fmt: skip
+    assert result.config.serve.batch == best["batch"] and result.found
