@@ -1,5 +1,5 @@
 """shardmem: declarative sharding, per-layer rematerialization and ahead-of-time memory planning for
-JAX/Flax training.
+JAX/Flax training and serving.
 
     import shardmem
     config = shardmem.load_config("configs/llama-7b.yaml")
@@ -37,16 +37,20 @@ from shardmem.parallel.rules import Rules, constrain  # noqa: E402
 from shardmem.planning.cost import StepTime  # noqa: E402
 from shardmem.planning.memory import MemoryReport, analyze, make_target, plan, plan_function, plan_program  # noqa: E402
 from shardmem.planning.report import render  # noqa: E402
+from shardmem.planning.serving import ServingPlan, plan_serving  # noqa: E402
 from shardmem.planning.targets import GPU_TARGETS, TPU_TARGETS, Target, ensure_cpu_devices, resolve_target  # noqa: E402
 from shardmem.planning.timeline import Timeline, timeline  # noqa: E402
 from shardmem.program import (  # noqa: E402
     Description,
     Program,
+    ServingProgram,
     TrainingProgram,
     build_program,
+    build_serving,
     build_training,
     describe,
     next_token_loss,
+    serving_program,
 )
 from shardmem.remat import LayerPlan, ModulePlan, RematPolicy, remat_modules, remat_scan  # noqa: E402
 
@@ -67,6 +71,8 @@ __all__ = [
     "Program",
     "RematPolicy",
     "Rules",
+    "ServingPlan",
+    "ServingProgram",
     "ShardmemError",
     "StepTime",
     "Target",
@@ -76,6 +82,7 @@ __all__ = [
     "analyze",
     "build_mesh",
     "build_program",
+    "build_serving",
     "build_training",
     "config_from_dict",
     "constrain",
@@ -87,10 +94,12 @@ __all__ = [
     "plan",
     "plan_function",
     "plan_program",
+    "plan_serving",
     "remat_modules",
     "remat_scan",
     "render",
     "resolve_target",
+    "serving_program",
     "timeline",
     "train",
 ]

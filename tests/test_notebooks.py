@@ -25,6 +25,7 @@ def test_notebooks_exist_and_are_stored_without_outputs():
     assert [p.name for p in NOTEBOOKS] == [
         "01_quickstart.ipynb", "02_remat_tradeoffs.ipynb", "03_sharding_tradeoffs.ipynb",
         "04_your_own_model.ipynb", "05_choosing_a_layout.ipynb", "06_finetune_on_a_24gb_card.ipynb",
+        "07_serving.ipynb",
     ]  # fmt: skip
     for path in NOTEBOOKS:
         cells = json.loads(path.read_text())["cells"]
