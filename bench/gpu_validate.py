@@ -12,9 +12,9 @@ of ``--deadline`` (:data:`PART_BUDGETS`; the default deadline, 510 s, is their s
 train 60 s, trials 240 s (piece 4, step time and MFU, comes from them), serving 120 s. A part's
 deadline is the sum of the budgets up to its own: no child of a part starts or runs past it (each child's
 time-out is the part's time left), so one hang costs only its part, and what a part leaves unused goes
-to the next. With the probe, the
-imports and nvidia-smi the whole run stays inside the device tool's 600 s command (about 9 of an H200's
-15 minutes; the rest is the machine's start). ``--autotune-off`` adds its plans before the parts.
+to the next. With the probe, the imports and nvidia-smi the whole run stays inside the device tool's
+600 s command (about 9 of an H200's 15 minutes; the rest is the machine's start). ``--autotune-off``
+adds its plans before the parts.
 
 1. **Gradients** (``GRAD_CHECKS``): a child (``--grads``) builds the step's loss with ``remat.policy=none``
    and with ``offload`` (the named projections in pinned host memory) from the same initial parameters and
