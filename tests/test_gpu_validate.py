@@ -520,6 +520,9 @@ def test_serving_rows_and_bars():
         "serving: greedy tokens on the device equal the CPU's (seed 0)": "PASS",
     }
     assert oom["peak_error"] is None and oom["decode_error"] is None
+    assert not good["peak_set_at_compile"]
+    tuned = {**_served(peak_gib=12), "after_compile": {"peak_bytes_in_use": 12 * GIB}}
+    assert gv.summarize_serving(trial, _serve_plan(), tuned)["peak_set_at_compile"]
     differ = _serving_results(_serving(good, equal=False))[
         "serving: greedy tokens on the device equal the CPU's (seed 0)"
     ]
