@@ -9,7 +9,7 @@ plan against its run, in one run.
 Five pieces, run one after another on the GPU (each in fresh processes, so that the driver itself never
 starts a GPU client and holds no device memory), in this order, in four timed parts, each with its share
 of ``--deadline`` (:data:`PART_BUDGETS`; the default deadline, 510 s, is their sum): gradients 90 s,
-train 60 s, trials 240 s (piece 4, step time and MFU, comes from them), serving 120 s. A part's
+train 60 s, trials 210 s (piece 4, step time and MFU, comes from them), serving 150 s. A part's
 deadline is the sum of the budgets up to its own: no child of a part starts or runs past it (each child's
 time-out is the part's time left), so one hang costs only its part, and what a part leaves unused goes
 to the next. With the probe, the imports and nvidia-smi the whole run stays inside the device tool's
@@ -110,7 +110,7 @@ OOM_MARKERS = ("resource_exhausted", "out of memory", "out_of_memory")
 VERDICT_KINDS = ("local", "twin")  # Plans whose verdicts the bars judge.
 #: Seconds of the GPU round per part, in the order they run (the default ``--deadline`` is their sum:
 #: with the probe, the imports and nvidia-smi, the run stays inside the device tool's 600 s command).
-PART_BUDGETS = {"gradients": 90, "train": 60, "trials": 240, "serving": 120}
+PART_BUDGETS = {"gradients": 90, "train": 60, "trials": 210, "serving": 150}
 
 
 @dataclasses.dataclass(frozen=True)
