@@ -1376,6 +1376,26 @@ def _stats() -> dict:
     return {k: int(stats[k]) for k in keys if k in stats}
 
 
+def _compiled_first(compile_program, result: dict):
+    """Returns ``compile_program()``, called before anything is allocated (see the module docstring:
+    autotuning's scratch goes through the allocator too), with its seconds and the allocator's figures
+    after it in ``result``."""
+    start = time.perf_counter()
+    compiled = compile_program()
+    result["compile_s"] = round(time.perf_counter() - start, 3)
+    result["after_compile"] = _stats()
+    return compiled
+
+
+def _initialised(init, result: dict):
+    """Returns ``init()``'s state, ready, with the allocator's figures after it in ``result``."""
+    import jax
+
+    state = jax.block_until_ready(init())
+    result["after_init"] = _stats()
+    return state
+
+
 def child(config_path: str, overrides: list[str], steps: int, local_plan: bool = True) -> int:
     """Plans the step for the attached device (unless ``local_plan`` is false: then it only compiles
     it), initialises the state and runs the compiled step; prints one JSON line."""
@@ -1398,19 +1418,18 @@ def child(config_path: str, overrides: list[str], steps: int, local_plan: bool =
         program = build_program(config, mesh)
         result["attention"] = program.attention.describe() if program.attention else ""
 
-        stage = "compile"
-        start = time.perf_counter()
-        if local_plan:  # The local plan's compile is the program that runs, as in `shardmem train`.
+        def compile_step():
+            if not local_plan:
+                return program.step.lower(program.abstract_state, program.abstract_batch).compile()
+            # The local plan's compile is the program that runs, as in `shardmem train`.
             report, compiled = plan_program(program, target)
             result["local_plan"] = {"target": "local", **plan_figures(report.to_json())}
-        else:
-            compiled = program.step.lower(program.abstract_state, program.abstract_batch).compile()
-        result["compile_s"] = round(time.perf_counter() - start, 3)
-        result["after_compile"] = _stats()
+            return compiled
 
+        stage = "compile"
+        compiled = _compiled_first(compile_step, result)
         stage = "init"
-        state = jax.block_until_ready(program.init())
-        result["after_init"] = _stats()
+        state = _initialised(program.init, result)
 
         stage = "step"
         source = make_source(config.data.path, vocab_size=config.model.vocab_size,
@@ -1467,14 +1486,11 @@ def serve_child(config_path: str, overrides: list[str], repeats: int = 3) -> int
         serving = program.serving
 
         stage = "compile"
-        start = time.perf_counter()
-        prefill, decode = (function.trace().lower().compile() for function in program.functions)
-        result["compile_s"] = round(time.perf_counter() - start, 3)
-        result["after_compile"] = _stats()
-
+        prefill, decode = _compiled_first(
+            lambda: [function.trace().lower().compile() for function in program.functions], result
+        )
         stage = "init"
-        weights = jax.block_until_ready(program.init())
-        result["after_init"] = _stats()
+        weights = _initialised(program.init, result)
 
         stage = "prefill"
         shape = (serving.batch, serving.prompt_len)
