@@ -29,17 +29,16 @@ adds its plans before the parts.
    ``peak_bytes_in_use`` against the plan's peak).
 3. **Trials** (a shipped config plus ``--set`` overrides, on a one-device mesh: today's program with each
    remat policy, LoRA and QLoRA (NF4) on llama-7b widths, cuDNN's sliding window; then earlier issues'),
-   each planned deviceless
-   for the GPU's twin (``h200`` for an H200, read from ``device_kind``) with the real CLI in the
-   background (``shardmem plan ... --target h200 --json``, on the CPUs, at the lowest priority), and run
-   in a fresh child (``--child``) that plans the step for the attached GPU (``plan_program`` with target
-   ``local``: what ``shardmem plan --target local`` and ``shardmem train`` call) and runs the very
-   program that plan compiled: it initialises the state, runs ``--steps`` steps on synthetic tokens and
-   prints one JSON line with the local plan, the allocator's ``peak_bytes_in_use`` and the step times;
-   an XLA ``RESOURCE_EXHAUSTED`` is recorded as ``oom``. One GPU compile per trial, then, and the local
-   plan is exactly the program measured. Diagnostics: ``--autotune-off`` adds a local plan in its own
-   process with autotuning off (``--xla_gpu_autotune_level=0``: does autotuning separate the twin's plan
-   from the GPU's?); ``--autotune-results`` makes the child dump XLA's autotuning decisions
+   each planned deviceless for the GPU's twin (``h200`` for an H200, read from ``device_kind``) with the
+   real CLI in the background (``shardmem plan ... --target h200 --json``, on the CPUs, at the lowest
+   priority), and run in a fresh child (``--child``) that plans the step for the attached GPU
+   (``plan_program`` with target ``local``: what ``shardmem plan --target local`` and ``shardmem train``
+   call) and runs the very program that plan compiled: it initialises the state, runs ``--steps`` steps on
+   synthetic tokens and prints one JSON line with the local plan, the allocator's ``peak_bytes_in_use`` and
+   the step times; an XLA ``RESOURCE_EXHAUSTED`` is recorded as ``oom``. One GPU compile per trial, then,
+   and the local plan is exactly the program measured. Diagnostics: ``--autotune-off`` adds a local plan in
+   its own process with autotuning off (``--xla_gpu_autotune_level=0``: does autotuning separate the twin's
+   plan from the GPU's?); ``--autotune-results`` makes the child dump XLA's autotuning decisions
    (``xla_gpu_dump_autotune_results_to``) and a fourth plan compiles the twin deviceless with them loaded
    (``xla_gpu_load_autotune_results_from`` through ``memory.compiler_options``, issue 14).
 4. **Step time and MFU**, from the trials: the median measured step against the twin plan's predicted
