@@ -820,8 +820,7 @@ def summarize(trial: Trial, plans: dict[str, dict], measured: dict, peak_flops: 
            "plans": plans, "measured": measured}  # fmt: skip
     peak = measured.get("peak_bytes_in_use")
     # The high-water mark could come from compile-time autotuning scratch rather than the step: flag it.
-    compile_peak = (measured.get("after_compile") or {}).get("peak_bytes_in_use") or 0
-    peak = measured.get("peak_bytes_in_use") or 0
+    compile_peak = (measured.get("after_compile") or {}).get("peak_bytes_in_use")
     row["peak_set_at_compile"] = peak is not None and compile_peak is not None and compile_peak >= peak
     ratios = {}
     for kind, plan in plans.items():

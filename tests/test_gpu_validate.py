@@ -106,6 +106,12 @@ def test_summarize_ratios_throughput_and_mfu():
     assert row["hfu"] == pytest.approx(4e14 / 0.5 / 1e15)
 
 
+def test_a_run_without_memory_figures_has_no_peak_ratios():
+    cpu_run = {"status": "ok", "step_s_median": 0.5, "tokens_per_step": 8192, "after_compile": {}}
+    row = _row("a", _plan(10, True), _plan(10, True), cpu_run)  # CPU: memory_stats() is None.
+    assert row["measured_over_predicted"] == {} and row["peak_set_at_compile"] is False
+
+
 def _bars(rows):
     return {bar["bar"]: bar["result"] for bar in gv.check_bars(rows, measurable=True)}
 
