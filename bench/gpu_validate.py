@@ -992,7 +992,7 @@ def _kernel(description: str | None) -> str:
     for cudnn")."""
     if not description:
         return "n/a"
-    name = description.split(" ")[0].rstrip(",")
+    name = description.split(" ")[0].rstrip(",;")
     return f"{name} for cudnn" if "standing in for cudnn" in description else name
 
 

@@ -182,6 +182,8 @@ def test_attention_column_names_the_kernel_run_and_the_twin_planned():
         == "pallas for cudnn"
     )
     assert gv._kernel("chunked (blocks of 512 queries)") == "chunked"
+    window = "pallas; sliding window of 16 not in the stand-in, ..., standing in for cudnn (which ...)"
+    assert gv._kernel(window) == "pallas for cudnn"
     assert gv._kernel("") == "n/a"
     twin = {**_plan(10.2, True), "attention": "pallas, standing in for cudnn: ..."}
     row = _row("a", _plan(10, True), twin, {**_ran(10.3), "attention": "cudnn"})
