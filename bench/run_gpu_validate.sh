@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU round (issues 5, 14 and 33) on one attached NVIDIA GPU: the single command to give the `device`
-# tool, from the repo root.
+# The GPU round (issues 5, 14, 33 and 42) on one attached NVIDIA GPU: the single command to give the
+# `device` tool, from the repo root.
 #
 #   device run, timeout_s=600, command:  bash bench/run_gpu_validate.sh
 #   PYTHON=.venv/bin/python bash bench/run_gpu_validate.sh --cpu     # the dry run, on a machine without one
@@ -14,11 +14,15 @@
 #   source tree (PYTHONPATH), so nothing needs installing when the imports work.
 # - Wheels carried in .whl/ (see /work/.library/device/README.md), if any, are installed first into
 #   /tmp/site: the way to bring a missing or too old package to a machine without a registry.
-# - About 8 minutes (no child runs past --deadline, 480 s): a probe; the offload gradient checks (fp32 and
-#   today's bf16 program, none vs offload on the GPU); a short `shardmem train` run (its live-memory line);
-#   then one fresh child per trial (today's program on llama-7b widths first, then issue 5's trials, then
-#   issue 10's), each planned for the GPU and run, while the deviceless twin plans run on the CPUs
-#   beside them. `--autotune-off` adds a local plan without autotuning per trial; `--autotune-results` a
+# - About 9 minutes (--deadline, 510 s, shared by four parts, each with its own deadline so that one hang
+#   costs only its part: gradients 90 s, train 60 s, trials 210 s, serving 150 s; see gpu_validate.py):
+#   a probe; the offload gradient checks (fp32 and today's bf16 program, none vs offload on the GPU); a
+#   short `shardmem train` run (its live-memory line); then one fresh child per trial (today's program on
+#   llama-7b widths first: remat none and offload, LoRA, QLoRA, cuDNN's sliding window, the other
+#   policies; then issue 5's trials, then issue 10's), each planned for the GPU and run, while the
+#   deviceless twin plans run on the CPUs beside them; then serving (skipped where the CLI has no
+#   `generate`): prefill and decode at two batch sizes against `plan --serve`, and `generate` on the GPU
+#   against the CPU's tokens. `--autotune-off` adds a local plan without autotuning per trial; `--autotune-results` a
 #   deviceless twin plan that loads the GPU's autotune results (issue 14). Results go to $OUT
 #   (gpu_validate.md: the tables and bars to paste into BENCHMARKS.md; gpu_validate.json;
 #   gpu_validate.log) after every piece, so a run cut short keeps what it measured.
