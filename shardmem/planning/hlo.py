@@ -45,13 +45,14 @@ def matmul_flops(
     total = 0.0
     live = _live_eqns(jaxpr, used)
     loops = [(eqn, str(eqn.source_info.name_stack)) for eqn, _ in live if eqn.primitive.name == "while"]
-    for group in _one_of_runs(loops):
+    groups = _one_of_runs(loops)
+    for group in groups:
         flops = {_eqn_one_of_index(eqn): sum(count(sub) for sub in _sub_jaxprs(eqn.params)) for eqn in group}
         if op_shares is None:
             total += max(flops.values())
         else:
             total += sum(op_shares.get(op, 0.0) * value for op, value in flops.items())
-    grouped = {id(eqn) for group in _one_of_runs(loops) for eqn in group}
+    grouped = {id(eqn) for group in groups for eqn in group}
     for eqn, outputs_used in live:
         if id(eqn) in grouped:
             continue
@@ -74,14 +75,14 @@ def matmul_flops(
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
             continue
         subs = list(_sub_jaxprs(eqn.params))
-        if name in _BODY_CALLS and len(subs) == 1:  # Its outputs are its body's: unused ones stay unused.
+        if name == "cond":  # One branch runs: the costliest.
+            inner = max((count(b) for b in eqn.params["branches"]), default=0.0)
+        elif name in _BODY_CALLS and len(subs) == 1:  # Its outputs are its body's: unused ones stay unused.
             inner = matmul_flops(subs[0], op_shares, recomputed=recomputed, used=outputs_used)
         else:
             inner = sum(count(sub) for sub in subs)
         if name == "scan":
             inner *= eqn.params["length"]
-        elif name == "cond":
-            inner = max((count(b) for b in eqn.params["branches"]), default=0.0)
         elif name == "shard_map":  # The body sees one shard; count every distinct shard once.
             inner *= _shards(eqn.params)
         total += inner
