@@ -86,6 +86,20 @@ def _wait_for_step(process, run_dir: Path, step: int, timeout: float = 180) -> i
     pytest.fail(f"no step {step} within {timeout} s")
 
 
+def _wait_for_committed_checkpoint(process, run_dir: Path, timeout: float = 120) -> None:
+    """Waits until a checkpoint is committed (Orbax renames a finished step's folder to its number)."""
+    checkpoints = run_dir / "checkpoints"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+            return
+        if process.poll() is not None:
+            pytest.fail(f"the run ended (exit {process.returncode}) before its first checkpoint")
+        time.sleep(0.005)
+    process.kill()
+    pytest.fail(f"no checkpoint committed within {timeout} s")
+
+
 def _restore(run_dir: Path, config, devices, step: int):
     program = build_program(config, build_mesh(config.mesh.axes, devices))
     with Checkpointer(run_dir / "checkpoints", every=1, keep=1) as checkpointer:
@@ -419,6 +433,9 @@ def test_a_double_ctrl_c_ends_the_run_without_a_traceback_and_it_resumes(child_e
     args = ["train", TINY, *_sets([*FAST, "train.steps=400"]), "--run-dir", str(run_dir)]
     process = _start(child_env, *args)
     _wait_for_step(process, run_dir, 6)
+    # The second Ctrl-C drops the save in progress by design: under load, step 4's background save can
+    # still be running at step 6, and then there is nothing to resume from. Interrupt once one is committed.
+    _wait_for_committed_checkpoint(process, run_dir)
     process.send_signal(signal.SIGINT)
     time.sleep(random.uniform(0.0, 0.3))  # Lands in the last steps, the final save or the teardown.
     process.send_signal(signal.SIGINT)
