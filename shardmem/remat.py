@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from shardmem import gradient_sums
 from shardmem.errors import ConfigError, did_you_mean, one_of
 
 Saves = Literal["everything", "nothing", "dots", "dots_no_batch", "names"]
@@ -388,7 +389,9 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
     to those it runs with, inside its checkpointed body, so what it makes is recomputed rather than saved
     (the circular pipeline picks a repeat's weights with it). ``mask``, one bool per layer, skips the
     layers where it is False: they run, but pass their input through, so their parameters get zero
-    gradients (a pipeline stage's padded layer slots).
+    gradients (a pipeline stage's padded layer slots). Inside a loss differentiated into gradient sums
+    (:func:`shardmem.gradient_sums.value_and_grad_into`) each layer's weight gradient is added to its
+    slice of the sums as the backward pass makes it.
     """
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
     n_layers = jax.tree.leaves(params)[0].shape[0]
@@ -411,6 +414,10 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
             y = jax.numpy.where(keep, y, carry)
         return y, (nnx.split(module, nnx.Param, ...)[2] if mutable else None)
 
+    # Under gradient accumulation each layer's weight gradient is added to the sums as it is made.
+    summing = gradient_sums.layer_sums()
+    if summing is not None and (prepare is not None or mask is not None):
+        raise ValueError("remat_scan adds gradients into sums only for a plain stack (no prepare, no mask)")
     updates = []
     for start, stop, policy in plan.segments():
         segment = (params, rest) if mask is None else ((params, rest), mask)
@@ -419,7 +426,10 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
         step = functools.partial(body, policy=policy)
         step = jax.checkpoint(step, policy=policy.lower(), prevent_cse=False) if policy.remats else step
         with jax.named_scope(f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"):
-            x, new_rest = jax.lax.scan(step, x, segment)
+            if summing is None:
+                x, new_rest = jax.lax.scan(step, x, segment)
+            else:
+                x, new_rest = summing.scan(step, x, *segment, first=start)
         updates.append(new_rest)
     if mutable:
         nnx.update(layers, jax.tree.map(lambda *parts: jax.numpy.concatenate(parts), *updates))

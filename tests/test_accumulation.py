@@ -124,3 +124,21 @@ def test_a_data_sharded_optimizer_reduce_scatters_the_gradients(micro_batches):
     assert report.collectives["all-reduce"] < 1024  # The loss and the gradient norm: scalars.
     # Each device's result is its eighth (small tensors such as the norms' scales stay whole).
     assert gradient_bytes / 8 <= report.collectives["reduce-scatter"] <= gradient_bytes / 4
+
+
+@pytest.mark.newest
+def test_each_layers_gradient_is_added_to_the_float32_sums_as_the_backward_pass_makes_it():
+    # bfloat16 weights with float32 master weights, 4 micro-batches over data 8 (a group of rows each):
+    # the layer scan's backward loop carries each group's float32 sums of the stack and adds every
+    # layer's gradient into its slice. It returned the micro-batch's whole bfloat16 gradient of the stack
+    # ([layers, group, ...]), added to the sums only after the loop: 15 GiB on Llama 3.1 8B.
+    config = _config({"data": 8}, 4).replace("precision.params=bfloat16", "precision.compute=bfloat16",
+                                             "precision.master=float32")  # fmt: skip
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    text = program.step.lower(program.abstract_state, program.abstract_batch).compile().as_text()
+    backward = [line for line in text.splitlines() if " while(" in line and "transpose(jvp(layers_" in line]
+    assert backward
+    layers, *shape = program.abstract_state["params"]["layers"]["w_gate"].shape
+    dims = ",".join(map(str, shape))
+    assert any(f"f32[1,{layers},{dims}]" in line for line in backward)  # The sums, one group's.
+    assert not any(f"bf16[{layers},1,{dims}]" in line for line in backward)  # No whole gradient.

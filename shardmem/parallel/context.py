@@ -20,10 +20,13 @@ the model's outputs, its loss and its checkpoints do not depend on ``C``.
 
 **Kernels.** ``xla`` and ``chunked`` mask by position against the gathered keys (XLA's SPMD partitioner
 inserts the all-gather). Flash kernels mask by index, top-left, with no query offset, so
-:func:`flash_attention` splits the work into ``S x S`` blocks (``S = L / 2C``): the two local diagonal blocks
-are causal, the ``2C - 1`` blocks below them non-causal, and their outputs merge by log-sum-exp; the
-backward runs the kernel's own backward pass on each block with the merged output and log-sum-exp, as
-ring/flash attention implementations do. Every device runs the same ``2C + 1`` blocks' worth of work.
+:func:`flash_attention` splits the work into blocks of ``S = L / 2C`` positions: this device's two chunks
+against themselves are one causal kernel over ``2S`` (chunk ``i`` comes before chunk ``2C - 1 - i`` in
+index and in position, so the index mask is exact), the ``2C - 2`` blocks below them unmasked kernels, and
+their outputs merge by log-sum-exp in place; the backward runs the kernel's own backward pass on each block
+with the merged output and log-sum-exp, as ring/flash attention implementations do. Every device runs the
+same ``2C + 1`` blocks' worth of work. The kernels read grouped-query keys and values as they are
+(:mod:`shardmem.models.grouped_flash`), as TransformerEngine's ring attention does.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from shardmem.models import grouped_flash
 from shardmem.parallel import rules as _rules
 
 
@@ -225,43 +229,18 @@ def flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, kernel):
     return sharded(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 
-def _mha():
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # Loads Triton support.
-
-    return pallas_attention
-
-
-def _blocks(kernel, q_BxTxHxK):
-    """The kernel's tiles for one block of ``T`` positions (:meth:`AttentionKernel.flash_blocks`)."""
-    return kernel.flash_blocks(q_BxTxHxK.shape[3], q_BxTxHxK.shape[1], q_BxTxHxK.dtype.itemsize)
+def _blocks(kernel, q_BxLxHxK):
+    """The kernel's tiles for blocks of ``S = L / 2`` of this device's ``L`` positions
+    (:meth:`AttentionKernel.flash_blocks`): they tile the local diagonal's ``2S`` as well."""
+    return kernel.flash_blocks(q_BxLxHxK.shape[3], q_BxLxHxK.shape[1] // 2, q_BxLxHxK.dtype.itemsize)
 
 
-def _kernel(q, k, v, *, causal, scale, kernel):
-    """One block: the kernel's output and its base-2 log-sum-exp ``[B, H, T]``. The kernel has no
-    grouped-query mode: each query head gets a copy of its key/value head, made per block (keys and values
-    travel with their own G heads)."""
-    mha = _mha()
-    k, v = _repeat_heads(k, q.shape[2]), _repeat_heads(v, q.shape[2])
-    return mha.mha(q, k, v, None, sm_scale=scale, causal=causal, block_sizes=_blocks(kernel, q),
-                   interpret=kernel.interpret, return_residuals=True)  # fmt: skip
-
-
-def _kernel_backward(q, k, v, out, lse, d_out, *, causal, scale, kernel):
-    """One block's gradients given the *merged* output and log-sum-exp of all blocks (FlashAttention-2's
-    backward needs only those, so block gradients add up to the whole attention's)."""
-    mha = _mha()
-    heads, kv_heads = q.shape[2], k.shape[2]
-    k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
-    blocks = _blocks(kernel, q)
-    dq, dk, dv, _ = mha._mha_backward(scale, causal, blocks, "triton", None, 2, None, kernel.interpret, False,
-                                      False, (q, k, v, None, out, lse), d_out)  # fmt: skip
-    group = lambda d: d.astype(jnp.float32).reshape(*d.shape[:2], kv_heads, heads // kv_heads, -1).sum(3)  # noqa: E731
-    return dq.astype(jnp.float32), group(dk), group(dv)
-
-
-def _repeat_heads(x_BxTxGxK, heads: int):
-    groups = x_BxTxGxK.shape[2]
-    return x_BxTxGxK if groups == heads else jnp.repeat(x_BxTxGxK, heads // groups, axis=2)
+def _block_scope(causal: bool):
+    """Names a block's kernels by their mask: the causal diagonal block and the unmasked ones below it
+    run kernels of the same name (``mha_forward``, ``mha_backward``), and the step-time model tells them
+    apart by this scope in the compiled program's op names (:func:`shardmem.planning.hlo.attention_kernel`);
+    a causal block does half the matmuls."""
+    return jax.named_scope("causal_block" if causal else "full_block")
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -273,18 +252,39 @@ def _merge(out_a, lse_a, out_b, lse_b):
 
 
 def _gather(x, axes, n):
-    """This device's zigzag chunks -> every chunk in sequence order, ``[B, 2C, S, H, K]``."""
+    """Every device's zigzag chunks, in the order of the devices: ``[B, 2C, S, G, K]``, chunk ``j`` at
+    :func:`_slot` ``j`` (left in that order: putting it in sequence order would copy it)."""
     whole = jax.lax.all_gather(x, axes, axis=1, tiled=True)
-    b, length = whole.shape[:2]
-    return from_zigzag(whole, n).reshape(b, 2 * n, length // (2 * n), *whole.shape[2:])
+    return whole.reshape(whole.shape[0], 2 * n, x.shape[1] // 2, *whole.shape[2:])
+
+
+def _slot(chunk, n):
+    """Where chunk ``chunk`` of ``2C`` lies in the gathered zigzag order: device ``j``'s first for
+    ``j < C``, device ``2C - 1 - j``'s second otherwise."""
+    return jnp.where(chunk < n, 2 * chunk, 4 * n - 1 - 2 * chunk)
 
 
 def _off_diagonal(t, device):
-    """Block ``t`` of the ``2C - 1`` below the diagonals: (which local chunk, which key chunk). Local chunk
+    """Block ``t`` of the ``2C - 2`` below the diagonal: (which local chunk, which key chunk). Local chunk
     0 is chunk ``device`` and attends chunks ``0 .. device-1``; local chunk 1 is chunk ``2C-1-device`` and
-    attends chunks ``0 .. 2C-2-device``."""
+    attends chunks ``0 .. 2C-2-device`` but chunk ``device``, which the diagonal's kernel covers."""
     second = t >= device
-    return second, jnp.where(second, t - device, t)
+    after = t - device
+    return second.astype(jnp.int32), jnp.where(second, jnp.where(after < device, after, after + 1), t)
+
+
+def _halves(x, axis=1):
+    """``[..., 2S, ...]`` -> ``[..., 2, S, ...]`` along ``axis``: this device's two chunks (a reshape)."""
+    return x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1 :])
+
+
+def _half(x_2, index, axis=1):
+    return jax.lax.dynamic_index_in_dim(x_2, index, axis, keepdims=False)
+
+
+def _add_to_half(x_2, index, update, axis=1):
+    """``x_2`` with ``update`` added to its half ``index``: read and written in place, no scatter."""
+    return jax.lax.dynamic_update_index_in_dim(x_2, _half(x_2, index, axis) + update, index, axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -293,70 +293,75 @@ def _flash(q, k, v, axes, n, scale, kernel):
 
 
 def _flash_forward(q, k, v, axes, n, scale, kernel):
-    chunk = q.shape[1] // 2
+    """The diagonal is one causal kernel over this device's ``2S`` positions: their index order (chunk
+    ``i``, then chunk ``2C - 1 - i``) is their position order, so the kernel's top-left mask is exact and
+    it skips the upper block; then the ``2C - 2`` unmasked blocks below, merged into their half."""
     device = jax.lax.axis_index(axes)
-    block = functools.partial(_kernel, scale=scale, kernel=kernel)
+    options = dict(scale=scale, blocks=_blocks(kernel, q), interpret=kernel.interpret)
     k_all, v_all = _gather(k, axes, n), _gather(v, axes, n)
-    q_2xBxSxHxK = jnp.stack([q[:, :chunk], q[:, chunk:]])
-    # The diagonal blocks: each local chunk against itself, causal (the kernel's top-left mask is right).
-    diagonal = [block(q_2xBxSxHxK[i], k[:, i * chunk : (i + 1) * chunk], v[:, i * chunk : (i + 1) * chunk],
-                       causal=True) for i in (0, 1)]  # fmt: skip
-    out_2xBxSxHxK = jnp.stack([o.astype(jnp.float32) for o, _ in diagonal])
-    lse_2xBxHxS = jnp.stack([lse for _, lse in diagonal])
+    with _block_scope(True):
+        out, lse = grouped_flash.forward(q, k, v, causal=True, **options)
+    q_2 = _halves(q)
 
     def below(carry, t):
-        out_2xBxSxHxK, lse_2xBxHxS = carry
-        second, key_chunk = _off_diagonal(t, device)
-        index = second.astype(jnp.int32)
-        out, lse = block(q_2xBxSxHxK[index], k_all[:, key_chunk], v_all[:, key_chunk], causal=False)
-        merged_out, merged_lse = _merge(out_2xBxSxHxK[index], lse_2xBxHxS[index], out, lse)
-        return (out_2xBxSxHxK.at[index].set(merged_out), lse_2xBxHxS.at[index].set(merged_lse)), None
+        out_2, lse_2 = carry
+        index, key_chunk = _off_diagonal(t, device)
+        slot = _slot(key_chunk, n)
+        with _block_scope(False):
+            block_out, block_lse = grouped_flash.forward(
+                _half(q_2, index), _half(k_all, slot), _half(v_all, slot), causal=False, **options
+            )
+        merged_out, merged_lse = _merge(_half(out_2, index), _half(lse_2, index, 2), block_out, block_lse)
+        out_2 = jax.lax.dynamic_update_index_in_dim(out_2, merged_out, index, 1)
+        return (out_2, jax.lax.dynamic_update_index_in_dim(lse_2, merged_lse, index, 2)), None
 
-    (out_2xBxSxHxK, lse_2xBxHxS), _ = jax.lax.scan(below, (out_2xBxSxHxK, lse_2xBxHxS), jnp.arange(2 * n - 1))
-    out = jnp.concatenate([out_2xBxSxHxK[0], out_2xBxSxHxK[1]], axis=1).astype(q.dtype)
-    return out, (q, k, v, out, lse_2xBxHxS)
+    carry = (_halves(out.astype(jnp.float32)), _halves(lse, 2))
+    (out_2, lse_2), _ = jax.lax.scan(below, carry, jnp.arange(2 * n - 2))
+    out = out_2.reshape(q.shape).astype(q.dtype)
+    return out, (q, k, v, out, lse_2.reshape(lse.shape))
 
 
 def _flash_backward(axes, n, scale, kernel, residuals, d_out):
-    q, k, v, out, lse_2xBxHxS = residuals
-    chunk = q.shape[1] // 2
+    """Each block's kernel backward with the merged output's log-sum-exp and row sums ``sum(out * d_out)``,
+    computed once (FlashAttention-2's backward needs only those, so the blocks' gradients add up to the
+    whole attention's, and no block copies the output): the diagonal's whole, the
+    blocks below added in place to their query half and to their key chunk's gradients, which go back to
+    their devices in one reduce-scatter (the all-gather's transpose)."""
+    q, k, v, out, lse = residuals
     device = jax.lax.axis_index(axes)
-    backward = functools.partial(_kernel_backward, scale=scale, kernel=kernel)
+    options = dict(scale=scale, blocks=_blocks(kernel, q), interpret=kernel.interpret)
+    d_out = d_out.astype(q.dtype)
     k_all, v_all = _gather(k, axes, n), _gather(v, axes, n)
-    split = lambda x: jnp.stack([x[:, :chunk], x[:, chunk:]])  # noqa: E731
-    q_2, out_2, d_out_2 = split(q), split(out), split(d_out.astype(q.dtype))
-    dq_2, dk_2, dv_2 = [], [], []
-    for i in (0, 1):
-        local = slice(i * chunk, (i + 1) * chunk)
-        dq, dk, dv = backward(
-            q_2[i], k[:, local], v[:, local], out_2[i], lse_2xBxHxS[i], d_out_2[i], causal=True
-        )
-        dq_2.append(dq), dk_2.append(dk), dv_2.append(dv)
-    dq_2 = jnp.stack(dq_2)
+    delta = grouped_flash.delta(out, d_out, blocks=options["blocks"], interpret=kernel.interpret)
+    with _block_scope(True):
+        dq, dk, dv = grouped_flash.backward(q, k, v, lse, delta, d_out, causal=True, **options)
+    q_2, d_out_2, lse_2, delta_2 = _halves(q), _halves(d_out), _halves(lse, 2), _halves(delta, 2)
 
     def below(carry, t):
         dq_2, dk_all, dv_all = carry
-        second, key_chunk = _off_diagonal(t, device)
-        index = second.astype(jnp.int32)
-        dq, dk, dv = backward(q_2[index], k_all[:, key_chunk], v_all[:, key_chunk], out_2[index],
-                              lse_2xBxHxS[index], d_out_2[index], causal=False)  # fmt: skip
-        return (
-            dq_2.at[index].add(dq),
-            dk_all.at[:, key_chunk].add(dk),
-            dv_all.at[:, key_chunk].add(dv),
-        ), None
+        index, key_chunk = _off_diagonal(t, device)
+        slot = _slot(key_chunk, n)
+        with _block_scope(False):
+            q, d_out, lse, delta = (
+                _half(q_2, index),
+                _half(d_out_2, index),
+                _half(lse_2, index, 2),
+                _half(delta_2, index, 2),
+            )
+            k, v = _half(k_all, slot), _half(v_all, slot)
+            dq, dk, dv = grouped_flash.backward(q, k, v, lse, delta, d_out, causal=False, **options)
+        dk_all, dv_all = _add_to_half(dk_all, slot, dk), _add_to_half(dv_all, slot, dv)
+        return (_add_to_half(dq_2, index, dq), dk_all, dv_all), None
 
     zeros = jnp.zeros(k_all.shape, jnp.float32)
-    (dq_2, dk_all, dv_all), _ = jax.lax.scan(below, (dq_2, zeros, zeros), jnp.arange(2 * n - 1))
+    (dq_2, dk_all, dv_all), _ = jax.lax.scan(below, (_halves(dq), zeros, zeros), jnp.arange(2 * n - 2))
 
     def scatter(d_all, d_diagonal, like):  # The all-gather's transpose: each device's chunks, summed.
-        b = d_all.shape[0]
-        d_zigzag = to_zigzag(d_all.reshape(b, -1, *d_all.shape[3:]), n)
-        mine = jax.lax.psum_scatter(d_zigzag, axes, scatter_dimension=1, tiled=True)
-        return (mine + jnp.concatenate(d_diagonal, axis=1)).astype(like.dtype)
+        d_all = d_all.reshape(like.shape[0], -1, *like.shape[2:])
+        mine = jax.lax.psum_scatter(d_all, axes, scatter_dimension=1, tiled=True)
+        return (mine + d_diagonal).astype(like.dtype)
 
-    dq = jnp.concatenate([dq_2[0], dq_2[1]], axis=1).astype(q.dtype)
-    return dq, scatter(dk_all, dk_2, k), scatter(dv_all, dv_2, v)
+    return dq_2.reshape(q.shape).astype(q.dtype), scatter(dk_all, dk, k), scatter(dv_all, dv, v)
 
 
 _flash.defvjp(_flash_forward, _flash_backward)

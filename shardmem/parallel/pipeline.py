@@ -31,12 +31,15 @@ output, and the residuals, kept in a ring of slots, less the weights), or one of
 of its backward (the pullback of the part's layers, its gradient added at that chunk's slots: a backward
 is about two forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage
 waits long on a neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute``
-calls); the one it is for queues it. Which op each stage runs at each tick is a table built in Python by
-running the schedule (:mod:`shardmem.parallel.schedule`): with R = 1 Megatron's 1F1B, stage s holding
-``S - s`` micro-batches' residuals (the first stage ``S``, whatever M: the peak stays flat as
-micro-batches are added); with R > 1 Megatron's interleaved order and warm-up, ``2 (S - 1) + (R - 1) S +
-1`` chunk passes at the first stage, each of one chunk's residuals. Both tables are ``(M R + S - 1) (1 +
-parts)`` ticks long, so the bubble is the formula's. The first
+calls; on the ticks of an in-phase table where every stage runs a forward, to the next alone:
+``ScheduleTable.hand_offs``); the one it is for queues it. Which op each stage runs at each tick is a
+table built in Python by running the schedule (:mod:`shardmem.parallel.schedule`): with R = 1 Megatron's
+1F1B, stage s holding ``S - s`` micro-batches' residuals (the first stage ``S``, whatever M: the peak
+stays flat as micro-batches are added); with R > 1 Megatron's interleaved order and warm-up, ``2 (S - 1) +
+(R - 1) S + 1`` chunk passes at the first stage, each of one chunk's residuals. Both tables are
+``(M R + S - 1) (1 + parts)`` ticks long, so the bubble is the formula's (an interleaved table of whole
+backwards, chunks of one layer, keeps its forwards and backwards in phase: more ticks, the formula's
+time). The first
 chunk's forward embeds its micro-batch (``embed``, so no stage holds the whole batch's embedded inputs or
 their gradient) and the last chunk's runs the head and the loss, whose gradient starts that micro-batch's
 backward. The body splits the batch by hand too, over the data axes that split nothing else
@@ -44,9 +47,9 @@ backward. The body splits the batch by hand too, over the data axes that split n
 (:meth:`Rules.seq_only_axes`, :func:`shardmem.parallel.context.split_by_hand`): each device sums its own
 rows' and positions' weight gradients over the ticks (in ``grad_dtype``), and they are all-reduced once
 after the last; the compiler splits the tensor and FSDP axes inside it as everywhere. The gradients come
-out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates
-the loss as any other. The price of the parts: a part's scan runs over a slice of the stage's stacked
-weights, which XLA copies (in their stored dtype) while the part runs.
+out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates the loss as any
+other. The price of the parts: a part's scan runs over a slice of the stage's stacked weights, which XLA
+copies (in their stored dtype) while the part runs.
 
 Stages need not be even (GPipe and 1F1B): ``layer_counts`` gives each stage's number of contiguous layers
 (``pipeline.stages: ["0-7", "8-15", "16-22", "23-29"]`` in the config, see :func:`parse_stages`); without
@@ -236,7 +239,8 @@ class Pipeline:
     def bubble_fraction(self) -> float:
         """Share of each stage's time spent idle: ``(S - 1) / (M * R + S - 1)``, every schedule's (GPipe
         and 1F1B for R = 1; Narayanan et al. 2021, eq. 1 and its interleaved form; the 1F1B tables idle
-        exactly that share of their ticks)."""
+        exactly that share of their ticks, or of their time where they keep forwards and backwards in
+        phase: :func:`~shardmem.parallel.schedule.schedule_table`)."""
         return (self.stages - 1) / (self.micro_batches * self.repeats + self.stages - 1)
 
     @property
@@ -649,7 +653,9 @@ class Pipeline:
             carry = dict(state=state, inputs=queue((table.input_slots, *zeros_bxLxD.shape)),
                          grads=queue((table.grad_slots, *zeros_bxLxD.shape)))  # fmt: skip
 
-            def tick(carry, row_Nx1):
+            def tick(carry, row_Nx1, forward=True, back=True):
+                """One tick of the table; ``forward``, ``back``: whether some stage receives what the stage
+                before, or after, made this tick (else that hand-off is not sent)."""
                 op, micro, repeat, ring, source, local, from_before, from_after = row_Nx1[:, 0]  # ops.COLUMNS
                 carry = dict(carry)
                 x = jax.lax.dynamic_index_in_dim(carry["inputs"], source, 0, keepdims=False)
@@ -663,14 +669,25 @@ class Pipeline:
                 carry["grads"] = _put(carry["grads"], local, kept)
                 # What a stage made moves to both neighbours; each keeps what the table says is for it.
                 ring_of = functools.partial(jax.lax.ppermute, axis_name=STAGE_AXIS)
-                to_next = ring_of(out, perm=[(i, (i + 1) % s) for i in range(s)])
-                to_previous = ring_of(out, perm=[(i, (i - 1) % s) for i in range(s)])
-                carry["inputs"] = _put(carry["inputs"], from_before, to_next)
-                carry["grads"] = _put(carry["grads"], from_after, to_previous)
+                if forward:
+                    to_next = ring_of(out, perm=[(i, (i + 1) % s) for i in range(s)])
+                    carry["inputs"] = _put(carry["inputs"], from_before, to_next)
+                if back:
+                    to_previous = ring_of(out, perm=[(i, (i - 1) % s) for i in range(s)])
+                    carry["grads"] = _put(carry["grads"], from_after, to_previous)
+                return carry
+
+            # The loop runs the table's ticks a phase at a time, each phase making only its hand-offs.
+            phases = table.hand_offs
+
+            def ticks(carry, rows_PxNx1):
+                for phase, (forward, back) in enumerate(phases):
+                    carry = tick(carry, rows_PxNx1[phase], forward, back)
                 return carry, None
 
             with jax.named_scope(SCOPE_1F1B):
-                carry, _ = jax.lax.scan(tick, carry, table_TxN)
+                rows_TxPxNx1 = table_TxN.reshape(-1, len(phases), *table_TxN.shape[1:])
+                carry, _ = jax.lax.scan(ticks, carry, rows_TxPxNx1)
 
             # Each device's loss and gradients are of its rows' and positions' mean: the batch's mean over
             # the data and sequence axes (reduced once here, not every micro-batch) and the last stage's

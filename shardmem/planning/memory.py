@@ -285,7 +285,8 @@ def plan_program(
     warnings += _remat_warnings(config, layer_plan, tags)
     warnings += _module_warnings(modules, program.module_matches, tags) + report.warnings
     warnings += _optimizer_warnings(config) if program.description.training else []
-    warnings += _slow_compile_warnings(report)
+    # Serving unrolls its layers on purpose (and compiles them to one layer's kernels): no advice to scan.
+    warnings += _slow_compile_warnings(report) if program.description.training is not None else []
     warnings += tpu_notes(target, config.memory, report.per_device["peak"])
     warnings += precision_notes(target, config.precision.compute)
     window = None if program.custom_model else config.model.sliding_window
@@ -340,9 +341,10 @@ def model_flops(program: Program, jaxpr, function: str | None = None) -> float:
     attention's per-block checkpoint, a flash kernel's backward). Where the function has a
     ``jax.checkpoint``, the program's variant without it is traced again (no compile); chunked attention
     then becomes ``xla``, the same products without recomputing each block. So the function's own FLOPs
-    are never fewer."""
+    are never fewer. A program without a backward pass (serving's) recomputes nothing: its own jaxpr
+    counts."""
     shares = op_shares(program)
-    if hlo.remat_count(jaxpr) == 0:
+    if hlo.remat_count(jaxpr) == 0 or program.description.training is None:
         return hlo.matmul_flops(jaxpr, shares, recomputed=False)
     overrides = ["remat.policy=none", "remat.layers={}", "remat.modules={}"]
     kernel = program.attention

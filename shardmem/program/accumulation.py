@@ -33,6 +33,13 @@ Only a loss whose rows are independent and equal in weight may be split so: the 
 next-token loss. A model of your own, or a ``train.loss``, may couple rows (batch statistics, a
 contrastive loss), so its gradients are reduced per micro-batch as XLA partitions them.
 
+Each micro-batch's gradients are added into the sums as its backward pass makes them
+(:func:`shardmem.gradient_sums.value_and_grad_into`, differentiated with respect to the sums): the
+reference model's layers one at a time, each into its slice of the ``grad_dtype`` sums (float32 under
+master weights, as Megatron adds into its float32 main gradients), so no micro-batch's whole gradient
+of the layer stack is ever held; with FSDP's sums sharded, each layer's gradient is reduce-scattered into
+them inside the backward pass. The other parameters', and a model of your own's, are added whole.
+
 The loss and metrics are averaged over groups and micro-batches, which equals the whole batch's when the
 loss is a mean over rows (the accumulation assumes that already). Model state other than parameters
 (``rest``) is averaged over groups where floating point, taken from the first group otherwise.
@@ -41,6 +48,7 @@ loss is a mean over rows (the accumulation assumes that already). Model state ot
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -108,9 +116,11 @@ def accumulate_gradients(
     grad_shardings=None,
     grad_dtype=None,
 ) -> tuple[jax.Array, dict, Any, Any]:
-    """Returns ``(loss, metrics, grads, rest)`` of ``grad_fn`` (``jax.value_and_grad(loss, has_aux=True)``
-    of ``(params, rest, batch) -> (loss, (metrics, rest))``) averaged over ``micro_batches`` of ``batch``,
-    the gradients reduced across the deferred batch axes once (see the module docstring). Without
+    """Returns ``(loss, metrics, grads, rest)`` of ``grad_fn`` averaged over ``micro_batches`` of ``batch``,
+    the gradients reduced across the deferred batch axes once (see the module docstring). ``grad_fn`` is
+    ``(sums, params, rest, batch) -> ((loss, (metrics, rest)), sums + gradients)``
+    (:func:`shardmem.gradient_sums.value_and_grad_into` of ``(params, rest, batch) -> (loss, (metrics,
+    rest))``): it adds each micro-batch's gradients into the sums as its backward pass makes them. Without
     ``rows_independent`` (a loss that may couple rows) nothing is deferred: XLA reduces per micro-batch.
     ``grad_shardings`` (default ``param_shardings``) is how the step's gradients leave: split over the data
     axes for a data-sharded optimizer, the one reduction is a reduce-scatter. ``grad_dtype`` (default: each
@@ -148,21 +158,24 @@ def accumulate_gradients(
     )
     inner_rules = _inner_rules(rules, axes)
 
-    def one_group(params, rest, one_batch):
-        return jax.tree.map(lambda x: x[None], grad_fn(params, rest, jax.tree.map(lambda x: x[0], one_batch)))
+    def one_group(sums, params, rest, one_batch):
+        first = functools.partial(jax.tree.map, lambda x: x[0])
+        return jax.tree.map(lambda x: x[None], grad_fn(first(sums), params, rest, first(one_batch)))
 
     # Split by hand over the sequence's axes, each device takes its group of rows by hand too: [1, ...] each.
-    by_device = jax.shard_map(one_group, mesh=mesh, in_specs=(P(), P(), P(group_entry)),
+    by_device = jax.shard_map(one_group, mesh=mesh, in_specs=(P(sum_entry), P(), P(), P(group_entry)),
                               out_specs=P(sum_entry), axis_names=set(summed), check_vma=False)  # fmt: skip
 
-    def per_group(rest, one_batch):
-        """``[sums, ...]``: the results of each group of rows and, split by hand, each device's positions."""
+    def per_group(sums, rest, one_batch):
+        """``[sums, ...]``: the results of each group of rows and, split by hand, each device's positions,
+        each group's gradients added into its own sums."""
         with inner_rules.activate(mesh):
             if by_hand:
-                return by_device(params, rest, one_batch)
+                return by_device(sums, params, rest, one_batch)
             if not axes:
-                return one_group(params, rest, one_batch)
-            return jax.vmap(grad_fn, in_axes=(None, None, 0), spmd_axis_name=axes)(params, rest, one_batch)
+                return one_group(sums, params, rest, one_batch)
+            vmapped = jax.vmap(grad_fn, in_axes=(0, None, None, 0), spmd_axis_name=axes)
+            return vmapped(sums, params, rest, one_batch)
 
     def one_rest(rest_G):
         return jax.tree.map(
@@ -171,22 +184,22 @@ def accumulate_gradients(
 
     def accumulate(carry, one_batch):
         loss_sum, metric_sum, grad_sum, rest = carry
-        (loss_G, (metrics_G, rest_G)), grads_G = per_group(rest, one_batch)
-        grads_G = jax.lax.with_sharding_constraint(grads_G, accumulator_shardings)
+        (loss_G, (metrics_G, rest_G)), grad_sum = per_group(grad_sum, rest, one_batch)
+        grad_sum = jax.lax.with_sharding_constraint(grad_sum, accumulator_shardings)
         # Per group, like the gradients: a sum over groups here would be a collective per micro-batch.
         metric_sum = jax.tree.map(jnp.add, metric_sum, metrics_G)
-        grad_sum = jax.tree.map(jnp.add, grad_sum, grads_G)
         return (loss_sum + loss_G, metric_sum, grad_sum, one_rest(rest_G)), None
 
+    grad_zeros = jax.lax.with_sharding_constraint(
+        jax.tree.map(lambda p: jnp.zeros((sums, *p.shape), grad_dtype or p.dtype), params),
+        accumulator_shardings,
+    )
     first = jax.tree.map(lambda x: x[0], micro)
-    metric_shapes = jax.eval_shape(lambda: per_group(rest, first)[0][1][0])
+    metric_shapes = jax.eval_shape(lambda: per_group(grad_zeros, rest, first)[0][1][0])
     zeros = (
         jnp.zeros((sums,), jnp.float32),
         jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
-        jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: jnp.zeros((sums, *p.shape), grad_dtype or p.dtype), params),
-            accumulator_shardings,
-        ),
+        grad_zeros,
         rest,
     )
     (loss, metrics, grads, rest), _ = jax.lax.scan(accumulate, zeros, micro)

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError
+from shardmem.gradient_sums import value_and_grad_into
 from shardmem.models.linen import remat_calls
 from shardmem.program.accumulation import accumulate_gradients
 from shardmem.program.description import Description, Training, describe
@@ -197,6 +198,10 @@ def jitted_step(description: Description, loss_of_params: Callable) -> Callable:
     has_rest, master_dtype = d.model.has_rest, d.precision.master
     plain_grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
     scaled_grad_fn = scaled_value_and_grad(loss_of_params, grad_dtype=master_dtype)
+    # Accumulated, each micro-batch's gradients are added into the sums as the backward pass makes them:
+    # the reference model's layers one at a time (its next-token loss runs them in remat_scan).
+    stack = "layers" if train.rows_independent and finetune is None else None
+    summing_grad_fn = value_and_grad_into(loss_of_params, stack=stack)
 
     def train_step(state, batch):
         with rules.activate(mesh):
@@ -207,7 +212,8 @@ def jitted_step(description: Description, loss_of_params: Callable) -> Callable:
                 (loss, (metrics, rest)), grads = grad_fn(params, rest, batch, frozen)
             else:
                 loss, metrics, grads, rest = accumulate_gradients(
-                    lambda p, r, b: grad_fn(p, r, b, frozen), params, rest, batch,
+                    lambda sums, p, r, b: summing_grad_fn(sums, p, r, b, frozen, scale=scale),
+                    params, rest, batch,
                     micro_batches=train.micro_batches, mesh=mesh,
                     rules=rules, param_shardings=d.param_shardings, batch_sharding=train.batch_sharding,
                     fsdp_reduce_once=train.fsdp_reduce_once, grad_shardings=grad_shardings,
