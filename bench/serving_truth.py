@@ -20,7 +20,8 @@ Three checks (issue 39), nothing fitted to them: the times are the step-time mod
 3. ``speed``: the wall and CPU time of ``shardmem plan --serve`` for Llama 3 70B at tensor 8 on
    ``h100-sxm`` (bar: under 30 s on the idle 2-core machine; the load average is printed beside it). The
    first plan of a model generates its kernels; later ones reuse them from the kernel cache
-   (``SHARDMEM_KERNEL_CACHE``; ``off`` or an empty folder times a first plan).
+   (``SHARDMEM_KERNEL_CACHE``; ``off`` or an empty folder times a first plan). ``kernels``: the same
+   plan's kernels, launched and distinct (the distinct ones are what a first plan generates).
 
 How the models map: GPT-J 6B becomes the reference Llama with its sizes (28 layers, hidden 4096, 16
 heads of 256, vocab 50,400), its GELU MLP of width 16,384 a SwiGLU MLP of width 10,944 (two thirds, the
@@ -137,16 +138,19 @@ def rtx3090() -> dict:
     return out
 
 
+#: The timed plan: Llama 3 70B at tensor 8 on h100-sxm (``speed`` and ``kernels``).
+SPEED = {"name": "llama3-70b-tp8", "model": {**MODELS["llama-3-70b"], "attention": "auto"},
+         "mesh": {"axes": {"data": 1, "tensor": 8}},
+         "precision": {"params": "bfloat16", "compute": "bfloat16"},
+         "serve": {"batch": 8, "prompt_len": 512, "max_len": 2048},
+         "memory": {"target": "h100-sxm"}}  # fmt: skip
+
+
 def speed() -> dict:
     """Wall time of `shardmem plan --serve` for Llama 3 70B at tensor 8 on h100-sxm, in a fresh process."""
-    config = {"name": "llama3-70b-tp8", "model": {**MODELS["llama-3-70b"], "attention": "auto"},
-              "mesh": {"axes": {"data": 1, "tensor": 8}},
-              "precision": {"params": "bfloat16", "compute": "bfloat16"},
-              "serve": {"batch": 8, "prompt_len": 512, "max_len": 2048},
-              "memory": {"target": "h100-sxm"}}  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "llama3-70b-tp8.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(yaml.safe_dump(SPEED))
         load = os.getloadavg()[0]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
@@ -165,13 +169,22 @@ def speed() -> dict:
             "verdict": plan["verdict"], "time": plan["time"]}  # fmt: skip
 
 
+def kernels() -> dict:
+    """The same plan, in this process: per function, the kernels a run launches and the distinct ones
+    XLA compiles (what a first plan generates code for; ``HloModule.kernels``), and the compile's time."""
+    plan = plan_serving(config_from_dict(SPEED))
+    return {f: {"launched": r.step_time.kernels, "compiled": len(r.module.kernels()),
+                "compile_seconds": r.compile_seconds}
+            for f, r in (("prefill", plan.prefill), ("decode", plan.decode))}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("truth", "rtx3090", "speed"), action="append")
+    parser.add_argument("--only", choices=("truth", "rtx3090", "speed", "kernels"), action="append")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     results = {}
-    for name, check in (("truth", truth), ("rtx3090", rtx3090), ("speed", speed)):
+    for name, check in (("truth", truth), ("rtx3090", rtx3090), ("speed", speed), ("kernels", kernels)):
         if args.only and name not in args.only:
             continue
         results[name] = check()

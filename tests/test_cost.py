@@ -10,7 +10,7 @@ import pytest
 from shardmem.config import load_config
 from shardmem.planning import collectives, cost, hlo
 from shardmem.planning.collectives import Cluster, Group
-from shardmem.planning.targets import GPU_TARGETS
+from shardmem.planning.targets import GPU_TARGETS, resolve_target
 
 # On the newest JAX too (.ci/run): the HLO text XLA writes (replica groups, loops, async collectives).
 pytestmark = pytest.mark.newest
@@ -494,3 +494,97 @@ def test_host_rates_are_pinned_by_the_environment_and_shared_with_a_search_s_wor
     monkeypatch.setattr(cost, "measure_host_rates", lambda: (1.5e10, 3.25e9))  # the parent's measurement
     with planning_pool(load_config("configs/tiny.yaml"), "cpu", 1, 8) as pool:
         assert pool.submit(cost.host_rates).result() == (1.5e10, 3.25e9)
+
+
+# --- GEMMs on a GPU: waves of tiles over the SMs ---------------------------------------------------
+
+_A100 = GPU_TARGETS["a100-80g"]
+A100 = cost.Hardware(
+    "a100-80g", _A100.peak_flops, _A100.memory_bandwidth, 300e9, 25e9, 32e9, sms=_A100.sm_count
+)
+_RATE = _A100.peak_flops["f16"] * cost.MATMUL_EFFICIENCY  # A whole large GEMM's FLOP/s.
+_BANDWIDTH = _A100.memory_bandwidth * cost.MEMORY_EFFICIENCY
+
+
+def _gemm_module(m: int, n: int, k: int) -> hlo.HloModule:
+    """A prefill's projection as XLA's GPU compiler writes it: a Triton GEMM fusion of [m,k] x [k,n]."""
+    return hlo.parse_module(f"""HloModule m
+
+%gemm_fusion_dot_computation (p0: f16[{m},{k}], p1: f16[{k},{n}]) -> f16[{m},{n}] {{
+  %p0 = f16[{m},{k}]{{1,0}} parameter(0)
+  %p1 = f16[{k},{n}]{{1,0}} parameter(1)
+  ROOT %dot = f16[{m},{n}]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+ENTRY %main (x: f16[{m},{k}], w: f16[{k},{n}]) -> f16[{m},{n}] {{
+  %x = f16[{m},{k}]{{1,0}} parameter(0)
+  %w = f16[{k},{n}]{{1,0}} parameter(1)
+  ROOT %y = f16[{m},{n}]{{1,0}} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot_computation, backend_config={{"fusion_backend_config":{{"kind":"__triton_gemm"}}}}
+}}
+""")
+
+
+def _compute(module: hlo.HloModule, hardware=A100) -> float:
+    return cost.estimate_step_time(module, hardware, [0]).compute
+
+
+def test_a_gemm_of_few_rows_leaves_sms_idle_in_its_one_wave_of_tiles(monkeypatch):
+    # 128 rows x 8192 columns in 128 x 128 tiles: 64 blocks for the A100's 108 SMs, one wave with 44
+    # SMs idle, so the GEMM takes one tile's time on one SM: 108/64 of its FLOPs at the whole GPU's rate.
+    monkeypatch.setattr(cost, "GEMM_TILES", ((128, 128),))
+    monkeypatch.setattr(cost, "SPLIT_K", (1,))
+    m, n, k = 128, 8192, 8192
+    one_tile = 2.0 * 128 * 128 * k / (_RATE / 108)
+    weights = 2 * (m * k + k * n + m * n) / _BANDWIDTH
+    assert one_tile > weights > 2.0 * m * n * k / _RATE  # The roofline would charge the weights' bytes.
+    assert _compute(_gemm_module(m, n, k)) == pytest.approx(one_tile)
+    # Twice the rows fill the same wave's blocks twice as tall: 128 blocks, two waves.
+    assert _compute(_gemm_module(2 * m, n, k)) == pytest.approx(2 * one_tile)
+
+
+def test_split_k_fills_the_sms_and_pays_for_its_f32_partials_in_memory(monkeypatch):
+    monkeypatch.setattr(cost, "GEMM_TILES", ((128, 128),))
+    monkeypatch.setattr(cost, "SPLIT_K", (1, 8))
+    m, n, k = 128, 1024, 65536  # 8 tiles; split 8 ways, 64 blocks of 8192 deep: one wave.
+    split = 2.0 * 128 * 128 * (k // 8) / (_RATE / 108)
+    partials = 2 * 4 * 8 * m * n  # Eight f32 partials written, then read by the sum.
+    memory = (2 * (m * k + k * n + m * n) + partials) / _BANDWIDTH
+    assert _compute(_gemm_module(m, n, k)) == pytest.approx(max(split, memory) + cost.KERNEL_GAP)
+    assert max(split, memory) + cost.KERNEL_GAP < 8 * split  # Unsplit: 8 blocks of the whole depth.
+
+
+def test_large_gemms_keep_the_measured_rate_and_skinny_ones_are_slower_than_the_roofline():
+    # The 8192^3 matmul the 0.80 was measured on fills its waves: within 0.2% of the roofline on an
+    # H200 (132 SMs) and an A100, with the whole catalogue of tiles and splits.
+    h200 = GPU_TARGETS["h200"]
+    hardware = cost.Hardware(
+        "h200", h200.peak_flops, h200.memory_bandwidth, 450e9, 50e9, 64e9, sms=h200.sm_count
+    )
+    big = _gemm_module(8192, 8192, 8192)
+    for gpu, rate in ((hardware, h200.peak_flops["f16"]), (A100, _A100.peak_flops["f16"])):
+        assert _compute(big, gpu) == pytest.approx(2.0 * 8192**3 / (rate * cost.MATMUL_EFFICIENCY), rel=2e-3)
+    # A 128-token prefill's MLP projection (Llama 2 7B) on the A100: no tile and split of the catalogue
+    # fills the SMs without more HBM traffic, so it is slower than its roofline (51 us of weights).
+    roofline = cost.estimate_step_time(
+        _gemm_module(128, 11008, 4096), dataclasses.replace(A100, sms=None), [0]
+    )
+    assert _compute(_gemm_module(128, 11008, 4096)) > 1.05 * roofline.compute
+
+
+def test_a_cublas_call_and_a_batched_dot_are_read_as_gemms():
+    kernels = cost._Kernels(
+        hlo.parse_module("""HloModule m
+
+ENTRY %main (x: f16[4,128,2752], w: f16[4,2752,4096]) -> f16[4,128,4096] {
+  %x = f16[4,128,2752]{2,1,0} parameter(0)
+  %w = f16[4,2752,4096]{2,1,0} parameter(1)
+  %c = (f16[4,128,4096]{2,1,0}, s8[1024]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
+  ROOT %d = f32[4,128,4096]{2,1,0} dot(%x, %w), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+"""),
+        A100,
+        {},
+    )
+    for name in ("c", "d"):
+        assert kernels.gemm(kernels.module.by_name[name]) == cost.Gemm(batch=4, m=128, n=4096, k=2752)
+    assert cost.Hardware.of(resolve_target("a100-80g", n_devices=1)).sms == 108

@@ -298,3 +298,43 @@ def test_loops_of_which_a_device_runs_one_count_as_the_costliest_alone():
     assert by_tick.seconds < estimate.seconds
     jaxpr = jax.make_jaxpr(step)(*args)  # Each op's FLOPs as often as the schedule runs it.
     assert hlo.matmul_flops(jaxpr, {1: 0.5, 2: 0.25}) == 8 * 6 * 2 * (0.25 * 1024**3 + 0.5 * 1024**2 * 8)
+
+
+def _layer_fusion(name: str, prefix: str, rows: str, op_name: str) -> str:
+    """A fused computation that slices ``rows`` of a stacked weight and reduces its product with ``x``,
+    its instructions named with ``prefix`` (XLA names each copy of a layer's fusion differently)."""
+    return f"""
+%{name} ({prefix}0: f32[2,4], {prefix}1: f32[8,4]) -> f32[2] {{
+  %{prefix}0 = f32[2,4]{{1,0}} parameter(0)
+  %{prefix}1 = f32[8,4]{{1,0}} parameter(1)
+  %{prefix}w = f32[2,4]{{1,0}} slice(%{prefix}1), slice={{[{rows}], [0:4]}}, metadata={{op_name="{op_name}"}}
+  %{prefix}m = f32[2,4]{{1,0}} multiply(%{prefix}0, %{prefix}w)
+  %{prefix}z = f32[] constant(0)
+  ROOT %{prefix}r = f32[2]{{0}} reduce(%{prefix}m, %{prefix}z), dimensions={{1}}, to_apply=%add
+}}
+"""
+
+
+TWO_LAYERS = f"""HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+{_layer_fusion("first", "p", "0:2", "layer0")}{_layer_fusion("second", "q", "0:2", "layer1")}\
+{_layer_fusion("third", "u", "2:4", "layer0")}
+ENTRY %main (x: f32[2,4], w: f32[8,4]) -> f32[2] {{
+  %x = f32[2,4]{{1,0}} parameter(0)
+  %w = f32[8,4]{{1,0}} parameter(1)
+  %f0 = f32[2]{{0}} fusion(%x, %w), kind=kInput, calls=%first, metadata={{op_name="a"}}
+  %f1 = f32[2]{{0}} fusion(%x, %w), kind=kInput, calls=%second, metadata={{op_name="b"}}
+  %f2 = f32[2]{{0}} fusion(%x, %w), kind=kInput, calls=%third
+  ROOT %sum = f32[2]{{0}} add(%f0, %f1)
+}}
+"""
+
+
+def test_fusions_that_differ_only_in_names_are_one_kernel_and_a_slices_bounds_make_another():
+    module = hlo.parse_module(TWO_LAYERS)
+    assert len(module.kernels()) == 2  # %first and %second are one kernel; %third slices other rows.

@@ -12,11 +12,13 @@ from jax.sharding import PartitionSpec as P
 from shardmem import ConfigError, build_mesh, config_from_dict
 from shardmem.cli import main
 from shardmem.finetune.quant import Quantized
-from shardmem.planning import cost
+from shardmem.planning import cost, memory
 from shardmem.planning.report import render_serving
 from shardmem.planning.serving import plan_serving, search_capacity, with_memory_fraction
 from shardmem.planning.targets import GPU_TARGETS
 from shardmem.program import ServingProgram, serving_program
+from shardmem.program.program import Function
+from shardmem.program.serving import stacked
 
 pytestmark = pytest.mark.newest
 
@@ -44,21 +46,21 @@ def _weights(program: ServingProgram):
     rng = np.random.default_rng(1)
     noisy = [w + (0.1 * rng.normal(size=w.shape)).astype(w.dtype) if w.dtype.kind == "f" else w
              for w in leaves]  # fmt: skip
-    return jax.device_put(jax.tree.unflatten(tree, noisy), program.description.frozen_shardings)
+    return jax.device_put(jax.tree.unflatten(tree, noisy), program.weight_shardings)
 
 
 def _tokens():
     return np.random.default_rng(0).integers(0, 256, (B, T), dtype=np.int32)
 
 
-def _cached_logits(program: ServingProgram, weights, tokens_BxT) -> np.ndarray:
+def _cached_logits(program: ServingProgram, weights, tokens_BxT, lengths_B=LENGTHS) -> np.ndarray:
     """``[B, T - 1, V]``: at position t, the logits that predict token t + 1, from the prefill (t = the
     prompt's last) and then from decode steps fed the sequence's own tokens; NaN before the prompt's end."""
-    prompts_BxP = np.where(np.arange(P_LEN) < LENGTHS[:, None], tokens_BxT[:, :P_LEN], 0)
-    out = np.full((B, T - 1, 256), np.nan, np.float32)
-    logits_BxV, cache = program.prefill(weights, prompts_BxP, LENGTHS)
-    positions_B = LENGTHS.copy()
-    rows = np.arange(B)
+    prompts_BxP = np.where(np.arange(P_LEN) < lengths_B[:, None], tokens_BxT[:, :P_LEN], 0)
+    out = np.full((len(lengths_B), T - 1, 256), np.nan, np.float32)
+    logits_BxV, cache = program.prefill(weights, prompts_BxP, lengths_B)
+    positions_B = lengths_B.copy()
+    rows = np.arange(len(lengths_B))
     out[rows, positions_B - 1] = np.asarray(logits_BxV)
     while positions_B.min() < T - 1:
         step = np.minimum(positions_B, T - 2)  # Rows at the end redo their last position (cache room).
@@ -72,7 +74,7 @@ def _full_logits(program: ServingProgram, weights, tokens_BxT) -> np.ndarray:
     """The training forward's logits ``[B, T - 1, V]`` of the same model and weights."""
     d = program.description
     with d.rules.activate(d.mesh):
-        model = nnx.merge(d.model.graphdef, d.finetune.assemble({}, weights))
+        model = nnx.merge(d.model.graphdef, d.finetune.assemble({}, stacked(weights)))
         return np.asarray(jax.jit(lambda t: model(t))(tokens_BxT))[:, :-1]
 
 
@@ -99,10 +101,25 @@ def test_a_tensor_by_data_program_on_8_devices_gives_one_devices_logits(sharded)
     keys = program.serving.cache_shardings.keys
     assert keys.spec == P(None, "data", None, "tensor")  # Batch over the replicas, KV heads over tensor.
     assert program.description.frozen_shardings["layers"]["wk"].spec == P(None, None, "tensor")
+    # Stored by layer, the query, key and value weights fused, each device's heads of each contiguous.
+    assert program.weight_shardings["layers"][1]["wqkv"].weight.spec == P(None, "tensor", None, None)
     one = _program({"data": 1})
-    alone = jax.device_put(jax.device_get(weights), one.description.frozen_shardings)
+    alone = one.start_from(jax.device_get(stacked(weights)))  # Laid out anew: one shard per fused matrix.
     single = _cached_logits(one, alone, _tokens())
     np.testing.assert_allclose(single, cached, atol=2e-5, rtol=2e-5)
+
+
+def test_one_sequence_decodes_to_the_full_forwards_logits(sharded):
+    # A batch of one writes its cache in place with an update, not a scatter (kv_cache.KVCache.write).
+    program, weights, _ = sharded
+    one = _program({"data": 1}, batch=1)
+    alone = one.start_from(jax.device_get(stacked(weights)))  # Laid out anew: one shard per fused matrix.
+    tokens_1xT, lengths_1 = _tokens()[3:4], LENGTHS[3:4]
+    cached = _cached_logits(one, alone, tokens_1xT, lengths_1)
+    known = ~np.isnan(cached)
+    assert known.sum() == (T - lengths_1[0]) * 256
+    full = _full_logits(one, alone, tokens_1xT)
+    np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
 
 
 def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(sharded):
@@ -124,11 +141,11 @@ def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(sharded):
 def test_quantized_weights_serve_the_model_they_quantize():
     program = _program({"data": 2, "tensor": 2}, quantize={"format": "nf4", "targets": ["layers/*"]})
     weights = program.init()
-    assert set(weights["layers"]["wq"]) == {"codes", "scales"}
-    assert weights["layers"]["wq"]["codes"].dtype == np.uint8
+    assert set(weights["layers"][0]["wq"]) == {"codes", "scales"}
+    assert weights["layers"][0]["wq"]["codes"].dtype == np.uint8
     assert weights["embedding"].dtype == np.float32  # Not a layer weight: as it was.
     d = program.description
-    assert isinstance(d.finetune.assemble({}, weights)["layers"]["w_up"], Quantized)
+    assert isinstance(d.finetune.assemble({}, stacked(weights))["layers"]["w_up"], Quantized)
     cached = _cached_logits(program, weights, _tokens())
     full = _full_logits(program, weights, _tokens())
     known = ~np.isnan(cached)
@@ -236,6 +253,89 @@ def test_the_decode_steps_cache_write_is_costed_in_place(gpu_plan):
     assert writes  # A batch of 4 writes each sequence's token at its own position: a scatter.
     cache_bytes = 4 * 4 * 128 * 2 * 16 * 2  # One of the stacked keys or values, whole.
     assert all(kernels.bytes(ins) < cache_bytes // 16 for ins in writes)  # Its tokens, not the cache.
+
+
+def test_every_layer_runs_the_first_layers_kernels(monkeypatch):
+    # The layers are unrolled; their weights, stored by layer, and their index in the cache are arguments
+    # of their kernels, not constants in them, so a deeper model compiles to no more matmuls.
+    traces = []
+    trace = Function.trace
+    monkeypatch.setattr(Function, "trace", lambda self: traces.append(self.name) or trace(self))
+    monkeypatch.setattr(memory, "SLOW_COMPILE_SECONDS", 0.0)  # Every compile is slow: no advice to scan.
+    # Six layers against four: the first and the last layer's kernels may differ from the middle ones'
+    # (with the query, key and value weights fused, a middle layer's attention scores are a kernel of
+    # their own), the middle ones' must not.
+    six, four = (plan_serving(with_memory_fraction(config_from_dict(
+        {**GPU_SERVE, "model": {"preset": "tiny", "n_layers": layers, "d_model": 512}}), FRACTION))
+        for layers in (6, 4))  # fmt: skip
+    # Traced once each: without a backward pass nothing is recomputed, so no variant without remat is
+    # traced for the FLOPs an MFU counts.
+    assert traces == ["prefill", "decode"] * 2
+    assert six.decode.flops_no_remat == six.decode.flops_per_step > 0
+    assert not [w for w in six.prefill.warnings + six.decode.warnings if "scan them" in w]
+    for deep, half in ((six.prefill, four.prefill), (six.decode, four.decode)):
+        per_layer = (deep.step_time.kernels - half.step_time.kernels) / 2  # Launched: every layer's.
+        assert per_layer > 10
+        # Compiled: as many matmuls, cache writes and cache reads as four layers have. The norms' kernels
+        # differ, each fused with the residual stream's sum so far (one term longer each layer).
+        deep_kernels, half_kernels = deep.module.kernels(), half.module.kernels()
+        assert len(deep_kernels) - len(half_kernels) < per_layer / 2
+        assert _with("dot", deep_kernels) == _with("dot", half_kernels) > 0
+        for op in ("scatter", "dynamic-update-slice", "dynamic-slice"):
+            assert _with(op, deep_kernels) == _with(op, half_kernels)
+
+
+@pytest.fixture(scope="module")
+def one_sequence_decode():
+    """The optimized HLO of a decode step of one sequence, the tiny model on one A100."""
+    config = config_from_dict({**GPU_SERVE, "mesh": {"axes": {"data": 1}},
+                               "serve": {"batch": 1, "prompt_len": 32, "max_len": 128}})  # fmt: skip
+    return plan_serving(config).decode.module
+
+
+def test_a_decode_step_reads_each_weight_matrix_with_one_kernel_the_fused_ones_too(one_sequence_decode):
+    # Query, key and value weights fused into one matrix, gate and up into another (models/fused.py):
+    # four matrices a layer, each read by one kernel (its matmul), where seven were.
+    module = one_sequence_decode
+    entry = module.computations[module.entry]
+    matrices = {ins.name for ins in entry if ins.opcode == "parameter" and "layers" in ins.name
+                and ins.shape.count(",") >= 1}  # fmt: skip
+    assert len(matrices) == 4 * 4
+
+    def source(name: str) -> str:  # Through the bitcasts that only reshape a parameter.
+        ins = module.by_name.get(name)
+        return source(ins.operands[0]) if ins is not None and ins.opcode == "bitcast" else name
+
+    readers = [ins.name for ins in entry if ins.opcode == "fusion" for o in ins.operands
+               if source(o) in matrices]  # fmt: skip
+    assert len(readers) == len(set(readers)) == len(matrices)
+
+
+def test_a_decode_step_computes_the_rotary_tables_once_for_every_layer(one_sequence_decode):
+    # Computed in each layer's rotation kernels, they kept the query's rotation a kernel of its own.
+    module = one_sequence_decode
+    entry = module.computations[module.entry]
+    trigonometric = [ins for ins in entry if ins.opcode == "fusion" and any(inner.opcode in ("sine", "cosine")
+                     for c in ins.called for inner in module.computations[c])]  # fmt: skip
+    assert len(trigonometric) <= 2  # The sines and the cosines, for all 4 layers.
+
+
+def test_a_batch_of_one_writes_its_cache_in_the_kernels_that_compute_it(one_sequence_decode):
+    # A scatter of one index would be rewritten by XLA to an update behind a bounds check: a kernel for
+    # the check and one per cache array that reads the cache to keep its old entry, every layer.
+    module = one_sequence_decode
+    cache = "bf16[4,1,128,2,16]"  # The keys or the values of the 4 layers.
+    kernels = [ins for ins in module.computations[module.entry] if ins.opcode == "fusion"]
+    writes = [ins for ins in kernels if ins.shape.startswith(cache)]
+    touching = [ins for ins in kernels if any(module.by_name[o].shape.startswith(cache)
+                                              for o in ins.operands if o in module.by_name)]  # fmt: skip
+    assert len(writes) == 2 * 4  # Keys and values of each layer updated in place,
+    assert not [ins for ins in kernels if "pred[" in ins.shape]  # with no bounds check,
+    assert len(touching) == 2 * 2 * 4  # and read again only by the attention's two products of each layer.
+
+
+def _with(opcode: str, kernels: set) -> int:
+    return sum(f"'{opcode}'" in str(kernel) for kernel in kernels)
 
 
 def _a100(n: int):

@@ -82,6 +82,14 @@ class KVCache:
             if positions.ndim == 1:  # Prefill: positions 0 .. L-1, a block of the layer's stack.
                 start = (layer, 0, 0) + (0,) * (stack.ndim - 3)
                 updated[name] = jax.lax.dynamic_update_slice(stack, x[None], start)
+            elif x.shape[0] == 1 and self.key_scales is None:  # Decode, one sequence: at its position.
+                # Not a scatter of one index: XLA rewrites that to this update behind a bounds check (a
+                # kernel for the check, one per array to select the old entry where out of bounds), three
+                # more kernels per layer than the update alone, which XLA fuses with what computes the
+                # token. Positions are never past the cache (run.generation checks max_len first). An int8
+                # cache keeps the scatter: XLA copied its codes whole once more per step with the update.
+                start = (layer, 0, positions[0, 0]) + (0,) * (stack.ndim - 3)
+                updated[name] = jax.lax.dynamic_update_slice(stack, x[None], start)
             else:  # Decode: one token at each sequence's own position.
                 rows_B = jnp.arange(x.shape[0])
                 updated[name] = stack.at[layer, rows_B, positions[:, 0]].set(x[:, 0])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -36,6 +37,7 @@ from shardmem.models.attention import (
     resolve_attention,
     shared_memory_per_block,
 )
+from shardmem.models.fused import Fused
 from shardmem.models.kv_cache import CacheSlot, KVCache
 from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
@@ -315,11 +317,20 @@ class Block(nnx.Module):
         # Never inside a pipeline stage's shard_map (see collective_matmul.resolve).
         return self.collective_matmuls and sequence_parallel() and not manual_axes()
 
-    def _projections(self, normed_BxLxD, *specs):
+    def _projections(self, normed_BxLxD, *specs, fused: Fused | None = None):
         """The tensor-parallel projections ``(einsum spec, weight, weight axes, output axes, checkpoint
         name)`` of a norm's output over the whole sequence (:func:`_gathered_projections`, or gathered
-        in chunks under the matmuls: :func:`~shardmem.parallel.collective_matmul.gather_matmul`)."""
+        in chunks under the matmuls: :func:`~shardmem.parallel.collective_matmul.gather_matmul`); from
+        one matmul with the weights ``fused`` (serving's, whose parts the specs' weights stand in for)."""
         h_BxLxD = _split_seq(normed_BxLxD)
+        if fused is not None:
+
+            def project_fused(h_BxLxD):
+                parts = fused.project(h_BxLxD, self.compute_dtype)
+                return tuple(checkpoint_name(_whole_seq(y, axes), name)
+                             for y, (*_, axes, name) in zip(parts, specs, strict=True))  # fmt: skip
+
+            return _gathered_projections(project_fused, h_BxLxD, tuple(s[4] for s in specs))
         if self._overlapped():
             outputs = collective_matmul.gather_matmul(
                 self._chunk_projections(specs), h_BxLxD, tuple(value_of(s[1]) for s in specs),
@@ -354,7 +365,7 @@ class Block(nnx.Module):
                                                value_of(param), weight_axes, input_axes)  # fmt: skip
         return _split_seq(out)
 
-    def _mlp(self, normed_BxLxD):
+    def _mlp(self, normed_BxLxD, fused: Fused | None = None):
         """The gated MLP of a norm's output, summed onto the residual stream's share of the tokens; in
         chunks under the collective matmuls
         (:func:`~shardmem.parallel.collective_matmul.gather_matmul_scatter`)."""
@@ -362,7 +373,7 @@ class Block(nnx.Module):
                  ("bld,df->blf", self.w_up, _W_IN, _MLP, "mlp_up"))  # fmt: skip
         activation = self.cfg.mlp_activation
         if not self._overlapped():
-            gate_BxLxF, up_BxLxF = self._projections(normed_BxLxD, *specs)
+            gate_BxLxF, up_BxLxF = self._projections(normed_BxLxD, *specs, fused=fused)
             act_BxLxF = _swiglu(gate_BxLxF, up_BxLxF, activation)
             return self._scattered_projection("blf,fd->bld", act_BxLxF, self.w_down, _W_OUT, _MLP)
 
@@ -382,9 +393,12 @@ class Block(nnx.Module):
         )  # fmt: skip
         return _split_seq(out)
 
-    def __call__(self, x_BxLxD, cache: CacheSlot | None = None):
+    def __call__(self, x_BxLxD, cache: CacheSlot | None = None, fused: dict[str, Fused] | None = None):
         """Returns the layer's output; with a ``cache`` (serving's prefill or decode step), ``(output,
-        cache)``: the same layer, its keys and values written to the cache and attention over it."""
+        cache)``: the same layer, its keys and values written to the cache and attention over it.
+        ``fused``: serving's fused groups of this layer's weights (:mod:`shardmem.models.fused`), which
+        its projections read in their parts' place."""
+        fused = fused or {}
         cfg = self.cfg
         x_BxLxD = checkpoint_name(constrain(x_BxLxD, RESIDUAL), "layer_input")
         if cache is None:
@@ -399,18 +413,20 @@ class Block(nnx.Module):
             # the sequence and its output is all-gathered for the tensor-parallel matmuls: pinned to the
             # share first, or XLA gathers the fp32 residual the norm reads (twice the bytes).
             # The layer keeps that share for the backward pass, not the gathered sequence.
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self._projections(
-                self.attn_norm(x_BxLxD),
-                ("bld,dhk->blhk", self.wq, _WQ, _HEADS, "query_proj"),
-                ("bld,dgk->blgk", self.wk, _WKV, _KV_HEADS, "key_proj"),
-                ("bld,dgk->blgk", self.wv, _WKV, _KV_HEADS, "value_proj"),
-            )
+            specs = (("bld,dhk->blhk", self.wq, _WQ, _HEADS, "query_proj"),
+                     ("bld,dgk->blgk", self.wk, _WKV, _KV_HEADS, "key_proj"),
+                     ("bld,dgk->blgk", self.wv, _WKV, _KV_HEADS, "value_proj"))  # fmt: skip
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self._projections(self.attn_norm(x_BxLxD), *specs,
+                                                                 fused=fused.get("wqkv"))  # fmt: skip
             if cfg.qkv_bias:
                 q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
                 k_BxLxGxK = k_BxLxGxK + weight(value_of(self.bk), self.compute_dtype)
                 v_BxLxGxK = v_BxLxGxK + weight(value_of(self.bv), self.compute_dtype)
-            q_BxLxHxK = rope(q_BxLxHxK, positions, cfg.rope_theta, cfg.rope_scaling, length)
-            k_BxLxGxK = rope(k_BxLxGxK, positions, cfg.rope_theta, cfg.rope_scaling, length)
+            # A decode step's unrolled layers share the rotary tables (a prefill's kept them in its
+            # rotations: apart, XLA kept more of the prompt's temporaries live, 1.5 GiB at 29,000 tokens).
+            shared = cache is not None and not cache.prefill
+            q_BxLxHxK = rope(q_BxLxHxK, positions, cfg.rope_theta, cfg.rope_scaling, length, shared=shared)
+            k_BxLxGxK = rope(k_BxLxGxK, positions, cfg.rope_theta, cfg.rope_scaling, length, shared=shared)
             if cache is None:
                 ctx_BxLxHxK = context.attend(
                     self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=cfg.sliding_window
@@ -428,15 +444,16 @@ class Block(nnx.Module):
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
-            x_BxLxD = x_BxLxD + self._feed_forward(x_BxLxD)
+            x_BxLxD = x_BxLxD + self._feed_forward(x_BxLxD, fused.get("w_gate_up"))
         return x_BxLxD if cache is None else (x_BxLxD, written)
 
-    def _feed_forward(self, x_BxLxD):
-        """The MLP's (or the experts') output for the residual stream ``x``, before it is added."""
+    def _feed_forward(self, x_BxLxD, fused: Fused | None = None):
+        """The MLP's (or the experts') output for the residual stream ``x``, before it is added;
+        ``fused``: the gate and up weights as one (serving's)."""
         if self.cfg.n_experts:
             h_BxLxD = _whole_seq(_split_seq(self.mlp_norm(x_BxLxD)), ("batch", "seq", None))
             return self.moe(h_BxLxD)
-        return checkpoint_name(self._mlp(self.mlp_norm(x_BxLxD)), "mlp_out")
+        return checkpoint_name(self._mlp(self.mlp_norm(x_BxLxD), fused), "mlp_out")
 
 
 class Llama(nnx.Module):
@@ -507,26 +524,36 @@ class Llama(nnx.Module):
             else constrain(context.from_zigzag(h_BxLxD, shards), ("batch", "seq", None))
         )
 
-    def cached_hidden_states(self, tokens_BxL, cache: KVCache, positions, *, prefill: bool):
+    def cached_hidden_states(self, tokens_BxL, cache: KVCache, positions, layer_params, *, prefill: bool):
         """Returns ``(h_BxLxD, cache)``: :meth:`hidden_states` of a step of serving, the same layers run
         with a KV cache (:mod:`shardmem.models.kv_cache`). A prefill's ``tokens`` are right-padded prompts
         at ``positions`` ``[L]`` (0 .. L-1), written to the cache's first L places; a decode step's are
-        one token per sequence (``L`` = 1) at ``positions`` ``[B, 1]``, each sequence's own."""
+        one token per sequence (``L`` = 1) at ``positions`` ``[B, 1]``, each sequence's own.
+        ``layer_params`` holds each layer's parameters (a pure dict each, in layer order): the serving
+        program's weights are stored by layer (:func:`shardmem.program.serving.by_layer`), and the layers
+        read them from there, not from the model's stacked layers."""
         # Vocab-parallel lookup (Megatron's, as the pipeline's embed): a decode step looks up a few rows,
         # where all-gathering the table would move all of it every step.
         x_BxLxD = self._embed(tokens_BxL, table_axes=("vocab", None))
-        graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
-
-        def layer(carry, stored):
-            x_BxLxD, cache = carry
-            params, rest, index = stored
-            block = nnx.merge(graphdef, params, rest)
-            return block(x_BxLxD, CacheSlot(cache, index, positions, prefill)), None
-
-        stack = (params, rest, jnp.arange(self.cfg.n_layers))
-        # Unrolled: in a loop, XLA's GPU compiler copies each layer's weights out of the stack before its
-        # matmuls (a dynamic slice it cannot fuse into them), tripling a decode step's weight traffic.
-        (x_BxLxD, cache), _ = jax.lax.scan(layer, (x_BxLxD, cache), stack, unroll=True)
+        graphdef, _, rest = nnx.split(self.layers, nnx.Param, ...)
+        # Unrolled, each layer's matmuls reading its own weights: in a loop, XLA's GPU compiler copies each
+        # layer's weights out of the stack before its matmuls (a dynamic slice it cannot fuse into them),
+        # tripling a decode step's weight traffic; unrolled over the stack, each layer's kernels slice
+        # their layer out of it, so no two layers share a kernel and the plan generates 80 layers' worth.
+        # Separate arrays make the layers' kernels identical: XLA generates one layer's and reuses them.
+        # The cache index reaches the kernels as an argument too (the barrier keeps XLA from folding it):
+        # a constant index made each layer's cache kernels its own, and XLA turned a prefill's writes at
+        # constant indices into a copy of the whole cache per layer.
+        # A layer's fused groups (models/fused.py) reach it beside its parameters, whose parts of them
+        # are stand-ins: one matmul computes the parts.
+        layer_indices = jax.lax.optimization_barrier([jnp.int32(i) for i in range(len(layer_params))])
+        for index, params in enumerate(layer_params):
+            fused = {name: w for name, w in params.items() if isinstance(w, Fused)}
+            parts = {part: shape for w in fused.values() for part, shape in w.part_shapes().items()}
+            params = {**{name: w for name, w in params.items() if name not in fused}, **parts}
+            block = nnx.merge(graphdef, params, jax.tree.map(operator.itemgetter(index), rest))
+            slot = CacheSlot(cache, layer_indices[index], positions, prefill)
+            x_BxLxD, cache = block(x_BxLxD, slot, fused)
         return self.final_norm(x_BxLxD), cache
 
     def _embed(self, tokens_BxL, table_axes):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -146,14 +147,21 @@ def _yarn(
     return inv_freq.astype(np.float32), float(attention)
 
 
-def rope(x_BxLxHxK, positions, theta: float, scaling: RopeScaling | None = None, length: int | None = None):
+def rope(x_BxLxHxK, positions, theta: float, scaling: RopeScaling | None = None, length: int | None = None,
+         *, shared: bool = False):  # fmt: skip
     """Rotary position embedding on the last axis (half-split convention, as Llama's), with
     ``scaling``'s frequencies for sequences of ``length`` positions (default: ``x``'s). ``positions``
-    are ``[L]``, the same for every sequence, or ``[B, L]``, each sequence's own (a KV cache's decode)."""
+    are ``[L]``, the same for every sequence, or ``[B, L]``, each sequence's own (a KV cache's decode).
+    ``shared``: the sines and cosines are computed apart from the rotation (a decode step's layers)."""
     half = x_BxLxHxK.shape[-1] // 2
     inv_freq_K, attention = frequencies(2 * half, theta, scaling, length or x_BxLxHxK.shape[1])
     angles_xLxK = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_K)
     sin, cos = jnp.sin(angles_xLxK)[..., None, :], jnp.cos(angles_xLxK)[..., None, :]
+    if shared:
+        # Every unrolled layer's tables are the same: kept out of the rotation's kernels, XLA computes
+        # them once for all the layers and fuses the cheap rotation into what reads it (a decode step's
+        # query rotation into the attention scores' kernel: one kernel less a layer, issue 39).
+        sin, cos = jax.lax.optimization_barrier((sin, cos))
     if attention != 1.0:  # YaRN's: on cos and sin, as transformers applies it.
         sin, cos = sin * attention, cos * attention
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)

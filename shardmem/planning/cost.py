@@ -7,6 +7,8 @@
 Every kernel of the compiled step is costed on the target by a roofline: matmuls (dots, cuBLAS calls,
 Triton GEMM fusions, convolutions, fused-attention kernels) at the dense peak for their dtype times an
 achievable efficiency, everything else at its bytes accessed over the HBM bandwidth, plus a launch gap.
+On a GPU a GEMM's FLOPs run in whole waves of output tiles over its SMs (:func:`gemm_seconds`): a GEMM
+of few rows, a short prompt's prefill, leaves SMs idle that the plain rate assumes busy.
 On a GPU cluster each collective is costed as NCCL runs it (:mod:`shardmem.planning.collectives`: ring,
 tree, NVLS or SHARP, in the fastest protocol for its size; NVLink inside a node, the node's NICs shared
 by its GPUs between nodes); on TPUs and simulated CPUs as a ring: a latency plus its bytes times the
@@ -56,6 +58,13 @@ LINK_EFFICIENCY = {"nvlink": 0.80, "network": 0.85, "host": 0.80}
 COLLECTIVE_LATENCY = {"nvlink": 10e-6, "network": 25e-6}
 #: Gap between two kernels on the GPU (launch and tail), about 2 us with XLA's command buffers.
 KERNEL_GAP = 2e-6
+#: Output tiles (rows x columns) of the thread blocks of CUTLASS's 16-bit tensor-core GEMMs for Ampere and
+#: later (cutlass_library/generator.py, GenerateSM80_TensorOp_16816); cuBLAS and XLA's Triton GEMMs choose
+#: among tiles of these sizes. A GEMM on a GPU runs one block per output tile (:func:`gemm_seconds`).
+GEMM_TILES = ((256, 128), (128, 256), (256, 64), (64, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+#: Split-K factors: the contraction cut into this many slices, each block writing an f32 partial of its
+#: tile that a second kernel sums (how XLA's GPU compiler splits K, and cuBLAS's parallel reduction).
+SPLIT_K = (1, 2, 3, 4, 6, 8, 16)
 
 #: The model's median |error| against the step times measured on a lent H200 (8 trials, worst 23%, all
 #: predicted fast: BENCHMARKS.md, "Step time"; bench/step_time.py). The efficiencies were not fitted to them.
@@ -93,6 +102,7 @@ class Hardware:
     network_bandwidth: float
     host_bandwidth: float
     cluster: Cluster | None = None
+    sms: int | None = None  # A GPU's streaming multiprocessors: GEMMs are costed by their tiles' waves.
 
     @classmethod
     def of(cls, target, interconnect=None) -> Hardware | None:
@@ -115,7 +125,7 @@ class Hardware:
                 **{key: getattr(interconnect, key, None) for key in ("nics_per_node", "nvls", "sharp")},
             )  # fmt: skip
         return cls(target.name, dict(spec.peak_flops), float(spec.memory_bandwidth), links["nvlink"],
-                   links["network"], links["host"], cluster)  # fmt: skip
+                   links["network"], links["host"], cluster, getattr(spec, "sm_count", None))  # fmt: skip
 
     @classmethod
     def host(cls, n_devices: int) -> Hardware:
@@ -373,6 +383,12 @@ def _attr_dims(attributes: str, key: str) -> list[int]:
     return [int(d) for d in match.group(1).split(",") if d] if match else []
 
 
+def _json_dims(attributes: str, key: str) -> list[int]:
+    """A list of dimensions in a backend config (a cuBLAS call's ``"lhs_batch_dimensions":["0"]``)."""
+    match = re.search(f'"{key}":\\[([^\\]]*)\\]', attributes)
+    return [int(d) for d in re.findall(r"\d+", match.group(1))] if match else []
+
+
 @functools.lru_cache(maxsize=1024)
 def _valid_taps(
     n_in: int, n_out: int, window: int, stride: int, pad: int, lhs_dilate: int, rhs_dilate: int
@@ -395,6 +411,59 @@ def _valid_taps(
         o0 = ((-offset) // g * inverse) % period if period > 1 else 0  # o * stride = -offset (mod dilate)
         pairs += (final - o0) // period - (first - 1 - o0) // period
     return pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One matrix multiplication as a GPU library tiles it: ``batch`` independent products of an
+    ``m`` x ``k`` and a ``k`` x ``n`` matrix (HLO's batch, free and contracting dimensions, each group
+    flattened)."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+
+    @classmethod
+    def of(cls, lhs: Sequence[int], rhs: Sequence[int], lhs_batch: Sequence[int],
+           lhs_contracting: Sequence[int], rhs_batch: Sequence[int],
+           rhs_contracting: Sequence[int]) -> Gemm | None:  # fmt: skip
+        """The GEMM of a dot of operands shaped ``lhs`` and ``rhs`` with these dimension numbers; None
+        when they do not index the shapes."""
+        if any(d >= len(lhs) for d in (*lhs_batch, *lhs_contracting)) or any(
+            d >= len(rhs) for d in (*rhs_batch, *rhs_contracting)
+        ):
+            return None
+        batch = math.prod(lhs[d] for d in lhs_batch)
+        k = math.prod(lhs[d] for d in lhs_contracting)
+        if not batch or not k or math.prod(rhs[d] for d in (*rhs_batch, *rhs_contracting)) != batch * k:
+            return None
+        return cls(batch, math.prod(lhs) // (batch * k), math.prod(rhs) // (batch * k), k)
+
+
+@functools.lru_cache(maxsize=4096)  # Every layer of a model runs the same few GEMMs.
+def gemm_seconds(gemm: Gemm, bytes_moved: float, rate: float, bandwidth: float, sms: int) -> float:
+    """Seconds of one GEMM on a GPU of ``sms`` SMs that multiply at ``rate`` FLOP/s in all (the achievable
+    rate of a large GEMM) and stream ``bandwidth`` bytes/s, moving ``bytes_moved`` (operands and result):
+    the best over the tile catalogue (:data:`GEMM_TILES`) and split-K (:data:`SPLIT_K`).
+
+    Each output tile of each K slice is one thread block and every block does a whole tile's work (a
+    tile over the matrix's edge computes padding). Blocks spread evenly over the SMs, each SM at
+    ``rate / sms``, so the GEMM lasts as long as its busiest SM: ``ceil(blocks / sms)`` blocks (whole
+    waves). Split K runs more, shorter blocks and pays for them in memory: each slice writes an f32
+    partial of the output and a second kernel reads them back. A GEMM of few rows (a short prompt's
+    prefill) has few tiles for the SMs, so it reaches less than ``rate`` even when it is compute-bound:
+    at M=128 rows, an A100's 108 SMs run 64 tiles of 128 x 128 for N=8192 in one wave with 44 SMs idle.
+    The memory side stays a roofline: bytes at ``bandwidth``."""
+    best = math.inf
+    for (rows, columns), split in ((tile, split) for tile in GEMM_TILES for split in SPLIT_K):
+        slice_k = -(-gemm.k // split)
+        blocks = gemm.batch * -(-gemm.m // rows) * -(-gemm.n // columns) * split
+        compute = -(-blocks // sms) * 2.0 * rows * columns * slice_k / (rate / sms)
+        partials = 2 * 4 * split * gemm.batch * gemm.m * gemm.n if split > 1 else 0
+        seconds = max(compute, (bytes_moved + partials) / bandwidth) + (KERNEL_GAP if split > 1 else 0.0)
+        best = min(best, seconds)
+    return best
 
 
 class _Kernels:
@@ -468,12 +537,7 @@ class _Kernels:
         target = target.group(1) if target else ""
         if target.startswith("__cublas"):
             lhs = self.shape(ins.operands[0]) if ins.operands else ""
-            contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
-            dims = (
-                [int(d.strip('" ')) for d in contracting.group(1).split(",") if d.strip()]
-                if contracting
-                else []
-            )
+            dims = _json_dims(ins.attributes, "lhs_contracting_dimensions")
             out = ins.shape if not ins.shape.startswith("(") else hlo._tuple_element(ins.shape, "0")
             k = math.prod(_dims(lhs)[d] for d in dims if d < len(_dims(lhs)))
             return 2.0 * math.prod(_dims(out)) * k, _dtype(lhs), False
@@ -491,11 +555,7 @@ class _Kernels:
         if target.startswith("__cudnn$fmha"):
             causal = "CAUSAL" in ins.attributes
             return (5 if "Backward" in target else 2), causal
-        parts = ins.op_name.split("/")
-        for name in reversed(parts):
-            if name in self.attention:
-                return self.attention[name]
-        return None
+        return hlo.attention_kernel(ins.op_name, self.attention)
 
     def bytes(self, ins: hlo.Instruction) -> int:
         """Bytes a kernel reads and writes in HBM: a fusion reads only the slices it takes of an operand
@@ -558,13 +618,41 @@ class _Kernels:
         return reads
 
     def seconds(self, ins: hlo.Instruction) -> tuple[float, str, float]:
-        """(seconds, "compute" or "memory_bound", FLOPs) of one kernel, by the roofline."""
+        """(seconds, "compute" or "memory_bound", FLOPs) of one kernel, by the roofline; on a GPU a GEMM by
+        the waves of its tiles over the SMs (:func:`gemm_seconds`)."""
         flops, dtype, attention = self.flops(ins)
         memory = self.bytes(ins) / (self.hardware.memory_bandwidth * MEMORY_EFFICIENCY)
         if not flops:
             return memory, "memory_bound", 0.0
-        efficiency = ATTENTION_EFFICIENCY if attention else MATMUL_EFFICIENCY
-        return max(flops / (self.hardware.peak(dtype) * efficiency), memory), "compute", flops
+        if attention:
+            return max(flops / (self.hardware.peak(dtype) * ATTENTION_EFFICIENCY), memory), "compute", flops
+        gemm = self.gemm(ins) if self.hardware.sms else None
+        if gemm is not None:
+            rate = self.hardware.peak(dtype) * MATMUL_EFFICIENCY
+            bandwidth = self.hardware.memory_bandwidth * MEMORY_EFFICIENCY
+            return gemm_seconds(gemm, self.bytes(ins), rate, bandwidth, self.hardware.sms), "compute", flops
+        return max(flops / (self.hardware.peak(dtype) * MATMUL_EFFICIENCY), memory), "compute", flops
+
+    def gemm(self, ins: hlo.Instruction) -> Gemm | None:
+        """The GEMM a kernel runs: a dot, a cuBLAS call, or a fusion around one dot (XLA's Triton GEMMs);
+        None for anything else (convolutions, fusions of several dots), which the roofline costs."""
+        if ins.opcode in ("fusion", "fusion-start") and ins.called:
+            inner = self.module.computations.get(ins.called[0], ())
+            dots = [i for i in inner if i.opcode in ("dot", "custom-call", "convolution")]
+            return self.gemm(dots[0]) if len(dots) == 1 else None
+        if len(ins.operands) < 2:
+            return None
+        lhs, rhs = (_dims(self.shape(o)) for o in ins.operands[:2])
+        if ins.opcode == "dot":
+            numbers = [_attr_dims(ins.attributes, f"{side}_{kind}_dims")
+                       for side in ("lhs", "rhs") for kind in ("batch", "contracting")]  # fmt: skip
+        elif ins.opcode == "custom-call" and '"__cublas' in ins.attributes:
+            numbers = [_json_dims(ins.attributes, f"{side}_{kind}_dimensions")
+                       for side in ("lhs", "rhs") for kind in ("batch", "contracting")]  # fmt: skip
+        else:
+            return None
+        lhs_batch, lhs_contracting, rhs_batch, rhs_contracting = numbers
+        return Gemm.of(lhs, rhs, lhs_batch, lhs_contracting, rhs_batch, rhs_contracting)
 
 
 # --- Collectives -----------------------------------------------------------------------------------

@@ -147,17 +147,50 @@ def fused_attention_flops(eqn, *, recomputed: bool = True) -> float | None:
     return matmuls * 2.0 * pairs * (0.5 if causal else 1.0)
 
 
-def fused_attention_kernels(jaxpr) -> dict[str, tuple[int, bool]]:
-    """Returns the Pallas flash-attention kernels of a (closed) jaxpr by name ("mha_forward"), each with its
-    matmuls per query-key pair and whether it is causal: what the optimized HLO's custom calls cannot say."""
+def fused_attention_kernels(jaxpr, _scopes: tuple[str, ...] = ()) -> dict[str, tuple[int, bool]]:
+    """Returns the Pallas flash-attention kernels of a (closed) jaxpr, each with its matmuls per query-key
+    pair and whether it is causal: what the optimized HLO's custom calls cannot say. Each is keyed by its
+    name ("mha_forward") and by its innermost named scope and name ("causal_block/mha_forward"): a causal
+    and an unmasked kernel share a name (a split sequence's blocks), and the scope tells them apart
+    (:func:`attention_kernel` reads the keys back from an op name)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     kernels = {}
     for eqn in jaxpr.eqns:
+        scopes = _scopes + _plain_scopes(str(eqn.source_info.name_stack))
         if eqn.primitive.name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
-            kernels[eqn.params["name"]] = _pallas_kernel(eqn)
+            name, kernel = eqn.params["name"], _pallas_kernel(eqn)
+            kernels[name] = kernel
+            enclosing = [scope for scope in scopes if scope != name]
+            if enclosing:
+                kernels[f"{enclosing[-1]}/{name}"] = kernel
         for sub in _sub_jaxprs(eqn.params):
-            kernels.update(fused_attention_kernels(sub))
+            kernels.update(fused_attention_kernels(sub, scopes))
     return kernels
+
+
+def attention_kernel(op_name: str, kernels: dict[str, tuple[int, bool]]) -> tuple[int, bool] | None:
+    """The entry of :func:`fused_attention_kernels` that a compiled kernel's ``op_name`` names: its
+    innermost kernel name, under the nearest named scope that has an entry, else by the name alone."""
+    scopes = _plain_scopes(op_name)
+    for index in range(len(scopes) - 1, -1, -1):
+        name = scopes[index]
+        if name not in kernels:
+            continue
+        for scope in reversed(scopes[:index]):
+            if f"{scope}/{name}" in kernels:
+                return kernels[f"{scope}/{name}"]
+        return kernels[name]
+    return None
+
+
+def _plain_scopes(name_stack: str) -> tuple[str, ...]:
+    """The named scopes of a name stack or op name, transformations (``jvp(...)``, ``jit(...)``) and
+    control flow (``while``, ``body``) left out: what a jaxpr and its compiled program both show."""
+    scopes = []
+    for part in map(_unwrapped, name_stack.split("/")):
+        if part and part not in _NOISE and "(" not in part:
+            scopes.append(part)
+    return tuple(scopes)
 
 
 def _pallas_kernel(eqn) -> tuple[int, bool]:
@@ -297,16 +330,18 @@ def readable_scope(op_name: str) -> str:
         return "/".join(re.findall(r"[A-Za-z_][\w.\-]*|\d+", op_name)) + " (argument)"
     backward = "transpose(" in op_name
     parts = []
-    for part in op_name.split("/")[1:]:
-        while True:
-            match = re.fullmatch(r"(?:transpose|jvp|vmap|remat|checkpoint)\((.*)\)", part)
-            if not match:
-                break
-            part = match.group(1)
+    for part in map(_unwrapped, op_name.split("/")[1:]):
         if part and part not in _NOISE:
             parts.append(part)
     scope = "/".join(parts) or "loop body (no model scope)"
     return f"{scope} (backward)" if backward else scope
+
+
+def _unwrapped(part: str) -> str:
+    """A name-stack part without the transformations around it: "transpose(jvp(mlp))" -> "mlp"."""
+    while match := re.fullmatch(r"(?:transpose|jvp|vmap|remat|checkpoint)\((.*)\)", part):
+        part = match.group(1)
+    return part
 
 
 _CALLED = re.compile(r"calls=%?([\w.\-]+)")
@@ -665,6 +700,31 @@ class HloModule:
             return counts[name]
 
         return {name: count(name) for name in self.computations}
+
+    def kernels(self) -> set[tuple]:
+        """The distinct kernels the entry computation's fusions compile to: each fusion's computation with
+        its names and metadata left out, as XLA's GPU compiler tells kernels apart when it reuses one it
+        has generated (the first of 80 identical layers' is generated, the other 79 reuse it)."""
+
+        def body(name: str) -> tuple:
+            instructions = self.computations[name]
+            position = {ins.name: str(i) for i, ins in enumerate(instructions)}
+            called = {callee: body(callee) for ins in instructions for callee in ins.called}
+            return tuple(
+                (ins.shape, ins.opcode, ins.arguments if ins.opcode == "parameter" else "",
+                 tuple(position.get(o, o) for o in ins.operands),
+                 _NAME.sub(lambda m: str(called.get(m[1], "")), _NOT_KERNEL.sub("", ins.attributes)))
+                for ins in instructions
+            )  # fmt: skip
+
+        fusions = [ins for ins in self.computations.get(self.entry, ()) if ins.opcode == "fusion"]
+        return {body(ins.called[0]) for ins in fusions if ins.called}
+
+
+#: An instruction's attributes from those that do not change its kernel on: the source metadata, the
+#: backend configuration (tile sizes a GPU's autotuner would choose), the frontend's attributes.
+_NOT_KERNEL = re.compile(r"(metadata|backend_config|frontend_attributes)=\{.*")
+_NAME = re.compile(r"%([\w.\-]+)")
 
 
 def parse_module(hlo_text: str) -> HloModule:

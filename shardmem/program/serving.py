@@ -5,6 +5,10 @@
     logits_BxV, cache = program.prefill(weights, prompts_BxP, lengths_B)
     logits_BxV, cache = program.decode(weights, cache, tokens_B, positions_B)   # the cache donated
 
+The weights are stored by layer (:func:`by_layer`: ``weights["layers"]`` a tuple of each layer's
+parameters, not one stack of them), so that XLA compiles the identical layers to the same kernels, and
+each layer's query, key and value weights fused into one matrix, its gate and up weights into another
+(:func:`serving_layout`, :mod:`shardmem.models.fused`), so that a decode step runs one matmul for each.
 ``prefill`` takes a batch of prompts right-padded to ``serve.prompt_len`` with each one's length, and
 returns the logits of each prompt's last token and a new KV cache (:mod:`shardmem.models.kv_cache`)
 holding their keys and values. ``decode`` takes one token per sequence at each sequence's own position
@@ -20,6 +24,7 @@ allocating anything. Sampling and the generation loop are :mod:`shardmem.run.gen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -27,9 +32,11 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
+from shardmem.models.fused import Fused, fuse_layer, unfuse_layer
 from shardmem.models.kv_cache import KVCache
 from shardmem.parallel.rules import constrain
 from shardmem.program.description import Description, Serving, describe
@@ -47,7 +54,8 @@ COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 class ServingProgram(Program):
     """The jitted prefill and decode of a serving program (see the module docstring), ready to run or
     only to compile. ``init()`` returns the weights: every parameter, frozen, in ``precision.compute``
-    or quantized by ``serve.quantize`` (the description's ``abstract_frozen`` tree)."""
+    or quantized by ``serve.quantize`` (the description's ``abstract_frozen`` tree, laid out by
+    :func:`serving_layout`)."""
 
     prefill: Callable  # jitted (weights, prompts_BxP, lengths_B) -> (logits_BxV, cache)
     decode: Callable  # jitted (weights, cache, tokens_B, positions_B) -> (logits_BxV, cache); cache donated
@@ -77,8 +85,61 @@ class ServingProgram(Program):
 
     @property
     def abstract_weights(self):
-        """The weights as ``jax.ShapeDtypeStruct`` with their shardings."""
-        return sharded(self.description.abstract_frozen, self.description.frozen_shardings)
+        """The weights as ``jax.ShapeDtypeStruct`` with their shardings (:func:`serving_layout`)."""
+        d = self.description
+        return sharded(serving_layout(d.abstract_frozen, d), self.weight_shardings)
+
+    @property
+    def weight_shardings(self):
+        """The weights' shardings: the description's ``frozen_shardings``, :func:`serving_layout`."""
+        d = self.description
+        return serving_layout(d.frozen_shardings, d)
+
+
+def by_layer(tree, layers: int) -> dict:
+    """Returns a tree of the model's parameters (arrays, ``ShapeDtypeStruct``, or their shardings) with
+    its ``layers`` subtree, stacked over a leading axis of ``layers``, split into a tuple of each layer's.
+
+    The serving program stores its weights so: its prefill and decode run the layers unrolled (see
+    :meth:`~shardmem.models.llama.Llama.cached_hidden_states`), and each layer's matmuls read arrays of
+    their own. Given slices of one stack instead, XLA fuses each slice into its layer's kernels, so no
+    two layers' kernels are the same and a plan generates every layer's (BENCHMARKS.md, issue 39). The
+    bytes are the same; :func:`stacked` undoes it."""
+    return {**tree, "layers": tuple(jax.tree.map(functools.partial(_layer, index), tree["layers"])
+                                    for index in range(layers))}  # fmt: skip
+
+
+def serving_layout(tree, description: Description) -> dict:
+    """Returns the model's parameters ``tree`` (arrays, ``ShapeDtypeStruct`` or their shardings, stacked
+    as the description's ``abstract_frozen``) as the serving program stores its weights: by layer
+    (:func:`by_layer`), each layer's query, key and value weights fused into one matrix and its gate and
+    up weights into another (:func:`~shardmem.models.fused.fuse_layer`), so that a decode step runs one
+    matmul for each group and reads each weight once."""
+    layers = description.config.model.n_layers
+    abstract = by_layer(description.abstract_frozen, layers)["layers"]
+    shardings = by_layer(description.frozen_shardings, layers)["layers"]
+    tree = by_layer(tree, layers)
+    return {**tree, "layers": tuple(fuse_layer(layer, shapes, layout)
+                                    for layer, shapes, layout in zip(tree["layers"], abstract, shardings,
+                                                                     strict=True))}  # fmt: skip
+
+
+def stacked(weights) -> dict:
+    """Returns serving ``weights`` (:func:`serving_layout`) with their layers unfused and stacked again:
+    the model's own parameter tree (a copy of the layers' arrays)."""
+    layers = [unfuse_layer(layer) for layer in weights["layers"]]
+    return {**weights, "layers": jax.tree.map(lambda *each: jnp.stack(each), *layers)}
+
+
+def _layer(index: int, leaf):
+    """One layer's part of a stacked ``leaf``: an array's row, a ``ShapeDtypeStruct``'s or a sharding's
+    without the layer axis (never sharded: serving has no pipeline stages)."""
+    if isinstance(leaf, NamedSharding):
+        return NamedSharding(leaf.mesh, P(*leaf.spec[1:]), memory_kind=leaf.memory_kind)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = None if leaf.sharding is None else _layer(index, leaf.sharding)
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+    return leaf[index]
 
 
 def serving_program(config: Config, mesh: Mesh, **arguments: Any) -> ServingProgram:
@@ -118,7 +179,16 @@ def _jitted(d: Description) -> tuple[Callable, Callable]:
     graphdef = d.model.graphdef
 
     def model_of(weights):
-        return nnx.merge(graphdef, finetune.assemble({}, weights))
+        """The model, whose layers' parameters are stand-ins, and each layer's parameters (by_layer), its
+        fused groups (models/fused.py) as they are."""
+        layers = weights["layers"]
+        shapes = [unfuse_layer(jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), layer))
+                  for layer in layers]  # fmt: skip
+        stand_ins = jax.tree.map(lambda *each: jax.ShapeDtypeStruct((len(each), *each[0].shape),
+                                                                    each[0].dtype), *shapes)  # fmt: skip
+        model = nnx.merge(graphdef, finetune.assemble({}, {**weights, "layers": stand_ins}))
+        return model, [{**finetune.assemble({}, {"layers": _apart(layer, False)})["layers"],
+                        **_apart(layer, True)} for layer in layers]  # fmt: skip
 
     def logits(model, h_BxD):
         logits_BxV = h_BxD @ model.unembedding()
@@ -126,24 +196,24 @@ def _jitted(d: Description) -> tuple[Callable, Callable]:
 
     def prefill(weights, prompts_BxP, lengths_B):
         with rules.activate(mesh):
-            model = model_of(weights)
+            model, layers = model_of(weights)
             cache = KVCache.zeros(layers=m.n_layers, batch=s.batch, max_len=s.max_len, kv_heads=m.n_kv_heads,
                                   head_dim=m.head_size, dtype=s.kv_dtype)  # fmt: skip
             cache = jax.lax.with_sharding_constraint(cache, s.cache_shardings)
             positions_P = jnp.arange(prompts_BxP.shape[1])
-            h_BxPxD, cache = model.cached_hidden_states(prompts_BxP, cache, positions_P, prefill=True)
+            h_BxPxD, cache = model.cached_hidden_states(prompts_BxP, cache, positions_P, layers, prefill=True)
             last_Bx1x1 = (lengths_B - 1)[:, None, None]  # Each prompt's last token gives the next one.
             h_BxD = jnp.take_along_axis(h_BxPxD, last_Bx1x1, axis=1)[:, 0]
             return logits(model, h_BxD), cache
 
     def decode(weights, cache, tokens_B, positions_B):
         with rules.activate(mesh):
-            model = model_of(weights)
+            model, layers = model_of(weights)
             h_Bx1xD, cache = model.cached_hidden_states(tokens_B[:, None], cache, positions_B[:, None],
-                                                        prefill=False)  # fmt: skip
+                                                        layers, prefill=False)  # fmt: skip
             return logits(model, h_Bx1xD[:, 0]), cache
 
-    rows, weights = s.rows, d.frozen_shardings
+    rows, weights = s.rows, serving_layout(d.frozen_shardings, d)
     outputs = (s.logits, s.cache_shardings)
     return (
         jax.jit(prefill, in_shardings=(weights, s.tokens, rows), out_shardings=outputs,
@@ -161,9 +231,15 @@ def _initializers(d: Description) -> tuple[Callable, Callable]:
     def init_weights(key):
         with nnx.use_eager_sharding(False):
             model = factory(nnx.Rngs(key))
-        return finetune.prepare(nnx.to_pure_dict(nnx.state(model, nnx.Param)), key)[1]
+        return serving_layout(finetune.prepare(nnx.to_pure_dict(nnx.state(model, nnx.Param)), key)[1], d)
 
-    init = jax.jit(init_weights, out_shardings=d.frozen_shardings)
-    start = jax.jit(lambda params: finetune.prepare(params, jax.random.key(d.seed))[1],
-                    out_shardings=d.frozen_shardings, donate_argnums=0)  # fmt: skip
+    shardings = serving_layout(d.frozen_shardings, d)
+    init = jax.jit(init_weights, out_shardings=shardings)
+    start = jax.jit(lambda params: serving_layout(finetune.prepare(params, jax.random.key(d.seed))[1], d),
+                    out_shardings=shardings, donate_argnums=0)  # fmt: skip
     return init, start
+
+
+def _apart(layer: dict, fused: bool) -> dict:
+    """A layer's fused groups (``fused``), or its other weights."""
+    return {name: w for name, w in layer.items() if isinstance(w, Fused) == fused}
