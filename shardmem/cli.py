@@ -635,7 +635,8 @@ def _add_explore_commands(commands) -> None:
     p.add_argument("--no-offload", action="store_true", help="never move activations to host memory")
     p.add_argument("--max-compiles", type=int,
                    help="compile budget of the search, at least 2 (default: 12; for --search layout 40, "
-                   "at least 3; for --search finetune 16)")  # fmt: skip
+                   "at least 3, the best layout of each family counted in it; for --search finetune "
+                   "16)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(run=cmd_tune)
 

@@ -40,13 +40,14 @@ def test_outer_axes_span_hosts_and_tensor_stays_inside_one():
 @pytest.fixture(scope="module")
 def searched():  # Compiles: the tests that use it are marked slow.
     config = load_config(TINY)  # As shipped: remat.layers {"3": none} over minimal.
-    return config, tune(config, "cpu", search="layout", max_compiles=4, jobs=1)
+    # 8 compiles: 5 for the search (the config as written and one per other family), the winner's report.
+    return config, tune(config, "cpu", search="layout", max_compiles=8, jobs=1)
 
 
 @pytest.mark.slow
 def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_time(searched):
     config, result = searched
-    assert result.found and 2 <= result.compiles <= 4
+    assert result.found and 2 <= result.compiles <= 8
     own = layout._own_layout(config, 8)
     assert result.trials[0].overrides == own.overrides(config) == ()  # the config as written, to beat
     seconds = [row["step_time"]["seconds"] for row in result.ranked]
@@ -75,12 +76,96 @@ def test_the_last_line_says_what_each_compile_was_for(searched):
 
 
 @pytest.mark.slow
+def test_the_best_of_every_buildable_family_is_compiled_and_compared_with_the_winner(searched):
+    """Issue 38: on llama-70b the estimates pruned every pipeline and sequence-parallel layout, so compiled
+    plans never compared the families. Each family that can be built is compiled, whatever its estimate,
+    and shown with where it loses to the winner and the estimate it was compiled on."""
+    from rich.console import Console
+
+    from shardmem.explore.tune import render_tune
+
+    config, result = searched
+    assert [row["family"] for row in result.families] == list(layout.FAMILIES)
+    compiled = {t.overrides for t in result.trials if t.how == "compiled"}
+    winner = result.ranked[0]
+    for row in result.families:
+        best = row["layout"]
+        assert best is not None and row["reason"] is None, row
+        chosen = layout.Layout(**{**best["layout"], "sizes": tuple(map(tuple, best["layout"]["sizes"]))})
+        assert layout.family_of(chosen) == row["family"]
+        assert tuple(best["overrides"]) in compiled and best["step_time"]["seconds"] > 0
+        assert row["estimated_seconds"] > 0 and row["estimated_peak_bytes"] > 0
+        if best["overrides"] == winner["overrides"]:
+            assert row["behind"]["term"] == "the winner"
+        elif best["fits"]:
+            assert row["behind"]["seconds"] >= 0 and row["behind"]["term"] in (
+                "compute", "memory bound", "launch", "exposed communication", "pipeline bubble")  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(render_tune(result))
+    shown = console.export_text()
+    assert "best of each family (each compiled)" in shown
+    names = [layout.family_name(family, config) for family in layout.FAMILIES]
+    assert names[2] == "pipeline (1F1B)" and all(name in shown for name in names)
+    assert result.to_json()["families"] == result.families
+    assert any(line.startswith("the best-looking layout of each family") for line in result.explanation)
+    against = next(line for line in result.explanation if line.startswith("against each other family's best"))
+    assert against.count("most in") == 3, against  # the three families that lose to the winner's
+
+
+def test_interleaved_pipelines_are_the_pipeline_family_where_the_config_runs_layer_chunks():
+    config = load_config(
+        TINY, ["remat.layers={}", "pipeline.repeats=2", "mesh.axes={stage: 2, fsdp: -1}", "rules={}"]
+    )
+    layouts = layout.enumerate_layouts(config, 8, 8, ["full"])
+    pipelines = {lay.schedule for lay in layouts if layout.family_of(lay) == "pipeline"}
+    assert pipelines == {"interleaved"}  # circular is ranked, in no family
+    assert layout.family_name("pipeline", config) == "pipeline (interleaved 1F1B)"
+    plain = [lay for lay in layouts if lay.axes["tensor"] > 1 and not lay.sequence and lay.axes["stage"] == 1]
+    assert plain and {layout.family_of(lay) for lay in plain} <= {None, "context"}
+
+
+def test_a_family_that_cannot_be_built_is_named_with_the_reason():
+    """One layer leaves no pipeline; one device per host no tensor axis; a 6-token sequence no context
+    chunks, nor do experts; a batch of 4 no data x fsdp mesh of 8 devices: each named, with the key and
+    the value."""
+    from rich.console import Console
+
+    from shardmem.explore.tune import _render_families, family_rows
+
+    def reasons(per_host: int, *overrides: str) -> dict[str, str]:
+        config = load_config(TINY, ["remat.layers={}", *overrides])
+        layouts = layout.enumerate_layouts(config, 8, per_host, ["full"])
+        return layout.unbuildable_families(config, 8, per_host, layouts)
+
+    one_layer = "mesh.axes.stage=2 is more stages than model.n_layers=1"
+    assert reasons(8, "model.n_layers=1") == {"pipeline": one_layer}
+    assert reasons(1)["tensor"] == "mesh.axes.tensor=2 does not divide the 1 devices of a host"
+    assert reasons(8) == {}
+    short = reasons(8, "model.seq_len=6", "train.global_batch=4")
+    assert short["context"] == "mesh.axes.context=2 does not split model.seq_len=6 into 2 x 2 chunks"
+    assert short["fsdp"].startswith("train.global_batch=4 does not split over the batch shards")
+    experts = reasons(8, "model.n_experts=4", "model.experts_per_token=2")
+    assert experts == {"context": "mesh.axes.context=2: context parallelism is for dense models "
+                                  "(model.n_experts is set)"}  # fmt: skip
+    config = load_config(TINY, ["model.n_layers=1", "remat.layers={}"])
+    rows = family_rows(layout._family_bests({}, {"pipeline": one_layer}, {}), None, config)
+    assert rows[2]["reason"] == f"not buildable: {one_layer}"
+    assert rows[0]["reason"] == "not compiled: compile budget spent (--max-compiles)"
+    console = Console(width=200, record=True)
+    console.print(_render_families(rows))
+    assert f"not buildable: {one_layer}" in console.export_text()
+
+
+@pytest.mark.slow
 def test_cli_tune_layout_writes_a_config_plan_accepts(tmp_path, capsys):
     out = tmp_path / "layout.yaml"
     args = ["tune", TINY, "--target", "cpu", "--search", "layout", "--max-compiles", "3", "--jobs", "1"]
     assert main([*args, "--out", str(out), "--set", "remat.layers={}"]) == 0
     printed = capsys.readouterr().out
     assert "fastest layouts that fit" in printed and "chose" in printed
+    # Families count against --max-compiles: 2 for the search, the config as written (FSDP) and one more.
+    flat = " ".join(printed.split())  # The line against the other families, unwrapped.
+    assert flat.count(": not compiled: compile budget spent (--max-compiles)") == 2, printed
     assert out.read_text().startswith("# shardmem tune --search layout")
     assert main(["plan", str(out), "--target", "cpu"]) == 0
     with pytest.raises(SystemExit) as exit_:
@@ -97,6 +182,9 @@ def test_throughput_grows_the_top_layouts_batches_and_ranks_by_tokens_per_second
     assert rates == sorted(rates, reverse=True)
     grown = [row for row in result.ranked if row["layout"]["global_batch"]]
     assert grown and all(row["layout"]["global_batch"] > 16 for row in grown)
+    # The families' bests lose per 1,000 tokens: the winner may run a grown batch.
+    losing = [row for row in result.families if row["behind"] and "term_seconds" in row["behind"]]
+    assert losing and all(row["behind"]["per_1000_tokens"] for row in losing)
 
 
 def test_the_layout_estimate_charges_collectives_at_the_rings_nccl_runs():
@@ -212,7 +300,7 @@ def test_a_refused_own_layout_is_a_compile_that_does_not_fit_and_is_shown(monkey
 
     monkeypatch.setattr(sweep, "plan_candidates", planned)
     trials = []
-    ranked, compiles, notes = layout.search_layouts(
+    ranked, compiles, notes, _ = layout.search_layouts(
         config, "cpu", make_target(config, "cpu"), max_compiles=3, jobs=1, objective="step_time",
         allow_offload=False, progress=lambda m: None, note=lambda *a, **k: trials.append(a),
     )  # fmt: skip
@@ -327,9 +415,9 @@ def test_a_layout_that_holds_only_part_of_the_batch_is_compared_at_the_full_batc
 
     monkeypatch.setattr(sweep, "plan_candidates", compiled)
     monkeypatch.setattr(layout, "_other_policies", lambda *args: [])  # Only the accumulation here.
-    fits, _, _ = layout.search_layouts(config, "cpu", resolved, max_compiles=8, jobs=1, objective="step_time",
-                                       allow_offload=False, progress=lambda message: None,
-                                       note=lambda *args, **kwargs: None)  # fmt: skip
+    fits = layout.search_layouts(config, "cpu", resolved, max_compiles=8, jobs=1, objective="step_time",
+                                 allow_offload=False, progress=lambda message: None,
+                                 note=lambda *args, **kwargs: None)[0]  # fmt: skip
     # The config as written (one micro-batch, over the budget here) is shown last, as not fitting.
     assert fits[-1].layout.own and not fits[-1].fits
     fitting = [r for r in fits if r.fits]
@@ -362,7 +450,7 @@ def test_the_winners_per_layer_remat_mixes_in_offload_only_where_the_winner_offl
 
     def searched(config, target, resolved, *, note, **kwargs):
         note(winner.describe(), winner.overrides(config), 1, 0, 0.0, True, "compiled", "fits", step_time=step)
-        return [Ranked(winner, winner.overrides(config), 1, 1, True, step)], 1, ["1 compile"]
+        return [Ranked(winner, winner.overrides(config), 1, 1, True, step)], 1, ["1 compile"], []
 
     report = types.SimpleNamespace(step_time=types.SimpleNamespace(seconds=1.0), per_device={"peak": 1},
                                    margin_bytes=1)  # fmt: skip
@@ -420,7 +508,7 @@ def test_the_best_mesh_is_compiled_with_its_other_remat_policies(monkeypatch):
         )
 
     monkeypatch.setattr(sweep, "plan_candidates", compiled)
-    fits, compiles, notes = layout.search_layouts(config, "cpu", resolved, max_compiles=8, jobs=1,
+    fits, compiles, notes, _ = layout.search_layouts(config, "cpu", resolved, max_compiles=8, jobs=1,
                                                   objective="step_time", allow_offload=False,
                                                   progress=lambda message: None,
                                                   note=lambda *args, **kwargs: None)  # fmt: skip
@@ -429,3 +517,42 @@ def test_the_best_mesh_is_compiled_with_its_other_remat_policies(monkeypatch):
     assert any("other remat policies" in line for line in notes)
     assert {r.layout.policy for r in fits if r.layout.sizes == fits[0].layout.sizes} >= {"full", "none"}
     assert sum(r.layout.policy == "full" for r in fits) == 1  # no other mesh was compiled with full
+
+
+def test_a_familys_pick_that_does_not_fit_is_followed_by_one_more(monkeypatch):
+    """Stand-ins in which a pipeline fits only with full remat (the estimate, fastest first, picks less
+    recomputation) and the config as written is twice as fast as anything else (so the search stops
+    early, with compiles left): the pipeline family gets a second compile on the refitted estimates, no
+    third, and its best is the one that fits, if any (else it is shown as not fitting)."""
+    from shardmem.explore import sweep
+    from shardmem.planning.memory import budget as budget_of
+    from shardmem.planning.memory import make_target
+
+    config = load_config(TINY, ["remat.layers={}", "remat.policy=full"])
+    resolved = make_target(config, "cpu")
+    budget = budget_of(config.memory, resolved.memory_bytes, resolved.allocator_limit)
+    pipelines = []
+
+    def compiled(config, combos, target, *, jobs=None, pool=None):
+        rows = []
+        for overrides in combos:
+            pipeline = "pipeline.schedule=1f1b" in overrides
+
+            def figures(micro, policy, pipeline=pipeline, own=not overrides):
+                return (0.5 if policy == "full" or not pipeline else 1.5, 0.5 if own else 1.0)
+
+            if pipeline:
+                pipelines.append(overrides)
+            rows += _plans([overrides], budget, figures, own=(1, "full"))
+        return rows
+
+    monkeypatch.setattr(sweep, "plan_candidates", compiled)
+    fits, compiles, notes, families = layout.search_layouts(
+        config, "cpu", resolved, max_compiles=12, jobs=1, objective="step_time", allow_offload=False,
+        progress=lambda message: None, note=lambda *args, **kwargs: None)  # fmt: skip
+    assert compiles <= 12 and any(line.startswith("stopped:") for line in notes)
+    assert len(pipelines) == 2, pipelines  # the first did not fit: one more, no third
+    assert "remat.policy=full" not in pipelines[0]
+    pipeline = next(f for f in families if f.family == "pipeline")
+    assert pipeline.best is not None and pipeline.estimate is not None
+    assert pipeline.best.fits == ("remat.policy=full" in pipelines[1])

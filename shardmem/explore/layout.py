@@ -18,7 +18,10 @@ are): the baseline the choice is compared with, shown whether or not it fits. Th
 are then compiled (in parallel worker processes, like ``sweep``), their memory confirmed by XLA and their
 step time predicted from the compiled HLO (:mod:`shardmem.planning.cost`), one variant per mesh, then the
 best mesh with each other remat policy; the fitting ones are ranked by the objective, all at the config's
-global batch (a layout that cannot hold it at once accumulates over more micro-batches).
+global batch (a layout that cannot hold it at once accumulates over more micro-batches). So that compiled
+plans, not the estimates, compare the families (:data:`FAMILIES`: FSDP, tensor x sequence parallel, 1F1B
+pipelines, context parallel), the best-looking layout of each buildable family is compiled too, within
+the compile budget, and returned with the estimate it was compiled on.
 
 The estimates only order and prune: every layout shown with a step time was compiled.
 """
@@ -134,24 +137,13 @@ def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
 
 def enumerate_layouts(config: Config, n_devices: int, per_host: int, policies: Sequence[str]) -> list[Layout]:
     """Every layout the arithmetic allows for the reference model on ``n_devices`` (``per_host`` per host)."""
-    model = config.model
     batch = config.train.global_batch
     repeats = config.pipeline.repeats
     layouts = []
     for sizes in _factorizations(n_devices, len(AXES)):
         axes = dict(zip(AXES, sizes, strict=True))
-        t, s, c, e = axes["tensor"], axes["stage"], axes["context"], axes["expert"]
-        if (
-            per_host % t
-            or model.n_heads % t
-            or model.n_kv_heads % t
-            or model.d_ff % t
-            or model.vocab_size % t
-        ):
-            continue
-        if s > model.n_layers or (c > 1 and (model.n_experts or model.seq_len % (2 * c))):
-            continue
-        if e > 1 and (not model.n_experts or model.n_experts % e):
+        t, s, e = axes["tensor"], axes["stage"], axes["expert"]
+        if _unbuildable(config, axes, per_host):
             continue
         shards = axes["data"] * axes["fsdp"] * e
         for micro in _divisors(batch):
@@ -170,6 +162,28 @@ def enumerate_layouts(config: Config, n_devices: int, per_host: int, policies: S
                     sizes = tuple(axes.items())
                     layouts.append(Layout(sizes, micro, policy, zero1, None, schedule, sequence))
     return layouts
+
+
+def _unbuildable(config: Config, axes: dict[str, int], per_host: int) -> str | None:
+    """Why a mesh cannot be built for the reference model (the config key, its value, what it must
+    divide), or None: tensor inside a host and dividing what it splits, at most one stage per layer,
+    context dividing the sequence in 2 x context chunks of a dense model, expert dividing the experts."""
+    model = config.model
+    t, s, c, e = axes["tensor"], axes["stage"], axes["context"], axes["expert"]
+    if per_host % t:
+        return f"mesh.axes.tensor={t} does not divide the {per_host} devices of a host"
+    for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        if getattr(model, key) % t:
+            return f"mesh.axes.tensor={t} does not divide model.{key}={getattr(model, key)}"
+    if s > model.n_layers:
+        return f"mesh.axes.stage={s} is more stages than model.n_layers={model.n_layers}"
+    if c > 1 and model.n_experts:
+        return f"mesh.axes.context={c}: context parallelism is for dense models (model.n_experts is set)"
+    if c > 1 and model.seq_len % (2 * c):
+        return f"mesh.axes.context={c} does not split model.seq_len={model.seq_len} into 2 x {c} chunks"
+    if e > 1 and (not model.n_experts or model.n_experts % e):
+        return f"mesh.axes.expert={e} does not divide model.n_experts={model.n_experts}"
+    return None
 
 
 def _largest(batch: int, shards: int, stages: int, count: int = 2) -> list[int]:
@@ -300,7 +314,7 @@ class Estimator:
             comm += layers * m * 3 * kv * (c - 1) / c / link("context")
         if e > 1:
             comm += layers * m * 4 * activation * model.experts_per_token * (e - 1) / e / link("expert")
-        family = _family(layout)
+        family = _time_group(layout)
         terms = (self.memory_share, self.launch_per_layer_pass, self.time_scale)
         share, launch, time_scale = (fitted.get(family, fitted[None]) for fitted in terms)
         work = compute * (1 + share) + launch * self._passes(layout)
@@ -329,7 +343,7 @@ class Estimator:
         """Scales the estimates to a compiled plan's peak and predicted time (least squares through 0).
         A layout with a per-layer remat plan (the config's own) refits the time only: its peak is no
         uniform policy's."""
-        family = _family(layout)
+        family = _time_group(layout)
         if seconds and breakdown:  # First, so that the unscaled time below has the launch gaps in it.
             if breakdown.get("compute"):
                 share = breakdown["memory_bound"] / breakdown["compute"]
@@ -353,8 +367,8 @@ class Estimator:
                 self.time_scale[key] = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
 
 
-def _family(layout: Layout) -> tuple[bool, bool]:
-    """The family whose compiles refit a layout's time: (pipelined, sequence parallel)."""
+def _time_group(layout: Layout) -> tuple[bool, bool]:
+    """The layouts whose compiles refit a layout's time: (pipelined, sequence parallel)."""
     return layout.axes["stage"] > 1, layout.sequence
 
 
@@ -383,6 +397,105 @@ class Ranked:
         return (tokens or 0.0) / devices
 
 
+# --- families ------------------------------------------------------------------------------------
+
+#: The families of layouts, each with the mesh axis it needs: the search compiles the best-looking
+#: layout of every family that can be built, so that compiled plans, not the pruning estimates alone,
+#: compare them.
+FAMILIES = {
+    "fsdp": ("FSDP / data (HSDP)", None),
+    "tensor": ("tensor x sequence parallel x FSDP", "tensor"),
+    "pipeline": ("pipeline (1F1B)", "stage"),
+    "context": ("context parallel", "context"),
+}
+
+
+def family_of(layout: Layout) -> str | None:
+    """The family a layout is compared in: with stages a 1F1B or interleaved pipeline (GPipe and circular
+    ones are no family's), else context parallel, else tensor with sequence parallelism (without it no
+    family's), else FSDP and data parallelism; expert parallelism is no family's."""
+    axes = layout.axes
+    if axes["stage"] > 1:
+        return "pipeline" if layout.schedule in ("1f1b", "interleaved") else None
+    if axes["context"] > 1:
+        return "context"
+    if axes["tensor"] > 1:
+        return "tensor" if layout.sequence else None
+    return "fsdp" if axes["expert"] == 1 else None
+
+
+def family_name(family: str, config: Config) -> str:
+    """``"pipeline (interleaved 1F1B)"`` where the config runs layer chunks (pipeline.repeats > 1)."""
+    name = FAMILIES[family][0]
+    return "pipeline (interleaved 1F1B)" if family == "pipeline" and config.pipeline.repeats > 1 else name
+
+
+def unbuildable_families(
+    config: Config, n_devices: int, per_host: int, layouts: Sequence[Layout]
+) -> dict[str, str]:
+    """Why each family that has no layout among ``layouts`` (the enumeration) cannot be built: the mesh
+    rule its smallest degree breaks, else the batch that splits over none of its meshes."""
+    present = {family_of(lay) for lay in layouts}
+    batch = config.train.global_batch
+    reasons = {}
+    for family, (_, axis) in FAMILIES.items():
+        if family in present:
+            continue
+        degree = min((d for d in _divisors(n_devices) if d > 1), default=None) if axis else 1
+        if degree is None:
+            reasons[family] = f"one device: no mesh.axes.{axis} to split it over"
+            continue
+        axes = dict.fromkeys(AXES, 1) | {"fsdp": n_devices // degree} | ({axis: degree} if axis else {})
+        per_stage = " into at least as many micro-batches as stages" if family == "pipeline" else ""
+        reasons[family] = _unbuildable(config, axes, per_host) or (
+            f"train.global_batch={batch} does not split over the batch shards of any such mesh of "
+            f"{n_devices} devices{per_stage}; use a multiple of {n_devices}")  # fmt: skip
+    return reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyBest:
+    """The best compiled layout of a family (the fastest that fits, else the smallest peak), with the
+    pruning estimate it was compiled on; or, with no ``best``, why not (not buildable, budget spent)."""
+
+    family: str
+    best: Ranked | None
+    estimate: Estimate | None = None
+    reason: str | None = None
+
+
+def _family_bests(compiled: dict[Layout, Ranked], reasons: dict[str, str],
+                  guesses: dict[Layout, Estimate]) -> list[FamilyBest]:  # fmt: skip
+    out = []
+    for family in FAMILIES:
+        members = [r for lay, r in compiled.items()
+                   if family_of(lay) == family and r.peak_bytes and lay.global_batch is None]  # fmt: skip
+        if family in reasons:
+            out.append(FamilyBest(family, None, reason=f"not buildable: {reasons[family]}"))
+        elif not members:
+            tried = any(family_of(lay) == family for lay in compiled)
+            why = "its compile failed (see the notes)" if tried else "compile budget spent (--max-compiles)"
+            out.append(FamilyBest(family, None, reason=f"not compiled: {why}"))
+        else:
+            best = min(members, key=lambda r: (not r.fits, r.seconds if r.fits else r.peak_bytes))
+            out.append(FamilyBest(family, best, guesses.get(best.layout)))
+    return out
+
+
+def _family_picks(families: Sequence[str], layouts: Sequence[Layout], skip: Callable[[Layout], bool],
+                  estimator: Estimator, budget: float) -> list[Layout]:  # fmt: skip
+    """Each family's best-looking layout not compiled yet (estimated to fit first, then the fastest),
+    the most promising families first: the estimate orders within a family, it never rules one out."""
+    picks = []
+    for family in families:
+        members = [lay for lay in layouts if family_of(lay) == family and not skip(lay)]
+        estimates = {lay: estimator(lay) for lay in members}
+        ranked = sorted(members, key=lambda lay: (estimates[lay].peak_bytes > budget, estimates[lay].seconds,
+                                                 lay.zero1))  # fmt: skip
+        picks += ranked[:1]
+    return sorted(picks, key=lambda lay: estimator(lay).seconds)
+
+
 def search_layouts(
     config: Config,
     target: str | None,
@@ -394,10 +507,11 @@ def search_layouts(
     allow_offload: bool,
     progress: Callable[[str], None],
     note: Callable[..., None],
-) -> tuple[list[Ranked], int, list[str]]:
-    """Compiles the config as written and the most promising layouts, and returns the fitting ones ranked
-    by the objective (the config's own after them when it does not fit), the number of compiles and
-    notes on what was pruned."""
+) -> tuple[list[Ranked], int, list[str], list[FamilyBest]]:
+    """Compiles the config as written, the most promising layouts and the best-looking layout of each
+    family (:data:`FAMILIES`), and returns the fitting ones ranked by the objective (the config's own
+    after them when it does not fit), the number of compiles, notes on what was pruned, and the best
+    compiled layout of each family (or why it has none)."""
     import contextlib
 
     from shardmem.explore.search import residual_bytes
@@ -446,8 +560,10 @@ def search_layouts(
     own = _own_layout(config, n)
     twin = _twin(config, own)  # Compiled as the config as written: not again.
     notes = [f"{len(layouts)} layouts enumerated over {', '.join(AXES)} x micro-batches x remat x ZeRO-1"]
+    reasons = unbuildable_families(config, n, per_host, layouts)
 
     compiled: dict[Layout, Ranked] = {}
+    guesses: dict[Layout, Estimate] = {}  # The estimate each layout was compiled on.
     refused: set[Layout] = set()  # Compiles libtpu refused as over the chip's HBM: no figures but the need.
     # Compiles kept for the best mesh's other remat policies (--objective throughput spends what is left
     # on growing batches instead).
@@ -461,7 +577,7 @@ def search_layouts(
             if not estimator.knows(layout):
                 progress(f"compiling {layout.describe()}")
                 continue
-            guess = estimator(layout)
+            guess = guesses[layout] = estimator(layout)
             progress(f"compiling {layout.describe()} (estimated {format_bytes(guess.peak_bytes)}, "
                      f"{format_seconds(guess.seconds)})")  # fmt: skip
         rows = plan_candidates(config, combos, target, jobs=1, pool=pool)
@@ -494,6 +610,11 @@ def search_layouts(
                  bool(row.fits),
                  "compiled", f"{verdict}{seconds}", step_time=row.step_time)  # fmt: skip
 
+    def families_left() -> list[str]:
+        """The buildable families with no compiled layout that fits yet: their compiles are kept back."""
+        fitting = {family_of(lay) for lay, r in compiled.items() if r.fits}
+        return [f for f in FAMILIES if f not in reasons and f not in fitting]
+
     workers = max(1, jobs if jobs is not None else (os.cpu_count() or 1))
     with contextlib.ExitStack() as stack:  # One pool of workers for every compile of the search.
         pool = stack.enter_context(planning_pool(config, target, workers, n)) if workers > 1 else None
@@ -501,7 +622,7 @@ def search_layouts(
         # Throughput keeps a third of the compiles for growing the best layouts' batches; step time keeps
         # ``reserve`` for the best mesh's other remat policies.
         layout_compiles = max_compiles - (max(1, max_compiles // 3) if objective == "throughput" else reserve)
-        while compiles < layout_compiles:
+        while compiles < layout_compiles - len(families_left()):
             estimates = {layout: estimator(layout) for layout in layouts
                          if layout not in compiled and layout != twin}  # fmt: skip
             fitting = [lay for lay, est in estimates.items() if est.peak_bytes <= budget * _ESTIMATE_REJECT]
@@ -521,7 +642,22 @@ def search_layouts(
             if compiles >= min(8, max_compiles // 2) and estimates[order[0]].seconds > 1.3 * best:
                 notes.append("stopped: no remaining layout is estimated within 1.3x of the best compiled")
                 break
-            run(order[: min(workers, layout_compiles - compiles)])
+            run(order[: min(workers, layout_compiles - len(families_left()) - compiles)])
+
+        # The best-looking layout of each family with no compiled layout that fits, whatever its estimate
+        # (the compiles kept back for it above, before the remat variants and grown batches): a family's
+        # first pick that does not fit is followed by one more, on the refitted estimates.
+        family_compiles = compiles
+        for _ in range(2):
+            picks = _family_picks(families_left(), layouts, lambda lay: lay in compiled or lay == twin,
+                                  estimator, budget)[: layout_compiles - compiles]  # fmt: skip
+            if not picks:
+                break
+            run(picks)
+        if compiles > family_compiles:
+            spent = compiles - family_compiles
+            notes.append(f"the best-looking layout of each family with none compiled that fits: "
+                         f"{spent} compile{'s' * (spent > 1)}")  # fmt: skip
 
         def ranked_fits() -> list[Ranked]:
             return sorted((r for r in compiled.values() if r.fits and r.step_time), key=lambda r: r.seconds)
@@ -544,7 +680,7 @@ def search_layouts(
     over = sum(1 for lay, r in compiled.items() if not r.fits and (r.step_time is not None or lay in refused))
     left = sum(lay not in compiled and lay != twin for lay in layouts)
     notes.append(f"{over} compiled layouts did not fit; {left} left to the estimates")
-    return fits, compiles, notes
+    return fits, compiles, notes, _family_bests(compiled, reasons, guesses)
 
 
 def _other_policies(best: Layout, layouts, compiled, estimator: Estimator, budget: float) -> list[Layout]:
@@ -615,17 +751,13 @@ def _as_list(axes) -> list:
     return [axes] if isinstance(axes, str) else list(axes or ())
 
 
-def why_winner(first: Ranked, second: Ranked | None, objective: str = "step_time", devices: int = 1) -> str:
-    """One line on why the winner beats the runner-up, in what ``objective`` ranks (seconds per step, or
-    tokens per second per device), and the term of the step time that differs most (per token when the
-    objective is throughput: the two may run different batches)."""
-    if second is None or not first.step_time or not second.step_time:
-        return "the only compiled layout that fits"
-    rows = (first, second)
-    throughput = objective == "throughput" and all(r.step_time.get("tokens_per_second") for r in rows)
+def widest_gap(first: Ranked, second: Ranked, per_token: bool = False) -> tuple[str, float]:
+    """The term of the step time (``"exposed communication"``, ``"pipeline bubble"``, ``"memory bound"``,
+    ``"compute"`` with its recomputation, ...) in which ``second`` loses most to ``first``, and by how
+    many seconds per step (per token with ``per_token``: the two may run different batches)."""
 
     def terms(r: Ranked) -> tuple[dict[str, float], float]:  # Seconds per step (per token) by term.
-        tokens = r.step_time["tokens_per_second"] * r.seconds if throughput else 1.0
+        tokens = r.step_time["tokens_per_second"] * r.seconds if per_token else 1.0
         by_term = {k: v / tokens for k, v in r.step_time["breakdown"].items()}
         return by_term, r.step_time["bubble_seconds"] / tokens
 
@@ -634,7 +766,18 @@ def why_winner(first: Ranked, second: Ranked | None, objective: str = "step_time
     if abs(b_bubble - a_bubble) > max(abs(v) for v in gains.values()):
         gains = {"pipeline bubble": b_bubble - a_bubble}
     term, gain = max(gains.items(), key=lambda kv: kv[1])
-    term = term.replace("_", " ")
+    return term.replace("_", " "), gain
+
+
+def why_winner(first: Ranked, second: Ranked | None, objective: str = "step_time", devices: int = 1) -> str:
+    """One line on why the winner beats the runner-up, in what ``objective`` ranks (seconds per step, or
+    tokens per second per device), and the term of the step time that differs most (per token when the
+    objective is throughput: the two may run different batches)."""
+    if second is None or not first.step_time or not second.step_time:
+        return "the only compiled layout that fits"
+    rows = (first, second)
+    throughput = objective == "throughput" and all(r.step_time.get("tokens_per_second") for r in rows)
+    term, gain = widest_gap(first, second, throughput)
     if throughput:
         rate, runner_up = first.throughput_per_device(devices), second.throughput_per_device(devices)
         return (f"it beats the runner-up ({second.layout.describe()}) by {rate - runner_up:,.1f} tokens/s "

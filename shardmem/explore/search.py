@@ -61,6 +61,7 @@ class TuneResult:
     explanation: list[str]
     ranked: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # layout search: best first
     costs: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # finetune search: per knob value
+    families: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # layout search: each's best
 
     @property
     def found(self) -> bool:
@@ -79,6 +80,7 @@ class TuneResult:
             "explanation": self.explanation,
             "ranked": self.ranked,
             "costs": self.costs,
+            "families": self.families,
             "report": self.report.to_json() if self.report else None,
         }
 

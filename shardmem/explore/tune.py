@@ -89,7 +89,8 @@ def tune(
     fewest host-offloaded bytes); ``"batch"`` the largest ``train.global_batch``; ``"micro_batches"`` the
     fewest ``train.micro_batches`` for the configured global batch; ``"layout"`` the mesh, micro-batches,
     remat and ZeRO-1 with the shortest predicted step time (``objective="throughput"``: the most tokens
-    per second per device, each top layout at the largest global batch that fits), compiling in ``jobs``
+    per second per device, each top layout at the largest global batch that fits), with the best compiled
+    layout of each family in ``TuneResult.families``, compiling in ``jobs``
     worker processes (:mod:`shardmem.explore.layout`; ``objective`` and ``jobs`` are for that search
     only, and it needs ``max_compiles`` of 3 or more, the others 2); ``"finetune"`` the LoRA rank, base
     quantization, remat, micro-batches and (down to ``min_seq_len``, where given) sequence length of a
@@ -390,7 +391,7 @@ def _tune_layout(
     config = planner.base
     # Compiles kept back: the winner's full report, and a per-layer remat search on its mesh.
     kept = 1 + min(6, planner.max_compiles // 4)
-    ranked, compiles, notes = search_layouts(
+    ranked, compiles, notes, families = search_layouts(
         config, planner.target, target, max_compiles=max(planner.max_compiles - kept, 1), jobs=jobs,
         objective=objective,
         allow_offload=allow_offload, progress=planner.progress, note=planner.note,
@@ -405,7 +406,7 @@ def _tune_layout(
             "no compiled layout fits the budget", *notes,
             "shard over more devices, or tune with a smaller train.global_batch",
         ])  # fmt: skip
-        return dataclasses.replace(result, ranked=shown)
+        return dataclasses.replace(result, ranked=shown, families=family_rows(families, None, config))
     best = fitting[0]
     tuned = config.replace(*best.overrides)
     report = plan(tuned, planner.target, top=5)  # The winner's full report (one more compile).
@@ -443,6 +444,7 @@ def _tune_layout(
             tuned, report = mixed.config, mixed.report
     planner.compiles = compiles
     st = report.step_time.to_json() if refined else best.step_time
+    rows = family_rows(families, best, config, objective)
     explanation = [
         f"budget {format_bytes(budget)} per device on {target.label}",
         f"chose {best.layout.describe()}: predicted {format_seconds(st['seconds'])} per step"
@@ -451,6 +453,7 @@ def _tune_layout(
         + f"; peak {format_bytes(report.per_device['peak'])}, {margin_text(report.margin_bytes)}",
         why_winner(best, fitting[1] if len(fitting) > 1 else None, objective, len(target.devices)),
         _against_own(best, ranked, objective, len(target.devices)),
+        *_against_families(rows),
         *([refined] if refined else []),
         *notes[:-1],
         *_host_rates_note(target),
@@ -463,7 +466,33 @@ def _tune_layout(
         chosen = mixed.chosen
         planner.trials.extend(mixed.trials)
     return TuneResult("layout", tuned, report, chosen, planner.trials, compiles, budget, target.label,
-                      explanation, ranked=shown)  # fmt: skip
+                      explanation, ranked=shown, families=rows)  # fmt: skip
+
+
+def _against_families(rows: list[dict[str, Any]]) -> list[str]:
+    """One line on the winner against the best compiled layout of each other family (or why a family has
+    none): its step time and the term it loses most in."""
+    others = []
+    for row in rows:
+        best = row["layout"]
+        if best is None:
+            others.append(f"{row['name']}: {row['reason']}")
+        elif row["behind"]["term"] != "the winner":
+            step = format_seconds(best["step_time"]["seconds"]) if best["step_time"] else "no step time"
+            others.append(f"{row['name']} {step} ({_behind(row)})")
+    return ["against each other family's best compiled layout: " + "; ".join(others)] if others else []
+
+
+def _behind(row: dict[str, Any]) -> str:
+    """Where a family's best loses to the winner: "+929 ms, most in exposed communication (+634 ms)"
+    (for --objective throughput, per 1,000 tokens: the winner may run a grown batch)."""
+    behind = row["behind"]
+    if behind["seconds"] is None or behind["term"] == "the winner":
+        return behind["term"]
+    if not behind["per_1000_tokens"]:
+        return (f"+{format_seconds(behind['seconds'])}, most in {behind['term']} "
+                f"(+{format_seconds(behind['term_seconds'])})")  # fmt: skip
+    return f"most in {behind['term']} (+{format_seconds(behind['term_seconds'])} per 1,000 tokens)"
 
 
 def _host_rates_note(target) -> list[str]:
@@ -504,6 +533,36 @@ def ranked_rows(ranked: list, config: Config) -> list[dict[str, Any]]:
     return [dataclasses.asdict(r) | {"describe": r.layout.describe(), "mesh": r.layout.describe(batch=False),
                                      "global_batch": r.layout.batch(config),
                                      "micro_batches": r.layout.micro_batches} for r in ranked]  # fmt: skip
+
+
+def family_rows(families: list, winner, config: Config, objective: str = "step_time") -> list[dict[str, Any]]:
+    """The best compiled layout of each family (:func:`shardmem.explore.layout.search_layouts`) as
+    ``TuneResult.families`` rows: its :func:`ranked_rows` row, the pruning estimate it was compiled on,
+    and where it loses to the ``winner`` (the term of the step time, or that it does not fit); or, with
+    no layout, the reason (not buildable, compile budget spent)."""
+    from shardmem.explore.layout import family_name, widest_gap
+
+    rows = []
+    for fam in families:
+        guess = fam.estimate
+        row = {"family": fam.family, "name": family_name(fam.family, config), "reason": fam.reason,
+               "layout": None, "estimated_peak_bytes": guess.peak_bytes if guess else None,
+               "estimated_seconds": guess.seconds if guess else None, "behind": None}  # fmt: skip
+        best = fam.best
+        if best is not None:
+            row["layout"] = ranked_rows([best], config)[0]
+            if best is winner:
+                row["behind"] = {"term": "the winner", "seconds": 0.0}
+            elif not best.fits:
+                row["behind"] = {"term": "does not fit", "seconds": None}
+            elif winner is not None and best.step_time and winner.step_time:
+                per_token = objective == "throughput"
+                term, gain = widest_gap(winner, best, per_token)
+                row["behind"] = {"term": term, "seconds": best.seconds - winner.seconds,
+                                 "term_seconds": gain * (1000 if per_token else 1),
+                                 "per_1000_tokens": per_token}  # fmt: skip
+        rows.append(row)
+    return rows
 
 
 def _finish(planner: Planner, target, search: str, overrides: tuple[str, ...], what: str) -> TuneResult:
@@ -685,5 +744,34 @@ def _render_layout(result: TuneResult, top: int = 10):
         lines.append(Text("compiled, over budget: " + "; ".join(
             f"{t.candidate} ({format_bytes(t.peak_bytes)})"
                                                               for t in over[:6]), style="dim"))  # fmt: skip
+    if result.families:
+        lines.append(_render_families(result.families))
     lines += [Text(line, style=style if i == 0 else None) for i, line in enumerate(result.explanation[1:])]
     return Group(*lines)
+
+
+def _render_families(families: list[dict[str, Any]]):
+    """The best compiled layout of each family: peak, step, where it loses to the winner, and the pruning
+    estimate it was compiled on (or why the family has no layout)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="best of each family (each compiled)", title_justify="left", show_edge=False)
+    for column in ("family", "best layout", "peak / device", "step", "behind the winner", "estimated"):
+        table.add_column(column, justify="right" if column in ("peak / device", "step") else "left",
+                         overflow="fold")  # fmt: skip
+    for row in families:
+        best = row["layout"]
+        if best is None:
+            table.add_row(row["name"], Text(row["reason"], style="dim"), "-", "-", "-", "-")
+            continue
+        st = best["step_time"] or {}
+        peak = format_bytes(best["peak_bytes"]) + ("" if best["fits"] else " (over)")
+        lag = _behind(row) if row["behind"] else "-"
+        estimated = "-"
+        if row["estimated_seconds"] is not None:
+            guess = row["estimated_peak_bytes"], row["estimated_seconds"]
+            estimated = f"{format_bytes(guess[0])}, {format_seconds(guess[1])}"
+        table.add_row(row["name"], best["mesh"], Text(peak, style=None if best["fits"] else "red"),
+                      format_seconds(st["seconds"]) if st else "-", lag, estimated)  # fmt: skip
+    return table
