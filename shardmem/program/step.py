@@ -40,7 +40,7 @@ from shardmem.config import Config
 from shardmem.errors import ConfigError
 from shardmem.gradient_sums import value_and_grad_into
 from shardmem.models.linen import remat_calls
-from shardmem.program.accumulation import accumulate_gradients
+from shardmem.program.accumulation import accumulate_gradients, reduce_scatters_per_micro_batch
 from shardmem.program.description import Description, Training, describe
 from shardmem.program.optimizer import loss_scale, master_weights, to_device, to_host
 from shardmem.program.program import Function, Program
@@ -199,8 +199,13 @@ def jitted_step(description: Description, loss_of_params: Callable) -> Callable:
     plain_grad_fn = jax.value_and_grad(loss_of_params, has_aux=True)
     scaled_grad_fn = scaled_value_and_grad(loss_of_params, grad_dtype=master_dtype)
     # Accumulated, each micro-batch's gradients are added into the sums as the backward pass makes them:
-    # the reference model's layers one at a time (its next-token loss runs them in remat_scan).
-    stack = "layers" if train.rows_independent and finetune is None else None
+    # the reference model's layers one at a time (its next-token loss runs them in remat_scan), unless FSDP
+    # reduce-scatters every micro-batch's (shardmem.program.accumulation's docstring says why).
+    fsdp_every_micro_batch = reduce_scatters_per_micro_batch(
+        mesh, d.param_shardings, train.batch_sharding, train.fsdp_reduce_once
+    )
+    per_layer = train.rows_independent and finetune is None and not fsdp_every_micro_batch
+    stack = "layers" if per_layer else None
     summing_grad_fn = value_and_grad_into(loss_of_params, stack=stack)
 
     def train_step(state, batch):
