@@ -16,8 +16,8 @@ from shardmem.planning import hlo
 
 pytestmark = pytest.mark.newest  # Pallas's API moves between JAX versions.
 
-LAYERS, B, T, G, K, H = 3, 4, 40, 2, 16, 6  # 3 query heads per KV head: padded to Triton's 16 rows.
-POSITIONS = np.array([0, 17, 39, 5], np.int32)  # The first position, the last, and two between.
+LAYERS, B, T, G, K, H = 3, 4, 600, 2, 16, 6  # 3 query heads per KV head: padded to Triton's 16 rows.
+POSITIONS = np.array([0, 170, 599, 5], np.int32)  # The first position, the last, and two between.
 
 
 def _cache(rng):
@@ -25,8 +25,8 @@ def _cache(rng):
     return keys, values
 
 
-@pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 7, 100])
+@pytest.mark.parametrize("splits", [1, 4, 16])  # 600 positions in blocks of 64: 1, 4 and 10 parts.
 def test_the_kernel_attends_as_xla_does_up_to_each_sequences_position(window, splits):
     rng = np.random.default_rng(0)
     keys, values = _cache(rng)
