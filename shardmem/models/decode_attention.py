@@ -1,6 +1,7 @@
 """A decode step's attention over the KV cache as one Pallas (Triton) kernel, flash-decoding's way: the
 cache's positions split into ``splits`` parts, one program per (sequence, KV head, part), and one small
-XLA fusion that merges the parts by their log-sum-exp.
+XLA fusion that merges the parts by their running max and sum (two kernels past :data:`UNROLLED_PARTS`
+parts).
 
     ctx_BxHxK = decode_attention(q_BxHxK, cache.keys, cache.values, layer, positions_B,
                                  window=None, splits=splits_for(batch, kv_heads, max_len, sms=108))
@@ -17,7 +18,7 @@ interpret mode (tests); generation on CPU keeps XLA's attention.
 
 Learned from ``jax.experimental.pallas.ops.gpu.decode_attention`` (its ``gqa``), which does not fit as
 it is: it takes one layer's keys transposed to ``[B, G, T, K]`` (a copy of the layer, each step), and
-its merge of the parts is four XLA kernels behind an optimization barrier.
+an optimization barrier splits its merge of the parts into several XLA kernels.
 """
 
 from __future__ import annotations
