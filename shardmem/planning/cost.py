@@ -1058,7 +1058,7 @@ def estimate_step_time(
     """Predicts one step of an optimized, scheduled HLO module on ``hardware``.
 
     ``hosts_of[i]`` is the host of the program's device ``i`` (its partition id: the mesh's devices in
-    order); ``attention`` maps fused-attention kernel names to (matmuls, causal), as
+    order); ``attention`` maps fused-attention kernel names to their ``hlo.FusedKernel``, as
     :func:`shardmem.planning.hlo.fused_attention_kernels` reads them from the jaxpr; ``bubble_fraction``
     is the pipeline schedule's idle share of its loops of ticks. ``tick_ops``: for a 1F1B schedule, the
     ops some stage runs at each tick (the table's): each tick is as long as the slowest of those (a
