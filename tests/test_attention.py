@@ -211,7 +211,8 @@ def test_a_head_wider_than_the_flash_kernels_take_is_a_config_error():
 
 
 def test_a_plan_tiles_the_flash_kernel_for_its_target():
-    """build_program resolves the kernel with the target's shared memory (the plan's wiring)."""
+    """build_program resolves the kernel with the target's shared memory and SMs (the plan's wiring; the
+    SMs are what a serving decode step's attention splits the cache to fill)."""
     from shardmem.parallel.mesh import build_mesh
     from shardmem.planning.targets import resolve_target
     from shardmem.program import build_program
@@ -221,7 +222,7 @@ def test_a_plan_tiles_the_flash_kernel_for_its_target():
                                "precision": {"compute": "bfloat16"}})  # fmt: skip
     devices = resolve_target("a100-80g", n_devices=1).devices
     program = build_program(config, build_mesh(config.mesh.axes, devices))
-    assert program.attention == AttentionKernel("pallas", stands_for="cudnn", shared_memory=166912)
+    assert program.attention == AttentionKernel("pallas", stands_for="cudnn", shared_memory=166912, sms=108)
 
 
 # --- A sliding window (model.sliding_window, Mistral's) ----------------------------------------------------

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 from shardmem import ConfigError, build_mesh, config_from_dict
 from shardmem.cli import main
 from shardmem.finetune.quant import Quantized
-from shardmem.planning import cost, memory
+from shardmem.planning import cost, hlo, memory
 from shardmem.planning.report import render_serving
-from shardmem.planning.serving import plan_serving, search_capacity, with_memory_fraction
+from shardmem.planning.serving import ServingTime, plan_serving, search_capacity, with_memory_fraction
 from shardmem.planning.targets import GPU_TARGETS
 from shardmem.program import ServingProgram, serving_program
 from shardmem.program.program import Function
@@ -245,6 +245,17 @@ def test_a_static_batchs_time_never_beats_its_hbm_bound(gpu_plan):
     assert gpu_plan.decode.compiler_options["xla_gpu_dot_merger_threshold_mb"] == 0
 
 
+def test_a_sliding_windows_steps_read_no_more_than_the_window():
+    # The compiled step (every max_len position live) reads the window's 48 positions of each sequence;
+    # a step at a shorter context fewer, none past the window.
+    time = ServingTime(time_to_first_token=1e-3, decode_at_max_len=2e-3, seconds_per_position=1e-6,
+                       weight_bytes=10**9, kv_bytes_per_position=10**4, memory_bandwidth=10**12, batch=1,
+                       prompt_len=32, max_len=128, window=48)  # fmt: skip
+    assert time.decode_seconds(100) == time.decode_seconds(48) == 2e-3
+    assert time.decode_seconds(40) == pytest.approx(2e-3 - 8e-6)
+    assert time.bound_seconds(100) == time.bound_seconds(48) == pytest.approx((10**9 + 48 * 10**4) / 10**12)
+
+
 def test_the_decode_steps_cache_write_is_costed_in_place(gpu_plan):
     module = gpu_plan.decode.module
     kernels = cost._Kernels(module, cost.Hardware.of(_a100(4)), {})
@@ -253,6 +264,15 @@ def test_the_decode_steps_cache_write_is_costed_in_place(gpu_plan):
     assert writes  # A batch of 4 writes each sequence's token at its own position: a scatter.
     cache_bytes = 4 * 4 * 128 * 2 * 16 * 2  # One of the stacked keys or values, whole.
     assert all(kernels.bytes(ins) < cache_bytes // 16 for ins in writes)  # Its tokens, not the cache.
+
+
+def test_tensor_parallel_decode_runs_the_kernel_on_each_devices_sequences_and_kv_heads(gpu_plan):
+    module = gpu_plan.decode.module
+    calls = [ins for ins in module.computations[module.entry]
+             if ins.opcode == "custom-call" and "/decode_attention/" in ins.op_name]  # fmt: skip
+    assert len(calls) == 4  # One a layer, on each device's share of the stacked cache:
+    local = "bf16[4,2,128,1,16]"  # 2 of the 4 sequences, 1 of the 2 KV heads.
+    assert all(module.by_name[o].shape.startswith(local) for call in calls for o in call.operands[1:3])
 
 
 def test_every_layer_runs_the_first_layers_kernels(monkeypatch):
@@ -285,12 +305,26 @@ def test_every_layer_runs_the_first_layers_kernels(monkeypatch):
             assert _with(op, deep_kernels) == _with(op, half_kernels)
 
 
-@pytest.fixture(scope="module")
-def one_sequence_decode():
-    """The optimized HLO of a decode step of one sequence, the tiny model on one A100."""
+def _one_sequence(**model) -> tuple:
+    """The decode step of one sequence, the tiny model on one A100: its plan, and its fused attention
+    kernels as the step-time model reads them from its jaxpr."""
     config = config_from_dict({**GPU_SERVE, "mesh": {"axes": {"data": 1}},
+                               "model": {"preset": "tiny", **model},
                                "serve": {"batch": 1, "prompt_len": 32, "max_len": 128}})  # fmt: skip
-    return plan_serving(config).decode.module
+    target = memory.make_target(config, None)
+    program = serving_program(config, build_mesh(config.mesh.axes, target.devices))
+    return plan_serving(config), hlo.fused_attention_kernels(program.function("decode").trace().jaxpr)
+
+
+@pytest.fixture(scope="module")
+def one_sequence_plan():
+    return _one_sequence()
+
+
+@pytest.fixture(scope="module")
+def one_sequence_decode(one_sequence_plan):
+    """The optimized HLO of a decode step of one sequence, the tiny model on one A100."""
+    return one_sequence_plan[0].decode.module
 
 
 def test_a_decode_step_reads_each_weight_matrix_with_one_kernel_the_fused_ones_too(one_sequence_decode):
@@ -331,7 +365,47 @@ def test_a_batch_of_one_writes_its_cache_in_the_kernels_that_compute_it(one_sequ
                                               for o in ins.operands if o in module.by_name)]  # fmt: skip
     assert len(writes) == 2 * 4  # Keys and values of each layer updated in place,
     assert not [ins for ins in kernels if "pred[" in ins.shape]  # with no bounds check,
-    assert len(touching) == 2 * 2 * 4  # and read again only by the attention's two products of each layer.
+    assert touching == writes  # and read by no other fusion: attention is the decode kernel (below).
+
+
+def test_a_decode_step_attends_over_the_cache_with_one_kernel_a_layer_copying_none(one_sequence_decode):
+    # A serving engine's decode attention is one kernel (and a small merge of its parts); XLA's were five
+    # (scores, max, exp-sum, normalise, PV). It reads the stacked cache as the layer's writes left it:
+    # given the layer's slice, XLA would copy it out of the stack first.
+    module = one_sequence_decode
+    entry = module.computations[module.entry]
+    cache = "bf16[4,1,128,2,16]"
+    calls = [ins for ins in entry if ins.opcode == "custom-call" and "/decode_attention/" in ins.op_name]
+    assert len(calls) == 4
+    assert not [ins for ins in entry if ins.opcode == "custom-call" and ins not in calls]
+    for call in calls:
+        keys, values = (module.by_name[o] for o in call.operands[1:3])
+        assert keys.shape.startswith(cache) and values.shape.startswith(cache)
+        assert keys.opcode == values.opcode == "fusion"  # The layer's in-place writes, not a copy.
+    assert not [ins for ins in entry if "[1,128,2,16]" in ins.shape]  # No layer's slice of the cache.
+    merges = [ins for ins in entry if any(module.by_name.get(o) in calls for o in ins.operands)
+              or any(module.by_name.get(module.by_name[o].operands[0]) in calls for o in ins.operands
+                     if module.by_name[o].opcode == "get-tuple-element")]  # fmt: skip
+    kernels = [ins for ins in merges if ins.opcode == "fusion"]
+    assert len(kernels) == 4  # One fusion a layer merges the parts.
+
+
+@pytest.mark.parametrize("window", [None, 48])
+def test_the_decode_kernel_is_costed_by_the_layers_keys_and_values_it_reads(one_sequence_plan, window):
+    plan, attention = one_sequence_plan if window is None else _one_sequence(sliding_window=window)
+    module = plan.decode.module
+    assert attention["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=window)
+    kernels = cost._Kernels(module, cost.Hardware.of(_a100(1)), attention)
+    calls = [ins for ins in module.computations[module.entry] if ins.opcode == "custom-call"]
+    read = 128 if window is None else window  # Positions of the layer's cache: all live in the plan.
+    layer = 2 * read * 2 * 16 * 2  # Its keys and values (2 KV heads of 16, bf16), not the stack of 4.
+    query = 4 * 16 * 2  # 4 heads of 16.
+    parts = 2  # Two blocks of 64 positions: two parts, for 2 KV heads on 108 SMs.
+    partials = parts * (4 * 16 + 4 + 4) * 4  # Each part's f32 output, running max and sum.
+    for call in calls:
+        assert kernels.bytes(call) == layer + query + 4 + 4 + partials  # And the layer index, the position.
+        flops, _, fused = kernels.flops(call)
+        assert fused and flops == 2 * 2 * 4 * 16 * read  # QK and PV, 4 heads, every position read.
 
 
 def _with(opcode: str, kernels: set) -> int:

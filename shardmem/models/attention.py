@@ -77,6 +77,16 @@ class AttentionKernel:
     # Bytes of shared memory one thread block of the GPU may take (its opt-in limit), which the flash
     # kernel's tiles must fit (:meth:`flash_blocks`); None: the kernel's default tiles (CPU, unknown GPUs).
     shared_memory: int | None = None
+    # The GPU's SMs, which a decode step's attention splits the cache's positions to fill
+    # (:mod:`shardmem.models.decode_attention`); None: unknown (CPU, TPUs, GPUs without a spec).
+    sms: int | None = None
+
+    @property
+    def decodes_in_pallas(self) -> bool:
+        """Whether a serving decode step attends over the KV cache with the Pallas decode kernel
+        (:mod:`shardmem.models.decode_attention`): where this kernel is a flash kernel of a GPU (cuDNN,
+        Pallas, or Pallas standing in for cuDNN), in interpret mode where Pallas's is (CPU)."""
+        return self.name in ("cudnn", "pallas")
 
     def describe(self, window: int | None = None) -> str:
         """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``, saying how a
@@ -187,6 +197,18 @@ def shared_memory_per_block(devices) -> int | None:
     return GPU_ROWS[name].shared_memory_per_block_optin if name else None
 
 
+def sm_count(devices) -> int | None:
+    """Returns the SMs of ``devices``' GPU (:data:`~shardmem.planning.targets.GPU_ROWS`), or None for
+    CPUs, TPUs and GPUs shardmem has no spec for."""
+    from shardmem.planning.targets import GPU_ROWS, target_for_device_kind
+
+    device = next(iter(devices))
+    if device.platform in ("cpu", "tpu"):
+        return None
+    name = target_for_device_kind(device.device_kind)
+    return GPU_ROWS[name].sm_count if name else None
+
+
 def device_class(devices) -> str:
     """Returns ``"gpu"`` (attached NVIDIA GPUs), ``"deviceless-gpu"`` (compile-only),
     ``"pre-ampere-gpu"`` (either, below compute capability 8.0: T4, V100), ``"cpu"`` or ``"tpu"``
@@ -213,11 +235,13 @@ def resolve_attention(
     context: int = 1,
     window: bool = False,
     shared_memory: int | None = None,
+    sms: int | None = None,
 ) -> AttentionKernel:
     """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
     (one of :data:`DEVICE_CLASSES`) computing in ``dtype``, its sequences split over ``context`` devices,
     into the kernel the step runs; a flash kernel's tiles fit ``shared_memory`` bytes per thread block
-    (:func:`shared_memory_per_block` of the devices). cuDNN's flash attention takes 16-bit inputs only, so
+    (:func:`shared_memory_per_block` of the devices), and a decode step's attention splits the KV cache
+    to fill ``sms`` SMs (:func:`sm_count`). cuDNN's flash attention takes 16-bit inputs only, so
     ``auto`` in float32 is ``chunked`` everywhere; with ``context > 1`` the flash kernel is Pallas's, whose
     blocks :mod:`shardmem.parallel.context` merges by log-sum-exp (cuDNN's has no such form here), and with a
     sliding ``window`` as well ``auto`` is ``chunked`` (Pallas's kernel has no window)."""
@@ -233,7 +257,7 @@ def resolve_attention(
         if requested == "auto" and flash and jnp.dtype(dtype).itemsize <= 2:
             requested = "chunked" if window else "pallas"
         kernel = resolve_attention(requested, chunk=chunk, where=where, dtype=dtype,
-                                   shared_memory=shared_memory)  # fmt: skip
+                                   shared_memory=shared_memory, sms=sms)  # fmt: skip
         return dataclasses.replace(kernel, context=context)
     wide = jnp.dtype(dtype).itemsize > 2
     if requested == "cudnn" and wide:
@@ -251,9 +275,9 @@ def resolve_attention(
         )
     if requested in ("auto", "cudnn"):
         if where == "gpu":
-            return AttentionKernel("cudnn")
+            return AttentionKernel("cudnn", sms=sms)
         if where == "deviceless-gpu":
-            return AttentionKernel("pallas", stands_for="cudnn", shared_memory=shared_memory)
+            return AttentionKernel("pallas", stands_for="cudnn", shared_memory=shared_memory, sms=sms)
         if requested == "cudnn":
             raise ConfigError(
                 "model.attention=cudnn needs an NVIDIA GPU (attached, or a deviceless GPU target); on "
@@ -266,7 +290,7 @@ def resolve_attention(
             "model.attention=auto or chunked (query blocks, no L x L scores) or xla"
         )
     if requested == "pallas":
-        return AttentionKernel("pallas", interpret=where == "cpu", shared_memory=shared_memory)
+        return AttentionKernel("pallas", interpret=where == "cpu", shared_memory=shared_memory, sms=sms)
     if requested == "chunked":
         return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
     return AttentionKernel("xla")

@@ -132,14 +132,22 @@ class CacheSlot:
     def attend(self, kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
         """Returns ``(ctx_BxLxHxK, cache)``: the step's attention, and the cache with the step's keys
         and values written. Prefill attends over the prompt with ``kernel`` (the training forward's
-        attention); decode over the cache, up to each sequence's position."""
+        attention); decode over the cache, up to each sequence's position: on GPUs (a flash ``kernel``)
+        with the Pallas decode kernel over the stacked cache (:mod:`shardmem.models.decode_attention`;
+        an int8 cache keeps XLA's attention, which dequantizes the layer's codes), else with XLA's."""
+        from shardmem.models import decode_attention
         from shardmem.models.attention import attend, causal_attention
 
         cache = self.cache.write(self.layer, self.positions, k_BxLxGxK, v_BxLxGxK)
         if self.prefill:
             return attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window), cache
-        k_BxTxGxK, v_BxTxGxK = cache.read(self.layer, q_BxLxHxK.dtype)
         window = window if window is not None and window < cache.max_len else None
+        if kernel.decodes_in_pallas and cache.key_scales is None:  # int8 codes: XLA dequantizes them.
+            ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, cache.keys, cache.values, self.layer,
+                                                  self.positions, window=window)  # fmt: skip
+            if ctx_BxLxHxK is not None:
+                return ctx_BxLxHxK, cache
+        k_BxTxGxK, v_BxTxGxK = cache.read(self.layer, q_BxLxHxK.dtype)
         ctx_BxLxHxK = causal_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, q_positions=self.positions,
                                        k_positions=jnp.arange(cache.max_len), window=window)  # fmt: skip
         return ctx_BxLxHxK, cache

@@ -36,6 +36,7 @@ from shardmem.models.attention import (
     device_class,
     resolve_attention,
     shared_memory_per_block,
+    sm_count,
 )
 from shardmem.models.fused import Fused
 from shardmem.models.kv_cache import CacheSlot, KVCache
@@ -478,7 +479,8 @@ class Llama(nnx.Module):
         if attention is None:
             attention = resolve_attention(cfg.attention, chunk=cfg.attention_chunk,
                                           where=device_class(jax.devices()), dtype=compute_dtype,
-                                          shared_memory=shared_memory_per_block(jax.devices()))  # fmt: skip
+                                          shared_memory=shared_memory_per_block(jax.devices()),
+                                          sms=sm_count(jax.devices()))  # fmt: skip
         self.cfg = cfg
         self.attention = attention
         self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)

@@ -469,7 +469,7 @@ def gemm_seconds(gemm: Gemm, bytes_moved: float, rate: float, bandwidth: float, 
 class _Kernels:
     """Costs the kernels of one module on one piece of hardware (each distinct kernel once)."""
 
-    def __init__(self, module: hlo.HloModule, hardware: Hardware, attention: Mapping[str, tuple[int, bool]]):
+    def __init__(self, module: hlo.HloModule, hardware: Hardware, attention: Mapping[str, hlo.FusedKernel]):
         self.module, self.hardware, self.attention = module, hardware, attention
         self.users: dict[str, dict[str, list[hlo.Instruction]]] = {}
 
@@ -544,18 +544,38 @@ class _Kernels:
         kernel = self.attention_kernel(ins, target)
         if kernel is None or len(ins.operands) < 2:
             return 0.0, "f32", False
-        matmuls, causal = kernel
+        matmuls, causal = kernel.matmuls, kernel.causal
         q, k = _dims(self.shape(ins.operands[0])), _dims(self.shape(ins.operands[1]))
+        if kernel.decode and len(q) == 4 and len(k) == 5:  # [B, G, R, K] against [layers, B, T, G, K].
+            flops = matmuls * 2.0 * math.prod(q) * hlo.decode_positions(kernel, k[2])
+            return flops, _dtype(self.shape(ins.operands[0])), True
         if len(q) != 4 or len(k) != 4:
             return 0.0, "f32", False
         pairs = q[0] * q[2] * q[1] * k[1] * q[3]  # [batch, length, heads, head_dim]
         return matmuls * 2.0 * pairs * (0.5 if causal else 1.0), _dtype(self.shape(ins.operands[0])), True
 
-    def attention_kernel(self, ins: hlo.Instruction, target: str) -> tuple[int, bool] | None:
+    def attention_kernel(self, ins: hlo.Instruction, target: str) -> hlo.FusedKernel | None:
         if target.startswith("__cudnn$fmha"):
             causal = "CAUSAL" in ins.attributes
-            return (5 if "Backward" in target else 2), causal
+            return hlo.FusedKernel(5 if "Backward" in target else 2, causal)
         return hlo.attention_kernel(ins.op_name, self.attention)
+
+    def decode_attention_bytes(self, ins: hlo.Instruction) -> int | None:
+        """Bytes the decode kernel moves (:mod:`shardmem.models.decode_attention`), or None for any other
+        custom call: its operands but the stacked keys and values, of which it reads one layer's, each
+        sequence's positions up to the whole cache (the compiled step's context) or its window; and its
+        outputs, the parts' partial results."""
+        if ins.opcode != "custom-call" or len(ins.operands) < 3:
+            return None
+        kernel = hlo.attention_kernel(ins.op_name, self.attention)
+        keys = _dims(self.shape(ins.operands[1]))
+        if kernel is None or not kernel.decode or len(keys) != 5:
+            return None
+        _, batch, max_len, kv_heads, head_dim = keys
+        read = batch * hlo.decode_positions(kernel, max_len) * kv_heads * head_dim
+        layer = sum(read * hlo.shape_bytes(self.shape(o)) // math.prod(keys) for o in ins.operands[1:3])
+        others = [o for index, o in enumerate(ins.operands) if index not in (1, 2)]
+        return hlo.shape_bytes(ins.shape) + layer + sum(hlo.shape_bytes(self.shape(o)) for o in others)
 
     def bytes(self, ins: hlo.Instruction) -> int:
         """Bytes a kernel reads and writes in HBM: a fusion reads only the slices it takes of an operand
@@ -569,6 +589,9 @@ class _Kernels:
             return 2 * updates + indices
         if ins.opcode in ("dynamic-slice", "slice", "gather"):
             return 2 * hlo.shape_bytes(ins.shape)
+        decode = self.decode_attention_bytes(ins)
+        if decode is not None:
+            return decode
         return hlo.shape_bytes(ins.shape) + sum(hlo.shape_bytes(self.shape(o)) for o in ins.operands)
 
     def _fusion_bytes(self, ins: hlo.Instruction) -> int:
@@ -1025,7 +1048,7 @@ def estimate_step_time(
     hardware: Hardware,
     hosts_of: Sequence[int],
     *,
-    attention: Mapping[str, tuple[int, bool]] | None = None,
+    attention: Mapping[str, hlo.FusedKernel] | None = None,
     bubble_fraction: float = 0.0,
     tokens_per_step: int | None = None,
     model_flops: float | None = None,
@@ -1035,7 +1058,7 @@ def estimate_step_time(
     """Predicts one step of an optimized, scheduled HLO module on ``hardware``.
 
     ``hosts_of[i]`` is the host of the program's device ``i`` (its partition id: the mesh's devices in
-    order); ``attention`` maps fused-attention kernel names to (matmuls, causal), as
+    order); ``attention`` maps fused-attention kernel names to their ``hlo.FusedKernel``, as
     :func:`shardmem.planning.hlo.fused_attention_kernels` reads them from the jaxpr; ``bubble_fraction``
     is the pipeline schedule's idle share of its loops of ticks. ``tick_ops``: for a 1F1B schedule, the
     ops some stage runs at each tick (the table's): each tick is as long as the slowest of those (a

@@ -113,6 +113,23 @@ def _live_eqns(jaxpr, used: Sequence[bool] | None = None) -> list:
 
 #: JAX's Pallas flash-attention kernels (jax.experimental.pallas.ops.gpu.attention), by pallas_call name.
 _PALLAS_ATTENTION = ("mha_forward", "mha_backward")
+#: The serving decode step's Pallas kernel over the stacked KV cache (shardmem.models.decode_attention).
+DECODE_ATTENTION = "decode_attention"
+_FUSED_PALLAS = (*_PALLAS_ATTENTION, DECODE_ATTENTION)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedKernel:
+    """What the compiled program cannot say of a fused attention kernel, read from its jaxpr: its
+    ``matmuls`` per query-key pair, whether it is ``causal``; for the decode kernel (``decode``), the
+    sliding ``window`` it reads at most (None: every position of the cache)."""
+
+    matmuls: int
+    causal: bool
+    decode: bool = False
+    window: int | None = None
+
+
 #: cuDNN's fused attention primitives, and the matmuls each runs per (query, key) pair: QK and PV forward;
 #: the backward recomputes QK and makes dP, dV, dQ and dK.
 _CUDNN_ATTENTION = {"dot_product_attention_fwd_wrapper": 2, "dot_product_attention_bwd_wrapper": 5}
@@ -130,8 +147,13 @@ def fused_attention_flops(eqn, *, recomputed: bool = True) -> float | None:
     it is causal when its body compares query and key positions. ``recomputed=False`` counts a backward
     kernel's 4 matmuls that recompute nothing (dP, dV, dQ, dK)."""
     name = eqn.primitive.name
+    if name == "pallas_call" and eqn.params.get("name") == DECODE_ATTENTION:
+        kernel = _pallas_kernel(eqn)
+        q, keys = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, G, R, K], [layers, B, T, G, K]
+        return kernel.matmuls * 2.0 * math.prod(q) * decode_positions(kernel, keys[2])
     if name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
-        matmuls, causal = _pallas_kernel(eqn)
+        kernel = _pallas_kernel(eqn)
+        matmuls, causal = kernel.matmuls, kernel.causal
         q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, L, heads, head_dim]
         if not recomputed and eqn.params["name"] == "mha_backward":
             matmuls = _BACKWARD_MATMULS
@@ -147,7 +169,13 @@ def fused_attention_flops(eqn, *, recomputed: bool = True) -> float | None:
     return matmuls * 2.0 * pairs * (0.5 if causal else 1.0)
 
 
-def fused_attention_kernels(jaxpr, _scopes: tuple[str, ...] = ()) -> dict[str, tuple[int, bool]]:
+def decode_positions(kernel: FusedKernel, max_len: int) -> int:
+    """Positions of each sequence the decode kernel reads when the cache's ``max_len`` are live: all, or
+    its window's."""
+    return max_len if kernel.window is None else min(max_len, kernel.window)
+
+
+def fused_attention_kernels(jaxpr, _scopes: tuple[str, ...] = ()) -> dict[str, FusedKernel]:
     """Returns the Pallas flash-attention kernels of a (closed) jaxpr, each with its matmuls per query-key
     pair and whether it is causal: what the optimized HLO's custom calls cannot say. Each is keyed by its
     name ("mha_forward") and by its innermost named scope and name ("causal_block/mha_forward"): a causal
@@ -157,7 +185,7 @@ def fused_attention_kernels(jaxpr, _scopes: tuple[str, ...] = ()) -> dict[str, t
     kernels = {}
     for eqn in jaxpr.eqns:
         scopes = _scopes + _plain_scopes(str(eqn.source_info.name_stack))
-        if eqn.primitive.name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
+        if eqn.primitive.name == "pallas_call" and eqn.params.get("name") in _FUSED_PALLAS:
             name, kernel = eqn.params["name"], _pallas_kernel(eqn)
             kernels[name] = kernel
             enclosing = [scope for scope in scopes if scope != name]
@@ -168,7 +196,7 @@ def fused_attention_kernels(jaxpr, _scopes: tuple[str, ...] = ()) -> dict[str, t
     return kernels
 
 
-def attention_kernel(op_name: str, kernels: dict[str, tuple[int, bool]]) -> tuple[int, bool] | None:
+def attention_kernel(op_name: str, kernels: dict[str, FusedKernel]) -> FusedKernel | None:
     """The entry of :func:`fused_attention_kernels` that a compiled kernel's ``op_name`` names: its
     innermost kernel name, under the nearest named scope that has an entry, else by the name alone."""
     scopes = _plain_scopes(op_name)
@@ -193,11 +221,16 @@ def _plain_scopes(name_stack: str) -> tuple[str, ...]:
     return tuple(scopes)
 
 
-def _pallas_kernel(eqn) -> tuple[int, bool]:
-    """(matmuls per query-key pair, causal) of a Pallas attention kernel: the ``dot_general``s of its body,
-    and whether the body compares query and key positions."""
+def _pallas_kernel(eqn) -> FusedKernel:
+    """A Pallas attention kernel's :class:`FusedKernel`: the ``dot_general``s of its body, and whether the
+    body compares query and key positions; the decode kernel's window from its metadata."""
     body = eqn.params["jaxpr"]
-    return _count_primitive(body, "dot_general"), _count_primitive(body, "ge") > 0
+    matmuls = _count_primitive(body, "dot_general")
+    if eqn.params.get("name") == DECODE_ATTENTION:
+        metadata = dict(eqn.params.get("metadata") or {})  # A FrozenDict: its get takes no default.
+        window = int(metadata.get("window", 0)) or None
+        return FusedKernel(matmuls, False, decode=True, window=window)
+    return FusedKernel(matmuls, _count_primitive(body, "ge") > 0)
 
 
 def _count_primitive(jaxpr, primitive: str) -> int:

@@ -18,8 +18,9 @@ Time (:class:`ServingTime`): the first token comes from the prefill; each of the
 more is a decode step at a context one longer. The compiled decode step attends over all ``max_len``
 positions of the cache; a step at a shorter context reads only its live part, so its time is the
 compiled step's less the unread positions' bytes at the rate the model streams HBM (a step's time is
-affine in its context). Beside each step stands its bound: every weight and the live cache read once at
-the full HBM bandwidth, which no step can beat.
+affine in its context). With ``model.sliding_window``, a step reads at most the window's positions (GPUs'
+decode kernel skips the rest, :mod:`shardmem.models.decode_attention`). Beside each step stands its bound:
+every weight and the live cache read once at the full HBM bandwidth, which no step can beat.
 
 Capacity (:class:`KVCapacity`): the bytes the cache may take are the budget less everything else at the
 peak (weights, the larger function's temporaries), as vLLM sizes its cache after a profiling run; the
@@ -59,6 +60,11 @@ class ServingTime:
     batch: int
     prompt_len: int
     max_len: int
+    window: int | None = None  # model.sliding_window: a step reads at most this many positions.
+
+    def live(self, context: int) -> int:
+        """Positions of each sequence a step at ``context`` reads: all, or its sliding window's."""
+        return context if self.window is None else min(context, self.window)
 
     @property
     def output_len(self) -> int:
@@ -67,11 +73,13 @@ class ServingTime:
 
     def decode_seconds(self, context: int) -> float:
         """A decode step's predicted seconds when each sequence has ``context`` live positions."""
-        return self.decode_at_max_len - (self.max_len - context) * self.seconds_per_position
+        unread = self.live(self.max_len) - self.live(context)
+        return self.decode_at_max_len - unread * self.seconds_per_position
 
     def bound_seconds(self, context: int) -> float:
-        """The step's HBM bound: the weights and ``context`` live positions read once at full bandwidth."""
-        return (self.weight_bytes + context * self.kv_bytes_per_position) / self.memory_bandwidth
+        """The step's HBM bound: the weights and ``context`` live positions (those in the window) read
+        once at full bandwidth."""
+        return (self.weight_bytes + self.live(context) * self.kv_bytes_per_position) / self.memory_bandwidth
 
     @property
     def contexts(self) -> tuple[int, int]:
@@ -225,13 +233,13 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
     serve = {"batch": s.batch, "prompt_len": s.prompt_len, "max_len": s.max_len, "kv_dtype": s.kv_dtype,
              "quantize": dataclasses.asdict(quantize) if quantize else None}  # fmt: skip
     plan = ServingPlan(reports["prefill"], reports["decode"], serve)
-    return dataclasses.replace(
-        plan, time=_time(plan, target), capacity=_capacity(plan, _batch_shards(program))
-    )
+    time = _time(plan, target, config.model.sliding_window)
+    return dataclasses.replace(plan, time=time, capacity=_capacity(plan, _batch_shards(program)))
 
 
-def _time(plan: ServingPlan, target: Target) -> ServingTime | None:
-    """The static batch's times, from the two functions' step times (None without a time model)."""
+def _time(plan: ServingPlan, target: Target, window: int | None = None) -> ServingTime | None:
+    """The static batch's times, from the two functions' step times (None without a time model); a
+    step reads at most ``window`` positions of each sequence (``model.sliding_window``)."""
     prefill, decode = plan.prefill.step_time, plan.decode.step_time
     if prefill is None or decode is None:
         return None
@@ -242,7 +250,7 @@ def _time(plan: ServingPlan, target: Target) -> ServingTime | None:
         seconds_per_position=per_position / (hardware.memory_bandwidth * cost.MEMORY_EFFICIENCY),
         weight_bytes=plan.per_device["weights"], kv_bytes_per_position=per_position,
         memory_bandwidth=hardware.memory_bandwidth, batch=plan.serve["batch"],
-        prompt_len=plan.serve["prompt_len"], max_len=plan.serve["max_len"],
+        prompt_len=plan.serve["prompt_len"], max_len=plan.serve["max_len"], window=window,
     )  # fmt: skip
 
 

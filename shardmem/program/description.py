@@ -36,6 +36,7 @@ from shardmem.models.attention import (
     device_class,
     resolve_attention,
     shared_memory_per_block,
+    sm_count,
 )
 from shardmem.models.kv_cache import KVCache
 from shardmem.models.llama import lora_input_dims
@@ -187,7 +188,8 @@ def describe(
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
                                       where=device_class(mesh.devices.flat), dtype=config.precision.compute,
                                       context=context, window=config.model.sliding_window is not None,
-                                      shared_memory=shared_memory_per_block(mesh.devices.flat))  # fmt: skip
+                                      shared_memory=shared_memory_per_block(mesh.devices.flat),
+                                      sms=sm_count(mesh.devices.flat))  # fmt: skip
     if attention is not None and not custom:
         length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
         length = config.serve.prompt_len if serving else length  # Prefill attends over the prompts.

@@ -1,0 +1,85 @@
+"""The Pallas decode-attention kernel (shardmem.models.decode_attention), in interpret mode on CPU: the
+same attention as XLA's over the cache, for grouped-query heads, each sequence at its own position, a
+sliding window and any number of parts; and, sharded by the rules, what a decode step's layer runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardmem import build_mesh
+from shardmem.models.attention import AttentionKernel, causal_attention
+from shardmem.models.decode_attention import block_positions, decode_attention, splits_for
+from shardmem.models.kv_cache import CacheSlot, KVCache
+from shardmem.parallel.rules import Rules
+from shardmem.planning import hlo
+
+pytestmark = pytest.mark.newest  # Pallas's API moves between JAX versions.
+
+LAYERS, B, T, G, K, H = 3, 4, 600, 2, 16, 6  # 3 query heads per KV head: padded to Triton's 16 rows.
+POSITIONS = np.array([0, 170, 599, 5], np.int32)  # The first position, the last, and two between.
+
+
+def _cache(rng):
+    keys, values = (jnp.asarray(rng.normal(size=(LAYERS, B, T, G, K)), jnp.float32) for _ in range(2))
+    return keys, values
+
+
+@pytest.mark.parametrize("window", [None, 7, 100])
+@pytest.mark.parametrize("splits", [1, 4, 16])  # 600 positions in blocks of 64: 1, 4 and 10 parts.
+def test_the_kernel_attends_as_xla_does_up_to_each_sequences_position(window, splits):
+    rng = np.random.default_rng(0)
+    keys, values = _cache(rng)
+    q_BxHxK = jnp.asarray(rng.normal(size=(B, H, K)), jnp.float32)
+    ctx_BxHxK = decode_attention(q_BxHxK, keys, values, jnp.int32(1), POSITIONS, window=window,
+                                 splits=splits, interpret=True)  # fmt: skip
+    expected = causal_attention(q_BxHxK[:, None], keys[1], values[1], q_positions=POSITIONS[:, None],
+                                k_positions=jnp.arange(T), window=window)[:, 0]  # fmt: skip
+    np.testing.assert_allclose(ctx_BxHxK, expected, atol=2e-6)
+    # Another layer's keys give another answer: the kernel reads the layer it is given.
+    other = decode_attention(q_BxHxK, keys, values, jnp.int32(2), POSITIONS, window=window, splits=splits,
+                             interpret=True)  # fmt: skip
+    assert not np.allclose(other, expected, atol=1e-3)
+
+
+def test_the_parts_fill_the_gpus_sms_and_the_blocks_its_shared_memory():
+    assert splits_for(1, 32, 4096, sms=108) == 4  # Llama 2 7B at batch 1: 128 programs for 108 SMs.
+    assert splits_for(1, 8, 4096, sms=132) == 32  # 8 KV heads: 256 programs, the most parts.
+    assert splits_for(64, 32, 4096, sms=108) == 1  # A batch of 64 fills the GPU alone.
+    assert splits_for(1, 2, 128, sms=108) == 2  # A part is at least a block of 64 positions.
+    assert splits_for(1, 2, 4096, sms=None) == 1  # CPU.
+    assert block_positions(4096) == 64 and block_positions(40) == 32
+    # GPT-J's heads of 256 in 16 bits: 16 query rows and two stages of 64 keys and values take 135 KiB, more
+    # than an RTX 3090's 99 KiB a block; 32 positions take 71 KiB.
+    assert block_positions(4096, 256, 2, shared_memory=101_376) == 32
+    assert block_positions(4096, 256, 2, shared_memory=166_912) == 64  # An A100's 163 KiB.
+
+
+def test_a_decode_steps_layer_runs_the_kernel_sharded_as_the_cache_is():
+    # 2 replicas x tensor 2 on 4 CPU devices: each runs its sequences' and KV heads' share of the kernel.
+    mesh = build_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+    rules = Rules.from_config({"batch": ["data"], "heads": "tensor", "kv_heads": "tensor"}, mesh.axis_names)
+    rng = np.random.default_rng(1)
+    keys, values = _cache(rng)
+    cache = KVCache(keys, values)
+    q_Bx1xHxK = jnp.asarray(rng.normal(size=(B, 1, H, K)), jnp.float32)
+    k_Bx1xGxK, v_Bx1xGxK = (jnp.asarray(rng.normal(size=(B, 1, G, K)), jnp.float32) for _ in range(2))
+
+    def layer(kernel, window):
+        def run(cache, q, k, v):
+            with rules.activate(mesh):
+                slot = CacheSlot(cache, jnp.int32(2), jnp.asarray(POSITIONS)[:, None], prefill=False)
+                return slot.attend(kernel, q, k, v, window=window)
+
+        arguments = (cache, q_Bx1xHxK, k_Bx1xGxK, v_Bx1xGxK)
+        return jax.jit(run)(*arguments), hlo.fused_attention_kernels(jax.make_jaxpr(run)(*arguments))
+
+    for window in (None, 7):
+        (ctx, written), kernels = layer(AttentionKernel("pallas", interpret=True, sms=8), window)
+        assert kernels["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=window)
+        (expected, expected_cache), none = layer(AttentionKernel("xla"), window)
+        assert not none
+        np.testing.assert_allclose(ctx, expected, atol=2e-6)
+        np.testing.assert_array_equal(written.keys, expected_cache.keys)
+        # The step's own key is attended: it was written before the kernel read the cache.
+        np.testing.assert_array_equal(written.keys[2, np.arange(B), POSITIONS], k_Bx1xGxK[:, 0])
