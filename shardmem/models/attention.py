@@ -188,25 +188,26 @@ def shared_memory_per_block(devices) -> int | None:
     """Returns the shared memory one thread block may take on ``devices``' GPU (its opt-in limit, from
     :data:`~shardmem.planning.targets.GPU_ROWS`: whole GPUs and MIG slices), or None for CPUs, TPUs and
     GPUs shardmem has no spec for."""
-    from shardmem.planning.targets import GPU_ROWS, target_for_device_kind
-
-    device = next(iter(devices))
-    if device.platform in ("cpu", "tpu"):
-        return None
-    name = target_for_device_kind(device.device_kind)
-    return GPU_ROWS[name].shared_memory_per_block_optin if name else None
+    row = _gpu_row(devices)
+    return row.shared_memory_per_block_optin if row else None
 
 
 def sm_count(devices) -> int | None:
     """Returns the SMs of ``devices``' GPU (:data:`~shardmem.planning.targets.GPU_ROWS`), or None for
     CPUs, TPUs and GPUs shardmem has no spec for."""
+    row = _gpu_row(devices)
+    return row.sm_count if row else None
+
+
+def _gpu_row(devices):
+    """The :data:`~shardmem.planning.targets.GPU_ROWS` row of ``devices``' GPU, or None."""
     from shardmem.planning.targets import GPU_ROWS, target_for_device_kind
 
     device = next(iter(devices))
     if device.platform in ("cpu", "tpu"):
         return None
     name = target_for_device_kind(device.device_kind)
-    return GPU_ROWS[name].sm_count if name else None
+    return GPU_ROWS[name] if name else None
 
 
 def device_class(devices) -> str:

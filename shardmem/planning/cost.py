@@ -547,8 +547,7 @@ class _Kernels:
         matmuls, causal = kernel.matmuls, kernel.causal
         q, k = _dims(self.shape(ins.operands[0])), _dims(self.shape(ins.operands[1]))
         if kernel.decode and len(q) == 4 and len(k) == 5:  # [B, G, R, K] against [layers, B, T, G, K].
-            flops = matmuls * 2.0 * math.prod(q) * hlo.decode_positions(kernel, k[2])
-            return flops, _dtype(self.shape(ins.operands[0])), True
+            return hlo.decode_flops(kernel, q, k), _dtype(self.shape(ins.operands[0])), True
         if len(q) != 4 or len(k) != 4:
             return 0.0, "f32", False
         pairs = q[0] * q[2] * q[1] * k[1] * q[3]  # [batch, length, heads, head_dim]

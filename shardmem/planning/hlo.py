@@ -148,9 +148,7 @@ def fused_attention_flops(eqn, *, recomputed: bool = True) -> float | None:
     kernel's 4 matmuls that recompute nothing (dP, dV, dQ, dK)."""
     name = eqn.primitive.name
     if name == "pallas_call" and eqn.params.get("name") == DECODE_ATTENTION:
-        kernel = _pallas_kernel(eqn)
-        q, keys = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, G, R, K], [layers, B, T, G, K]
-        return kernel.matmuls * 2.0 * math.prod(q) * decode_positions(kernel, keys[2])
+        return decode_flops(_pallas_kernel(eqn), eqn.invars[0].aval.shape, eqn.invars[1].aval.shape)
     if name == "pallas_call" and eqn.params.get("name") in _PALLAS_ATTENTION:
         kernel = _pallas_kernel(eqn)
         matmuls, causal = kernel.matmuls, kernel.causal
@@ -167,6 +165,12 @@ def fused_attention_flops(eqn, *, recomputed: bool = True) -> float | None:
         return None
     pairs = q[0] * q[2] * q[1] * k[1] * q[3]
     return matmuls * 2.0 * pairs * (0.5 if causal else 1.0)
+
+
+def decode_flops(kernel: FusedKernel, q_shape, keys_shape) -> float:
+    """The decode kernel's FLOPs: its queries ``[B, G, R, K]`` against the positions it reads of the
+    stacked cache's keys ``[layers, B, T, G, K]``."""
+    return kernel.matmuls * 2.0 * math.prod(q_shape) * decode_positions(kernel, keys_shape[2])
 
 
 def decode_positions(kernel: FusedKernel, max_len: int) -> int:
