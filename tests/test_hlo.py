@@ -87,6 +87,10 @@ def test_readable_scopes():
         "layers_0-7/attention/dot_general (backward)"
     )
     assert hlo.readable_scope("state['params']['layers']['wq']") == "state/params/layers/wq (argument)"
+    # A serving step's layer is a nested function: its name is not a scope of the model's.
+    assert hlo.readable_scope("jit(decode)/jit(run_layer)/attention/dynamic_update_slice") == (
+        "attention/dynamic_update_slice"
+    )
 
 
 STACKED = """\

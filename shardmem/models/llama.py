@@ -548,14 +548,22 @@ class Llama(nnx.Module):
         # constant indices into a copy of the whole cache per layer.
         # A layer's fused groups (models/fused.py) reach it beside its parameters, whose parts of them
         # are stand-ins: one matmul computes the parts.
+        # Each layer is one jitted function of its weights, traced and lowered once for all the layers
+        # (XLA inlines the calls: the compiled program is the same): a 70B plan traced and lowered 80
+        # layers each, a third of its CPU time.
         layer_indices = jax.lax.optimization_barrier([jnp.int32(i) for i in range(len(layer_params))])
+
+        @jax.jit
+        def run_layer(params, rest, fused, x_BxLxD, cache, layer, positions):
+            parts = {part: shape for w in fused.values() for part, shape in w.part_shapes().items()}
+            block = nnx.merge(graphdef, {**params, **parts}, rest)
+            return block(x_BxLxD, CacheSlot(cache, layer, positions, prefill), fused)
+
         for index, params in enumerate(layer_params):
             fused = {name: w for name, w in params.items() if isinstance(w, Fused)}
-            parts = {part: shape for w in fused.values() for part, shape in w.part_shapes().items()}
-            params = {**{name: w for name, w in params.items() if name not in fused}, **parts}
-            block = nnx.merge(graphdef, params, jax.tree.map(operator.itemgetter(index), rest))
-            slot = CacheSlot(cache, layer_indices[index], positions, prefill)
-            x_BxLxD, cache = block(x_BxLxD, slot, fused)
+            params = {name: w for name, w in params.items() if name not in fused}
+            x_BxLxD, cache = run_layer(params, jax.tree.map(operator.itemgetter(index), rest), fused,
+                                       x_BxLxD, cache, layer_indices[index], positions)  # fmt: skip
         return self.final_norm(x_BxLxD), cache
 
     def _embed(self, tokens_BxL, table_axes):

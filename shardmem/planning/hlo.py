@@ -357,8 +357,8 @@ def _tuple_element(shape: str, index: str) -> str:
 
 def readable_scope(op_name: str) -> str:
     """Turns "jit(step)/while/body/transpose(jvp(layers_0-7))/attention/dot_general" into
-    "layers_0-7/attention/dot_general (backward)", and an argument's
-    "state['params']['layers']['wq']" into "state/params/layers/wq (argument)"."""
+    "layers_0-7/attention/dot_general (backward)" (a nested function's "jit(run_layer)" left out too),
+    and an argument's "state['params']['layers']['wq']" into "state/params/layers/wq (argument)"."""
     if op_name == "loop or call carried state":
         return op_name
     if re.fullmatch(r"[\w\-]+\.\d+", op_name):  # "broadcast.101": an instruction XLA created.
@@ -368,7 +368,7 @@ def readable_scope(op_name: str) -> str:
     backward = "transpose(" in op_name
     parts = []
     for part in map(_unwrapped, op_name.split("/")[1:]):
-        if part and part not in _NOISE:
+        if part and part not in _NOISE and not part.startswith("jit("):  # A nested jit is no model scope.
             parts.append(part)
     scope = "/".join(parts) or "loop body (no model scope)"
     return f"{scope} (backward)" if backward else scope
