@@ -26,8 +26,6 @@ from shardmem.program import build_program
 from shardmem.run.checkpoint import Checkpointer
 from shardmem.run.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 40

@@ -151,7 +151,6 @@ def context_2():
     return planned_and_trained(program)
 
 
-@pytest.mark.slow
 def test_context_2_with_data_and_fsdp_trains_as_one_device(context_2, one_device):
     program, _, _, losses, state = context_2
     assert program.attention.context == 2

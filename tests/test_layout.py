@@ -44,7 +44,6 @@ def searched():  # Compiles: the tests that use it are marked slow.
     return config, tune(config, "cpu", search="layout", max_compiles=8, jobs=1)
 
 
-@pytest.mark.slow
 def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_time(searched):
     config, result = searched
     assert result.found and 2 <= result.compiles <= 8
@@ -61,7 +60,6 @@ def test_the_search_compiles_its_own_layout_first_and_ranks_by_predicted_step_ti
     assert all(t.how in ("compiled", "skipped") for t in result.trials)
 
 
-@pytest.mark.slow
 def test_the_last_line_says_what_each_compile_was_for(searched):
     # Issue 30: "N compiles in all (N-1 compiles; ...)" left the one compile apart unexplained.
     import re
@@ -75,7 +73,6 @@ def test_the_last_line_says_what_each_compile_was_for(searched):
     assert total == result.compiles == layouts + 1 + remat
 
 
-@pytest.mark.slow
 def test_the_best_of_every_buildable_family_is_compiled_and_compared_with_the_winner(searched):
     """Issue 38: on llama-70b the estimates pruned every pipeline and sequence-parallel layout, so compiled
     plans never compared the families. Each family that can be built is compiled, whatever its estimate,

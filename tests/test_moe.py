@@ -186,7 +186,6 @@ def expert_2():
     return planned_and_trained(program)
 
 
-@pytest.mark.slow
 def test_expert_parallel_training_matches_one_device(expert_2, one_device):
     program, _, _, losses, state = expert_2
     w_up = program.abstract_state["params"]["layers"]["moe"]["w_up"]

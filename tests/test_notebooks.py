@@ -34,7 +34,6 @@ def test_notebooks_exist_and_are_stored_without_outputs():
         assert 'jax.config.update("jax_num_cpu_devices", 8)' in "".join(code[0]["source"]), path.name
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path):
     nbformat = pytest.importorskip("nbformat")

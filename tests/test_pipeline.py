@@ -203,7 +203,6 @@ def one_f_one_b():
     return trained(program)
 
 
-@pytest.mark.slow
 def test_1f1b_training_matches_one_device(one_f_one_b, one_device):
     program, losses, params = one_f_one_b
     assert program.pipeline.schedule == "1f1b" and program.pipeline.in_flight == 4  # S, as Megatron-LM's
@@ -257,7 +256,6 @@ def test_1f1b_flops_are_the_steps_without_a_pipeline_and_full_remat_recomputes(p
     assert executed > model if policy == "full" else executed == model
 
 
-@pytest.mark.slow
 @pytest.mark.newest
 def test_an_interleaved_pipeline_of_bf16_weights_trains_on_the_cpu_as_one_device():
     # bfloat16 weights with float32 master weights: XLA:CPU aborted compiling any 1F1B step of them
@@ -287,7 +285,6 @@ def test_an_interleaved_pipeline_of_bf16_weights_trains_on_the_cpu_as_one_device
                  gradients, want_gradients)  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.newest
 def test_1f1b_over_data_and_context_reduces_the_gradients_once_and_trains_as_one_device(one_device):
     # Each device sums its own rows' and positions' weight gradients over the ticks (the sequence split by
@@ -330,7 +327,6 @@ def test_the_measured_peak_grows_with_micro_batches_under_gpipe_and_not_under_1f
     assert gpipe_growth >= 5 * batch_growth
 
 
-@pytest.mark.slow
 def test_the_interleaved_peak_grows_with_neither_virtual_stages_nor_micro_batches():
     # 16 layers of width 256 on 2 stages x 4 data, 2 or 4 virtual stages (chunks of 4 or 2 layers), no
     # recomputation: a layer's weights (1 M floats) outweigh a pass's residuals (one row of 64 tokens) many

@@ -50,7 +50,6 @@ def test_python_example_runs(tmp_path, name, code):
         assert "peak" in (tmp_path / html).read_text()
 
 
-@pytest.mark.slow
 def test_readme_figures_for_the_shipped_llama_70b_config_are_its_plan():
     # Issue 20, item 14: the pipeline table labelled a global-batch-32, 1-micro-batch row (38.27 GiB) as
     # llama-70b.yaml, which trains 64 sequences in 2 micro-batches (42.31 GiB).
@@ -93,14 +92,12 @@ def _shown_output_check(*pages: str) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-@pytest.mark.slow
 def test_the_real_output_shown_is_what_plan_prints_now():
     # Issue 30, item 10: README's and getting-started's "real output" lacked the step-time block and showed
     # scope names the report no longer gives; scripts/shown_output.py writes them, and checks them here.
     _shown_output_check("README.md", "getting-started.md")
 
 
-@pytest.mark.slow
 def test_the_cards_page_shows_what_its_plans_and_searches_print_now():
     # Issue 41, item 10: its figures drifted from what the same commands print (gpt2-124m on t4: peak 8.02 vs
     # 8.36 GiB on the page); its tables and outputs are written and checked as README's (a few minutes).

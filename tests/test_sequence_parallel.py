@@ -38,7 +38,6 @@ def _program(axes, devices, rules=None):
     return build_program(config, build_mesh(config.mesh.axes, devices))
 
 
-@pytest.mark.slow
 def test_sequence_parallel_training_matches_one_device():
     one_device = trained(_program({"data": 1}, jax.devices()[:1]))
     program, losses, params = trained(_program({"data": 4, "tensor": 2}, jax.devices(),

@@ -435,7 +435,6 @@ def test_prompts_the_gpus_flash_kernel_cannot_tile_name_serve_prompt_len():
         plan_serving(config)
 
 
-@pytest.mark.slow
 def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys):
     config = with_memory_fraction(config_from_dict(GPU_SERVE), FRACTION)
     room = search_capacity(config).capacity

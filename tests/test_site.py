@@ -239,7 +239,6 @@ def _wait(devtools: _DevTools, expression: str, seconds: float = 30):
     return devtools.evaluate(expression)
 
 
-@pytest.mark.slow
 def test_site_builds_strict_and_works_in_headless_chromium(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}

@@ -176,7 +176,6 @@ def test_checkpoint_restores_exactly_onto_half_the_devices(reference):
     _assert_trees_equal(restored, result.state)
 
 
-@pytest.mark.slow
 def test_kill_9_then_restart_ends_with_the_uninterrupted_parameters(reference, child_env, tmp_path):
     config, result = reference
     kill_at = random.Random().randint(2, STEPS - 6)
@@ -372,7 +371,6 @@ def test_a_planning_error_on_process_0_stops_every_process_alike(child_env, tmp_
     assert "Traceback" not in output
 
 
-@pytest.mark.slow
 def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(child_env, tmp_path):
     overrides = [FSDP_OVER_ALL, "train.steps=6", "train.log_every=1", "train.checkpoint_every=3"]
     two, one = tmp_path / "two", tmp_path / "one"
