@@ -77,7 +77,6 @@ def context_steps():
     return {k: _one_step(axes, k, rules) for k in (1, 2, 8)}
 
 
-@pytest.mark.newest
 def test_context_parallel_gradients_are_reduced_once_whatever_the_micro_batches(context_steps):
     # Each device sums its own positions' gradients over the micro-batches (the sequence split by hand),
     # reduced over data x context after the loop: XLA's partitioner all-reduced every micro-batch's over

@@ -256,7 +256,6 @@ def test_1f1b_flops_are_the_steps_without_a_pipeline_and_full_remat_recomputes(p
     assert executed > model if policy == "full" else executed == model
 
 
-@pytest.mark.newest
 def test_an_interleaved_pipeline_of_bf16_weights_trains_on_the_cpu_as_one_device():
     # bfloat16 weights with float32 master weights: XLA:CPU aborted compiling any 1F1B step of them
     # ("Invalid binary instruction opcode copy", on the copies a conditional's branches made of the tick's
@@ -285,7 +284,6 @@ def test_an_interleaved_pipeline_of_bf16_weights_trains_on_the_cpu_as_one_device
                  gradients, want_gradients)  # fmt: skip
 
 
-@pytest.mark.newest
 def test_1f1b_over_data_and_context_reduces_the_gradients_once_and_trains_as_one_device(one_device):
     # Each device sums its own rows' and positions' weight gradients over the ticks (the sequence split by
     # hand in the pipeline's shard_map) and they are reduced once: XLA's partitioner all-reduced them over

@@ -230,7 +230,6 @@ def test_planning_workers_stay_off_the_gpu_unless_they_plan_for_it(target, cpu_o
         assert local_memory is None
 
 
-@pytest.mark.newest
 def test_plan_candidate_measures_real_steps_of_the_step_it_compiled(monkeypatch):
     import shardmem.program
 

@@ -343,7 +343,6 @@ def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch)
     assert "needs a command after --" in capsys.readouterr().err
 
 
-@pytest.mark.newest
 def test_cli_gate_exits_3_with_the_report(child_env, tmp_path):
     run_dir = tmp_path / "run"
     too_small = ["memory.reserve=0", "memory.usable_fraction=0.000001"]
@@ -371,6 +370,7 @@ def test_a_planning_error_on_process_0_stops_every_process_alike(child_env, tmp_
     assert "Traceback" not in output
 
 
+@pytest.mark.slow  # Two processes training: CI runs test_cluster.py's mpirun and test_distributed.py's.
 def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(child_env, tmp_path):
     overrides = [FSDP_OVER_ALL, "train.steps=6", "train.log_every=1", "train.checkpoint_every=3"]
     two, one = tmp_path / "two", tmp_path / "one"
