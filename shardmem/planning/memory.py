@@ -602,7 +602,7 @@ def _compile_and_analyze(
     # GPU plan lowers with one of its own devices as the default.
     gpu = target.deviceless and target.platform != "tpu"
     with (
-        _persistent_cache_off(),
+        persistent_cache_off(),
         tempfile.TemporaryDirectory(prefix="shardmem-xla-") as dump,
         kernel_cache.private_copy(shared) as cache,
         jax.default_device(target.devices[0]) if gpu else contextlib.nullcontext(),
@@ -765,9 +765,11 @@ def _compile_failure(target: Target, what: str, options: Mapping[str, Any]) -> s
 
 
 @contextlib.contextmanager
-def _persistent_cache_off():
+def persistent_cache_off():
     """Compiles for real: a persistent-cache hit would skip XLA, and with it the dump the report reads.
-    JAX decides once per process whether the cache is used, so the decision is reset around the compile."""
+    JAX decides once per process whether the cache is used, so the decision is reset around the compile.
+    Compiles side by side (a serving plan's two) share one such block around them all: each restores what
+    it found, which a block entered by another thread may have changed."""
     try:
         from jax._src import compilation_cache  # No public switch exists for this yet.
 
