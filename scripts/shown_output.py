@@ -11,8 +11,8 @@ what its commands print:
     .venv/bin/python scripts/shown_output.py --check        # exit 1 when a page differs from a fresh run
     .venv/bin/python scripts/shown_output.py README.md      # these pages only (README.md, getting-started.md)
 
-``tests/test_readme.py`` runs the check (slow tests). A run's own figures (the compile's seconds) are
-not compared.
+``tests/test_readme.py`` runs the check (in CI, on the JAX version the pages were written with). A run's
+own figures (the compile's seconds) are not compared.
 """
 
 from __future__ import annotations
