@@ -549,8 +549,8 @@ class Llama(nnx.Module):
         # A layer's fused groups (models/fused.py) reach it beside its parameters, whose parts of them
         # are stand-ins: one matmul computes the parts.
         # Each layer is one jitted function of its weights, traced and lowered once for all the layers
-        # (XLA inlines the calls: the compiled program is the same): a 70B plan traced and lowered 80
-        # layers each, a third of its CPU time.
+        # (XLA inlines the calls: the compiled program is the same); tracing and lowering each of a 70B
+        # model's 80 layers anew cost its plan 6 of 48 s of CPU.
         layer_indices = jax.lax.optimization_barrier([jnp.int32(i) for i in range(len(layer_params))])
 
         @jax.jit

@@ -228,9 +228,10 @@ def plan_serving(config: Config, target: str | None = None, *, top: int = 10) ->
 def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingPlan:
     config = program.config
     # The prefill and the decode step compile side by side: XLA releases the GIL while it compiles, so
-    # on two cores a plan takes about the longer of the two, not their sum (Llama 3 70B at tensor 8:
-    # 18.6 s instead of 31.1 s, the same reports). The blocks that change the process (the persistent
-    # cache's switch, fd 2) are entered once around both; each thread runs in a copy of this context.
+    # on two cores a plan takes about the longer of the two, not their sum (`plan --serve` of Llama 3 70B
+    # at tensor 8: 22.5 s instead of 35.4 s, the same reports). The blocks that change the process (the
+    # persistent cache's switch, fd 2) are entered once around both; each thread runs in a copy of this
+    # context.
     with persistent_cache_off(), native_stderr_silenced(watch=True):
         with ThreadPoolExecutor(2, thread_name_prefix="shardmem-serving-plan") as pool:
             planned = {function: pool.submit(contextvars.copy_context().run, plan_program, program, target,
