@@ -27,7 +27,7 @@ from shardmem.finetune.quant import FORMATS
 from shardmem.models.attention import ATTENTION_CHOICES
 from shardmem.models.kv_cache import KV_DTYPES
 from shardmem.models.llama import CHECKPOINT_TAGS, MLP_ACTIVATIONS, PRESETS, ModelConfig
-from shardmem.planning.targets import MIG_TARGETS, TARGET_NAMES, is_target_name
+from shardmem.planning.targets import DEFAULT_ALLOCATOR_FRACTION, MIG_TARGETS, TARGET_NAMES, is_target_name
 from shardmem.remat import LayerPlan, ModulePlan
 from shardmem.units import parse_bandwidth, parse_bytes
 
@@ -209,7 +209,7 @@ class MemoryConfig:
     1 + ``deviceless_margin`` for GPUs compiled deviceless."""
 
     target: str = "cpu"  # Where to plan for when --target is not given.
-    usable_fraction: float = 0.9  # The share of device memory the run may use.
+    usable_fraction: float = DEFAULT_ALLOCATOR_FRACTION  # The share of device memory the run may use.
     reserve: Bytes = 1 << 30  # Bytes kept free besides (an int, or a size such as 1GiB).
     # Deviceless compiles cannot autotune; on an H200 one measured step needed 15.5% more than its
     # deviceless plan (the real-GPU plan, --target local, was exact): see BENCHMARKS.md, issue 5.

@@ -220,7 +220,9 @@ def make_target(config: Config, target: str | None = None) -> Target:
         )
     if name == "cpu":
         ensure_cpu_devices(n_devices)
-    return resolve_target(name, n_devices=n_devices, hosts=config.mesh.hosts)
+    return resolve_target(
+        name, n_devices=n_devices, hosts=config.mesh.hosts, allocator_fraction=config.memory.usable_fraction
+    )
 
 
 def plan(

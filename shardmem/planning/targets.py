@@ -24,6 +24,13 @@ import jax
 from shardmem._quiet import native_stderr_silenced
 from shardmem.errors import ConfigError, PlanError, did_you_mean, one_of
 
+#: The share of a GPU's memory XLA's GPU compiler assumes its allocator holds when the compile names no
+#: allocator limit (a deviceless compile): xla/service/gpu/gpu_hlo_schedule.cc, GetSchedulerMemoryLimit.
+XLA_DEFAULT_MEMORY_PERCENT = 80
+#: The share of device memory JAX's allocator takes in a run that sets nothing else: the default of
+#: ``memory.usable_fraction``, which ``shardmem train`` passes it as ``XLA_PYTHON_CLIENT_MEM_FRACTION``.
+DEFAULT_ALLOCATOR_FRACTION = 0.9
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
@@ -76,9 +83,20 @@ class GpuSpec:
         """The dense 16-bit peak MFU is quoted against: bf16, or fp16 on GPUs without bf16 (T4, V100)."""
         return self.peak_flops["bf16"] if self.has_bf16 else self.peak_flops["f16"]
 
-    def target_config(self) -> str:
-        """Returns the ``GpuTargetConfigProto`` text XLA's deviceless compiler takes."""
+    def target_config(self, allocator_bytes: int | None = None) -> str:
+        """Returns the ``GpuTargetConfigProto`` text XLA's deviceless compiler takes.
+
+        ``allocator_bytes``: what JAX's allocator will hold on the GPU the program runs on. XLA limits its
+        scheduler and its rematerialization to that much (less the program's arguments and outputs,
+        times ``xla_gpu_memory_limit_slop_factor``): JAX's compile passes an attached GPU's allocator
+        limit as the module's ``device_memory_size``, and with none, as deviceless, XLA takes
+        :data:`XLA_DEFAULT_MEMORY_PERCENT` of the device's memory (``GetSchedulerMemoryLimit``). So the
+        description gives the device ``allocator_bytes`` over that share, and the deviceless compile
+        works within the limit the run will have. None: the device's memory as it is."""
         major, minor = self.compute_capability
+        memory = self.memory_bytes
+        if allocator_bytes is not None:
+            memory = allocator_bytes * 100 // XLA_DEFAULT_MEMORY_PERCENT
         return f"""
 gpu_device_info {{
   threads_per_block_limit: 1024
@@ -94,7 +112,7 @@ gpu_device_info {{
   memory_bandwidth: {int(self.memory_bandwidth)}
   l2_cache_size: {self.l2_cache_bytes}
   clock_rate_ghz: {self.clock_ghz}
-  device_memory_size: {self.memory_bytes}
+  device_memory_size: {memory}
   shared_memory_per_block_optin: {self.shared_memory_per_block_optin}
   cuda_compute_capability {{ major: {major} minor: {minor} }}
   registers_per_core_limit: 65536
@@ -445,14 +463,15 @@ def peak_flops_for(device_kind: str) -> float | None:
 
 
 @functools.cache
-def _gpu_topology(name: str, hosts: int, per_host: int):
+def _gpu_topology(name: str, hosts: int, per_host: int, allocator_fraction: float):
     from jax.experimental import topologies
 
     spec = GPU_ROWS[name]
+    described = spec.target_config(int(spec.memory_bytes * allocator_fraction))
     try:
         with native_stderr_silenced():  # Loading the CUDA plugin without a driver complains in C++.
             topology = topologies.get_topology_desc(
-                platform="cuda", target_config=spec.target_config(), topology=f"1x{hosts}x{per_host}"
+                platform="cuda", target_config=described, topology=f"1x{hosts}x{per_host}"
             )
     except Exception as e:  # The plugin raises a variety of runtime errors when absent or broken.
         raise PlanError(
@@ -525,10 +544,15 @@ def _resolve_tpu(name: str, n_devices: int | None) -> Target:
     return Target(key, label, devices, spec.memory_bytes, spec.peak_bf16_flops, True, False, spec=spec)
 
 
-def resolve_target(name: str, *, n_devices: int | None = None, hosts: int = 1) -> Target:
+def resolve_target(
+    name: str, *, n_devices: int | None = None, hosts: int = 1,
+    allocator_fraction: float = DEFAULT_ALLOCATOR_FRACTION,
+) -> Target:  # fmt: skip
     """Returns the devices (and their memory) to compile a mesh of ``n_devices`` for. A TPU slice name
     (``v5p-64``, ``2xv5p-64``) gives its own chips and hosts; ``tpu-v5p`` with ``n_devices`` takes the
-    one slice of that many chips."""
+    one slice of that many chips. A deviceless GPU's compiles work within the memory limit a run whose
+    allocator takes ``allocator_fraction`` of each GPU will have (``memory.usable_fraction``, which
+    ``shardmem train`` gives JAX's allocator: :meth:`GpuSpec.target_config`)."""
     if name in TPU_TARGETS or _SLICE.match(name):
         return _resolve_tpu(name, n_devices)
     if n_devices is None:
@@ -540,7 +564,7 @@ def resolve_target(name: str, *, n_devices: int | None = None, hosts: int = 1) -
                 "the same number of devices"
             )
         spec = GPU_ROWS[name]
-        devices = _gpu_topology(name, hosts, n_devices // hosts)
+        devices = _gpu_topology(name, hosts, n_devices // hosts, allocator_fraction)
         label = f"{n_devices} x {spec.description} ({hosts} host{'s' * (hosts > 1)}), deviceless"
         return Target(name, label, devices, spec.memory_bytes, spec.peak_bf16_flops, True, False, spec=spec)
     if name == "cpu":
