@@ -211,8 +211,9 @@ class MemoryConfig:
     target: str = "cpu"  # Where to plan for when --target is not given.
     usable_fraction: float = DEFAULT_ALLOCATOR_FRACTION  # The share of device memory the run may use.
     reserve: Bytes = 1 << 30  # Bytes kept free besides (an int, or a size such as 1GiB).
-    # Deviceless compiles cannot autotune; on an H200 one measured step needed 15.5% more than its
-    # deviceless plan (the real-GPU plan, --target local, was exact): see BENCHMARKS.md, issue 5.
+    # On an H200 one measured step needed 15.5% more than its deviceless plan (the real-GPU plan, --target
+    # local, was exact): XLA's memory limit, which deviceless compiles now take from usable_fraction as the
+    # run's allocator gives it (BENCHMARKS.md); kept until a GPU round measures again.
     deviceless_margin: float = 0.16
     offload_optimizer: bool = False  # Optimizer state in pinned host memory, on the device only to update.
     # XLA options for every compile of the plan (e.g. xla_gpu_enable_triton_gemm: false).
