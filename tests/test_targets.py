@@ -104,13 +104,14 @@ def test_a_mig_slice_plans_deviceless_and_with_the_plan_command(capsys):
     assert "did you mean h100-sxm-mig-3g.40gb" in err and "shardmem policies lists them" in err
 
 
+@pytest.mark.newest  # XLA's memory limit is XLA's: its rule may change with the version.
 def test_a_deviceless_gpu_compile_works_within_the_memory_the_runs_allocator_will_hold():
     """XLA rematerializes (and schedules) within the memory its compile is told the allocator holds. On an
     attached GPU JAX tells it the allocator's limit, which ``shardmem train`` sets to
     ``memory.usable_fraction`` of the device; deviceless, XLA took 80% of the device's memory whatever the
     config said. Here the step's temporaries (7.2 GiB on a 9.9 GiB MIG slice) exceed XLA's limit at a
-    usable fraction of 0.75, so XLA clones kernels to recompute values, and fit it at 0.95: no clones.
-    (With 80% for both, both plans had the same program.)"""
+    usable fraction of 0.75, so XLA clones kernels to recompute values, and fit it at 0.95: fewer clones
+    (JAX 0.10.2: 53 and none; 0.12: 12 and 2). With 80% for both, both plans had the same 18."""
     sets = [*ONE_CARD, "mesh.devices_per_host=1", "remat.policy=none", "remat.layers={}",
             "model.seq_len=4096", "train.global_batch=32", "memory.target=h100-sxm-mig-1g.10gb"]  # fmt: skip
     clones = {}
@@ -121,4 +122,4 @@ def test_a_deviceless_gpu_compile_works_within_the_memory_the_runs_allocator_wil
         instructions = (i for computation in report.module.computations.values() for i in computation)
         clones[fraction] = sum(".remat" in i.name for i in instructions)
         assert 7 << 30 < report.per_device["temp"] < 7.5 * (1 << 30)
-    assert clones[0.75] > 0 and clones[0.95] == 0
+    assert clones[0.75] > clones[0.95]
