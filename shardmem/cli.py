@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "margin")  # fmt: skip
     p.add_argument("--capacity", action="store_true",
                    help="with --serve: find the largest serve.batch and the longest serve.max_len that "
-                   "fit by compiles (two points and a check each), not from the plan's bytes per "
-                   "token")  # fmt: skip
+                   "fit by compiles (two points, then the answer and one step past it, each), not "
+                   "from the plan's bytes per token")  # fmt: skip
     p.set_defaults(run=cmd_plan)
 
     p = commands.add_parser("policies", help="list remat policies, model presets and targets")

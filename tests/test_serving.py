@@ -439,12 +439,17 @@ def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys
     config = with_memory_fraction(config_from_dict(GPU_SERVE), FRACTION)
     room = search_capacity(config).capacity
     assert room.verified and room.max_batch % 2 == 0 and room.max_batch > 4 and room.max_len > 128
-    # One plan's bytes per token hold the temporaries as planned: more sequences' prefill needs more (74
-    # sequences, where the cache alone has room for 186), a longer cache little more than itself.
+    # One plan's bytes per token hold the temporaries as planned: more sequences' prefill needs more (70
+    # sequences, where the cache alone has room for 186), a longer cache about itself (near the budget
+    # the cache leaves XLA little memory, and it holds the temporaries lower than planned: 5,987 positions
+    # where the one plan said 5,963).
     closed = plan_serving(config).capacity
-    assert room.max_batch <= closed.max_batch and 0.8 * closed.max_len <= room.max_len <= closed.max_len
+    assert room.max_batch <= closed.max_batch
+    assert 0.8 * closed.max_len <= room.max_len <= 1.05 * closed.max_len
     over = config_from_dict({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "batch": room.max_batch + 2}})
     assert not plan_serving(with_memory_fraction(over, FRACTION)).fits  # One more pair of sequences: over.
+    longer = config_from_dict({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "max_len": room.max_len + 1}})
+    assert not plan_serving(with_memory_fraction(longer, FRACTION)).fits  # One more position: over.
 
 
 def test_plan_serve_prints_json_with_times_and_room_and_draws_the_peak_functions_timeline(tmp_path, capsys):

@@ -26,7 +26,9 @@ Capacity (:class:`KVCapacity`): the bytes the cache may take are the budget less
 peak (weights, the larger function's temporaries), as vLLM sizes its cache after a profiling run; the
 largest batch at ``max_len`` and the longest context at ``batch`` follow from the cache's bytes per token.
 :func:`search_capacity` checks them with compiles: the peak is affine in the batch and in the context,
-so two compiles give the line, the budget gives the answer, and one more compile verifies it.
+so two compiles give the line, the budget gives the answer, and two more verify it (it fits, one step past
+it does not). Near the budget XLA holds the temporaries below the line (the weights and the cache leave
+it little memory), so where one step past fits too, the search goes on from there.
 """
 
 from __future__ import annotations
@@ -281,14 +283,17 @@ def _capacity(plan: ServingPlan, batch_shards: int, verified: bool = False) -> K
 
 def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
     """Returns the config's serving plan with its :class:`KVCapacity` found by compiles: the largest
-    ``serve.batch`` at ``serve.max_len`` and the longest ``serve.max_len`` at ``serve.batch`` that fit,
-    each from two compiled points (the peak is affine in each), then verified by compiling the answer
-    (one step back, and compiled again, where the rounding of a non-affine peak lands it over)."""
+    ``serve.batch`` at ``serve.max_len`` and the longest ``serve.max_len`` at ``serve.batch`` that fit.
+    Each starts from two compiled points (the peak is affine in each) and compiles where their line meets
+    the budget, then one step past the largest value that fit, until a value that fits and the next one
+    that does not bracket the answer (:data:`CAPACITY_COMPILES` at most): near the budget the arguments
+    (weights and cache) leave XLA little memory, and it holds the temporaries below the line."""
     resolved = make_target(config, target)
     program = serving_program(config, build_mesh(config.mesh.axes, resolved.devices))
     plan = _plan(program, resolved)
     shards = _batch_shards(program)
     s = program.serving
+    budget = plan.decode.budget_bytes
 
     def compiled(key: str, value: int) -> ServingPlan:
         return _plan(program.variant(f"serve.{key}={value}"), resolved)
@@ -299,18 +304,30 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
         ("max_len", s.max_len, 1, s.prompt_len),
     ):
         points = [(start, plan), (2 * start, compiled(key, 2 * start))]
-        found[key] = 0
-        for _ in range(3):  # The answer, or the line through the last two points again where it was over.
-            guess = _solve(points[-2:], plan.decode.budget_bytes) // quantum * quantum
-            if guess < least:
+        fits = max((v for v, p in points if p.fits), default=0)
+        over = min((v for v, p in points if not p.fits), default=None)
+        for _ in range(CAPACITY_COMPILES):
+            if over is not None and fits + quantum >= over:
+                break  # Bracketed: ``fits`` is the largest.
+            guess = _solve(points[-2:], budget) // quantum * quantum
+            guess = max(guess, fits + quantum) if fits else guess  # Past what fits: is it the largest?
+            guess = min(guess, over - quantum) if over is not None else guess
+            if guess < least or guess in dict(points):
                 break
             points.append((guess, compiled(key, guess)))
             if points[-1][1].fits:
-                found[key] = guess
-                break
+                fits = max(fits, guess)
+            else:
+                over = guess if over is None else min(over, guess)
+        found[key] = fits
     capacity = dataclasses.replace(_capacity(plan, shards), max_batch=found["batch"],
                                    max_len=found["max_len"], verified=True)  # fmt: skip
     return dataclasses.replace(plan, capacity=capacity)
+
+
+#: Compiles :func:`search_capacity` spends on each answer after its two starting points (each compiles
+#: a prefill and a decode step): where the peak is affine, two (the answer, and one step past it).
+CAPACITY_COMPILES = 4
 
 
 def _solve(points: list[tuple[int, ServingPlan]], budget: int) -> int:
