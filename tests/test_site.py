@@ -92,7 +92,7 @@ def test_config_reference_lists_every_key_with_its_meaning_and_real_default():
 def test_field_comments_read_the_comment_on_a_field_and_the_lines_above_it():
     comments = hooks().field_comments(shardmem.config.MemoryConfig)
     assert comments["usable_fraction"] == "The share of device memory the run may use."
-    assert comments["deviceless_margin"].startswith("Deviceless compiles cannot autotune;")
+    assert comments["deviceless_margin"].startswith("On an H200 one measured step needed 15.5% more")
     assert comments["compiler_options"].startswith("XLA options for every compile")
 
 
