@@ -137,10 +137,10 @@ def test_the_sequence_parallel_collectives_are_permutes_under_matmuls(h100_plan)
             done = next(i for i, d in enumerate(instructions)
                         if d.opcode == "collective-permute-done" and d.operands[0] == ins.name)  # fmt: skip
             spans.append(sum(_is_matmul(module, i) for i in instructions[start + 1 : done]))
-    # Forward and backward, attention and MLP, in the layer loops' two bodies (XLA's double buffering):
-    # nearly every transfer runs beside a matmul (at tiny widths the scheduler leaves one or two of the
-    # backward's partial sums beside a norm's gradient instead).
-    assert len(spans) >= 16 and sum(n >= 1 for n in spans) >= 0.75 * len(spans), spans
+    # Forward and backward, attention and MLP (one body per layer loop: accumulating with no FSDP, the step
+    # compiles without double buffering): nearly every transfer runs beside a matmul (at tiny widths the
+    # scheduler leaves one or two of the backward's partial sums beside a norm's gradient instead).
+    assert len(spans) >= 8 and sum(n >= 1 for n in spans) >= 0.75 * len(spans), spans
     assert h100_plan.tensor_parallel.startswith("collective matmuls"), h100_plan.tensor_parallel
 
 

@@ -18,8 +18,9 @@ What production JAX training on GPUs sets (MaxText's GPU scripts, NVIDIA JAX-Too
   are refused as compile options; ``_OFF`` turns one off). Each is written in the spelling the
   running XLA accepts (:func:`supported`).
 - ``xla_gpu_enable_while_loop_double_buffering``: unrolls loops by two so a pipelined collective has
-  a buffer to land in. Taken; it can raise the peak, which the plan then shows (MaxText notes an OOM
-  for 405B with it).
+  a buffer to land in. Taken, except where a step loops over micro-batches with no parameter split over
+  a batch axis (:func:`~shardmem.program.parallelism.overlap_exceptions`): there it has no FSDP gather
+  to land and only raised the peak (MaxText notes an OOM for 405B with it).
 - combine thresholds (``xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes``) and
   ``..._combine_by_dim=false``: per-model tuning in those recipes (1 GiB, 128 MiB, 32-64 MiB, divided by
   the GPU count in some); not taken, XLA's defaults stand (a user may set them in

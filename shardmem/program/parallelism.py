@@ -138,21 +138,34 @@ def overlap_exceptions(
 ) -> tuple[str, ...]:
     """Returns the GPU overlap options the step compiles without (:data:`overlap.GPU_OVERLAP` names).
 
-    One so far: with sequence parallelism and gradients accumulated per device over data axes
-    (:mod:`shardmem.program.accumulation`), XLA's all-gather pipeliner moves the next micro-batch's sequence
-    gathers into the accumulation loop's previous trip and clones the whole forward layer loop that
-    feeds them: every micro-batch's forward ran twice (tests/test_overlap.py; Nemotron-4 15B at tensor 4
-    x data 4, BENCHMARKS.md). It is there to prefetch FSDP weight gathers across layers, which such a
-    step has none of when no parameter is split over a batch axis; with FSDP as well, XLA did not clone
-    (data 2 x FSDP 2 x tensor 4) and the prefetch stays.
+    Both are there to prefetch FSDP weight gathers across layers (and to pipeline gradient
+    reduce-scatters), which a step has none of when no parameter is split over a batch axis:
+
+    - Loop double buffering, where the step loops over micro-batches (gradient accumulation or a
+      pipeline's ticks) and no parameter is split over a batch axis. XLA unrolls every loop by two, the
+      micro-batch loop too; with no pipelined collective to land, that only lets the scheduler start one
+      micro-batch's forward (its stacks of activations) before the last one's backward has freed its
+      own, and over XLA's memory limit it then rematerializes (tests/test_overlap.py; Llama 3.1 8B at
+      context 2 x data 4, 32 micro-batches: 3.1 s of remat clones in an 18.1 s step, BENCHMARKS.md).
+      With FSDP the prefetch pays (MPT-70B on 64 A100s, 4 micro-batches: 146 s with it, 151 s without).
+    - Pipelined all-gather, with sequence parallelism and gradients accumulated per device over data
+      axes (:mod:`shardmem.program.accumulation`): XLA's all-gather pipeliner moves the next
+      micro-batch's sequence gathers into the accumulation loop's previous trip and clones the whole
+      forward layer loop that feeds them, so every micro-batch's forward ran twice (tests/test_overlap.py;
+      Nemotron-4 15B at tensor 4 x data 4, BENCHMARKS.md). With FSDP as well, XLA did not clone (data 2
+      x FSDP 2 x tensor 4) and the prefetch stays.
     """
-    if pipelined or config.train.micro_batches == 1 or not rows_independent:
-        return ()
-    with rules.activate(mesh):
-        if not sequence_parallel():
-            return ()
     batch_axes = set(rules.mesh_axes("batch") or ())
     fsdp = any(a in batch_axes and mesh.shape[a] > 1
                for s in jax.tree.leaves(param_shardings) for e in s.spec for a in spec_axes(e))  # fmt: skip
+    if fsdp:
+        return ()
+    accumulating = config.train.micro_batches > 1
+    off = ("loop double buffering",) if pipelined or accumulating else ()
+    if pipelined or not accumulating or not rows_independent:
+        return off
+    with rules.activate(mesh):
+        if not sequence_parallel():
+            return off
     axes = deferred_axes(rules, mesh, param_shardings, batch_sharding, config.train.fsdp_reduce_once)
-    return ("pipelined all-gather",) if axes and not fsdp else ()
+    return ("pipelined all-gather", *off) if axes else off
