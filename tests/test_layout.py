@@ -553,3 +553,35 @@ def test_a_familys_pick_that_does_not_fit_is_followed_by_one_more(monkeypatch):
     pipeline = next(f for f in families if f.family == "pipeline")
     assert pipeline.best is not None and pipeline.estimate is not None
     assert pipeline.best.fits == ("remat.policy=full" in pipelines[1])
+
+
+def test_the_chosen_line_names_the_per_layer_remat_that_refined_the_winner(monkeypatch):
+    """Where the per-layer search beats the winner's uniform policy, the choice is the mix, and the line
+    that names the choice says so beside the mix's figures (not the uniform policy's name)."""
+    import types
+
+    from shardmem.explore import tune as tune_module
+    from shardmem.explore.layout import Layout, Ranked
+
+    config = load_config(TINY, ["remat.layers={}"])
+    winner = Layout(tuple((a, 8 if a == "fsdp" else 1) for a in layout.AXES), 1, "full")
+    step = {"seconds": 1.0, "breakdown": {"compute": 1.0}, "bubble_seconds": 0.0, "tokens_per_second": 1e3}
+
+    def searched(config, target, resolved, *, note, **kwargs):
+        note(winner.describe(), winner.overrides(config), 1, 0, 0.0, True, "compiled", "fits", step_time=step)
+        return [Ranked(winner, winner.overrides(config), 1, 1, True, step)], 1, ["1 compile"], []
+
+    def report(seconds):
+        step_time = types.SimpleNamespace(seconds=seconds, to_json=lambda: {"seconds": seconds})
+        return types.SimpleNamespace(step_time=step_time, per_device={"peak": 1}, margin_bytes=1)
+
+    mixed_config = load_config(TINY, ['remat.layers={"0-1": save_qkv, "2-3": minimal}'])
+    mixed = types.SimpleNamespace(compiles=2, found=True, report=report(0.9), config=mixed_config,
+                                  chosen=None, trials=[])  # fmt: skip
+    search = tune_module.tune
+    monkeypatch.setattr(layout, "search_layouts", searched)
+    monkeypatch.setattr(tune_module, "plan", lambda *args, **kwargs: report(1.0))
+    monkeypatch.setattr(tune_module, "tune", lambda *args, **kwargs: mixed)
+    result = search(config, "h100-sxm", search="layout", max_compiles=12)
+    chose = next(line for line in result.explanation if line.startswith("chose "))
+    assert chose.startswith("chose fsdp=8; 1 micro-batch; 0-1: save_qkv, 2-3: minimal: predicted 900 ms"), chose

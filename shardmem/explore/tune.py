@@ -445,9 +445,11 @@ def _tune_layout(
     planner.compiles = compiles
     st = report.step_time.to_json() if refined else best.step_time
     rows = family_rows(families, best, config, objective)
+    # The winner's layout with the remat it runs: the per-layer mix where that refined it.
+    chose = dataclasses.replace(best.layout, remat=tuned.remat_plan().describe()) if refined else best.layout
     explanation = [
         f"budget {format_bytes(budget)} per device on {target.label}",
-        f"chose {best.layout.describe()}: predicted {format_seconds(st['seconds'])} per step"
+        f"chose {chose.describe()}: predicted {format_seconds(st['seconds'])} per step"
         + (f", {st['tokens_per_second']:,.0f} tokens/s" if st.get("tokens_per_second") else "")
         + (f", MFU {st['mfu']:.1%}" if st.get("mfu") is not None else "")
         + f"; peak {format_bytes(report.per_device['peak'])}, {margin_text(report.margin_bytes)}",
