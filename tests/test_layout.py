@@ -584,4 +584,5 @@ def test_the_chosen_line_names_the_per_layer_remat_that_refined_the_winner(monke
     monkeypatch.setattr(tune_module, "tune", lambda *args, **kwargs: mixed)
     result = search(config, "h100-sxm", search="layout", max_compiles=12)
     chose = next(line for line in result.explanation if line.startswith("chose "))
-    assert chose.startswith("chose fsdp=8; 1 micro-batch; 0-1: save_qkv, 2-3: minimal: predicted 900 ms"), chose
+    mix = "chose fsdp=8; 1 micro-batch; 0-1: save_qkv, 2-3: minimal: predicted 900 ms"
+    assert chose.startswith(mix), chose

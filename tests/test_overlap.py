@@ -75,8 +75,8 @@ def test_accumulation_without_fsdp_compiles_its_loops_without_double_buffering()
     config = load_config("bench/schedules/llama3-8b-context.yaml", small_8b)
     ours = plan(config, "h100-sxm")
     assert ours.compiler_options[DOUBLE_BUFFERING] is False
-    doubled = plan(load_config("bench/schedules/llama3-8b-context.yaml",
-                               [*small_8b, f"memory.compiler_options={{{DOUBLE_BUFFERING}: true}}"]), "h100-sxm")  # fmt: skip
+    forced = f"memory.compiler_options={{{DOUBLE_BUFFERING}: true}}"
+    doubled = plan(load_config("bench/schedules/llama3-8b-context.yaml", [*small_8b, forced]), "h100-sxm")
     assert ours.per_device["temp"] < 0.85 * doubled.per_device["temp"]
     # With FSDP it prefetches the next layer's weights (MPT-70B on 64 A100s: 146 s with it, 151 without).
     fsdp = plan(load_config("configs/tiny.yaml", ["train.micro_batches=2"]), "h100-sxm")

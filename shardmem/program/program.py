@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -29,6 +31,20 @@ from shardmem.parallel.rules import Rules, sharding_table
 from shardmem.program.description import Description
 from shardmem.program.model import sharded
 from shardmem.remat import LayerPlan, ModulePlan
+
+
+def loading(jitted: Callable) -> Callable:
+    """``jitted`` (pretrained weights in, donated), called without JAX's warning that some donated buffers
+    were not usable: a quantized, adapted or fused tensor has no output of its shape to reuse, and the
+    donation still frees what it read."""
+
+    @functools.wraps(jitted)
+    def call(params):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            return jitted(params)
+
+    return call
 
 
 @dataclasses.dataclass(frozen=True)

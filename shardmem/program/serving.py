@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -41,7 +40,7 @@ from shardmem.models.kv_cache import KVCache
 from shardmem.parallel.rules import constrain
 from shardmem.program.description import Description, Serving, describe
 from shardmem.program.model import sharded
-from shardmem.program.program import Function, Program
+from shardmem.program.program import Function, Program, loading
 
 #: XLA options prefill and decode compile with (and are planned with). XLA's GPU compiler merges matmuls
 #: that share an input into one over their weights concatenated, a copy of those weights at every call:
@@ -163,10 +162,7 @@ def build_serving(description: Description) -> ServingProgram:
             return init(jax.random.key(description.seed))
         from shardmem.finetune.weights import load_weights  # safetensors or Orbax, only when loading
 
-        params = load_weights(description.init_from, program)
-        with warnings.catch_warnings():  # A quantized tensor has no output of its shape to reuse.
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            return start(params)
+        return start(load_weights(description.init_from, program))
 
     program = ServingProgram(description, init_or_load, build_serving, prefill, decode, start)
     return program
@@ -235,8 +231,11 @@ def _initializers(d: Description) -> tuple[Callable, Callable]:
 
     shardings = serving_layout(d.frozen_shardings, d)
     init = jax.jit(init_weights, out_shardings=shardings)
-    start = jax.jit(lambda params: serving_layout(finetune.prepare(params, jax.random.key(d.seed))[1], d),
-                    out_shardings=shardings, donate_argnums=0)  # fmt: skip
+
+    def start_weights(params):
+        return serving_layout(finetune.prepare(params, jax.random.key(d.seed))[1], d)
+
+    start = loading(jax.jit(start_weights, out_shardings=shardings, donate_argnums=0))
     return init, start
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -43,7 +42,7 @@ from shardmem.models.linen import remat_calls
 from shardmem.program.accumulation import accumulate_gradients, reduce_scatters_per_micro_batch
 from shardmem.program.description import Description, Training, describe
 from shardmem.program.optimizer import loss_scale, master_weights, to_device, to_host
-from shardmem.program.program import Function, Program
+from shardmem.program.program import Function, Program, loading
 
 
 @dataclasses.dataclass
@@ -154,10 +153,7 @@ def build_training(description: Description) -> TrainingProgram:
             return init(jax.random.key(description.seed))
         from shardmem.finetune.weights import load_weights  # safetensors or Orbax, only when loading
 
-        params = load_weights(description.init_from, program)
-        with warnings.catch_warnings():  # A quantized or adapted tensor has no output of its shape to reuse.
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            return start(params)
+        return start(load_weights(description.init_from, program))
 
     program = TrainingProgram(description, init_or_load, build_training, step, loss, start)
     return program
@@ -281,8 +277,8 @@ def initializers(description: Description) -> tuple[Callable, Callable]:
         return state
 
     init = jax.jit(init_state, out_shardings=train.state_shardings)
-    start = jax.jit(lambda params: init_state(jax.random.key(d.seed), params),
-                    out_shardings=train.state_shardings, donate_argnums=0)  # fmt: skip
+    start = loading(jax.jit(lambda params: init_state(jax.random.key(d.seed), params),
+                            out_shardings=train.state_shardings, donate_argnums=0))  # fmt: skip
     return init, start
 
 
