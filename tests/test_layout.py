@@ -432,16 +432,11 @@ def test_a_layout_that_holds_only_part_of_the_batch_is_compared_at_the_full_batc
     assert first.split("│")[2].strip() == "16" and first.split("│")[3].strip() == "2"
 
 
-@pytest.mark.parametrize("policy", ["full", "offload"])
-def test_the_winners_per_layer_remat_mixes_in_offload_only_where_the_winner_offloads(monkeypatch, policy):
-    """The remat search ranks by recomputed FLOPs and counts host copies as free: on a GPU target it
-    would make offload the base of every mix, whose PCIe time the layout ranking had already weighed."""
-    import types
-
-    from shardmem.explore import tune as tune_module
+def _one_compiled_winner(policy: str):
+    """A stand-in for ``layout.search_layouts`` whose search compiled one layout, FSDP 8 with ``policy``,
+    and ranked it first."""
     from shardmem.explore.layout import Layout, Ranked
 
-    config = load_config(TINY, ["remat.layers={}"])
     winner = Layout(tuple((a, 8 if a == "fsdp" else 1) for a in layout.AXES), 1, policy)
     step = {"seconds": 1.0, "breakdown": {"compute": 1.0}, "bubble_seconds": 0.0, "tokens_per_second": 1e3}
 
@@ -449,6 +444,19 @@ def test_the_winners_per_layer_remat_mixes_in_offload_only_where_the_winner_offl
         note(winner.describe(), winner.overrides(config), 1, 0, 0.0, True, "compiled", "fits", step_time=step)
         return [Ranked(winner, winner.overrides(config), 1, 1, True, step)], 1, ["1 compile"], []
 
+    return searched
+
+
+@pytest.mark.parametrize("policy", ["full", "offload"])
+def test_the_winners_per_layer_remat_mixes_in_offload_only_where_the_winner_offloads(monkeypatch, policy):
+    """The remat search ranks by recomputed FLOPs and counts host copies as free: on a GPU target it
+    would make offload the base of every mix, whose PCIe time the layout ranking had already weighed."""
+    import types
+
+    from shardmem.explore import tune as tune_module
+
+    config = load_config(TINY, ["remat.layers={}"])
+    searched = _one_compiled_winner(policy)
     report = types.SimpleNamespace(step_time=types.SimpleNamespace(seconds=1.0), per_device={"peak": 1},
                                    margin_bytes=1)  # fmt: skip
     asked = {}
@@ -561,15 +569,9 @@ def test_the_chosen_line_names_the_per_layer_remat_that_refined_the_winner(monke
     import types
 
     from shardmem.explore import tune as tune_module
-    from shardmem.explore.layout import Layout, Ranked
 
     config = load_config(TINY, ["remat.layers={}"])
-    winner = Layout(tuple((a, 8 if a == "fsdp" else 1) for a in layout.AXES), 1, "full")
-    step = {"seconds": 1.0, "breakdown": {"compute": 1.0}, "bubble_seconds": 0.0, "tokens_per_second": 1e3}
-
-    def searched(config, target, resolved, *, note, **kwargs):
-        note(winner.describe(), winner.overrides(config), 1, 0, 0.0, True, "compiled", "fits", step_time=step)
-        return [Ranked(winner, winner.overrides(config), 1, 1, True, step)], 1, ["1 compile"], []
+    searched = _one_compiled_winner("full")
 
     def report(seconds):
         step_time = types.SimpleNamespace(seconds=seconds, to_json=lambda: {"seconds": seconds})

@@ -155,14 +155,14 @@ def overlap_exceptions(
       Nemotron-4 15B at tensor 4 x data 4, BENCHMARKS.md). With FSDP as well, XLA did not clone (data 2
       x FSDP 2 x tensor 4) and the prefetch stays.
     """
+    accumulating = config.train.micro_batches > 1
     batch_axes = set(rules.mesh_axes("batch") or ())
     fsdp = any(a in batch_axes and mesh.shape[a] > 1
                for s in jax.tree.leaves(param_shardings) for e in s.spec for a in spec_axes(e))  # fmt: skip
-    if fsdp:
+    if not (pipelined or accumulating) or fsdp:
         return ()
-    accumulating = config.train.micro_batches > 1
-    off = ("loop double buffering",) if pipelined or accumulating else ()
-    if pipelined or not accumulating or not rows_independent:
+    off = ("loop double buffering",)
+    if pipelined or not rows_independent:
         return off
     with rules.activate(mesh):
         if not sequence_parallel():
