@@ -67,14 +67,18 @@ def _layer_of_fwd(sums_LxA, weights_A, index, scale):
     return (sums_LxA, weights_A), (index, scale)
 
 
+def added_at(sums_LxA, index, d_weights_A, scale=None):
+    """``sums`` with one layer's weight gradient added at ``index`` (an index, or a tuple of them), in the
+    sums' dtype, the loss ``scale`` divided out: a scatter-add at one index, which XLA runs as one kernel,
+    in place (a dynamic slice, add and update-slice ran as two, the old slice written out and read back)."""
+    update_A = _in_sums_dtype(d_weights_A, sums_LxA, scale)
+    return sums_LxA.at[index].add(update_A, indices_are_sorted=True, unique_indices=True)
+
+
 def _layer_of_bwd(residuals, cotangents):
     index, scale = residuals
     d_sums_LxA, d_weights_A = cotangents
-    update_A = _in_sums_dtype(d_weights_A, d_sums_LxA, scale)
-    # A scatter-add at one index: XLA reads the slice and adds in one kernel, in place (a dynamic slice,
-    # add and update-slice ran as two, the old slice written out and read back).
-    d_sums_LxA = d_sums_LxA.at[index].add(update_A, indices_are_sorted=True, unique_indices=True)
-    return d_sums_LxA, None, None, None
+    return added_at(d_sums_LxA, index, d_weights_A, scale), None, None, None
 
 
 _layer_of.defvjp(_layer_of_fwd, _layer_of_bwd)
@@ -107,14 +111,18 @@ class LayerSums:
     scale: jax.Array | None  # The loss scale the cotangents carry (None: none).
     scans: int = 0  # How many scans carried them.
 
-    def scan(self, step: Callable, x, params, rest, first: int):
-        """Returns ``jax.lax.scan(step, x, (params, rest))`` (``params`` a slice of the stack from layer
-        ``first``) with each layer's parameters attached to their slice of the sums (:func:`_layer_of`)."""
-        # The sums pair with the parameters' leaves in order: the State's leaves are its pure dict's.
+    def check(self, params) -> None:
+        """Raises unless the sums pair with ``params``'s leaves (an nnx State of the stack) in order."""
+        # The State's leaves are its pure dict's, in the same order.
         pure = nnx.to_pure_dict(params)
         in_order = all(a is b for a, b in zip(jax.tree.leaves(pure), jax.tree.leaves(params), strict=True))
         if jax.tree.structure(pure) != jax.tree.structure(self.sums) or not in_order:
             raise ValueError("the layer stack's gradient sums do not have the structure of its parameters")
+
+    def scan(self, step: Callable, x, params, rest, first: int):
+        """Returns ``jax.lax.scan(step, x, (params, rest))`` (``params`` a slice of the stack from layer
+        ``first``) with each layer's parameters attached to their slice of the sums (:func:`_layer_of`)."""
+        self.check(params)
         treedef, n = jax.tree.structure(params), jax.tree.leaves(params)[0].shape[0]
 
         def body(carry, layer):
@@ -127,9 +135,13 @@ class LayerSums:
 
         sums = jax.tree.leaves(self.sums)
         (x, sums), new_rest = jax.lax.scan(body, (x, sums), ((params, rest), first + jnp.arange(n)))
+        self.update(sums)
+        return x, new_rest
+
+    def update(self, sums: list) -> None:
+        """Takes a scan's last carry of the sums (a list of leaves) as the sums."""
         self.sums = jax.tree.unflatten(jax.tree.structure(self.sums), sums)
         self.scans += 1
-        return x, new_rest
 
 
 _ACTIVE: contextvars.ContextVar[LayerSums | None] = contextvars.ContextVar("layer_sums", default=None)
@@ -142,7 +154,12 @@ def layer_sums() -> LayerSums | None:
 
 
 @contextlib.contextmanager
-def _summing(sums, scale):
+def summing_into(sums, scale=None):
+    """While active, the layer scans traced add each layer's weight gradient into ``sums`` (the stack's,
+    as its parameters' pure dict) as the backward pass makes it; yields the :class:`LayerSums`, whose
+    ``sums`` after the scans are what to differentiate with respect to (the cotangent given for them is
+    what the gradients are added to). A 1F1B pipeline's ops use it directly; a loss, through
+    :func:`value_and_grad_into`."""
     active = LayerSums(sums, scale)
     token = _ACTIVE.set(active)
     try:
@@ -163,7 +180,7 @@ def value_and_grad_into(loss_of_params: Callable, stack: str | None = None) -> C
         attach = functools.partial(_attached, scale=scale)
         attached = {key: value if key == stack else jax.tree.map(attach, sums[key], value)
                     for key, value in params.items()}  # fmt: skip
-        with _summing(sums[stack], scale) if stack else contextlib.nullcontext() as summing:
+        with summing_into(sums[stack], scale) if stack else contextlib.nullcontext() as summing:
             loss, aux = loss_of_params(attached, *args)
         if summing is not None:
             if summing.scans == 0:

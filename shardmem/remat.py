@@ -379,7 +379,21 @@ def layer_saves(names: Sequence[str]) -> bool:
     return policy.saves == "names" and set(names) <= set(policy.save + policy.offload)
 
 
-def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None):
+@dataclasses.dataclass(frozen=True)
+class StackSlots:
+    """Layers ``first`` to ``first + count - 1`` of a stack whose parameters have leading axes
+    ``[*outer, layers, ...]``, at the indices ``at`` (traced scalars) of the outer axes: a 1F1B pipeline
+    stage's ``[repeats, layers, ...]`` weights at the repeat a tick runs. :func:`remat_scan` reads each
+    layer's weights out of the stack as it runs it, and again in its backward pass: the slots are never
+    copied out whole, and no pass keeps them. Each layer's gradient is added to the gradient sums at
+    ``(*at, layer)`` as the backward pass makes it."""
+
+    at: tuple
+    first: int
+    count: int
+
+
+def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None, slots=None):
     """Runs stacked layers (an ``nnx.vmap``-created module with a leading ``layers`` axis) over ``x``.
 
     Each run of layers that shares a policy is one ``jax.lax.scan`` of a ``jax.checkpoint``-ed body, so
@@ -389,33 +403,35 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
     to those it runs with, inside its checkpointed body, so what it makes is recomputed rather than saved
     (the circular pipeline picks a repeat's weights with it). ``mask``, one bool per layer, skips the
     layers where it is False: they run, but pass their input through, so their parameters get zero
-    gradients (a pipeline stage's padded layer slots). Inside a loss differentiated into gradient sums
-    (:func:`shardmem.gradient_sums.value_and_grad_into`) each layer's weight gradient is added to its
-    slice of the sums as the backward pass makes it.
+    gradients (a pipeline stage's padded layer slots). ``slots`` (:class:`StackSlots`) runs some layers
+    of a larger stack, read in place; ``plan`` and ``mask`` are then the slots'. Inside a loss
+    differentiated into gradient sums (:func:`shardmem.gradient_sums.value_and_grad_into`, or
+    :func:`~shardmem.gradient_sums.summing_into`) each layer's weight gradient is added to its slice of
+    the sums as the backward pass makes it.
     """
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
-    n_layers = jax.tree.leaves(params)[0].shape[0]
+    n_layers = slots.count if slots is not None else jax.tree.leaves(params)[0].shape[0]
     plan = plan.for_layers(n_layers)
     # Variables other than parameters (batch statistics, RNG counters) may change in the call: each
     # layer returns its own, and the stack is updated with them after the scans.
     mutable = bool(jax.tree.leaves(rest))
+    summing = gradient_sums.layer_sums()
+    if slots is not None:
+        if mutable or prepare is not None:
+            raise ValueError("remat_scan reads slots of a stack of parameters alone (no prepare, no state)")
+        return _scan_slots(graphdef, params, rest, x, plan, slots, mask, summing)
 
     def body(carry, layer, policy):
         layer, keep = layer if mask is not None else (layer, None)
         if prepare is not None:
             layer = (prepare(layer[0]), layer[1])
         module = nnx.merge(graphdef, *layer)
-        token = _LAYER_POLICY.set(policy)
-        try:
-            y = module(carry)
-        finally:
-            _LAYER_POLICY.reset(token)
+        y = _run_layer(module, carry, policy)
         if keep is not None:
             y = jax.numpy.where(keep, y, carry)
         return y, (nnx.split(module, nnx.Param, ...)[2] if mutable else None)
 
     # Under gradient accumulation each layer's weight gradient is added to the sums as it is made.
-    summing = gradient_sums.layer_sums()
     if summing is not None and (prepare is not None or mask is not None):
         raise ValueError("remat_scan adds gradients into sums only for a plain stack (no prepare, no mask)")
     updates = []
@@ -425,7 +441,7 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
             segment = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], segment)
         step = functools.partial(body, policy=policy)
         step = jax.checkpoint(step, policy=policy.lower(), prevent_cse=False) if policy.remats else step
-        with jax.named_scope(f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"):
+        with jax.named_scope(_segment_scope(start, stop)):
             if summing is None:
                 x, new_rest = jax.lax.scan(step, x, segment)
             else:
@@ -434,3 +450,84 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
     if mutable:
         nnx.update(layers, jax.tree.map(lambda *parts: jax.numpy.concatenate(parts), *updates))
     return x
+
+
+def _run_layer(module: nnx.Module, x, policy: RematPolicy):
+    token = _LAYER_POLICY.set(policy)
+    try:
+        return module(x)
+    finally:
+        _LAYER_POLICY.reset(token)
+
+
+def _segment_scope(start: int, stop: int) -> str:
+    return f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"
+
+
+def _scan_slots(graphdef, params, rest, x, plan: LayerPlan, slots: StackSlots, mask, summing):
+    """:func:`remat_scan` over ``slots`` of the stack ``params``, inside gradient sums (``summing``)."""
+    if summing is None:
+        raise ValueError("remat_scan runs slots of a stack only inside gradient sums (summing_into)")
+    summing.check(params)
+    treedef, scale = jax.tree.structure(params), summing.scale
+    stack, sums = jax.tree.leaves(params), jax.tree.leaves(summing.sums)
+    for start, stop, policy in plan.segments():
+
+        def run(weights, x, keep, policy=policy):
+            y = _run_layer(nnx.merge(graphdef, jax.tree.unflatten(treedef, weights), rest), x, policy)
+            return y if keep is None else jax.numpy.where(keep, y, x)
+
+        run = jax.checkpoint(run, policy=policy.lower(), prevent_cse=False) if policy.remats else run
+        layer = _layer_in_place(run, scale)
+
+        def body(carry, slot_keep, layer=layer):
+            x, sums = carry
+            slot, keep = slot_keep
+            return layer(stack, sums, (*slots.at, slot), x, keep), None
+
+        slot_keep = (slots.first + jax.numpy.arange(start, stop), None if mask is None else mask[start:stop])
+        with jax.named_scope(_segment_scope(start, stop)):
+            (x, sums), _ = jax.lax.scan(body, (x, sums), slot_keep)
+        summing.update(sums)
+    return x
+
+
+def _layer_in_place(run, scale):
+    """``(stack, sums, index, x, keep) -> (run(the stack's weights at index, x, keep), sums)``, whose
+    backward pass reads the weights out of the stack again (its residuals are ``run``'s less the weights:
+    the stack, the same every layer, a scan keeps once) and adds their gradient into the sums at ``index``
+    (in the sums' dtype, ``scale`` divided out) in place."""
+    layout: dict = {}
+
+    def take(stack, index):
+        def one(w):
+            start = (*index, *(0,) * (w.ndim - len(index)))
+            return jax.lax.dynamic_slice(w, start, (*(1,) * len(index), *w.shape[len(index):])).reshape(
+                w.shape[len(index):])  # fmt: skip
+
+        return [one(w) for w in stack]
+
+    @jax.custom_vjp
+    def layer(stack, sums, index, x, keep):
+        return run(take(stack, index), x, keep), sums
+
+    def forward(stack, sums, index, x, keep):
+        weights = take(stack, index)
+        y, pullback = jax.vjp(lambda w, x: run(w, x, keep), weights, x)
+        leaves, layout["treedef"] = jax.tree.flatten(pullback)
+        weight_at = {id(w): i for i, w in enumerate(weights)}
+        layout["weight_at"] = [weight_at.get(id(leaf)) for leaf in leaves]
+        kept = [leaf for leaf in leaves if id(leaf) not in weight_at]
+        return (y, sums), (stack, index, kept)
+
+    def backward(residuals, cotangents):
+        stack, index, kept = residuals
+        dy, d_sums = cotangents
+        weights, stored = take(stack, index), iter(kept)
+        leaves = [next(stored) if at is None else weights[at] for at in layout["weight_at"]]
+        d_weights, dx = jax.tree.unflatten(layout["treedef"], leaves)(dy)
+        d_sums = [gradient_sums.added_at(s, index, d, scale) for s, d in zip(d_sums, d_weights, strict=True)]
+        return None, d_sums, None, dx, None
+
+    layer.defvjp(forward, backward)
+    return layer

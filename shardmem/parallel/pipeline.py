@@ -26,9 +26,10 @@ peak grows with the micro-batches. ``schedule="1f1b"`` (and ``"interleaved"``, i
 backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage),
 running each tick the op its stage takes, each op a loop run once there and never elsewhere (so XLA
 updates the tick's state in place, where a ``jax.lax.switch`` copied it: :func:`_run_one_of`): a chunk's
-forward (``jax.vjp`` of that chunk's layers, its weights sliced from the stage's at the op's repeat: the
-output, and the residuals, kept in a ring of slots, less the weights), or one of ``backward_parts`` parts
-of its backward (the pullback of the part's layers, its gradient added at that chunk's slots: a backward
+forward (``jax.vjp`` of that chunk's layers, each layer's weights read out of the stage's at the op's
+repeat as it runs: the output, and the residuals, kept in a ring of slots, less the weights), or one of
+``backward_parts`` parts of its backward (the pullback of the part's layers, each layer's weights read out
+again and its gradient added into the stage's sums at its slot as it is made: a backward
 is about two forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage
 waits long on a neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute``
 calls; on the ticks of an in-phase table where every stage runs a forward, to the next alone:
@@ -48,8 +49,7 @@ backward. The body splits the batch by hand too, over the data axes that split n
 rows' and positions' weight gradients over the ticks (in ``grad_dtype``), and they are all-reduced once
 after the last; the compiler splits the tensor and FSDP axes inside it as everywhere. The gradients come
 out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates the loss as any
-other. The price of the parts: a part's scan runs over a slice of the stage's stacked weights, which XLA
-copies (in their stored dtype) while the part runs.
+other. No op copies its chunk's weights, or their gradient, out whole (:class:`shardmem.remat.StackSlots`).
 
 Stages need not be even (GPipe and 1F1B): ``layer_counts`` gives each stage's number of contiguous layers
 (``pipeline.stages: ["0-7", "8-15", "16-22", "23-29"]`` in the config, see :func:`parse_stages`); without
@@ -83,12 +83,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardmem import gradient_sums
 from shardmem.errors import ConfigError
 from shardmem.parallel import schedule as ops
 from shardmem.parallel.rules import Rules, constrain
 from shardmem.parallel.rules import active as rules_active
 from shardmem.parallel.schedule import ScheduleTable, schedule_table
-from shardmem.remat import LayerPlan, layer_span, remat_scan
+from shardmem.remat import LayerPlan, StackSlots, layer_span, remat_scan
 
 #: The mesh axis whose size is the number of pipeline stages.
 STAGE_AXIS = "stage"
@@ -111,7 +112,7 @@ class _Stages(NamedTuple):
     # [S, R, K, ...] (1F1B: repeat-major, so that one chunk's weights are one contiguous slice).
     weights_S: dict
     run_stage: Callable  # (weights [K, ...] or [K, R, ...], x_bxLxD, repeat, valid_K) -> its chunk on x.
-    run_chunk: Callable  # (one chunk's weights [K', ...], x_bxLxD, valid_K', first slot) -> those slots on x.
+    run_chunk: Callable  # (a chunk's weights [K, ...], or a stage's [R, K, ...] and slots, x_bxLxD) -> x.
     valid_SxK: jax.Array | None  # Which of each stage's K layer slots hold a layer (None: all do).
 
 
@@ -446,12 +447,12 @@ class Pipeline:
 
             return select
 
-        def run_chunk(weights, x_mbxLxD, valid_K=None, first=0, prepare=None):
-            """Layer slots ``first`` onwards of a chunk (their weights [K', ...]) on ``x``."""
+        def run_chunk(weights, x_mbxLxD, valid_K=None, prepare=None, slots: StackSlots | None = None):
+            """A chunk's layers (weights [K, ...]), or the ``slots`` of a stage's weights, on ``x``."""
             module = nnx.merge(graphdef, weights, rest)
-            slots = jax.tree.leaves(weights)[0].shape[0]
-            slot_plan = LayerPlan(chunk_plan.policies[first : first + slots])
-            return remat_scan(module, x_mbxLxD, slot_plan, prepare=prepare, mask=valid_K)
+            first, count = (0, k) if slots is None else (slots.first, slots.count)
+            slot_plan = LayerPlan(chunk_plan.policies[first : first + count])
+            return remat_scan(module, x_mbxLxD, slot_plan, prepare=prepare, mask=valid_K, slots=slots)
 
         def run_stage(weights, x_mbxLxD, repeat, valid_K):
             """One stage's chunk at ``repeat`` (weights [K, ...], or [K, R, ...] for R > 1) on ``x``."""
@@ -532,50 +533,40 @@ class Pipeline:
         spec = ("batch", "residual_seq", None)
         layouts: list[dict] = [{} for _ in range(n_parts)]  # Each part's pullback structure, when traced.
 
-        def at_part(w_RxKxA, repeat, p):
-            """The start and size of part ``p`` of chunk ``repeat`` in a stage's [R, K, ...] array."""
-            start = (repeat, bounds[p]) + (0,) * (w_RxKxA.ndim - 2)
-            return start, (1, bounds[p + 1] - bounds[p], *w_RxKxA.shape[2:])
-
-        def part_weights(weights_RxK, repeat, p):
-            """Part ``p``'s layer slots of chunk ``repeat`` alone: one slice of the stage's weights, which
-            the op that runs them reads, and no pass keeps (the vjp's residuals leave them out)."""
-            return jax.tree.map(lambda w: jax.lax.dynamic_slice(w, *at_part(w, repeat, p))[0], weights_RxK)
-
-        def add_part(sums_RxK, d_part, repeat, p):
-            """The gradient sums with part ``p``'s gradient added at chunk ``repeat``'s slots."""
-
-            def add(sum_RxKxA, d_KxA):
-                start, size = at_part(sum_RxKxA, repeat, p)
-                old = jax.lax.dynamic_slice(sum_RxKxA, start, size)
-                return jax.lax.dynamic_update_slice(sum_RxKxA, old + d_KxA[None].astype(old.dtype), start)
-
-            return jax.tree.map(add, sums_RxK, d_part)
-
-        def run_part(p, weights_p, x_bxLxD, valid_K):
+        def run_part(p, weights, repeat, valid_K, sums, x_bxLxD):
+            """Part ``p`` of chunk ``repeat`` on ``x``: its layer slots read out of the stage's [R, K, ...]
+            weights in place, each layer's gradient added into the stage's ``sums`` at its slot as the
+            backward pass makes it. Returns the output and the sums, which the forward passes on as they
+            are: differentiated, the sums' cotangent comes back with the part's gradient added."""
             valid = None if valid_K is None else valid_K[bounds[p] : bounds[p + 1]]
-            return stages.run_chunk(weights_p, x_bxLxD, valid, first=bounds[p])
+            slots = StackSlots(at=(repeat,), first=bounds[p], count=bounds[p + 1] - bounds[p])
+            with gradient_sums.summing_into(sums) as summing:
+                y_bxLxD = stages.run_chunk(weights, x_bxLxD, valid, slots=slots)
+            return y_bxLxD, summing.sums
 
-        def forward(weights, x_bxLxD, repeat, valid_K):
+        def forward(weights, sums, x_bxLxD, repeat, valid_K):
             """Chunk ``repeat``'s forward, part by part; returns its output and the residuals each part's
             backward needs, less the weights (the same every tick, so not stored per micro-batch)."""
             residuals = []
+            weight_at = {id(w): i for i, w in enumerate(jax.tree.leaves(weights))}
+            summed = {id(a) for a in jax.tree.leaves(sums)}
             for p in range(n_parts):
-                weights_p = part_weights(weights, repeat, p)
-                x_bxLxD, pullback = jax.vjp(functools.partial(run_part, p, valid_K=valid_K), weights_p,
-                                            x_bxLxD)  # fmt: skip
+                (x_bxLxD, _), pullback = jax.vjp(
+                    functools.partial(run_part, p, weights, repeat, valid_K), sums, x_bxLxD
+                )
                 leaves, layouts[p]["treedef"] = jax.tree.flatten(pullback)
-                weight_at = {id(w): i for i, w in enumerate(jax.tree.leaves(weights_p))}
+                if any(id(leaf) in summed for leaf in leaves):
+                    raise AssertionError("a 1F1B op's residuals hold the gradient sums")
                 layouts[p]["weight_at"] = [weight_at.get(id(leaf)) for leaf in leaves]
                 residuals.append([leaf for leaf in leaves if id(leaf) not in weight_at])
             return x_bxLxD, residuals
 
-        def backward(p, weights, repeat, residuals_p, dy_bxLxD):
-            """Part ``p`` of chunk ``repeat``'s backward from the residuals ``forward`` kept for it: (d its
-            weights, d input)."""
-            weight_leaves, stored = jax.tree.leaves(part_weights(weights, repeat, p)), iter(residuals_p)
+        def backward(p, weights, sums, residuals_p, dy_bxLxD):
+            """Part ``p``'s backward from the residuals ``forward`` kept for it: (the sums with its
+            weights' gradient added, d input)."""
+            weight_leaves, stored = jax.tree.leaves(weights), iter(residuals_p)
             leaves = [next(stored) if at is None else weight_leaves[at] for at in layouts[p]["weight_at"]]
-            return jax.tree.unflatten(layouts[p]["treedef"], leaves)(dy_bxLxD)
+            return jax.tree.unflatten(layouts[p]["treedef"], leaves)((dy_bxLxD, sums))
 
         def body(weights_1xS, valid_1xK, embed_params, head_params, inputs_MxbxA, targets_MxbxA, table_TxN):
             """One stage's whole schedule (inside ``jax.shard_map`` over ``stage``): every tick it runs the
@@ -584,16 +575,17 @@ class Pipeline:
             valid_K = None if valid_1xK is None else valid_1xK[0]
             x_shape = jax.eval_shape(embed, embed_params, inputs_MxbxA[0])
             zeros_bxLxD = jnp.zeros(x_shape.shape, x_shape.dtype)
-            _, residual_shapes = jax.eval_shape(forward, weights, zeros_bxLxD, 0, valid_K)
             # What the ops change: the residual rings, the gradient sums and the loss. Each op takes them all
             # and returns them with its own change, in a loop of its own (_run_one_of): XLA updates them in
             # place.
             # The gradients are summed over the micro-batches in grad_dtype (float32 under master weights).
             zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, self.grad_dtype or a.dtype))
+            d_weights = zeros(weights)
+            _, residual_shapes = jax.eval_shape(forward, weights, d_weights, zeros_bxLxD, 0, valid_K)
             state = dict(
                 rings=[[jnp.zeros((table.ring_slots, *a.shape), a.dtype) for a in part]
                        for part in residual_shapes],
-                d_weights=zeros(weights), d_embed=zeros(embed_params), d_head=zeros(head_params),
+                d_weights=d_weights, d_embed=zeros(embed_params), d_head=zeros(head_params),
                 loss=jnp.zeros((), jnp.float32),
             )  # fmt: skip
 
@@ -611,7 +603,7 @@ class Pipeline:
                 return done(state)
 
             def run_forward(state, x, dy, inputs, targets, ring, repeat):
-                y, residuals = forward(weights, constrain(x, spec), repeat, valid_K)
+                y, residuals = forward(weights, state["d_weights"], constrain(x, spec), repeat, valid_K)
                 return done(dict(state, rings=store(state["rings"], ring, residuals)), out=y)
 
             def run_forward_from_input(state, x, dy, inputs, targets, ring, repeat):
@@ -620,7 +612,7 @@ class Pipeline:
 
             def run_forward_and_head(state, x, dy, inputs, targets, ring, repeat):
                 # The last chunk: the head's gradient is the first backward part's input, kept here.
-                y, residuals = forward(weights, constrain(x, spec), repeat, valid_K)
+                y, residuals = forward(weights, state["d_weights"], constrain(x, spec), repeat, valid_K)
                 loss, pullback = jax.vjp(lambda h, y: head_loss(h, y, targets), head_params, y)
                 d_head, dy = pullback(jnp.asarray(1.0 / m, loss.dtype))
                 d_head = jax.tree.map(lambda a, d: a + d.astype(a.dtype), state["d_head"], d_head)
@@ -631,8 +623,8 @@ class Pipeline:
             def run_backward(p, to_input=False):
                 def branch(state, x, dy, inputs, targets, ring, repeat):
                     held = [jax.lax.dynamic_index_in_dim(r, ring, 0, False) for r in state["rings"][p]]
-                    d_part, dx = backward(p, weights, repeat, held, constrain(dy, spec))
-                    state = dict(state, d_weights=add_part(state["d_weights"], d_part, repeat, p))
+                    d_weights, dx = backward(p, weights, state["d_weights"], held, constrain(dy, spec))
+                    state = dict(state, d_weights=d_weights)
                     if to_input:  # The first chunk's part 0: on into the embedding.
                         (d_embed,) = jax.vjp(lambda e: embed(e, inputs), embed_params)[1](dx)
                         d_embed = jax.tree.map(lambda a, d: a + d.astype(a.dtype), state["d_embed"], d_embed)
