@@ -492,6 +492,23 @@ def _scan_slots(graphdef, params, rest, x, plan: LayerPlan, slots: StackSlots, m
     return x
 
 
+def without_weights(pullback, weights: list) -> tuple[list, tuple]:
+    """A ``jax.vjp`` pullback's residuals less ``weights`` (its primal inputs' leaves, found by identity),
+    and the layout :func:`with_weights` rebuilds it from: what a pass keeps need not hold weights that
+    are there at its backward anyway."""
+    leaves, treedef = jax.tree.flatten(pullback)
+    weight_at = {id(w): i for i, w in enumerate(weights)}
+    at = [weight_at.get(id(leaf)) for leaf in leaves]
+    return [leaf for leaf, i in zip(leaves, at, strict=True) if i is None], (treedef, at)
+
+
+def with_weights(layout: tuple, kept: list, weights: list):
+    """The pullback :func:`without_weights` took apart, from what it kept and the weights again."""
+    treedef, at = layout
+    stored = iter(kept)
+    return jax.tree.unflatten(treedef, [next(stored) if i is None else weights[i] for i in at])
+
+
 def _layer_in_place(run, scale):
     """``(stack, sums, index, x, keep) -> (run(the stack's weights at index, x, keep), sums)``, whose
     backward pass reads the weights out of the stack again (its residuals are ``run``'s less the weights:
@@ -514,18 +531,13 @@ def _layer_in_place(run, scale):
     def forward(stack, sums, index, x, keep):
         weights = take(stack, index)
         y, pullback = jax.vjp(lambda w, x: run(w, x, keep), weights, x)
-        leaves, layout["treedef"] = jax.tree.flatten(pullback)
-        weight_at = {id(w): i for i, w in enumerate(weights)}
-        layout["weight_at"] = [weight_at.get(id(leaf)) for leaf in leaves]
-        kept = [leaf for leaf in leaves if id(leaf) not in weight_at]
+        kept, layout["pullback"] = without_weights(pullback, weights)
         return (y, sums), (stack, index, kept)
 
     def backward(residuals, cotangents):
         stack, index, kept = residuals
         dy, d_sums = cotangents
-        weights, stored = take(stack, index), iter(kept)
-        leaves = [next(stored) if at is None else weights[at] for at in layout["weight_at"]]
-        d_weights, dx = jax.tree.unflatten(layout["treedef"], leaves)(dy)
+        d_weights, dx = with_weights(layout["pullback"], kept, take(stack, index))(dy)
         d_sums = [gradient_sums.added_at(s, index, d, scale) for s, d in zip(d_sums, d_weights, strict=True)]
         return None, d_sums, None, dx, None
 

@@ -89,7 +89,7 @@ from shardmem.parallel import schedule as ops
 from shardmem.parallel.rules import Rules, constrain
 from shardmem.parallel.rules import active as rules_active
 from shardmem.parallel.schedule import ScheduleTable, schedule_table
-from shardmem.remat import LayerPlan, StackSlots, layer_span, remat_scan
+from shardmem.remat import LayerPlan, StackSlots, layer_span, remat_scan, with_weights, without_weights
 
 #: The mesh axis whose size is the number of pipeline stages.
 STAGE_AXIS = "stage"
@@ -531,7 +531,7 @@ class Pipeline:
             raise ValueError(f"Pipeline.backward_parts={n_parts} is more than a chunk's {k} layers")
         bounds = [round(i * k / n_parts) for i in range(n_parts + 1)]  # Part p: layer slots [b_p, b_p+1).
         spec = ("batch", "residual_seq", None)
-        layouts: list[dict] = [{} for _ in range(n_parts)]  # Each part's pullback structure, when traced.
+        layouts: list[tuple] = [()] * n_parts  # Each part's pullback layout (without_weights), when traced.
 
         def run_part(p, weights, repeat, valid_K, sums, x_bxLxD):
             """Part ``p`` of chunk ``repeat`` on ``x``: its layer slots read out of the stage's [R, K, ...]
@@ -548,25 +548,21 @@ class Pipeline:
             """Chunk ``repeat``'s forward, part by part; returns its output and the residuals each part's
             backward needs, less the weights (the same every tick, so not stored per micro-batch)."""
             residuals = []
-            weight_at = {id(w): i for i, w in enumerate(jax.tree.leaves(weights))}
             summed = {id(a) for a in jax.tree.leaves(sums)}
             for p in range(n_parts):
                 (x_bxLxD, _), pullback = jax.vjp(
                     functools.partial(run_part, p, weights, repeat, valid_K), sums, x_bxLxD
                 )
-                leaves, layouts[p]["treedef"] = jax.tree.flatten(pullback)
-                if any(id(leaf) in summed for leaf in leaves):
+                kept, layouts[p] = without_weights(pullback, jax.tree.leaves(weights))
+                if any(id(leaf) in summed for leaf in kept):
                     raise AssertionError("a 1F1B op's residuals hold the gradient sums")
-                layouts[p]["weight_at"] = [weight_at.get(id(leaf)) for leaf in leaves]
-                residuals.append([leaf for leaf in leaves if id(leaf) not in weight_at])
+                residuals.append(kept)
             return x_bxLxD, residuals
 
         def backward(p, weights, sums, residuals_p, dy_bxLxD):
             """Part ``p``'s backward from the residuals ``forward`` kept for it: (the sums with its
             weights' gradient added, d input)."""
-            weight_leaves, stored = jax.tree.leaves(weights), iter(residuals_p)
-            leaves = [next(stored) if at is None else weight_leaves[at] for at in layouts[p]["weight_at"]]
-            return jax.tree.unflatten(layouts[p]["treedef"], leaves)((dy_bxLxD, sums))
+            return with_weights(layouts[p], residuals_p, jax.tree.leaves(weights))((dy_bxLxD, sums))
 
         def body(weights_1xS, valid_1xK, embed_params, head_params, inputs_MxbxA, targets_MxbxA, table_TxN):
             """One stage's whole schedule (inside ``jax.shard_map`` over ``stage``): every tick it runs the
