@@ -238,6 +238,23 @@ def test_1f1b_with_two_backward_parts_trains_as_one_device(one_device, axes, rul
     assert_same_training(losses, state["params"], one_device)
 
 
+@pytest.mark.newest  # XLA's partitioner differs between JAX versions.
+def test_1f1b_compiles_with_the_embedding_split_over_vocab_and_the_model_dimension():
+    """Stage x fsdp x tensor, the table split over vocab by tensor: JAX 0.12's partitioner aborted the
+    process partitioning the embedding's gather inside the 1F1B shard_map (a failed check expanding its
+    all-reduce's device groups), so the pipeline's embed looks its rows up block by block itself. Each
+    device looks up in its own half of the table: nothing gathers the whole of it."""
+    program = _program({"stage": 2, "fsdp": 2, "tensor": 2}, jax.devices(), micro_batches=4, schedule="1f1b")
+    module = hlo.parse_module(
+        program.step.lower(program.abstract_state, program.abstract_batch).compile().as_text()
+    )
+    vocab, d_model = program.config.model.vocab_size, program.config.model.d_model
+    gathered = [ins.shape for instructions in module.computations.values() for ins in instructions
+                if hlo.collective_kind(ins) == "all-gather"]  # fmt: skip
+    assert f"[{vocab // 2},{d_model}]" in " ".join(gathered)  # The device's half, gathered over fsdp.
+    assert not [shape for shape in gathered if f"[{vocab},{d_model}]" in shape]
+
+
 @pytest.mark.slow
 @pytest.mark.newest  # The differentiated jaxpr differs between JAX versions.
 @pytest.mark.parametrize("policy", ["none", "full"])

@@ -45,7 +45,7 @@ from shardmem.models.moe import MoEFeedForward
 from shardmem.models.rope import RopeScaling, rope
 from shardmem.parallel import collective_matmul, context
 from shardmem.parallel.pipeline import Pipeline
-from shardmem.parallel.rules import constrain, manual_axes, sequence_parallel
+from shardmem.parallel.rules import activation_spec, constrain, manual_axes, sequence_parallel, spec_axes
 from shardmem.remat import LayerPlan, layer_saves, remat_scan
 
 #: The intermediates a layer tags for remat policies, in the order they are computed.
@@ -586,8 +586,7 @@ class Llama(nnx.Module):
             # From the table split over vocab alone (Megatron's vocab-parallel embedding): a micro-batch is a
             # few rows, where all-gathering the table would move all of it every micro-batch. (Split over
             # the model dimension too, fsdp's or context's, XLA's partitioner aborts on the lookup.)
-            table_VxD = constrain(table_VxD, ("vocab", None))
-            x_bxLxD = constrain(table_VxD.astype(dtype)[tokens_bxL], RESIDUAL)
+            x_bxLxD = constrain(_vocab_parallel_lookup(table_VxD.astype(dtype), tokens_bxL), RESIDUAL)
             if cfg.scale_embeddings:  # Gemma, as in the unpipelined forward.
                 x_bxLxD = x_bxLxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
             return x_bxLxD
@@ -611,3 +610,23 @@ class Llama(nnx.Module):
         if self.cfg.tie_embeddings:
             return weight(value_of(self.embedding), self.compute_dtype).T
         return weight(value_of(self.lm_head), self.compute_dtype)
+
+
+def _vocab_parallel_lookup(table_VxD, tokens_BxL):
+    """``table[tokens]`` from the table split over vocab (``rules.vocab``) in T blocks of R rows, as
+    Megatron's vocab-parallel embedding does it: each device looks its tokens up in its own block, a zero
+    row where a token is another block's, and the blocks' rows are summed. Written out, not left to XLA's
+    partitioner: inside the 1F1B pipeline's shard_map, on a mesh with more axes than vocab's, it aborted
+    partitioning that gather (JAX 0.12: a failed check expanding the all-reduce's device groups)."""
+    vocab, d = table_VxD.shape
+    spec = activation_spec(("vocab", None), table_VxD.shape)
+    mesh = jax.sharding.get_abstract_mesh()
+    blocks = math.prod(mesh.shape[a] for a in spec_axes(spec[0])) if len(spec) else 1
+    if blocks == 1 or vocab % blocks:
+        return constrain(table_VxD, ("vocab", None))[tokens_BxL]
+    rows = vocab // blocks
+    table_TxRxD = constrain(table_VxD.reshape(blocks, rows, d), ("vocab", None, None))
+    local_TxBxL = tokens_BxL[None] - (jnp.arange(blocks) * rows)[:, None, None]
+    hit_TxBxL = (local_TxBxL >= 0) & (local_TxBxL < rows)
+    x_TxBxLxD = jax.vmap(lambda block, at: block[at])(table_TxRxD, jnp.where(hit_TxBxL, local_TxBxL, 0))
+    return jnp.where(hit_TxBxL[..., None], x_TxBxLxD, 0).sum(axis=0)
