@@ -154,12 +154,11 @@ def layer_sums() -> LayerSums | None:
 
 
 @contextlib.contextmanager
-def summing_into(sums, scale=None):
+def _summing_into(sums, scale=None):
     """While active, the layer scans traced add each layer's weight gradient into ``sums`` (the stack's,
     as its parameters' pure dict) as the backward pass makes it; yields the :class:`LayerSums`, whose
     ``sums`` after the scans are what to differentiate with respect to (the cotangent given for them is
-    what the gradients are added to). A 1F1B pipeline's ops use it directly; a loss, through
-    :func:`value_and_grad_into`."""
+    what the gradients are added to): :func:`value_and_grad_into`'s."""
     active = LayerSums(sums, scale)
     token = _ACTIVE.set(active)
     try:
@@ -180,7 +179,7 @@ def value_and_grad_into(loss_of_params: Callable, stack: str | None = None) -> C
         attach = functools.partial(_attached, scale=scale)
         attached = {key: value if key == stack else jax.tree.map(attach, sums[key], value)
                     for key, value in params.items()}  # fmt: skip
-        with summing_into(sums[stack], scale) if stack else contextlib.nullcontext() as summing:
+        with _summing_into(sums[stack], scale) if stack else contextlib.nullcontext() as summing:
             loss, aux = loss_of_params(attached, *args)
         if summing is not None:
             if summing.scans == 0:

@@ -379,21 +379,7 @@ def layer_saves(names: Sequence[str]) -> bool:
     return policy.saves == "names" and set(names) <= set(policy.save + policy.offload)
 
 
-@dataclasses.dataclass(frozen=True)
-class StackSlots:
-    """Layers ``first`` to ``first + count - 1`` of a stack whose parameters have leading axes
-    ``[*outer, layers, ...]``, at the indices ``at`` (traced scalars) of the outer axes: a 1F1B pipeline
-    stage's ``[repeats, layers, ...]`` weights at the repeat a tick runs. :func:`remat_scan` reads each
-    layer's weights out of the stack as it runs it, and again in its backward pass: the slots are never
-    copied out whole, and no pass keeps them. Each layer's gradient is added to the gradient sums at
-    ``(*at, layer)`` as the backward pass makes it."""
-
-    at: tuple
-    first: int
-    count: int
-
-
-def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None, slots=None):
+def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None):
     """Runs stacked layers (an ``nnx.vmap``-created module with a leading ``layers`` axis) over ``x``.
 
     Each run of layers that shares a policy is one ``jax.lax.scan`` of a ``jax.checkpoint``-ed body, so
@@ -403,23 +389,17 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
     to those it runs with, inside its checkpointed body, so what it makes is recomputed rather than saved
     (the circular pipeline picks a repeat's weights with it). ``mask``, one bool per layer, skips the
     layers where it is False: they run, but pass their input through, so their parameters get zero
-    gradients (a pipeline stage's padded layer slots). ``slots`` (:class:`StackSlots`) runs some layers
-    of a larger stack, read in place; ``plan`` and ``mask`` are then the slots'. Inside a loss
-    differentiated into gradient sums (:func:`shardmem.gradient_sums.value_and_grad_into`, or
-    :func:`~shardmem.gradient_sums.summing_into`) each layer's weight gradient is added to its slice of
-    the sums as the backward pass makes it.
+    gradients (a pipeline stage's padded layer slots). Inside a loss differentiated into gradient sums
+    (:func:`shardmem.gradient_sums.value_and_grad_into`) each layer's weight gradient is added to its
+    slice of the sums as the backward pass makes it.
     """
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
-    n_layers = slots.count if slots is not None else jax.tree.leaves(params)[0].shape[0]
+    n_layers = jax.tree.leaves(params)[0].shape[0]
     plan = plan.for_layers(n_layers)
     # Variables other than parameters (batch statistics, RNG counters) may change in the call: each
     # layer returns its own, and the stack is updated with them after the scans.
     mutable = bool(jax.tree.leaves(rest))
     summing = gradient_sums.layer_sums()
-    if slots is not None:
-        if mutable or prepare is not None:
-            raise ValueError("remat_scan reads slots of a stack of parameters alone (no prepare, no state)")
-        return _scan_slots(graphdef, params, rest, x, plan, slots, mask, summing)
 
     def body(carry, layer, policy):
         layer, keep = layer if mask is not None else (layer, None)
@@ -464,34 +444,6 @@ def _segment_scope(start: int, stop: int) -> str:
     return f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"
 
 
-def _scan_slots(graphdef, params, rest, x, plan: LayerPlan, slots: StackSlots, mask, summing):
-    """:func:`remat_scan` over ``slots`` of the stack ``params``, inside gradient sums (``summing``)."""
-    if summing is None:
-        raise ValueError("remat_scan runs slots of a stack only inside gradient sums (summing_into)")
-    summing.check(params)
-    treedef, scale = jax.tree.structure(params), summing.scale
-    stack, sums = jax.tree.leaves(params), jax.tree.leaves(summing.sums)
-    for start, stop, policy in plan.segments():
-
-        def run(weights, x, keep, policy=policy):
-            y = _run_layer(nnx.merge(graphdef, jax.tree.unflatten(treedef, weights), rest), x, policy)
-            return y if keep is None else jax.numpy.where(keep, y, x)
-
-        run = jax.checkpoint(run, policy=policy.lower(), prevent_cse=False) if policy.remats else run
-        layer = _layer_in_place(run, scale)
-
-        def body(carry, slot_keep, layer=layer):
-            x, sums = carry
-            slot, keep = slot_keep
-            return layer(stack, sums, (*slots.at, slot), x, keep), None
-
-        slot_keep = (slots.first + jax.numpy.arange(start, stop), None if mask is None else mask[start:stop])
-        with jax.named_scope(_segment_scope(start, stop)):
-            (x, sums), _ = jax.lax.scan(body, (x, sums), slot_keep)
-        summing.update(sums)
-    return x
-
-
 def without_weights(pullback, weights: list) -> tuple[list, tuple]:
     """A ``jax.vjp`` pullback's residuals less ``weights`` (its primal inputs' leaves, found by identity),
     and the layout :func:`with_weights` rebuilds it from: what a pass keeps need not hold weights that
@@ -509,37 +461,127 @@ def with_weights(layout: tuple, kept: list, weights: list):
     return jax.tree.unflatten(treedef, [next(stored) if i is None else weights[i] for i in at])
 
 
-def _layer_in_place(run, scale):
-    """``(stack, sums, index, x, keep) -> (run(the stack's weights at index, x, keep), sums)``, whose
-    backward pass reads the weights out of the stack again (its residuals are ``run``'s less the weights:
-    the stack, the same every layer, a scan keeps once) and adds their gradient into the sums at ``index``
-    (in the sums' dtype, ``scale`` divided out) in place."""
-    layout: dict = {}
+class SlotRun:
+    """The layers of a stack run forward and backward by hand, for a schedule that keeps the residuals
+    itself: a 1F1B pipeline's ops (:meth:`shardmem.parallel.pipeline.Pipeline.loss`). ``layers`` is an
+    ``nnx.vmap``-created module whose parameters are ``[*outer, layers, ...]`` (``outer`` axes before the
+    layers: a pipeline stage's ``[repeats, layers, ...]``), read at the outer indices ``at`` each call
+    gives (the repeat a tick runs). ``plan`` and ``mask`` (one bool per layer: False passes the input
+    through) are the layers'.
 
-    def take(stack, index):
+    Each layer reads its weights out of the stack where they are, in its forward pass and again in its
+    backward, so no layers are copied out whole. :meth:`forward` writes each layer's residuals (a
+    ``jax.vjp`` pullback's, less the weights, which are there at the backward anyway) into ``rings`` at
+    ``(ring, layer)``: differentiated by JAX, a scan over the layers would stack them in a buffer of its
+    own, zero-filled every pass, for the caller to copy into its ring and out again. :meth:`backward` runs
+    some of the layers back (a backward in parts), reading each layer's residuals from there and adding
+    its weight gradient into the sums at its index as it makes it (one scatter-add, in place:
+    :func:`shardmem.gradient_sums.added_at`)."""
+
+    def __init__(self, layers: nnx.Module, plan: LayerPlan, mask=None, outer: int = 1):
+        graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise ValueError("SlotRun runs a stack of parameters alone (no state)")
+        self.params, self.mask, self.outer = params, mask, outer
+        treedef, self.stack = jax.tree.structure(params), jax.tree.leaves(params)
+
+        def runner(policy):
+            def run(weights, x, keep):
+                module = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights), rest)
+                y = _run_layer(module, x, policy)
+                return y if keep is None else jax.numpy.where(keep, y, x)
+
+            return jax.checkpoint(run, policy=policy.lower(), prevent_cse=False) if policy.remats else run
+
+        segments = plan.for_layers(self.stack[0].shape[outer]).segments()
+        self.segments = [(start, stop, runner(policy)) for start, stop, policy in segments]
+        self._layouts: dict[int, tuple] = {}  # Each segment's pullback layout (without_weights).
+
+    def _weights(self, index, stack=None) -> list:
+        """The stack's weights at ``index`` (the outer indices, then the layer), read in place."""
+
         def one(w):
             start = (*index, *(0,) * (w.ndim - len(index)))
             return jax.lax.dynamic_slice(w, start, (*(1,) * len(index), *w.shape[len(index):])).reshape(
                 w.shape[len(index):])  # fmt: skip
 
-        return [one(w) for w in stack]
+        return [one(w) for w in (self.stack if stack is None else stack)]
 
-    @jax.custom_vjp
-    def layer(stack, sums, index, x, keep):
-        return run(take(stack, index), x, keep), sums
+    def _keep(self, start, stop):
+        return None if self.mask is None else self.mask[start:stop]
 
-    def forward(stack, sums, index, x, keep):
-        weights = take(stack, index)
+    def _pullback(self, start, run, weights, x, keep):
+        """``run``'s output and its pullback's residuals less ``weights``; records their layout."""
         y, pullback = jax.vjp(lambda w, x: run(w, x, keep), weights, x)
-        kept, layout["pullback"] = without_weights(pullback, weights)
-        return (y, sums), (stack, index, kept)
+        kept, self._layouts[start] = without_weights(pullback, weights)
+        return y, kept
 
-    def backward(residuals, cotangents):
-        stack, index, kept = residuals
-        dy, d_sums = cotangents
-        d_weights, dx = with_weights(layout["pullback"], kept, take(stack, index))(dy)
-        d_sums = [gradient_sums.added_at(s, index, d, scale) for s, d in zip(d_sums, d_weights, strict=True)]
-        return None, d_sums, None, dx, None
+    def rings(self, x, passes: int) -> list[list[jax.Array]]:
+        """Zeroed rings of ``passes`` passes' residuals on input ``x``: a list of arrays per segment of
+        the plan, each ``[passes, the segment's layers, ...]``."""
+        rings = []
+        for start, stop, run in self.segments:
 
-    layer.defvjp(forward, backward)
-    return layer
+            def kept(stack, x, keep, start=start, run=run):
+                index = (*(0,) * self.outer, start)  # Any layer's: the same shapes.
+                return self._pullback(start, run, self._weights(index, stack), x, keep)[1]
+
+            keep = None if self.mask is None else self.mask[start]
+            shapes = jax.eval_shape(kept, self.stack, x, keep)
+            rings.append([jax.numpy.zeros((passes, stop - start, *a.shape), a.dtype) for a in shapes])
+        return rings
+
+    def forward(self, at: tuple, x, rings: list, ring):
+        """Returns the layers' output on ``x`` and ``rings`` with their residuals at pass ``ring``."""
+        out = []
+        for (start, stop, run), leaves in zip(self.segments, rings, strict=True):
+
+            def body(carry, i_keep, start=start, run=run):
+                x, leaves = carry
+                i, keep = i_keep
+                # The layer index through a barrier with the rings, which the op changes: a layer's weight
+                # slice then stays in the op. A run of one layer is no loop, its slice invariant in the
+                # op's own (pipeline._run_one_of), and XLA hoisted it out into the tick, where every op's
+                # slices were made and held, each tick, whichever op ran.
+                i, leaves = jax.lax.optimization_barrier((i, leaves))
+                y, kept = self._pullback(start, run, self._weights((*at, i)), x, keep)
+                leaves = [jax.lax.dynamic_update_slice(r, k[None, None], (ring, i - start, *(0,) * k.ndim))
+                          for r, k in zip(leaves, kept, strict=True)]  # fmt: skip
+                return (y, leaves), None
+
+            layers = (jax.numpy.arange(start, stop), self._keep(start, stop))
+            with jax.named_scope(_segment_scope(start, stop)):
+                (x, leaves), _ = jax.lax.scan(body, (x, leaves), layers)
+            out.append(leaves)
+        return x, out
+
+    def backward(self, at: tuple, dy, rings: list, ring, sums, first: int = 0, stop: int | None = None,
+                 scale=None):  # fmt: skip
+        """The backward pass of layers ``first`` .. ``stop - 1`` of :meth:`forward`'s pass ``ring``, from
+        the gradient ``dy`` of their output: returns ``(dx, sums)``, the sums (a tree like the stack's
+        parameters) with each layer's weight gradient added at its index."""
+        gradient_sums.LayerSums(sums, scale).check(self.params)
+        stop = self.segments[-1][1] if stop is None else stop
+        sum_leaves = jax.tree.leaves(sums)
+        for (start, end, _), leaves in reversed(list(zip(self.segments, rings, strict=True))):
+            lo, hi = max(start, first), min(end, stop)
+            if lo >= hi:
+                continue
+            layout = self._layouts[start]
+
+            def body(carry, i, start=start, leaves=leaves, layout=layout):
+                dy, sum_leaves = carry
+                i, sum_leaves = jax.lax.optimization_barrier((i, sum_leaves))  # As in forward.
+                index = (*at, i)
+                at_pass = (ring, i - start)
+                kept = [jax.lax.dynamic_slice(r, (*at_pass, *(0,) * (r.ndim - 2)), (1, 1, *r.shape[2:]))
+                        .reshape(r.shape[2:]) for r in leaves]  # fmt: skip
+                d_weights, dx = with_weights(layout, kept, self._weights(index))(dy)
+                sum_leaves = [gradient_sums.added_at(s, index, d, scale)
+                              for s, d in zip(sum_leaves, d_weights, strict=True)]  # fmt: skip
+                return (dx, sum_leaves), None
+
+            with jax.named_scope(_segment_scope(lo, hi)):
+                layers = jax.numpy.arange(lo, hi)
+                (dy, sum_leaves), _ = jax.lax.scan(body, (dy, sum_leaves), layers, reverse=True)
+        return dy, jax.tree.unflatten(jax.tree.structure(sums), sum_leaves)

@@ -368,6 +368,13 @@ def test_the_interleaved_peak_grows_with_neither_virtual_stages_nor_micro_batche
             shapes = re.findall(r"f32\[([\d,]*),(?:256,1024|1024,256)\]", compiled.as_text())
             layers = {math.prod(int(d) for d in shape.split(",")) for shape in shapes}
             assert 8 in layers and layers <= {1, 8}, layers  # 8: the stage's weights and sums, [2, 4, ...]
+            # And each layer writes its residuals into the ring of passes, and its backward reads them out
+            # of it, one layer at a time: no array holds a part's or a pass's MLP activations (a scan's
+            # stack of them, zero-filled each pass, was copied into the ring and out again: [2, 1, ...],
+            # [1, 2, 1, ...]).
+            shapes = re.findall(r"f32\[([\d,]*),64,1024\]", compiled.as_text())
+            passes = {math.prod(int(d) for d in shape.split(",")) for shape in shapes}
+            assert 20 in passes and passes <= {1, 20}, passes  # 20: the ring, 5 passes of 4 layers
         return program.pipeline, report.per_device["peak"]
 
     (two, at_two), (four, at_four), (_, more_micro) = peak(2, 8), peak(4, 8), peak(2, 16)
@@ -380,7 +387,8 @@ def test_the_interleaved_peak_grows_with_neither_virtual_stages_nor_micro_batche
     # The stage's weights, their sums of gradients and the gradients handed back, and 20 layer passes of
     # residuals (64 tokens, under 2 MiB each): no pass keeps weights (it held 455 MiB: each pass its chunks'
     # weights and a mask of every repeat's), and no op copies its part of them (155 MB, 37 layers, with
-    # the copy of the part's weights and of its gradient; 121 MB without).
+    # the copy of the part's weights and of its gradient; 121 MB without; 108 MB with the residuals
+    # written into the ring in place).
     layer = (4 * 256 * 256 + 3 * 256 * 1024) * 4  # fp32
     stage_weights = 8 * layer
     assert at_two <= 3 * stage_weights + 20 * 2 * 2**20

@@ -26,12 +26,14 @@ peak grows with the micro-batches. ``schedule="1f1b"`` (and ``"interleaved"``, i
 backward. One SPMD program does that with ``jax.shard_map`` over ``stage`` (each device its own stage),
 running each tick the op its stage takes, each op a loop run once there and never elsewhere (so XLA
 updates the tick's state in place, where a ``jax.lax.switch`` copied it: :func:`_run_one_of`): a chunk's
-forward (``jax.vjp`` of that chunk's layers, each layer's weights read out of the stage's at the op's
-repeat as it runs: the output, and the residuals, kept in a ring of slots, less the weights), or one of
-``backward_parts`` parts of its backward (the pullback of the part's layers, each layer's weights read out
-again and its gradient added into the stage's sums at its slot as it is made: a backward
-is about two forwards' work, so in two parts a tick costs about a forward whatever it runs, and no stage
-waits long on a neighbour), or nothing. What a stage makes goes to both neighbours (two ``ppermute``
+forward, or one of ``backward_parts`` parts of its backward (a backward is about two forwards' work, so
+in two parts a tick costs about a forward whatever it runs, and no stage waits long on a neighbour), or
+nothing. The ops run the chunk's layers by hand (:class:`shardmem.remat.SlotRun`): each layer reads its
+weights out of the stage's ``[repeats, layers, ...]`` at the op's repeat as it runs, the forward writes
+each layer's residuals (its ``jax.vjp`` pullback's, less the weights) into a ring of passes at the op's
+slot, and a backward part reads its layers' back from there, adding each layer's weight gradient into the
+stage's sums at its slot as it makes it. No op copies its chunk's weights, its residuals or its gradient
+out whole. What a stage makes goes to both neighbours (two ``ppermute``
 calls; on the ticks of an in-phase table where every stage runs a forward, to the next alone:
 ``ScheduleTable.hand_offs``); the one it is for queues it. Which op each stage runs at each tick is a
 table built in Python by running the schedule (:mod:`shardmem.parallel.schedule`): with R = 1 Megatron's
@@ -49,7 +51,7 @@ backward. The body splits the batch by hand too, over the data axes that split n
 rows' and positions' weight gradients over the ticks (in ``grad_dtype``), and they are all-reduced once
 after the last; the compiler splits the tensor and FSDP axes inside it as everywhere. The gradients come
 out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates the loss as any
-other. No op copies its chunk's weights, or their gradient, out whole (:class:`shardmem.remat.StackSlots`).
+other.
 
 Stages need not be even (GPipe and 1F1B): ``layer_counts`` gives each stage's number of contiguous layers
 (``pipeline.stages: ["0-7", "8-15", "16-22", "23-29"]`` in the config, see :func:`parse_stages`); without
@@ -83,13 +85,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem import gradient_sums
 from shardmem.errors import ConfigError
 from shardmem.parallel import schedule as ops
 from shardmem.parallel.rules import Rules, constrain
 from shardmem.parallel.rules import active as rules_active
 from shardmem.parallel.schedule import ScheduleTable, schedule_table
-from shardmem.remat import LayerPlan, StackSlots, layer_span, remat_scan, with_weights, without_weights
+from shardmem.remat import LayerPlan, SlotRun, layer_span, remat_scan
 
 #: The mesh axis whose size is the number of pipeline stages.
 STAGE_AXIS = "stage"
@@ -112,7 +113,8 @@ class _Stages(NamedTuple):
     # [S, R, K, ...] (1F1B: repeat-major, so that one chunk's weights are one contiguous slice).
     weights_S: dict
     run_stage: Callable  # (weights [K, ...] or [K, R, ...], x_bxLxD, repeat, valid_K) -> its chunk on x.
-    run_chunk: Callable  # (a chunk's weights [K, ...], or a stage's [R, K, ...] and slots, x_bxLxD) -> x.
+    run_chunk: Callable  # (a chunk's weights [K, ...], x_bxLxD) -> x.
+    slot_run: Callable  # (a stage's weights [R, K, ...], valid_K) -> its chunks' SlotRun (1F1B's ops).
     valid_SxK: jax.Array | None  # Which of each stage's K layer slots hold a layer (None: all do).
 
 
@@ -447,12 +449,14 @@ class Pipeline:
 
             return select
 
-        def run_chunk(weights, x_mbxLxD, valid_K=None, prepare=None, slots: StackSlots | None = None):
-            """A chunk's layers (weights [K, ...]), or the ``slots`` of a stage's weights, on ``x``."""
+        def run_chunk(weights, x_mbxLxD, valid_K=None, prepare=None):
+            """A chunk's layers (weights [K, ...]) on ``x``."""
             module = nnx.merge(graphdef, weights, rest)
-            first, count = (0, k) if slots is None else (slots.first, slots.count)
-            slot_plan = LayerPlan(chunk_plan.policies[first : first + count])
-            return remat_scan(module, x_mbxLxD, slot_plan, prepare=prepare, mask=valid_K, slots=slots)
+            return remat_scan(module, x_mbxLxD, chunk_plan, prepare=prepare, mask=valid_K)
+
+        def slot_run(weights, valid_K=None):
+            """A stage's chunks (weights [R, K, ...], each chunk's K layer slots), run by hand."""
+            return SlotRun(nnx.merge(graphdef, weights, rest), chunk_plan, valid_K)
 
         def run_stage(weights, x_mbxLxD, repeat, valid_K):
             """One stage's chunk at ``repeat`` (weights [K, ...], or [K, R, ...] for R > 1) on ``x``."""
@@ -460,7 +464,7 @@ class Pipeline:
                 return run_chunk(weights, x_mbxLxD, prepare=select_repeat(repeat))
             return run_chunk(weights, x_mbxLxD, valid_K)
 
-        return _Stages(weights_S, run_stage, run_chunk, valid_SxK)
+        return _Stages(weights_S, run_stage, run_chunk, slot_run, valid_SxK)
 
     def _micro_batches(self, x_BxA: jax.Array) -> jax.Array:
         """``[B, ...]`` -> ``[M, B / M, ...]``: micro-batch i takes every M-th row, so each device keeps its
@@ -531,38 +535,6 @@ class Pipeline:
             raise ValueError(f"Pipeline.backward_parts={n_parts} is more than a chunk's {k} layers")
         bounds = [round(i * k / n_parts) for i in range(n_parts + 1)]  # Part p: layer slots [b_p, b_p+1).
         spec = ("batch", "residual_seq", None)
-        layouts: list[tuple] = [()] * n_parts  # Each part's pullback layout (without_weights), when traced.
-
-        def run_part(p, weights, repeat, valid_K, sums, x_bxLxD):
-            """Part ``p`` of chunk ``repeat`` on ``x``: its layer slots read out of the stage's [R, K, ...]
-            weights in place, each layer's gradient added into the stage's ``sums`` at its slot as the
-            backward pass makes it. Returns the output and the sums, which the forward passes on as they
-            are: differentiated, the sums' cotangent comes back with the part's gradient added."""
-            valid = None if valid_K is None else valid_K[bounds[p] : bounds[p + 1]]
-            slots = StackSlots(at=(repeat,), first=bounds[p], count=bounds[p + 1] - bounds[p])
-            with gradient_sums.summing_into(sums) as summing:
-                y_bxLxD = stages.run_chunk(weights, x_bxLxD, valid, slots=slots)
-            return y_bxLxD, summing.sums
-
-        def forward(weights, sums, x_bxLxD, repeat, valid_K):
-            """Chunk ``repeat``'s forward, part by part; returns its output and the residuals each part's
-            backward needs, less the weights (the same every tick, so not stored per micro-batch)."""
-            residuals = []
-            summed = {id(a) for a in jax.tree.leaves(sums)}
-            for p in range(n_parts):
-                (x_bxLxD, _), pullback = jax.vjp(
-                    functools.partial(run_part, p, weights, repeat, valid_K), sums, x_bxLxD
-                )
-                kept, layouts[p] = without_weights(pullback, jax.tree.leaves(weights))
-                if any(id(leaf) in summed for leaf in kept):
-                    raise AssertionError("a 1F1B op's residuals hold the gradient sums")
-                residuals.append(kept)
-            return x_bxLxD, residuals
-
-        def backward(p, weights, sums, residuals_p, dy_bxLxD):
-            """Part ``p``'s backward from the residuals ``forward`` kept for it: (the sums with its
-            weights' gradient added, d input)."""
-            return with_weights(layouts[p], residuals_p, jax.tree.leaves(weights))((dy_bxLxD, sums))
 
         def body(weights_1xS, valid_1xK, embed_params, head_params, inputs_MxbxA, targets_MxbxA, table_TxN):
             """One stage's whole schedule (inside ``jax.shard_map`` over ``stage``): every tick it runs the
@@ -571,24 +543,19 @@ class Pipeline:
             valid_K = None if valid_1xK is None else valid_1xK[0]
             x_shape = jax.eval_shape(embed, embed_params, inputs_MxbxA[0])
             zeros_bxLxD = jnp.zeros(x_shape.shape, x_shape.dtype)
-            # What the ops change: the residual rings, the gradient sums and the loss. Each op takes them all
-            # and returns them with its own change, in a loop of its own (_run_one_of): XLA updates them in
-            # place.
+            # The chunk at the op's repeat, run by hand: its forward keeps its residuals in the rings, and
+            # backward part p runs its layer slots [b_p, b_p+1) back.
+            chunk = stages.slot_run(weights, valid_K)
+            # What the ops change: the residual rings (a list per segment of the layers' remat plan), the
+            # gradient sums and the loss. Each op takes them all and returns them with its own change, in a
+            # loop of its own (_run_one_of): XLA updates them in place.
             # The gradients are summed over the micro-batches in grad_dtype (float32 under master weights).
             zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, self.grad_dtype or a.dtype))
-            d_weights = zeros(weights)
-            _, residual_shapes = jax.eval_shape(forward, weights, d_weights, zeros_bxLxD, 0, valid_K)
             state = dict(
-                rings=[[jnp.zeros((table.ring_slots, *a.shape), a.dtype) for a in part]
-                       for part in residual_shapes],
-                d_weights=d_weights, d_embed=zeros(embed_params), d_head=zeros(head_params),
+                rings=chunk.rings(zeros_bxLxD, table.ring_slots),
+                d_weights=zeros(weights), d_embed=zeros(embed_params), d_head=zeros(head_params),
                 loss=jnp.zeros((), jnp.float32),
             )  # fmt: skip
-
-            def store(rings, ring, residuals):
-                put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=ring, axis=0)
-                return [[put(r, new) for r, new in zip(rs, news, strict=True)]
-                        for rs, news in zip(rings, residuals, strict=True)]  # fmt: skip
 
             def done(state, out=None, kept=None):
                 """A branch's results: the state, what it sends on and what it keeps for itself."""
@@ -599,8 +566,8 @@ class Pipeline:
                 return done(state)
 
             def run_forward(state, x, dy, inputs, targets, ring, repeat):
-                y, residuals = forward(weights, state["d_weights"], constrain(x, spec), repeat, valid_K)
-                return done(dict(state, rings=store(state["rings"], ring, residuals)), out=y)
+                y, rings = chunk.forward((repeat,), constrain(x, spec), state["rings"], ring)
+                return done(dict(state, rings=rings), out=y)
 
             def run_forward_from_input(state, x, dy, inputs, targets, ring, repeat):
                 # The first chunk embeds its micro-batch; the embedding's backward needs only the inputs.
@@ -608,18 +575,17 @@ class Pipeline:
 
             def run_forward_and_head(state, x, dy, inputs, targets, ring, repeat):
                 # The last chunk: the head's gradient is the first backward part's input, kept here.
-                y, residuals = forward(weights, state["d_weights"], constrain(x, spec), repeat, valid_K)
+                y, rings = chunk.forward((repeat,), constrain(x, spec), state["rings"], ring)
                 loss, pullback = jax.vjp(lambda h, y: head_loss(h, y, targets), head_params, y)
                 d_head, dy = pullback(jnp.asarray(1.0 / m, loss.dtype))
                 d_head = jax.tree.map(lambda a, d: a + d.astype(a.dtype), state["d_head"], d_head)
-                rings = store(state["rings"], ring, residuals)
                 state = dict(state, rings=rings, d_head=d_head, loss=state["loss"] + loss / m)
                 return done(state, kept=dy.astype(y.dtype))
 
             def run_backward(p, to_input=False):
                 def branch(state, x, dy, inputs, targets, ring, repeat):
-                    held = [jax.lax.dynamic_index_in_dim(r, ring, 0, False) for r in state["rings"][p]]
-                    d_weights, dx = backward(p, weights, state["d_weights"], held, constrain(dy, spec))
+                    dx, d_weights = chunk.backward((repeat,), constrain(dy, spec), state["rings"], ring,
+                                                   state["d_weights"], bounds[p], bounds[p + 1])  # fmt: skip
                     state = dict(state, d_weights=d_weights)
                     if to_input:  # The first chunk's part 0: on into the embedding.
                         (d_embed,) = jax.vjp(lambda e: embed(e, inputs), embed_params)[1](dx)
