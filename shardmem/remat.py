@@ -521,14 +521,19 @@ class SlotRun:
         the plan, each ``[passes, the segment's layers, ...]``."""
         rings = []
         for start, stop, run in self.segments:
+            on_host = []  # Which residuals a policy offloads: their ring is in host memory too.
 
-            def kept(stack, x, keep, start=start, run=run):
+            def kept(stack, x, keep, start=start, run=run, on_host=on_host):
                 index = (*(0,) * self.outer, start)  # Any layer's: the same shapes.
-                return self._pullback(start, run, self._weights(index, stack), x, keep)[1]
+                kept = self._pullback(start, run, self._weights(index, stack), x, keep)[1]
+                on_host.extend(jax.typeof(a).memory_space == jax.memory.Space.Host for a in kept)
+                return kept
 
             keep = None if self.mask is None else self.mask[start]
             shapes = jax.eval_shape(kept, self.stack, x, keep)
-            rings.append([jax.numpy.zeros((passes, stop - start, *a.shape), a.dtype) for a in shapes])
+            zeros = [jax.numpy.zeros((passes, stop - start, *a.shape), a.dtype) for a in shapes]
+            rings.append([jax.device_put(z, jax.memory.Space.Host) if host else z
+                          for z, host in zip(zeros, on_host, strict=True)])  # fmt: skip
         return rings
 
     def forward(self, at: tuple, x, rings: list, ring):

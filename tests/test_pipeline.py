@@ -212,6 +212,17 @@ def test_1f1b_training_matches_one_device(one_f_one_b, one_device):
     assert_same_training(losses, params, one_device)
 
 
+@pytest.mark.newest  # Memory spaces in traced code differ between JAX versions.
+def test_1f1b_keeps_what_the_remat_policy_offloads_in_host_memory(one_device):
+    """``remat.policy: offload`` moves the layers' tagged activations to host memory: the 1F1B ring of
+    those residuals is in host memory too (a ring in device memory refused them: "memory_space of all
+    inputs passed to `dynamic_update_slice` must be the same"), and the step trains as one device."""
+    program = _program({"stage": 2, "data": 4}, jax.devices(), micro_batches=4, schedule="1f1b",
+                       remat={"policy": "offload"})  # fmt: skip
+    losses, state = train_steps(program.step, program, program.init(), 3)
+    assert_same_training(losses, state["params"], one_device)
+
+
 @pytest.mark.slow
 def test_interleaved_and_uneven_1f1b_training_match_one_device(one_device, one_device_3):
     # 2 stages x 2 virtual stages: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3, tensor parallel.
