@@ -214,9 +214,10 @@ def test_1f1b_training_matches_one_device(one_f_one_b, one_device):
 
 @pytest.mark.newest  # Memory spaces in traced code differ between JAX versions.
 def test_1f1b_keeps_what_the_remat_policy_offloads_in_host_memory(one_device):
-    """``remat.policy: offload`` moves the layers' tagged activations to host memory: the 1F1B ring of
-    those residuals is in host memory too (a ring in device memory refused them: "memory_space of all
-    inputs passed to `dynamic_update_slice` must be the same"), and the step trains as one device."""
+    """``remat.policy: offload`` moves the layers' tagged activations to host memory, so the 1F1B ring of
+    those residuals is allocated in host memory too: a ring in device memory refused them ("memory_space
+    of all inputs passed to `dynamic_update_slice` must be the same"). On the CPU both are the same
+    memory, so this checks that the step runs and trains as one device, not where the bytes live."""
     program = _program({"stage": 2, "data": 4}, jax.devices(), micro_batches=4, schedule="1f1b",
                        remat={"policy": "offload"})  # fmt: skip
     losses, state = train_steps(program.step, program, program.init(), 3)
