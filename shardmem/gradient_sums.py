@@ -111,18 +111,10 @@ class LayerSums:
     scale: jax.Array | None  # The loss scale the cotangents carry (None: none).
     scans: int = 0  # How many scans carried them.
 
-    def check(self, params) -> None:
-        """Raises unless the sums pair with ``params``'s leaves (an nnx State of the stack) in order."""
-        # The State's leaves are its pure dict's, in the same order.
-        pure = nnx.to_pure_dict(params)
-        in_order = all(a is b for a, b in zip(jax.tree.leaves(pure), jax.tree.leaves(params), strict=True))
-        if jax.tree.structure(pure) != jax.tree.structure(self.sums) or not in_order:
-            raise ValueError("the layer stack's gradient sums do not have the structure of its parameters")
-
     def scan(self, step: Callable, x, params, rest, first: int):
         """Returns ``jax.lax.scan(step, x, (params, rest))`` (``params`` a slice of the stack from layer
         ``first``) with each layer's parameters attached to their slice of the sums (:func:`_layer_of`)."""
-        self.check(params)
+        check_pairs(self.sums, params)
         treedef, n = jax.tree.structure(params), jax.tree.leaves(params)[0].shape[0]
 
         def body(carry, layer):
@@ -135,13 +127,19 @@ class LayerSums:
 
         sums = jax.tree.leaves(self.sums)
         (x, sums), new_rest = jax.lax.scan(body, (x, sums), ((params, rest), first + jnp.arange(n)))
-        self.update(sums)
-        return x, new_rest
-
-    def update(self, sums: list) -> None:
-        """Takes a scan's last carry of the sums (a list of leaves) as the sums."""
         self.sums = jax.tree.unflatten(jax.tree.structure(self.sums), sums)
         self.scans += 1
+        return x, new_rest
+
+
+def check_pairs(sums, params) -> None:
+    """Raises unless ``sums`` (a pure dict) pairs with ``params``'s leaves (an nnx State of the stack) in
+    order."""
+    # The State's leaves are its pure dict's, in the same order.
+    pure = nnx.to_pure_dict(params)
+    in_order = all(a is b for a, b in zip(jax.tree.leaves(pure), jax.tree.leaves(params), strict=True))
+    if jax.tree.structure(pure) != jax.tree.structure(sums) or not in_order:
+        raise ValueError("the layer stack's gradient sums do not have the structure of its parameters")
 
 
 _ACTIVE: contextvars.ContextVar[LayerSums | None] = contextvars.ContextVar("layer_sums", default=None)
@@ -154,7 +152,7 @@ def layer_sums() -> LayerSums | None:
 
 
 @contextlib.contextmanager
-def _summing_into(sums, scale=None):
+def _summing(sums, scale):
     """While active, the layer scans traced add each layer's weight gradient into ``sums`` (the stack's,
     as its parameters' pure dict) as the backward pass makes it; yields the :class:`LayerSums`, whose
     ``sums`` after the scans are what to differentiate with respect to (the cotangent given for them is
@@ -179,7 +177,7 @@ def value_and_grad_into(loss_of_params: Callable, stack: str | None = None) -> C
         attach = functools.partial(_attached, scale=scale)
         attached = {key: value if key == stack else jax.tree.map(attach, sums[key], value)
                     for key, value in params.items()}  # fmt: skip
-        with _summing_into(sums[stack], scale) if stack else contextlib.nullcontext() as summing:
+        with _summing(sums[stack], scale) if stack else contextlib.nullcontext() as summing:
             loss, aux = loss_of_params(attached, *args)
         if summing is not None:
             if summing.scans == 0:

@@ -444,9 +444,9 @@ def _segment_scope(start: int, stop: int) -> str:
     return f"layers_{start}-{stop - 1}" if stop - start > 1 else f"layers_{start}"
 
 
-def without_weights(pullback, weights: list) -> tuple[list, tuple]:
+def _without_weights(pullback, weights: list) -> tuple[list, tuple]:
     """A ``jax.vjp`` pullback's residuals less ``weights`` (its primal inputs' leaves, found by identity),
-    and the layout :func:`with_weights` rebuilds it from: what a pass keeps need not hold weights that
+    and the layout :func:`_with_weights` rebuilds it from: what a pass keeps need not hold weights that
     are there at its backward anyway."""
     leaves, treedef = jax.tree.flatten(pullback)
     weight_at = {id(w): i for i, w in enumerate(weights)}
@@ -454,8 +454,8 @@ def without_weights(pullback, weights: list) -> tuple[list, tuple]:
     return [leaf for leaf, i in zip(leaves, at, strict=True) if i is None], (treedef, at)
 
 
-def with_weights(layout: tuple, kept: list, weights: list):
-    """The pullback :func:`without_weights` took apart, from what it kept and the weights again."""
+def _with_weights(layout: tuple, kept: list, weights: list):
+    """The pullback :func:`_without_weights` took apart, from what it kept and the weights again."""
     treedef, at = layout
     stored = iter(kept)
     return jax.tree.unflatten(treedef, [next(stored) if i is None else weights[i] for i in at])
@@ -495,7 +495,7 @@ class SlotRun:
 
         segments = plan.for_layers(self.stack[0].shape[outer]).segments()
         self.segments = [(start, stop, runner(policy)) for start, stop, policy in segments]
-        self._layouts: dict[int, tuple] = {}  # Each segment's pullback layout (without_weights).
+        self._layouts: dict[int, tuple] = {}  # Each segment's pullback layout (_without_weights).
 
     def _weights(self, index, stack=None) -> list:
         """The stack's weights at ``index`` (the outer indices, then the layer), read in place."""
@@ -513,7 +513,7 @@ class SlotRun:
     def _pullback(self, start, run, weights, x, keep):
         """``run``'s output and its pullback's residuals less ``weights``; records their layout."""
         y, pullback = jax.vjp(lambda w, x: run(w, x, keep), weights, x)
-        kept, self._layouts[start] = without_weights(pullback, weights)
+        kept, self._layouts[start] = _without_weights(pullback, weights)
         return y, kept
 
     def rings(self, x, passes: int) -> list[list[jax.Array]]:
@@ -560,12 +560,11 @@ class SlotRun:
             out.append(leaves)
         return x, out
 
-    def backward(self, at: tuple, dy, rings: list, ring, sums, first: int = 0, stop: int | None = None,
-                 scale=None):  # fmt: skip
+    def backward(self, at: tuple, dy, rings: list, ring, sums, first: int = 0, stop: int | None = None):
         """The backward pass of layers ``first`` .. ``stop - 1`` of :meth:`forward`'s pass ``ring``, from
         the gradient ``dy`` of their output: returns ``(dx, sums)``, the sums (a tree like the stack's
         parameters) with each layer's weight gradient added at its index."""
-        gradient_sums.LayerSums(sums, scale).check(self.params)
+        gradient_sums.check_pairs(sums, self.params)
         stop = self.segments[-1][1] if stop is None else stop
         sum_leaves = jax.tree.leaves(sums)
         for (start, end, _), leaves in reversed(list(zip(self.segments, rings, strict=True))):
@@ -581,8 +580,8 @@ class SlotRun:
                 at_pass = (ring, i - start)
                 kept = [jax.lax.dynamic_slice(r, (*at_pass, *(0,) * (r.ndim - 2)), (1, 1, *r.shape[2:]))
                         .reshape(r.shape[2:]) for r in leaves]  # fmt: skip
-                d_weights, dx = with_weights(layout, kept, self._weights(index))(dy)
-                sum_leaves = [gradient_sums.added_at(s, index, d, scale)
+                d_weights, dx = _with_weights(layout, kept, self._weights(index))(dy)
+                sum_leaves = [gradient_sums.added_at(s, index, d)
                               for s, d in zip(sum_leaves, d_weights, strict=True)]  # fmt: skip
                 return (dx, sum_leaves), None
 
