@@ -334,6 +334,35 @@ def test_1f1b_over_data_and_context_reduces_the_gradients_once_and_trains_as_one
     assert_same_training(losses, state["params"], one_device)
 
 
+def test_1f1b_reduce_scatters_the_layers_gradients_where_the_optimizer_splits_them(one_device):
+    # With optimizer.shard_over_data the optimizer reads each gradient split over data (here over the
+    # repeats: 2 chunks of 1 layer per stage); the schedule reduce-scatters the layers' sums to those
+    # pieces (a quarter of the bytes the all-reduce received) and nothing gathers them back, with tensor
+    # splitting the weights inside (XLA's partitioner gathered them whole for a reduce-scatter).
+    def program(split):
+        return _program({"stage": 2, "data": 2, "tensor": 2}, jax.devices(), micro_batches=4, repeats=2,
+                        schedule="interleaved", rules={"embed": None},
+                        optimizer={"name": "sgd", "warmup_steps": 0, "learning_rate": 0.1,
+                                   "shard_over_data": split})  # fmt: skip
+
+    def collectives(program):
+        compiled = program.step.lower(program.abstract_state, program.abstract_batch).compile()
+        return hlo.collective_bytes(compiled.as_text())
+
+    split, whole = program(True), program(False)
+    (scattered, reduced) = collectives(split), collectives(whole)
+    assert scattered["reduce-scatter"] > 0
+    # The all-reduce's bytes, less a few scalars more (the gradient norm is summed over the pieces).
+    assert reduced["all-reduce"] - scattered["all-reduce"] == pytest.approx(2 * scattered["reduce-scatter"],
+                                                                           rel=1e-2)  # fmt: skip
+    # What is gathered is the updated weights (ZeRO-1), once: the gradients are not gathered back.
+    params = split.abstract_state["params"]
+    held = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params))
+    assert 0 < scattered["all-gather"] <= held
+    losses, state = train_steps(split.step, split, split.init(), 3)
+    assert_same_training(losses, split.natural_params(state["params"]), one_device)
+
+
 @pytest.mark.slow
 def test_the_measured_peak_grows_with_micro_batches_under_gpipe_and_not_under_1f1b():
     # Micro-batches of a fixed size (1 row per device), so more of them is a larger batch: GPipe keeps

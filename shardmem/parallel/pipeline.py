@@ -82,12 +82,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
 from shardmem.parallel import schedule as ops
-from shardmem.parallel.rules import Rules, constrain
+from shardmem.parallel.rules import Rules, constrain, shard_map, spec_axes, split_over
 from shardmem.parallel.rules import active as rules_active
 from shardmem.parallel.schedule import ScheduleTable, schedule_table
 from shardmem.remat import LayerPlan, SlotRun, layer_span, remat_scan
@@ -116,6 +116,7 @@ class _Stages(NamedTuple):
     run_chunk: Callable  # (a chunk's weights [K, ...], x_bxLxD) -> x.
     slot_run: Callable  # (a stage's weights [R, K, ...], valid_K) -> its chunks' SlotRun (1F1B's ops).
     valid_SxK: jax.Array | None  # Which of each stage's K layer slots hold a layer (None: all do).
+    logical: dict  # The layers' logical axes, as the model stacks them: ("layers", ...) per weight.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,9 @@ class Pipeline:
     """``stages`` pipeline stages, ``micro_batches`` micro-batches per step, ``repeats`` layer chunks per
     stage, run by ``schedule`` (a key of :data:`SCHEDULES`; None: GPipe, or circular for ``repeats`` > 1).
     1F1B sums the gradients over the micro-batches in ``grad_dtype``: float32 for narrower weights with
-    master weights (``precision.master``), as Megatron-LM sums into float32 main gradients."""
+    master weights (``precision.master``), as Megatron-LM sums into float32 main gradients; with
+    ``split_gradients`` (``optimizer.shard_over_data``) it reduce-scatters the layers' over the batch's
+    devices, as Megatron's distributed optimizer does, where it all-reduces them otherwise."""
 
     stages: int
     micro_batches: int
@@ -132,6 +135,7 @@ class Pipeline:
     schedule: str | None = None  # None: "gpipe", or "circular" for repeats > 1.
     backward_parts: int = 2  # 1F1B: the ticks a chunk's backward takes (about a forward's work each).
     grad_dtype: str | None = None  # 1F1B: the dtype gradients are summed in (None: each parameter's).
+    split_gradients: bool = False  # 1F1B: the optimizer reads the gradients split over the batch axes.
 
     def __post_init__(self):
         if self.backward_parts < 1:
@@ -423,7 +427,9 @@ class Pipeline:
                     jnp.concatenate([leaf[a:a + n], *[leaf[a + n - 1:a + n]] * (k - n)]) if n < k
                     else leaf[a:a + n] for a, n in zip(starts, counts, strict=True)
                 ])[None]  # fmt: skip
-            return constrain(chunked, (None, "layers", None, *rest_names))
+            # Split as stored, on the forward pass alone: the gradients come back split over the batch's
+            # devices where the optimizer reads them so (_scatter_dim), and stay so.
+            return _forward_only(lambda c: constrain(c, (None, "layers", None, *rest_names)))(chunked)
 
         chunks = jax.tree.map(to_chunks, nnx.to_pure_dict(params), logical, is_leaf=_is_names)
 
@@ -464,7 +470,7 @@ class Pipeline:
                 return run_chunk(weights, x_mbxLxD, prepare=select_repeat(repeat))
             return run_chunk(weights, x_mbxLxD, valid_K)
 
-        return _Stages(weights_S, run_stage, run_chunk, slot_run, valid_SxK)
+        return _Stages(weights_S, run_stage, run_chunk, slot_run, valid_SxK, logical)
 
     def _micro_batches(self, x_BxA: jax.Array) -> jax.Array:
         """``[B, ...]`` -> ``[M, B / M, ...]``: micro-batch i takes every M-th row, so each device keeps its
@@ -650,8 +656,19 @@ class Pipeline:
                 x = jax.lax.psum(x, by_hand) / n_by_hand if by_hand else x
                 return jax.lax.psum(x, STAGE_AXIS) if over_stages else x
 
+            def reduced(d, dim, names):  # Reduce-scattered over dimension dim, or all-reduced (None).
+                if dim is None:
+                    return mean(d, over_stages=False)
+                # Manual over the compiler's axes too: XLA's partitioner gathers an operand's
+                # compiler-split dimensions whole before a reduce-scatter over the body's axes.
+                spec = P(None, None, *rules.spec(names)[1:])  # [R, K, ...]; stage's split by hand.
+                scatter = functools.partial(jax.lax.psum_scatter, axis_name=by_hand, scatter_dimension=dim,
+                                            tiled=True)  # fmt: skip
+                return shard_map(scatter, mesh, in_specs=spec, out_specs=spec)(d) / n_by_hand
+
             state = carry["state"]
-            d_weights_1xS = jax.tree.map(lambda d: mean(d, over_stages=False)[None], state["d_weights"])
+            d_weights_1xS = jax.tree.map(lambda d, dim, names: reduced(d, dim, names)[None],
+                                         state["d_weights"], scatter, stages.logical)  # fmt: skip
             d_embed, d_head = (jax.tree.map(mean, state[key]) for key in ("d_embed", "d_head"))
             return mean(state["loss"]), (d_weights_1xS, d_embed, d_head)
 
@@ -665,13 +682,24 @@ class Pipeline:
         stage_spec, whole = P(STAGE_AXIS), P()
         rows = P(None, data_axes or None, seq_axes or None)  # [M, b, L]
         weight_specs = jax.tree.map(lambda _: stage_spec, stages.weights_S)
+        # Which dimension of each stage's [R, K, ...] gradient sums is reduce-scattered (None: all-reduced).
+        # Uneven stages' layers are not stored by stage (storage_rules): all-reduced.
+        scatter = jax.tree.map(
+            lambda w, names: None if stages.valid_SxK is not None
+            else self._scatter_dim(w.shape[1:], names, rules, mesh, by_hand),
+            stages.weights_S, stages.logical, is_leaf=_is_names,
+        )  # fmt: skip
+        d_weight_specs = jax.tree.map(
+            lambda _, dim: stage_spec if dim is None else P(STAGE_AXIS, *[None] * dim, by_hand),
+            stages.weights_S, scatter,
+        )  # fmt: skip
         embed_specs, head_specs = (jax.tree.map(lambda _: whole, p) for p in (embed_params, head_params))
         valid_spec = None if stages.valid_SxK is None else stage_spec
         sharded = jax.shard_map(
             body, mesh=mesh, axis_names={STAGE_AXIS, *by_hand}, check_vma=False,
             in_specs=(weight_specs, valid_spec, embed_specs, head_specs, rows, rows,
                       P(None, None, STAGE_AXIS)),
-            out_specs=(whole, (weight_specs, embed_specs, head_specs)),
+            out_specs=(whole, (d_weight_specs, embed_specs, head_specs)),
         )  # fmt: skip
         table_TxNxS = jnp.asarray(table.rows)  # [ticks, ops.COLUMNS, stages]
 
@@ -695,6 +723,29 @@ class Pipeline:
         pipelined.defvjp(schedule, scaled)
         inputs_MxbxA, targets_MxbxA = self._micro_batches(inputs_BxA), self._micro_batches(targets_BxA)
         return pipelined(stages.weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA)
+
+
+    def _scatter_dim(self, shape_RxKxA, names, rules: Rules, mesh: Mesh, by_hand) -> int | None:
+        """The dimension of a stage's ``[R, K, ...]`` sums of one weight's gradients to reduce-scatter over
+        the ``by_hand`` axes, or None to all-reduce them: where the optimizer reads that gradient split
+        over exactly those axes (:func:`~shardmem.program.optimizer.gradient_shardings`), on a dimension
+        that no axis left to the compiler splits, so that the scattered pieces are its pieces as they are."""
+        if not (self.split_gradients and by_hand):
+            return None
+        r, k, rest = shape_RxKxA[0], shape_RxKxA[1], shape_RxKxA[2:]
+        spec = rules.spec(names)  # As stored: [n_layers, ...], or [R, n_layers / R, ...] (see stored).
+        stored, offset = ((self.stages * k, *rest), 1) if r == 1 else ((r, self.stages * k, *rest), 0)
+        if r > 1:
+            spec = P(None, *spec)
+        split = split_over(stored, spec, rules.gradient_axes(mesh), mesh)
+        for dim, (before, after) in enumerate(zip(list(spec) + [None] * len(stored), split, strict=False)):
+            if before == after:
+                continue
+            current, added = spec_axes(before), spec_axes(after)[len(spec_axes(before)):]
+            if added == by_hand and set(current) <= {STAGE_AXIS}:
+                return dim + offset
+            return None
+        return None
 
 
 def parse_stages(ranges: Sequence[object], n_layers: int) -> tuple[int, ...]:
@@ -747,6 +798,14 @@ def _is_stored(leaf, names) -> bool:
     """Whether a stack of layers is as :meth:`Pipeline.stored` keeps it: one axis more than the model's
     logical axes (which the layers' variables still carry) name."""
     return _is_stack(names) and leaf.ndim == len(names) + 1
+
+
+def _forward_only(f: Callable) -> Callable:
+    """``f`` (a linear function such as a sharding constraint) on the forward pass; its cotangent passes
+    back as it comes."""
+    f_ = jax.custom_vjp(f)
+    f_.defvjp(lambda x: (f(x), None), lambda _, ct: (ct,))
+    return f_
 
 
 def _run_one_of(index, functions: Sequence[Callable | None], carry):

@@ -137,6 +137,14 @@ class Rules:
         seq = tuple(a for a in self.mesh_axes("seq") or () if mesh.shape[a] > 1)
         return seq if seq and not set(seq) & params else ()
 
+    def gradient_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """The mesh axes a parameter's gradient is summed over and ``optimizer.shard_over_data`` splits
+        its optimizer state (and the gradient it reads) over, where the parameter is replicated over them:
+        the batch rule's axes, and the context axes that split no weight (:meth:`seq_only_axes`; Megatron's
+        distributed optimizer splits over data x context)."""
+        batch = self.spec(("batch",))
+        return (*spec_axes(batch[0] if batch else None), *self.seq_only_axes(mesh))
+
     def matches_path(self, path: str) -> bool:
         """Whether a parameter-path rule applies to ``path``."""
         return self.path_rule(path) is not None
@@ -208,6 +216,23 @@ def _dedupe(entries: list[MeshAxes]) -> P:
     while out and out[-1] is None:
         out.pop()
     return P(*out)
+
+
+def split_over(shape, spec: P, axes: Sequence[str], mesh: Mesh) -> P:
+    """``spec`` (of an array of ``shape``) with the mesh ``axes`` it does not use yet added, after the axes
+    already there, to the first dimension they divide; ``spec`` itself where none does (small tensors such
+    as norms) or every axis is used."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for entry in entries for a in spec_axes(entry)}
+    extra = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+    if not extra:
+        return spec
+    for dim, size in enumerate(shape):
+        current = spec_axes(entries[dim])
+        if size % math.prod(mesh.shape[a] for a in current + extra) == 0:
+            entries[dim] = current + extra if current else (extra[0] if len(extra) == 1 else extra)
+            return P(*entries)
+    return spec
 
 
 def spec_axes(entry) -> tuple[str, ...]:

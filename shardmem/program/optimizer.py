@@ -22,7 +22,6 @@ checkpointed and a resumed run goes on with it.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -33,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError
-from shardmem.parallel.rules import Rules, spec_axes
+from shardmem.parallel.rules import Rules, split_over
 
 HOST = "pinned_host"
 
@@ -178,10 +177,13 @@ def gradient_shardings(config: Config, abstract_params, param_shardings, rules: 
     sliced, as Megatron's distributed optimizer does."""
     if not config.optimizer.shard_over_data:
         return param_shardings
-    batch_axes = spec_axes(rules.spec(("batch",))[0] if rules.spec(("batch",)) else None)
-    axes = (*batch_axes, *rules.seq_only_axes(mesh))
-    return jax.tree.map(lambda leaf, s: _split_over(leaf.shape, s, axes, mesh),
-                        abstract_params, param_shardings)  # fmt: skip
+    axes = rules.gradient_axes(mesh)
+
+    def split(leaf, sharding):
+        spec = split_over(leaf.shape, sharding.spec, axes, mesh)
+        return NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
+
+    return jax.tree.map(split, abstract_params, param_shardings)
 
 
 def to_device(opt_state, shardings):
@@ -198,21 +200,6 @@ def to_host(opt_state, shardings):
     return jax.tree.map(
         lambda x, s: jax.device_put(x, s) if s.memory_kind == HOST else x, opt_state, shardings
     )
-
-
-def _split_over(shape, sharding: NamedSharding, axes, mesh: Mesh) -> NamedSharding:
-    """``sharding`` with the mesh ``axes`` it does not use yet added to the first dimension they divide."""
-    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    used = {a for entry in spec for a in spec_axes(entry)}
-    extra = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
-    if not extra:
-        return sharding
-    for dim, size in enumerate(shape):
-        current = spec_axes(spec[dim])
-        if size % (math.prod(mesh.shape[a] for a in current + extra)) == 0:
-            spec[dim] = current + extra if current else (extra[0] if len(extra) == 1 else extra)
-            return NamedSharding(mesh, P(*spec), memory_kind=sharding.memory_kind)
-    return sharding  # No dimension divides: stays as its parameter (small tensors such as norms).
 
 
 def _check_host_memory(mesh: Mesh) -> None:

@@ -42,7 +42,8 @@ def pipeline_for(
     counts = parse_stages(ranges, n_layers) if ranges is not None else ()
     train, schedule = config.train, config.pipeline
     pipeline = Pipeline(stages, train.micro_batches, schedule.repeats, counts, schedule.schedule,
-                        grad_dtype=config.precision.master)  # fmt: skip
+                        grad_dtype=config.precision.master,
+                        split_gradients=config.optimizer.shard_over_data)  # fmt: skip
     pipeline.check(n_layers, config.remat_plan())
     # 1F1B splits a chunk's backward in two parts of its layers, each about a forward's work, so that a
     # tick's ops cost alike (three parts under full remat, a forward each by FLOPs, planned slower on
