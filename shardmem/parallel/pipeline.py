@@ -48,8 +48,10 @@ their gradient) and the last chunk's runs the head and the loss, whose gradient 
 backward. The body splits the batch by hand too, over the data axes that split nothing else
 (:meth:`Rules.batch_only_axes`), and the sequence over the context axes that split no weight
 (:meth:`Rules.seq_only_axes`, :func:`shardmem.parallel.context.split_by_hand`): each device sums its own
-rows' and positions' weight gradients over the ticks (in ``grad_dtype``), and they are all-reduced once
-after the last; the compiler splits the tensor and FSDP axes inside it as everywhere. The gradients come
+rows' and positions' weight gradients over the ticks (in ``grad_dtype``), and they are reduced once after
+the last: all-reduced, or, where the optimizer reads a layer's gradient split over those axes
+(``optimizer.shard_over_data``, ZeRO-1: Megatron's distributed optimizer), reduce-scattered to its pieces
+(half the bytes); the compiler splits the tensor and FSDP axes inside it as everywhere. The gradients come
 out of a ``jax.custom_vjp`` whose forward runs the schedule, so the step differentiates the loss as any
 other.
 
