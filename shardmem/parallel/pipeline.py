@@ -726,27 +726,25 @@ class Pipeline:
         inputs_MxbxA, targets_MxbxA = self._micro_batches(inputs_BxA), self._micro_batches(targets_BxA)
         return pipelined(stages.weights_S, embed_params, head_params, inputs_MxbxA, targets_MxbxA)
 
-
     def _scatter_dim(self, shape_RxKxA, names, rules: Rules, mesh: Mesh, by_hand) -> int | None:
         """The dimension of a stage's ``[R, K, ...]`` sums of one weight's gradients to reduce-scatter over
         the ``by_hand`` axes, or None to all-reduce them: where the optimizer reads that gradient split
-        over exactly those axes (:func:`~shardmem.program.optimizer.gradient_shardings`), on a dimension
+        over those axes alone (:func:`~shardmem.program.optimizer.gradient_shardings`), on a dimension
         that no axis left to the compiler splits, so that the scattered pieces are its pieces as they are."""
-        if not (self.split_gradients and by_hand):
+        scattered = tuple(a for a in by_hand if mesh.shape[a] > 1)
+        if not (self.split_gradients and scattered):
             return None
+        # As stored (see stored): [n_layers, ...], or [R, n_layers / R, ...] with the repeats whole.
         r, k, rest = shape_RxKxA[0], shape_RxKxA[1], shape_RxKxA[2:]
-        spec = rules.spec(names)  # As stored: [n_layers, ...], or [R, n_layers / R, ...] (see stored).
         stored, offset = ((self.stages * k, *rest), 1) if r == 1 else ((r, self.stages * k, *rest), 0)
-        if r > 1:
-            spec = P(None, *spec)
+        spec = rules.spec(names) if r == 1 else P(None, *rules.spec(names))
         split = split_over(stored, spec, rules.gradient_axes(mesh), mesh)
-        for dim, (before, after) in enumerate(zip(list(spec) + [None] * len(stored), split, strict=False)):
-            if before == after:
-                continue
-            current, added = spec_axes(before), spec_axes(after)[len(spec_axes(before)):]
-            if added == by_hand and set(current) <= {STAGE_AXIS}:
-                return dim + offset
-            return None
+        entries = lambda p: list(p) + [None] * (len(stored) - len(p))  # noqa: E731
+        for dim, (before, after) in enumerate(zip(entries(spec), entries(split), strict=True)):
+            if before != after:  # The one dimension split_over added axes to, after those it had.
+                current = spec_axes(before)
+                added = spec_axes(after)[len(current) :]
+                return dim + offset if added == scattered and set(current) <= {STAGE_AXIS} else None
         return None
 
 
