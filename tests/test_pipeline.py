@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from strategies import assert_same_training, planned_and_trained, train_steps, trained
 
+import shardmem
 from shardmem.config import config_from_dict
-from shardmem.errors import ConfigError
+from shardmem.errors import ConfigError, PlanError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.planning import hlo
@@ -222,6 +223,20 @@ def test_1f1b_keeps_what_the_remat_policy_offloads_in_host_memory(one_device):
                        remat={"policy": "offload"})  # fmt: skip
     losses, state = train_steps(program.step, program, program.init(), 3)
     assert_same_training(losses, state["params"], one_device)
+
+
+@pytest.mark.newest  # What XLA's GPU compiler can compile differs between JAX versions.
+def test_offloaded_residuals_plan_in_host_memory_under_1f1b_and_gpipe_says_to_use_it():
+    # XLA's GPU compiler fails on residuals offloaded inside GPipe's tick loop; 1F1B's ring in host
+    # memory compiles, and the failure's message names that fix.
+    def config(schedule):
+        return _config({"stage": 2, "data": 2, "fsdp": 2}, micro_batches=4, schedule=schedule,
+                       remat={"policy": "offload"})  # fmt: skip
+
+    report = shardmem.plan(config("1f1b"), target="h100-sxm", count_remat_overhead=False)
+    assert report.per_device["host"] > 0
+    with pytest.raises(PlanError, match=r"under pipeline.schedule=gpipe, .* Set pipeline.schedule: 1f1b"):
+        shardmem.plan(config("gpipe"), target="h100-sxm", count_remat_overhead=False)
 
 
 @pytest.mark.slow

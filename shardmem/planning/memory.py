@@ -275,9 +275,15 @@ def plan_program(
     if planned.compiler_options:  # The function's own options, which its jit runs with; the user's win.
         options = {**planned.compiler_options, **memory.compiler_options}
         memory = dataclasses.replace(memory, compiler_options=options)
-    report, compiled = _compile_and_analyze(traced, target, memory, groups=planned.groups, top=top,
-                                            overlap_off=planned.overlap_off,
-                                            name=config.name)  # fmt: skip
+    try:
+        report, compiled = _compile_and_analyze(traced, target, memory, groups=planned.groups, top=top,
+                                                overlap_off=planned.overlap_off,
+                                                name=config.name)  # fmt: skip
+    except PlanError as error:
+        known = _known_failure(program, target)
+        if known is None:
+            raise
+        raise PlanError(f"{known}. {error}") from None
     rows = program.sharding_table()
     warnings = (
         unchecked + rule_warnings(rows, program.rules, program.mesh) + unused_path_rules(rows, program.rules)
@@ -737,6 +743,26 @@ def _compile_cached(traced, options: Mapping[str, Any], dump: str, cache: str | 
     if cache is not None:
         kernel_cache.discard(shared)
     return compiled, None
+
+
+def _known_failure(program: Program, target: Target) -> str | None:
+    """What a failed compile of ``program`` for ``target`` is known to come from, with the fix (None:
+    nothing known). XLA's GPU compiler fails on residuals offloaded to host memory inside the tick loop
+    of GPipe and the circular schedule (JAX 0.10.2 and 0.12: "Expected instruction to have shape equal
+    to ..." after layout assignment); 1F1B's ops keep them in a ring of their own in host memory."""
+    pipeline = program.pipeline
+    if target.platform in ("cpu", "tpu") or pipeline is None or pipeline.runs_loss:
+        return None
+    plan = program.remat_plan
+    if plan is None or not any(policy.offload for policy in plan.policies):
+        return None
+    one_f_one_b = "interleaved" if pipeline.repeats > 1 else "1f1b"
+    return (
+        f"remat ({plan.describe()}) offloads residuals to host memory under pipeline.schedule="
+        f"{pipeline.schedule}, which XLA's GPU compiler cannot compile (the offloaded residuals inside "
+        f"the schedule's tick loop). Set pipeline.schedule: {one_f_one_b}, whose ops keep offloaded "
+        "residuals in host memory, or a remat policy that does not offload"
+    )
 
 
 def _first_line(error: BaseException) -> str:
