@@ -353,8 +353,8 @@ def test_1f1b_over_data_and_context_reduces_the_gradients_once_and_trains_as_one
 def test_1f1b_reduce_scatters_the_layers_gradients_where_the_optimizer_splits_them(one_device):
     # With optimizer.shard_over_data the optimizer reads each gradient split over data (here over the
     # repeats: 2 chunks of 1 layer per stage); the schedule reduce-scatters the layers' sums to those
-    # pieces (a quarter of the bytes the all-reduce received) and nothing gathers them back, with tensor
-    # splitting the weights inside (XLA's partitioner gathered them whole for a reduce-scatter).
+    # pieces and nothing gathers them back, with tensor splitting the weights inside (XLA's partitioner
+    # gathered them whole for a reduce-scatter).
     def program(split):
         return _program({"stage": 2, "data": 2, "tensor": 2}, jax.devices(), micro_batches=4, repeats=2,
                         schedule="interleaved", rules={"embed": None},
@@ -368,7 +368,8 @@ def test_1f1b_reduce_scatters_the_layers_gradients_where_the_optimizer_splits_th
     split, whole = program(True), program(False)
     (scattered, reduced) = collectives(split), collectives(whole)
     assert scattered["reduce-scatter"] > 0
-    # The all-reduce's bytes, less a few scalars more (the gradient norm is summed over the pieces).
+    # The all-reduce's output bytes fall by the reduce-scatter's input, twice its output over data 2 (to
+    # a few scalars: the gradient norm is summed over the pieces).
     assert reduced["all-reduce"] - scattered["all-reduce"] == pytest.approx(2 * scattered["reduce-scatter"],
                                                                            rel=1e-2)  # fmt: skip
     # What is gathered is the updated weights (ZeRO-1), once: the gradients are not gathered back.
