@@ -689,7 +689,7 @@ class Pipeline:
         scatter = jax.tree.map(
             lambda w, names: None if stages.valid_SxK is not None
             else self._scatter_dim(w.shape[1:], names, rules, mesh, by_hand),
-            stages.weights_S, stages.logical, is_leaf=_is_names,
+            stages.weights_S, stages.logical,
         )  # fmt: skip
         d_weight_specs = jax.tree.map(
             lambda _, dim: stage_spec if dim is None else P(STAGE_AXIS, *[None] * dim, by_hand),
@@ -737,7 +737,7 @@ class Pipeline:
         # As stored (see stored): [n_layers, ...], or [R, n_layers / R, ...] with the repeats whole.
         r, k, rest = shape_RxKxA[0], shape_RxKxA[1], shape_RxKxA[2:]
         stored, offset = ((self.stages * k, *rest), 1) if r == 1 else ((r, self.stages * k, *rest), 0)
-        spec = rules.spec(names) if r == 1 else P(None, *rules.spec(names))
+        spec = rules.spec(self.stored_logical(names))
         split = split_over(stored, spec, rules.gradient_axes(mesh), mesh)
         entries = lambda p: list(p) + [None] * (len(stored) - len(p))  # noqa: E731
         for dim, (before, after) in enumerate(zip(entries(spec), entries(split), strict=True)):
