@@ -6,9 +6,16 @@ import shutil
 import subprocess
 import tempfile
 
-import jax
-import numpy as np
-import pytest
+# The tests' CPU programs compile without LLVM's optimization, as deviceless GPU plans already do
+# (shardmem.planning.codegen): XLA's HLO passes, buffers and schedules are the same, and a test's tiny
+# program runs for less time than LLVM -O2 spends on it (tests/test_step.py: 142 -> 78 CPU s). Here, before
+# XLA reads its flags, so that the CLI tests' processes and the notebooks' kernels inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 import shardmem  # noqa: F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
 

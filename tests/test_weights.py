@@ -339,9 +339,11 @@ def test_a_checkpoint_of_transformers_loads_with_its_logits(transformers_models,
     program = build_program(config, build_mesh(config.mesh.axes, devices))
     got = _logits(program, program.init()["params"], tokens)
     assert np.abs(expected).max() > 1  # Logits of order 1: near-zero ones would meet any tolerance.
-    # 1e-4 absolute and of the logit: fp32's rounding over two layers, in Gemma's of up to 13 (transformers'
-    # own is 1e-4 from a float64 forward on JAX 0.10: BENCHMARKS.md).
-    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+    # fp32's rounding over two layers: 1e-4 absolute and of the logit. Gemma's logits (up to 13) are further
+    # from exact: transformers' fp32 forward is 1e-4 (JAX 0.10) to 3e-4 (0.12) from a float64 one, and moves
+    # by 3.4e-4 between LLVM -O2 and -O0 (conftest.py) at its worst position (BENCHMARKS.md, "Checkpoints
+    # written by transformers"), so 1e-3 there; a checkpoint loaded wrong is off by far more.
+    np.testing.assert_allclose(got, expected, atol=1e-3 if name == "gemma" else 1e-4, rtol=1e-4)
 
 
 def test_a_misshapen_flax_layout_checkpoint_is_a_one_line_error_naming_its_kernel(
