@@ -1,4 +1,4 @@
-"""Test setup: 8 simulated CPU devices, before JAX starts its backends."""
+"""Test setup: 8 simulated CPU devices and LLVM -O0 for the CPU programs, before JAX starts its backends."""
 
 import atexit
 import os
