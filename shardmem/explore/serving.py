@@ -50,7 +50,7 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
         replicas = devices // tensor
         for kv_dtype in kv_dtypes:
             label = f"tensor {tensor} x data {replicas}, KV {kv_dtype}"
-            layout = (f"mesh.axes={{data: {replicas}, tensor: {tensor}}}", f"serve.kv_dtype={kv_dtype}")
+            layout = (_mesh(config, replicas, tensor), f"serve.kv_dtype={kv_dtype}")
             if config.serve.batch % replicas:
                 why = f"serve.batch={config.serve.batch} does not split over {replicas} data replicas"
                 planner.note(label, layout, None, None, None, False, "skipped", why)
@@ -86,6 +86,13 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
                       planner.compiles, budget, target.label, explanation,
                       ranked=[{k: v for k, v in r.items() if k != "report"} for r in ranked])  # fmt: skip
 
+
+
+def _mesh(config, replicas: int, tensor: int) -> str:
+    """The ``mesh.axes`` override of a serving layout: ``replicas`` x ``tensor``, the config's other axes
+    (``fsdp``, ``context``, ...) kept at 1, so that partition rules naming them still hold."""
+    axes = {**{axis: 1 for axis in config.mesh.axes}, "data": replicas, "tensor": tensor}
+    return "mesh.axes={" + ", ".join(f"{axis}: {size}" for axis, size in axes.items()) + "}"
 
 def _best_batch(planner: Planner, config: Config, label: str, layout: tuple[str, ...], replicas: int,
                 objective: str) -> dict[str, Any] | None:  # fmt: skip
