@@ -339,6 +339,21 @@ def cmd_generate(args) -> int:
         return _generate(args)
 
 
+def _sampling(args):
+    """The sampling the flags ask for; the sampling flags without a temperature are a mistake (greedy
+    decoding would ignore them)."""
+    from shardmem.run.sampling import Sampling
+
+    given = {"--top-k": args.top_k, "--top-p": args.top_p, "--seed": args.seed}
+    ignored = [flag for flag, value in given.items() if value is not None]
+    if ignored and not args.temperature:
+        raise ConfigError(f"{' and '.join(ignored)} only shape sampling, and --temperature "
+                          f"{args.temperature:g} decodes greedily: add --temperature, e.g. 0.7, or drop "
+                          f"{'them' if len(ignored) > 1 else 'it'}")  # fmt: skip
+    return Sampling(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p,
+                    args.seed or 0)  # fmt: skip
+
+
 def _generate(args) -> int:
     import jax
 
@@ -347,10 +362,9 @@ def _generate(args) -> int:
     from shardmem.planning.targets import ensure_cpu_devices
     from shardmem.program.serving import serving_program
     from shardmem.run import generation
-    from shardmem.run.sampling import Sampling
 
     at_least("--max-new-tokens", args.max_new_tokens, 1, "generate at least 1 token")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = _sampling(args)
     if args.prompt_ids is not None:
         prompts = [generation.parse_prompt_ids(args.prompt_ids)]
     else:
@@ -377,9 +391,10 @@ def _generate(args) -> int:
     made = sum(len(t) for t in result.tokens)
     if args.json:
         print(json.dumps({**result.to_json(), "seconds": round(seconds, 3)}), flush=True)
-    print(f"generated {made} tokens for {len(prompts)} prompt{'s' * (len(prompts) > 1)} in {seconds:.1f} s "
-          f"(compiles included) on {len(devices)} {devices[0].platform} device{'s' * (len(devices) > 1)}",
-          file=sys.stderr)  # fmt: skip
+    plural = lambda n: "s" * (n != 1)  # noqa: E731
+    print(f"generated {made} token{plural(made)} for {len(prompts)} prompt{plural(len(prompts))} in "
+          f"{seconds:.1f} s (compiles included) on {len(devices)} {devices[0].platform} "
+          f"device{plural(len(devices))}", file=sys.stderr)  # fmt: skip
     return EXIT_OK
 
 
@@ -455,14 +470,19 @@ def _add_train_commands(commands) -> None:
     prompt.add_argument("--prompt-ids", metavar="IDS", help="one prompt's token ids, e.g. 1,2,3")
     prompt.add_argument("--prompt-file", metavar="PATH",
                         help="a file of prompts, one line of token ids each (1 2 3 or 1,2,3)")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt at most")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="tokens to generate per prompt at most (default 16)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0,
                    help="divides the logits before sampling; 0 is greedy (the largest logit)")  # fmt: skip
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample among the likeliest tokens whose probabilities add up to p")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds the sampling: the same seed gives the same tokens")  # fmt: skip
+    p.add_argument(
+        "--top-k", type=int, help="with --temperature: sample among the k likeliest tokens (0: all)"
+    )
+    p.add_argument("--top-p", type=float,
+                   help="with --temperature: sample among the likeliest tokens whose probabilities add up "
+                        "to p")  # fmt: skip
+    p.add_argument("--seed", type=int,
+                   help="with --temperature: seeds the sampling (default 0); the same seed gives the same "
+                        "tokens")  # fmt: skip
     p.add_argument("--eos", metavar="IDS",
                    help="end-of-sequence token ids, e.g. 2 or 128001,128009 (default: finetune.init_from's "
                    "config.json eos_token_id, else none)")  # fmt: skip

@@ -112,7 +112,7 @@ def test_sampling_keeps_the_top_k_and_top_p_tokens_transformers_keeps():
     hot = np.asarray(sample(logits_NxV, key, Sampling(temperature=5.0)))
     cold = np.asarray(sample(logits_NxV, key, Sampling(temperature=1.0)))
     assert (hot == 4).mean() > 2 * (cold == 4).mean()
-    with pytest.raises(ConfigError, match=r"top_p=1.5: use a probability in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"top_p=1.5 \(--top-p\): use a probability in \(0, 1\]"):
         Sampling(temperature=1.0, top_p=1.5)
 
 
@@ -167,7 +167,11 @@ def test_generate_streams_repeats_itself_for_a_seed_and_stops_at_eos(tmp_path):
     (["--prompt-ids", "1,x"], "--prompt-ids: 'x' is not a token id; give integers such as 1,2,3"),
     (["--prompt-ids", ",".join(["1"] * 9)], "prompt 0 has 9 tokens, over serve.prompt_len=8"),
     (["--prompt-file", "missing.txt"], "--prompt-file 'missing.txt': cannot read it"),
-    (["--prompt-ids", "1", "--top-p", "0"], "top_p=0.0: use a probability in (0, 1]"),
+    (["--prompt-ids", "1,--1"], "--prompt-ids: '--1' is not a token id"),  # int() would take "1_0", "²"
+    (["--prompt-ids", "1", "--temperature", "1", "--top-p", "0"], "top_p=0.0 (--top-p): use a probability"),
+    (["--prompt-ids", "1", "--top-k", "5"], "--top-k only shape sampling, and --temperature 0 decodes"),
+    (["--prompt-ids", "1", "--temperature", "1", "--seed", str(1 << 32)],
+     "seed=4294967296 (--seed): use an integer from 0 to 4294967295"),  # jax.random.key's 32 bits
 ])  # fmt: skip
 def test_generate_errors_exit_2_with_one_line_before_anything_is_built(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)

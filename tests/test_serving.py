@@ -495,8 +495,9 @@ def test_tune_serve_ranks_the_layouts_that_fit_by_the_batchs_time(tmp_path, caps
     # A training config's mesh and rules, as the shipped configs have them: the layouts keep fsdp at 1.
     rules = {"batch": ["data", "fsdp"], "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
              "mlp": "tensor", "vocab": "tensor"}  # fmt: skip
-    path.write_text(yaml.safe_dump({**GPU_SERVE, "mesh": {"axes": {"data": 1, "fsdp": 2, "tensor": 2}},
-                                    "rules": rules, "serve": {**GPU_SERVE["serve"], "batch": 2}}))  # fmt: skip
+    mesh = {"axes": {"data": 1, "fsdp": 2, "tensor": 2}}
+    path.write_text(yaml.safe_dump({**GPU_SERVE, "mesh": mesh, "rules": rules,
+                                    "serve": {**GPU_SERVE["serve"], "batch": 2}}))  # fmt: skip
     assert main(["tune", str(path), "--search", "serve", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     # 4 devices, 2 KV heads: tensor 1 or 2. Tensor 1 leaves 4 data replicas for 2 sequences: skipped.
@@ -508,8 +509,8 @@ def test_tune_serve_ranks_the_layouts_that_fit_by_the_batchs_time(tmp_path, caps
         r["total_seconds"] for r in ranked if r["layout"] == layout))  # fmt: skip
     assert {r["layout"] for r in ranked} == {"tensor 2 x data 2, KV bfloat16", "tensor 2 x data 2, KV int8"}
     assert result["compiles"] == 4 and all(r["fits"] and r["batch"] == 2 for r in ranked)  # Latency: as set.
-    assert result["overrides"][:2] == ranked[0]["overrides"][:2] == ["mesh.axes={data: 2, fsdp: 1, tensor: 2}",
-                                                                     ranked[0]["overrides"][1]]  # fmt: skip
+    layout = ["mesh.axes={data: 2, fsdp: 1, tensor: 2}", ranked[0]["overrides"][1]]
+    assert result["overrides"][:2] == ranked[0]["overrides"][:2] == layout
 
 
 @pytest.mark.slow

@@ -87,12 +87,12 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
                       ranked=[{k: v for k, v in r.items() if k != "report"} for r in ranked])  # fmt: skip
 
 
-
 def _mesh(config, replicas: int, tensor: int) -> str:
     """The ``mesh.axes`` override of a serving layout: ``replicas`` x ``tensor``, the config's other axes
     (``fsdp``, ``context``, ...) kept at 1, so that partition rules naming them still hold."""
     axes = {**{axis: 1 for axis in config.mesh.axes}, "data": replicas, "tensor": tensor}
     return "mesh.axes={" + ", ".join(f"{axis}: {size}" for axis, size in axes.items()) + "}"
+
 
 def _best_batch(planner: Planner, config: Config, label: str, layout: tuple[str, ...], replicas: int,
                 objective: str) -> dict[str, Any] | None:  # fmt: skip

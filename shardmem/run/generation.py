@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -50,11 +51,11 @@ def parse_prompt_ids(text: str, where: str = "--prompt-ids") -> list[int]:
     parts = [p for p in text.replace(",", " ").split() if p]
     if not parts:
         raise ConfigError(f"{where} is empty: give token ids such as 1,2,3")
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        bad = next(p for p in parts if not p.lstrip("-").isdigit())
-        raise ConfigError(f"{where}: {bad!r} is not a token id; give integers such as 1,2,3") from None
+    # Plain ASCII integers only: int() also takes "1_0", "²" and other digits, which are typing mistakes.
+    bad = next((p for p in parts if not re.fullmatch(r"-?[0-9]+", p)), None)
+    if bad is not None:
+        raise ConfigError(f"{where}: {bad!r} is not a token id; give integers such as 1,2,3")
+    return [int(p) for p in parts]
 
 
 def read_prompts(path: str | Path, flag: str = "--prompt-file") -> list[list[int]]:

@@ -30,15 +30,17 @@ class Sampling:
 
     def __post_init__(self):
         if not self.temperature >= 0:
-            raise ConfigError(f"temperature={self.temperature}: use 0 (greedy) or a positive temperature, "
-                              "e.g. 0.7")  # fmt: skip
+            raise ConfigError(f"temperature={self.temperature} (--temperature): use 0 (greedy) or a positive "
+                              "temperature, e.g. 0.7")  # fmt: skip
         if self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k}: use 0 (every token) or the number of tokens to keep, "
-                              "e.g. 50")  # fmt: skip
+            raise ConfigError(f"top_k={self.top_k} (--top-k): use 0 (every token) or the number of tokens to "
+                              "keep, e.g. 50")  # fmt: skip
         if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p}: use a probability in (0, 1], e.g. 0.9 (1: every token)")
-        if self.seed < 0:
-            raise ConfigError(f"seed={self.seed}: use a non-negative integer")
+            raise ConfigError(
+                f"top_p={self.top_p} (--top-p): use a probability in (0, 1], e.g. 0.9 (1: every token)"
+            )
+        if not 0 <= self.seed < 1 << 32:  # jax.random.key takes 32 bits: a larger seed would repeat one.
+            raise ConfigError(f"seed={self.seed} (--seed): use an integer from 0 to {(1 << 32) - 1}")
 
     @property
     def greedy(self) -> bool:
