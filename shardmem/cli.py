@@ -29,6 +29,7 @@ from shardmem._interrupt import ends_on_interrupt
 from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
 from shardmem.planning.targets import MIG_TARGETS, TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
+from shardmem.units import format_bytes
 
 EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 2, 3
 EXIT_DIVERGED, EXIT_TIGHT, EXIT_INTERRUPTED = 4, 5, 130
@@ -354,6 +355,27 @@ def _sampling(args):
                     args.seed or 0)  # fmt: skip
 
 
+@contextlib.contextmanager
+def _out_of_memory_named(program, devices):
+    """Turns the devices running out of memory for the weights or the KV cache into a ConfigError naming
+    what they hold and the keys that size them (``plan --serve`` says beforehand whether they fit)."""
+    import jax
+
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+            raise
+        s = program.serving
+        cache = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(s.cache)) // len(devices)
+        raise ConfigError(
+            f"out of memory on the {devices[0].platform} devices: the KV cache takes {format_bytes(cache)} "
+            f"per device (serve.batch={s.batch} x serve.max_len={s.max_len}) beside the weights; lower "
+            "serve.max_len or serve.batch, or set serve.kv_dtype=int8 (shardmem plan CONFIG --serve --target "
+            "local says what fits)"
+        ) from None
+
+
 def _generate(args) -> int:
     import jax
 
@@ -378,15 +400,16 @@ def _generate(args) -> int:
     with native_stderr_silenced():
         devices = jax.devices()  # Start the backends without the CUDA stub's expected complaint.
     program = serving_program(config, build_mesh(config.mesh.axes, devices))
-    weights = program.init()
     stream = sys.stderr if args.json else sys.stdout  # With --json, stdout holds the JSON object alone.
 
     def show(step: int, tokens: list) -> None:
         print(" ".join("-" if t is None else str(t) for t in tokens), file=stream, flush=True)
 
     started = time.monotonic()
-    result = generation.generate(program, weights, prompts, max_new_tokens=args.max_new_tokens,
-                                 sampling=sampling, eos=eos, on_step=show)  # fmt: skip
+    with _out_of_memory_named(program, devices):
+        weights = program.init()
+        result = generation.generate(program, weights, prompts, max_new_tokens=args.max_new_tokens,
+                                     sampling=sampling, eos=eos, on_step=show)  # fmt: skip
     seconds = time.monotonic() - started
     made = sum(len(t) for t in result.tokens)
     if args.json:

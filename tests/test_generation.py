@@ -178,3 +178,19 @@ def test_generate_errors_exit_2_with_one_line_before_anything_is_built(args, mes
     assert main(["generate", "configs/tiny.yaml", *SMALL, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_out_of_device_memory_names_the_cache_and_its_keys(capsys, monkeypatch):
+    import jax
+
+    from shardmem.run import generation
+
+    def exhausted(*args, **kwargs):  # What the allocator raises for a cache the devices cannot hold.
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 51200000000 bytes.")
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(generation, "generate", exhausted)
+    assert main(["generate", "configs/tiny.yaml", *SMALL, "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "out of memory on the cpu devices: the KV cache takes" in err and "serve.max_len" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
