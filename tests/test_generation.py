@@ -118,7 +118,8 @@ def test_sampling_keeps_the_top_k_and_top_p_tokens_transformers_keeps():
 
 @pytest.mark.parametrize("prompts, new, message", [
     ([list(range(1, 10))], 4, "prompt 0 has 9 tokens, over serve.prompt_len=8; set serve.prompt_len=9"),
-    ([[1]] * 5, 4, "5 prompts, but serve.batch=4 sequences are decoded together; set serve.batch=5"),
+    ([[1]] * 5, 4, "5 prompts, but serve.batch=4 sequences are decoded together; set serve.batch=8 (a "
+                   "multiple of the 8 devices rules.batch splits it over)"),  # The default mesh: fsdp over 8.
     ([[1, 256]], 4, "prompt 0 has token id 256, outside the model's vocabulary of model.vocab_size=256"),
     ([[1, 2, 3]], 23, "--max-new-tokens=23 after a prompt of 3 tokens needs 25 positions in the KV cache, "
                       "over serve.max_len=24; set serve.max_len=25 (--set serve.max_len=25) or generate 22"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -134,9 +135,12 @@ def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = ())
     if not prompts:
         raise ConfigError("no prompts: give --prompt-ids 1,2,3 or a --prompt-file of token-id lines")
     if len(prompts) > serving.batch:
-        n = len(prompts)
-        raise ConfigError(f"{n} prompts, but serve.batch={serving.batch} sequences are decoded together; set "
-                          f"serve.batch={n} (--set serve.batch={n}) or give fewer prompts")  # fmt: skip
+        n, shards = len(prompts), _batch_shards(config)
+        batch = -(-n // shards) * shards  # The batch splits over the devices rules.batch names.
+        why = f" (a multiple of the {shards} devices rules.batch splits it over)" if batch != n else ""
+        raise ConfigError(f"{n} prompts, but serve.batch={serving.batch} sequences are decoded together; "
+                          f"set serve.batch={batch}{why} (--set serve.batch={batch}) or give fewer "
+                          "prompts")  # fmt: skip
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ConfigError(f"prompt {i} is empty: give it at least one token id")
@@ -159,6 +163,21 @@ def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = ())
         if not 0 <= token < vocab:
             raise ConfigError(f"--eos {token}: outside the model's vocabulary of model.vocab_size={vocab} "
                               f"(0 to {vocab - 1})")  # fmt: skip
+
+
+def _batch_shards(config) -> int:
+    """The devices a serving batch splits over (the mesh axes ``rules.batch`` names), the mesh as a plan
+    lays it out (a -1 axis takes the devices :meth:`~shardmem.config.MeshConfig.device_count` leaves)."""
+    from shardmem.parallel.rules import Rules
+
+    axes = dict(config.mesh.axes)
+    fixed = math.prod(size for size in axes.values() if size > 0)
+    axes = {axis: config.mesh.device_count() // fixed if size == -1 else size for axis, size in axes.items()}
+    try:
+        batch_axes = Rules.from_config(config.rules, list(axes)).mesh_axes("batch") or ()
+    except ConfigError:
+        return 1  # Rules the program will name when it is built.
+    return math.prod(axes[axis] for axis in batch_axes)
 
 
 def checkpoint_eos(config) -> tuple[int, ...]:
