@@ -513,6 +513,26 @@ def test_tune_serve_ranks_the_layouts_that_fit_by_the_batchs_time(tmp_path, caps
     assert result["overrides"][:2] == ranked[0]["overrides"][:2] == layout
 
 
+def test_tune_serve_says_when_its_budget_cut_the_search_and_refuses_a_batch_no_layout_splits(
+    tmp_path, capsys
+):
+    import yaml
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(GPU_SERVE))  # 4 devices: tensor 1 or 2, each with two KV dtypes.
+    assert main(["tune", str(path), "--search", "serve", "--max-compiles", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the compile budget is spent with 3 of 4 layouts unplanned: raise --max-compiles" in out, out
+    assert main(["tune", str(path), "--search", "serve", "--set", "serve.batch=3"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "serve.batch=3 does not split over the data replicas of any layout of 4 devices (4 at tensor 1, "
+        "2 at tensor 2); use a multiple of 2"
+        in err
+        and len(err.strip().splitlines()) == 1
+    )
+
+
 @pytest.mark.slow
 def test_tune_serve_for_throughput_takes_the_largest_batch_that_fits():
     from shardmem.explore.tune import tune

@@ -46,22 +46,34 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
     kv_dtypes = list(dict.fromkeys([config.serve.kv_dtype or compute, "int8"]))
     budget = None
     ranked: list[dict[str, Any]] = []
-    for tensor in [t for t in range(1, devices + 1) if devices % t == 0 and kv_heads % t == 0]:
-        replicas = devices // tensor
-        for kv_dtype in kv_dtypes:
-            label = f"tensor {tensor} x data {replicas}, KV {kv_dtype}"
-            layout = (_mesh(config, replicas, tensor), f"serve.kv_dtype={kv_dtype}")
-            if config.serve.batch % replicas:
-                why = f"serve.batch={config.serve.batch} does not split over {replicas} data replicas"
-                planner.note(label, layout, None, None, None, False, "skipped", why)
-                continue
-            row = _best_batch(planner, config, label, layout, replicas, objective)
-            if row is None:
-                break  # Out of compiles.
-            budget = row.pop("budget_bytes")
-            ranked.append(row)
+    tensors = [t for t in range(1, devices + 1) if devices % t == 0 and kv_heads % t == 0]
+    candidates = [(t, kv_dtype) for t in tensors for kv_dtype in kv_dtypes]
+    if all(config.serve.batch % (devices // t) for t in tensors):
+        each = ", ".join(f"{devices // t} at tensor {t}" for t in tensors)
+        raise ConfigError(
+            f"serve.batch={config.serve.batch} does not split over the data replicas of any layout of "
+            f"{devices} devices ({each}); use a multiple of {devices // tensors[-1]}"
+        )
+    planned = 0  # Candidates planned or skipped: fewer than all when the compile budget runs out.
+    for tensor, kv_dtype in candidates:
         if planner.exhausted:
             break
+        replicas = devices // tensor
+        label = f"tensor {tensor} x data {replicas}, KV {kv_dtype}"
+        layout = (_mesh(config, replicas, tensor), f"serve.kv_dtype={kv_dtype}")
+        if config.serve.batch % replicas:
+            why = f"serve.batch={config.serve.batch} does not split over {replicas} data replicas"
+            planner.note(label, layout, None, None, None, False, "skipped", why)
+            planned += 1
+            continue
+        row = _best_batch(planner, config, label, layout, replicas, objective)
+        if row is None:
+            break  # Out of compiles.
+        budget = row.pop("budget_bytes")
+        ranked.append(row)
+        planned += 1
+    spent = [f"the compile budget is spent with {len(candidates) - planned} of {len(candidates)} layouts "
+             "unplanned: raise --max-compiles"] if planned < len(candidates) else []  # fmt: skip
     fitting = [r for r in ranked if r["fits"]]
     key = (lambda r: r["total_seconds"]) if objective == "latency" else (lambda r: -r["tokens_per_second"])
     ranked = sorted(fitting, key=key) + [r for r in ranked if not r["fits"]]
@@ -69,6 +81,7 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
         return no_fit(planner, target, budget or 0, "serve", [
             f"no layout of {devices} devices fits serve.batch={config.serve.batch} with either KV dtype",
             "lower serve.batch or serve.max_len, quantize the weights (serve.quantize), or plan more devices",
+            *spent,
         ])  # fmt: skip
     best = ranked[0]
     chosen = next(t for t in planner.trials if t.overrides == tuple(best["overrides"]) and t.fits)
@@ -81,6 +94,7 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
         f"for the batch, {best['tokens_per_second']:,.0f} output tokens/s, first token in "
         f"{format_seconds(best['ttft'])}",
         f"{planner.compiles} compiles",
+        *spent,
     ]
     return TuneResult("serve", config.replace(*best["overrides"]), best.pop("report"), chosen, planner.trials,
                       planner.compiles, budget, target.label, explanation,
