@@ -154,6 +154,19 @@ def test_quantized_weights_serve_the_model_they_quantize():
     np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
 
 
+def test_a_serving_plan_on_trainings_fsdp_layout_warns_that_each_decode_step_gathers_the_weights():
+    config = config_from_dict({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 1, "fsdp": 4}},
+                               "serve": {"batch": 4, "prompt_len": 8, "max_len": 16},
+                               "memory": {"target": "cpu"}})  # fmt: skip
+    plan = plan_serving(config)
+    (warning,) = plan.warnings
+    assert "each decode step all-gathers" in warning and "mesh.axes.fsdp=4 splits them" in warning
+    assert (
+        plan.decode.collectives["all-gather"] >= plan.per_device["weights"] * 4 * 0.9
+    )  # Nearly all of them.
+    assert plan.to_json()["warnings"] == [warning]
+
+
 def test_the_serving_plan_lists_the_kv_cache_and_decodes_it_in_place():
     config = config_from_dict({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 2, "tensor": 2}},
                                "serve": {"batch": 4, "prompt_len": 32, "max_len": 128, "kv_dtype": "int8"},
@@ -168,7 +181,7 @@ def test_the_serving_plan_lists_the_kv_cache_and_decodes_it_in_place():
     weights = plan.per_device["weights"]
     assert weights == plan.prefill.per_device["params"] > 0
     assert plan.per_device["peak"] == max(plan.prefill.per_device["peak"], plan.decode.per_device["peak"])
-    assert plan.fits and plan.verdict == "fits" and plan.decode.cross_check["matches"]
+    assert plan.fits and plan.verdict == "fits" and plan.decode.cross_check["matches"] and not plan.warnings
     assert plan.prefill.step_time.tokens_per_second > 0 and plan.decode.flops_per_step > 0
     data = plan.to_json()
     assert data["serve"]["kv_dtype"] == "int8"

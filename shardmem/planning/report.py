@@ -167,7 +167,8 @@ def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
     style = {"fits": "bold green", "tight": "bold yellow", "does not fit": "bold red"}[plan.verdict]
     fit = Text.assemble("budget ", format_bytes(plan.decode.budget_bytes), ": ", (verdict, style),
                         f" (prefill {plan.prefill.verdict}, decode {plan.decode.verdict})")  # fmt: skip
-    parts: list = [head, what, table, fit, *_serving_time(plan), *_serving_capacity(plan)]
+    warnings = [Text(f"warning: {w}", style="yellow") for w in plan.warnings]
+    parts: list = [head, what, table, fit, *warnings, *_serving_time(plan), *_serving_capacity(plan)]
     for report in (plan.prefill, plan.decode):
         parts += [Text(""), render(report, sharding=sharding and report is plan.decode)]
     return Group(*parts)

@@ -46,6 +46,7 @@ from shardmem.planning import cost
 from shardmem.planning.memory import MemoryReport, make_target, persistent_cache_off, plan_program
 from shardmem.planning.targets import Target
 from shardmem.program.serving import ServingProgram, serving_program
+from shardmem.units import format_bytes
 
 #: Verdicts from best to worst: a plan of several functions has its worst one's.
 _VERDICTS = ("fits", "tight", "does not fit")
@@ -189,6 +190,19 @@ class ServingPlan:
         """The worse of the two functions' verdicts: ``"fits"``, ``"tight"`` or ``"does not fit"``."""
         return max(self.prefill.verdict, self.decode.verdict, key=_VERDICTS.index)
 
+    @property
+    def warnings(self) -> list[str]:
+        """What in the layout costs serving (the decode step gathering the weights it should hold)."""
+        gathered, weights = self.decode.collectives.get("all-gather", 0), self.per_device["weights"]
+        if not weights or gathered < weights / 4:
+            return []
+        split = ", ".join(f"mesh.axes.{axis}={size}" for axis, size in self.decode.mesh.items()
+                          if size > 1 and axis not in ("data", "tensor")) or "the mesh"  # fmt: skip
+        return [f"each decode step all-gathers {format_bytes(gathered)} of weights ({split} splits them, as "
+                "training does), where it should read each weight once from its own device: split them "
+                "over mesh.axes.tensor and data replicas instead (shardmem tune CONFIG --search "
+                "serve)"]  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         """Returns the plan as plain JSON-ready data (``shardmem plan --serve --json``)."""
         return {
@@ -201,6 +215,7 @@ class ServingPlan:
             "verdict": self.verdict,
             "time": self.time.to_json() if self.time else None,
             "kv_capacity": self.capacity.to_json() if self.capacity else None,
+            "warnings": self.warnings,
             "prefill": self.prefill.to_json(),
             "decode": self.decode.to_json(),
         }
