@@ -456,7 +456,8 @@ def _read_config_text(path: Path) -> str:
         with path.open("rb") as file:
             data = file.read(CONFIG_MAX_BYTES + 1)
     except OSError as e:
-        raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror}") from None
+        raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror}; give the path of a YAML config "
+                          "such as configs/tiny.yaml") from None  # fmt: skip
     if len(data) > CONFIG_MAX_BYTES:
         raise ConfigError(f"config {str(path)!r} is over {CONFIG_MAX_BYTES >> 20} MiB; a config is a short "
                           "YAML file (see configs/), is this the right file?")  # fmt: skip
@@ -728,12 +729,35 @@ def _convert(hint, value: Any, key: str):
             return number
     if hint in (int, str, bool) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
-    raise ConfigError(f"{key}={value!r}: expected {getattr(hint, '__name__', hint)}")
+    raise ConfigError(
+        f"{key}={value!r}: expected {getattr(hint, '__name__', hint)}; {_type_fix(key, value, hint)}"
+    )
+
+
+def _type_fix(key: str, value: Any, hint: Any) -> str:
+    """How to write ``key``'s value as ``hint`` wants it."""
+    if hint is int:
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return f"write it without quotes ({key}: {value.strip()})"
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            return "give a whole number, e.g. 8"
+        if number.is_integer() and not isinstance(value, bool):  # YAML reads 1e4 as a string or a float.
+            return f"write it as a whole number ({key}: {int(number)})"
+        return "give a whole number, e.g. 8"
+    if hint is bool:
+        return "give true or false"
+    if hint is float:
+        return "give a number, e.g. 0.9"
+    if hint is str:
+        return "give text (quote it if YAML would read it as a number or true/false)"
+    return "see docs/reference/config.md for its type"
 
 
 def _positive(key: str, value: int | float) -> None:
     if value <= 0:
-        raise ConfigError(f"{key}={value}: must be positive")
+        raise ConfigError(f"{key}={value}: must be positive; give a value above 0")
 
 
 def _validate_experts(m: ModelConfig) -> None:

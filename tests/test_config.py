@@ -72,7 +72,22 @@ def test_reserve_accepts_units():
     [
         ({"model": {"preset": "tiny"}, "remat": {"polcy": "full"}}, ["remat.polcy", "did you mean 'policy'"]),
         ({"model": {"preset": "llama-8b"}}, ["model.preset='llama-8b'", "llama-7b"]),
-        ({"model": {"preset": "tiny"}, "train": {"global_batch": "many"}}, ["train.global_batch", "int"]),
+        (
+            {"model": {"preset": "tiny"}, "train": {"global_batch": "many"}},
+            ["train.global_batch", "whole number"],
+        ),
+        (
+            {"model": {"preset": "tiny"}, "serve": {"batch": "8"}},
+            ["serve.batch='8'", "without quotes (serve.batch: 8)"],
+        ),
+        (
+            {"model": {"preset": "tiny"}, "serve": {"max_len": "1e4"}},
+            ["serve.max_len='1e4'", "(serve.max_len: 10000)"],
+        ),
+        (
+            {"model": {"preset": "tiny"}, "serve": {"batch": -1}},
+            ["serve.batch=-1: must be positive; give a value"],
+        ),
         (
             {"model": {"preset": "tiny"}, "train": {"global_batch": 10, "micro_batches": 4}},
             ["train.micro_batches=4", "divisor of 10"],
