@@ -157,7 +157,7 @@ def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
     figures = plan.per_device
     rows = (("weights", "weights", "held throughout"), ("KV cache", "kv_cache", "held throughout"),
             ("prefill temporaries", "prefill_temp", ""), ("decode temporaries", "decode_temp", ""),
-            ("prefill peak", "prefill_peak", "its new cache an output"),
+            ("prefill peak", "prefill_peak", "the cache donated, written in place"),
             ("decode peak", "decode_peak", "the cache donated, updated in place"))  # fmt: skip
     for label, key, note in rows:
         table.add_row(label, format_bytes(figures[key]), note)

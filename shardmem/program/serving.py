@@ -2,18 +2,21 @@
 
     program = build_serving(describe(config, mesh, serving=True))   # or serving_program(config, mesh)
     weights = program.init()              # from train.seed, or finetune.init_from's pretrained weights
-    logits_BxV, cache = program.prefill(weights, prompts_BxP, lengths_B)
-    logits_BxV, cache = program.decode(weights, cache, tokens_B, positions_B)   # the cache donated
+    cache = program.new_cache()            # the KV cache, allocated once, as serving engines do
+    logits_BxV, cache = program.prefill(weights, cache, prompts_BxP, lengths_B)   # the cache donated
+    logits_BxV, cache = program.decode(weights, cache, tokens_B, positions_B)     # the cache donated
 
 The weights are stored by layer (:func:`by_layer`: ``weights["layers"]`` a tuple of each layer's
 parameters, not one stack of them), so that XLA compiles the identical layers to the same kernels, and
 each layer's query, key and value weights fused into one matrix, its gate and up weights into another
 (:func:`serving_layout`, :mod:`shardmem.models.fused`), so that a decode step runs one matmul for each.
-``prefill`` takes a batch of prompts right-padded to ``serve.prompt_len`` with each one's length, and
-returns the logits of each prompt's last token and a new KV cache (:mod:`shardmem.models.kv_cache`)
-holding their keys and values. ``decode`` takes one token per sequence at each sequence's own position
-(the first: its prompt's length), writes its keys and values into the cache in place (the cache is
-donated) and returns the next logits. Both run the reference model's own layers
+``new_cache`` allocates the KV cache (:mod:`shardmem.models.kv_cache`) in its shardings, once, as a
+serving engine does at start-up. ``prefill`` takes it with a batch of prompts right-padded to
+``serve.prompt_len`` and each one's length, writes every layer's keys and values of the prompts into it
+in place as the layer runs (the cache is donated), and returns the logits of each prompt's last token and
+the cache. ``decode`` takes one token per sequence at each sequence's own position (the first: its
+prompt's length), writes its keys and values into the cache in place (donated too) and returns the next
+logits. Both run the reference model's own layers
 (:meth:`~shardmem.models.llama.Llama.cached_hidden_states`): the training forward with a cache. Both
 are jitted with explicit shardings -- the weights by the rules, the cache's batch over the data replicas
 and its KV heads over ``tensor`` -- and listed in :attr:`ServingProgram.functions` with abstract
@@ -45,8 +48,13 @@ from shardmem.program.program import Function, Program, loading
 #: XLA options prefill and decode compile with (and are planned with). XLA's GPU compiler merges matmuls
 #: that share an input into one over their weights concatenated, a copy of those weights at every call:
 #: in a decode step, which reads each weight once, that copy doubles the query, key and value weights'
-#: traffic.
-COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+#: traffic. And its rematerialization, which recomputes values to bring a program under the memory
+#: limit, counts a donated KV cache twice (its limit is less the outputs, its peak holds the arguments,
+#: and the cache is both): once weights and twice the cache pass 80% of the allocator's memory, it
+#: recomputed a prefill's q/k/v matmuls for room that was never short (Llama 2 7B, 384 prompts of 128
+#: tokens on an A100: 31 of 32 layers', +24% FLOPs). Serving's forward-only programs keep nothing it
+#: could save, so they compile without it.
+COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_disable_hlo_passes": "rematerialization"}
 
 
 @dataclasses.dataclass
@@ -56,21 +64,23 @@ class ServingProgram(Program):
     or quantized by ``serve.quantize`` (the description's ``abstract_frozen`` tree, laid out by
     :func:`serving_layout`)."""
 
-    prefill: Callable  # jitted (weights, prompts_BxP, lengths_B) -> (logits_BxV, cache)
+    prefill: Callable  # jitted (weights, cache, prompts_BxP, lengths_B) -> (logits_BxV, cache); cache donated
     decode: Callable  # jitted (weights, cache, tokens_B, positions_B) -> (logits_BxV, cache); cache donated
     start_from: Callable  # (model params) -> weights: pretrained weights in (donated).
+    new_cache: Callable  # jitted () -> the KV cache, zeros, in its shardings.
 
     kind: ClassVar[str] = "serving"
 
     @property
     def functions(self) -> tuple[Function, ...]:
         """Prefill and decode, planned with the abstract weights, prompts and cache; the report lists the
-        weights, the KV cache (decode's argument; prefill's output) and the tokens per device."""
+        weights, the KV cache (both functions' argument, donated) and the tokens per device."""
         s, weights = self.serving, self.abstract_weights
         rows = jax.ShapeDtypeStruct((s.batch,), jnp.int32, sharding=s.rows)
         prompts = jax.ShapeDtypeStruct((s.batch, s.prompt_len), jnp.int32, sharding=s.tokens)
-        prefill = Function("prefill", self.prefill, (weights, prompts, rows),
-                           {"params": weights, "batch": {"prompts": prompts, "lengths": rows}},
+        batch = {"prompts": prompts, "lengths": rows}
+        prefill = Function("prefill", self.prefill, (weights, s.cache, prompts, rows),
+                           {"params": weights, "kv_cache": s.cache, "batch": batch},
                            tokens=s.batch * s.prompt_len, compiler_options=COMPILER_OPTIONS)  # fmt: skip
         groups = {"params": weights, "kv_cache": s.cache, "batch": {"tokens": rows, "positions": rows}}
         decode = Function("decode", self.decode, (weights, s.cache, rows, rows), groups, tokens=s.batch,
@@ -154,7 +164,7 @@ def build_serving(description: Description) -> ServingProgram:
     prefill and decode, and ``init`` from ``train.seed`` or from ``finetune.init_from``'s weights."""
     if description.serving is None:
         raise ValueError("build_serving needs a description resolved with serving=True")
-    prefill, decode = _jitted(description)
+    prefill, decode, new_cache = _jitted(description)
     init, start = _initializers(description)
 
     def init_or_load():
@@ -164,12 +174,12 @@ def build_serving(description: Description) -> ServingProgram:
 
         return start(load_weights(description.init_from, program))
 
-    program = ServingProgram(description, init_or_load, build_serving, prefill, decode, start)
+    program = ServingProgram(description, init_or_load, build_serving, prefill, decode, start, new_cache)
     return program
 
 
-def _jitted(d: Description) -> tuple[Callable, Callable]:
-    """The jitted prefill and decode (see the module docstring)."""
+def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
+    """The jitted prefill, decode and new_cache (see the module docstring)."""
     s, mesh, rules, finetune = d.serving, d.mesh, d.rules, d.finetune
     m = d.config.model
     graphdef = d.model.graphdef
@@ -190,12 +200,15 @@ def _jitted(d: Description) -> tuple[Callable, Callable]:
         logits_BxV = h_BxD @ model.unembedding()
         return constrain(logits_BxV, ("batch", "vocab")).astype(jnp.float32)
 
-    def prefill(weights, prompts_BxP, lengths_B):
+    def new_cache():
+        return KVCache.zeros(layers=m.n_layers, batch=s.batch, max_len=s.max_len, kv_heads=m.n_kv_heads,
+                             head_dim=m.head_size, dtype=s.kv_dtype)  # fmt: skip
+
+    # The prefill writes into the cache it is given (donated), as a serving engine fills the cache it
+    # allocated at start-up: made inside, it was a broadcast of zeros every prefill wrote in full.
+    def prefill(weights, cache, prompts_BxP, lengths_B):
         with rules.activate(mesh):
             model, layers = model_of(weights)
-            cache = KVCache.zeros(layers=m.n_layers, batch=s.batch, max_len=s.max_len, kv_heads=m.n_kv_heads,
-                                  head_dim=m.head_size, dtype=s.kv_dtype)  # fmt: skip
-            cache = jax.lax.with_sharding_constraint(cache, s.cache_shardings)
             positions_P = jnp.arange(prompts_BxP.shape[1])
             h_BxPxD, cache = model.cached_hidden_states(prompts_BxP, cache, positions_P, layers, prefill=True)
             last_Bx1x1 = (lengths_B - 1)[:, None, None]  # Each prompt's last token gives the next one.
@@ -212,10 +225,11 @@ def _jitted(d: Description) -> tuple[Callable, Callable]:
     rows, weights = s.rows, serving_layout(d.frozen_shardings, d)
     outputs = (s.logits, s.cache_shardings)
     return (
-        jax.jit(prefill, in_shardings=(weights, s.tokens, rows), out_shardings=outputs,
-                compiler_options=COMPILER_OPTIONS),
+        jax.jit(prefill, in_shardings=(weights, s.cache_shardings, s.tokens, rows), out_shardings=outputs,
+                donate_argnums=1, compiler_options=COMPILER_OPTIONS),
         jax.jit(decode, in_shardings=(weights, s.cache_shardings, rows, rows), out_shardings=outputs,
                 donate_argnums=1, compiler_options=COMPILER_OPTIONS),
+        jax.jit(new_cache, out_shardings=s.cache_shardings),
     )  # fmt: skip
 
 

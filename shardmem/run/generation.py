@@ -101,7 +101,7 @@ def generate(
         lengths_B[i] = len(prompt)
     choose = jax.jit(functools.partial(sample, sampling=sampling), out_shardings=serving.rows)
     key = sampling.key()
-    logits_BxV, cache = program.prefill(weights, prompts_BxP, lengths_B)
+    logits_BxV, cache = program.prefill(weights, program.new_cache(), prompts_BxP, lengths_B)
     positions_B = jax.device_put(lengths_B, serving.rows)
     new: list[list[int]] = [[] for _ in range(rows)]
     finished = [False] * rows
