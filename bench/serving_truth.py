@@ -1,6 +1,7 @@
 """Serving bench: shardmem's deviceless serving plan against published static-batch inference figures.
 
-    python bench/serving_truth.py                  # every row on a100-80g, the RTX 3090 KV check, 70B timing
+    python bench/serving_truth.py                  # every row on a100-80g, other published rows, the RTX 3090
+                                                   # KV check, 70B timing
     python bench/serving_truth.py --only truth --json out.json
 
 Three checks (issue 39), nothing fitted to them: the times are the step-time model's
@@ -17,7 +18,18 @@ Three checks (issue 39), nothing fitted to them: the times are the step-time mod
 2. ``rtx3090``: Llama-3.1-8B in bf16 on ``rtx-3090`` with ``--memory-fraction 0.9`` at 20,000 positions
    (vLLM issue #10517's start-up log: KV cache 3.81 GiB; 2.89 GiB at 29,000): the plan's KV room against
    it, a prefill of 19,968 (28,928) tokens standing for vLLM's profiling forward of 20,000 (29,000).
-3. ``speed``: the wall and CPU time of ``shardmem plan --serve`` for Llama 3 70B at tensor 8 on
+3. ``others``: published static-batch runs beyond that file, checked the same way: TensorRT-LLM's
+   performance page (``docs/source/performance.md``) on A100 80GB in fp16: its "Peak Throughput" table
+   (v0.6.1; batches of 52 to 1,280, tensor 1 to 8) and its "Low Latency" first-token table (v0.5, batch
+   1) for the rows ``serving-truth.md`` does not already hold. The throughput table's A100 figures are
+   read as per GPU, as its H100 table's header says ("out tok/s/GPU"): read as totals, Llama 70B at
+   tensor 4 would run 1,280 sequences of 128 + 128 tokens in 245 s, 0.2 of its weights' HBM bound. Each
+   row's plan also gives its memory verdict on the 80 GB card, where TensorRT-LLM ran it. Falcon 180B
+   becomes the reference Llama at its sizes (80 layers, hidden 14,848, 232 heads of 64 over 8 KV heads,
+   vocab 65,024), its GELU MLP of width 59,392 a SwiGLU of two thirds (39,595) rounded up to a multiple
+   of 512 (each of 8 tensor shards a multiple of 64: 39,936, 0.6% more weights), its parallel attention
+   and MLP run one after the other.
+4. ``speed``: the wall and CPU time of ``shardmem plan --serve`` for Llama 3 70B at tensor 8 on
    ``h100-sxm`` (bar: under 30 s on the idle 2-core machine; the load average is printed beside it). The
    first plan of a model generates its kernels; later ones reuse them from the kernel cache
    (``SHARDMEM_KERNEL_CACHE``; ``off`` or an empty folder times a first plan). ``kernels``: the same
@@ -62,6 +74,9 @@ MODELS = {
     "llama-3.1-8b": {"preset": "llama-7b", "vocab_size": 128256, "n_kv_heads": 8, "d_ff": 14336,
                      "rope_theta": 500000.0, "seq_len": 131072},
     "llama-3-70b": {"preset": "llama-70b", "vocab_size": 128256, "rope_theta": 500000.0},
+    "llama-2-70b": {"preset": "llama-70b"},
+    "falcon-180b": {"vocab_size": 65024, "d_model": 14848, "n_layers": 80, "n_heads": 232, "n_kv_heads": 8,
+                    "head_dim": 64, "d_ff": 39936, "seq_len": 4096},
 }  # fmt: skip
 
 # (id, model, batch, input, output, published: {ttft seconds, output tokens/s, decode step seconds}).
@@ -76,6 +91,30 @@ ROWS = [
      {"ttft": 22e-3, "tokens_per_second": 102.21, "decode": 10e-3}),
     ("llama2-7b-a100-lmdeploy-long", "llama-2-7b", 1, 2048, 2048,
      {"ttft": 140e-3, "tokens_per_second": 93.78, "decode": 11e-3}),
+]  # fmt: skip
+
+
+# TensorRT-LLM's performance page, A100 80GB fp16 (see the docstring): (id, model, tensor, batch, input,
+# output, published: {output tokens/s per GPU, or ttft seconds}); a first-token row's output is 1 token.
+OTHERS = [
+    ("trtllm061-gptj-512-128-128", "gpt-j-6b", 1, 512, 128, 128, {"tokens_per_gpu": 6374}),
+    ("trtllm061-gptj-120-128-2048-tp2", "gpt-j-6b", 2, 120, 128, 2048, {"tokens_per_gpu": 2192}),
+    ("trtllm061-gptj-60-2048-128", "gpt-j-6b", 1, 60, 2048, 128, {"tokens_per_gpu": 670}),
+    ("trtllm061-gptj-64-2048-2048-tp2", "gpt-j-6b", 2, 64, 2048, 2048, {"tokens_per_gpu": 903}),
+    ("trtllm061-llama7b-384-128-128", "llama-2-7b", 1, 384, 128, 128, {"tokens_per_gpu": 5586}),
+    ("trtllm061-llama7b-60-128-2048", "llama-2-7b", 1, 60, 128, 2048, {"tokens_per_gpu": 1928}),
+    ("trtllm061-llama7b-52-2048-128", "llama-2-7b", 1, 52, 2048, 128, {"tokens_per_gpu": 591}),
+    ("trtllm061-llama7b-64-2048-2048-tp2", "llama-2-7b", 2, 64, 2048, 2048, {"tokens_per_gpu": 782}),
+    ("trtllm061-llama70b-1280-128-128-tp4", "llama-2-70b", 4, 1280, 128, 128, {"tokens_per_gpu": 670}),
+    ("trtllm061-llama70b-240-128-2048-tp4", "llama-2-70b", 4, 240, 128, 2048, {"tokens_per_gpu": 525}),
+    ("trtllm061-llama70b-120-2048-128-tp4", "llama-2-70b", 4, 120, 2048, 128, {"tokens_per_gpu": 79}),
+    ("trtllm061-falcon180b-1024-128-128-tp8", "falcon-180b", 8, 1024, 128, 128, {"tokens_per_gpu": 232}),
+    ("trtllm061-falcon180b-128-128-2048-tp8", "falcon-180b", 8, 128, 128, 2048, {"tokens_per_gpu": 180}),
+    ("trtllm05-gptj-ttft-2048", "gpt-j-6b", 1, 1, 2048, 1, {"ttft": 129e-3}),
+    ("trtllm05-llama70b-ttft-128-tp4", "llama-2-70b", 4, 1, 128, 1, {"ttft": 47e-3}),
+    ("trtllm05-llama70b-ttft-2048-tp4", "llama-2-70b", 4, 1, 2048, 1, {"ttft": 377e-3}),
+    ("trtllm05-falcon180b-ttft-128-tp8", "falcon-180b", 8, 1, 128, 1, {"ttft": 61e-3}),
+    ("trtllm05-falcon180b-ttft-2048-tp8", "falcon-180b", 8, 1, 2048, 1, {"ttft": 509e-3}),
 ]  # fmt: skip
 
 
@@ -115,6 +154,31 @@ def truth() -> dict:
                                "rows": len(errors)}  # fmt: skip
     headline = [abs(r["ratio"] - 1) for r in rows if r["figure"] in ("ttft", "tokens_per_second")]
     summary["headline"] = {"median_error": statistics.median(headline), "worst_error": max(headline)}
+    return {"rows": rows, "summary": summary}
+
+
+def others() -> dict:
+    """TensorRT-LLM's other A100 rows planned on a100-80g: predicted against published, the ratios, and
+    each plan's memory verdict where TensorRT-LLM ran the batch."""
+    rows = []
+    for row, model, tensor, batch, prompt, output, published in OTHERS:
+        started = time.perf_counter()
+        plan = plan_serving(_config(model, batch, prompt, prompt + output - 1, "a100-80g", "float16", tensor))
+        t = plan.time
+        predicted = {"ttft": t.time_to_first_token, "tokens_per_gpu": t.output_tokens_per_second / tensor}
+        ((figure, value),) = published.items()
+        rows.append({"row": row, "figure": figure, "published": value, "predicted": predicted[figure],
+                     "ratio": predicted[figure] / value, "verdict": plan.verdict,
+                     "peak_gib": plan.per_device["peak"] / GIB, "mean_decode": t.mean_decode_seconds,
+                     "decode_bound": t.bound_seconds((t.contexts[0] + t.contexts[1]) // 2)})  # fmt: skip
+        print(f"planned {row} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    summary = {}
+    for figure in ("ttft", "tokens_per_gpu"):
+        errors = [abs(r["ratio"] - 1) for r in rows if r["figure"] == figure]
+        summary[figure] = {"median_error": statistics.median(errors), "worst_error": max(errors),
+                           "rows": len(errors)}  # fmt: skip
+    every = [abs(r["ratio"] - 1) for r in rows]
+    summary["headline"] = {"median_error": statistics.median(every), "worst_error": max(every)}
     return {"rows": rows, "summary": summary}
 
 
@@ -180,11 +244,18 @@ def kernels() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("truth", "rtx3090", "speed", "kernels"), action="append")
+    parser.add_argument("--only", choices=("truth", "others", "rtx3090", "speed", "kernels"), action="append")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     results = {}
-    for name, check in (("truth", truth), ("rtx3090", rtx3090), ("speed", speed), ("kernels", kernels)):
+    checks = (
+        ("truth", truth),
+        ("others", others),
+        ("rtx3090", rtx3090),
+        ("speed", speed),
+        ("kernels", kernels),
+    )
+    for name, check in checks:
         if args.only and name not in args.only:
             continue
         results[name] = check()
@@ -197,6 +268,18 @@ def main() -> None:
                 decode = f"{r['mean_decode'] * 1e3:.2f} ms | {r['decode_bound'] * 1e3:.2f} ms"
                 print(f"| {r['row']} | {r['figure']} | {unit(r['published'])} | {unit(r['predicted'])} | "
                       f"{r['ratio']:.2f} | {decode} |")  # fmt: skip
+            for figure, s in results[name]["summary"].items():
+                print(f"{figure}: median |error| {s['median_error']:.1%}, worst {s['worst_error']:.1%}")
+        elif name == "others":
+            print("| row | figure | published | predicted | ratio | plan on 80 GB | mean decode step | "
+                  "its HBM bound |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|---|")
+            for r in results[name]["rows"]:
+                unit = (lambda v: f"{v:,.0f} tok/s/GPU") if r["figure"] == "tokens_per_gpu" else (
+                    lambda v: f"{v * 1e3:.1f} ms")  # fmt: skip
+                print(f"| {r['row']} | {r['figure']} | {unit(r['published'])} | {unit(r['predicted'])} | "
+                      f"{r['ratio']:.2f} | {r['verdict']}, {r['peak_gib']:.1f} GiB | "
+                      f"{r['mean_decode'] * 1e3:.2f} ms | {r['decode_bound'] * 1e3:.2f} ms |")  # fmt: skip
             for figure, s in results[name]["summary"].items():
                 print(f"{figure}: median |error| {s['median_error']:.1%}, worst {s['worst_error']:.1%}")
         else:

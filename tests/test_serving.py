@@ -502,6 +502,17 @@ def test_plan_serve_prints_json_with_times_and_room_and_draws_the_peak_functions
     assert "the memory timeline of the prefill (the serving peak)" in err and "peak" in html.read_text()
 
 
+def test_plan_serve_that_does_not_fit_advises_the_serve_keys_not_trainings(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(GPU_SERVE))
+    assert main(["plan", str(path), "--serve", "--memory-fraction", str(FRACTION / 50)]) == 3
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and out.count("next: lower serve.batch or serve.max_len") == 1, out
+    assert "train.micro_batches" not in out and "remat.policy=full" not in out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--serve", "--memory-fraction", "1.5"], "--memory-fraction=1.5: give the share of device memory"),
     (["--memory-fraction", "0.9"], "--memory-fraction sizes the serving plan's KV cache: add --serve"),

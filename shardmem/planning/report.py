@@ -32,8 +32,20 @@ _LABELS = {
 }
 
 
-def render(report: MemoryReport, *, sharding: bool = False) -> Group:
-    """Returns the report as a rich renderable: per-device figures, verdict, FLOPs, live buffers."""
+#: What to try when a training step does not fit (``render``'s default advice).
+TRAINING_ADVICE = ("next: shard more (mesh.axes.fsdp over more devices), recompute more (remat.policy=full), "
+                   "add train.micro_batches or lower train.global_batch; shardmem tune with the same config "
+                   "and --target searches these")  # fmt: skip
+#: What to try when serving does not fit.
+SERVING_ADVICE = ("next: lower serve.batch or serve.max_len, store the cache in int8 (serve.kv_dtype=int8), "
+                  "quantize the weights (serve.quantize) or split them over more devices (mesh.axes.tensor); "
+                  "shardmem plan --serve --capacity finds the largest batch, shardmem tune --search serve "
+                  "the layout")  # fmt: skip
+
+
+def render(report: MemoryReport, *, sharding: bool = False, advice: str = TRAINING_ADVICE) -> Group:
+    """Returns the report as a rich renderable: per-device figures, verdict, FLOPs, live buffers;
+    ``advice`` is printed when it does not fit (none where empty)."""
     parts: list = []
     mesh = " ".join(f"{axis}={size}" for axis, size in report.mesh.items())
     head = Text.assemble(("shardmem plan", "bold"), f"  {report.name}  ·  {report.target}: ",
@@ -84,10 +96,7 @@ def render(report: MemoryReport, *, sharding: bool = False) -> Group:
     ))  # fmt: skip
     if report.tight:
         parts.append(Text(_tight_line(report), style="yellow"))
-    elif not report.fits:  # What to try next, as the TPU compiler's refusal says it.
-        advice = ("next: shard more (mesh.axes.fsdp over more devices), recompute more (remat.policy=full), "
-                  "add train.micro_batches or lower train.global_batch; shardmem tune with the same config "
-                  "and --target searches these")  # fmt: skip
+    elif not report.fits and advice:  # What to try next, as the TPU compiler's refusal says it.
         parts.append(Text(advice, style="red"))
 
     flops = f"FLOPs per step {format_flops(report.flops_per_step)} (matmuls, all devices"
@@ -168,9 +177,10 @@ def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
     fit = Text.assemble("budget ", format_bytes(plan.decode.budget_bytes), ": ", (verdict, style),
                         f" (prefill {plan.prefill.verdict}, decode {plan.decode.verdict})")  # fmt: skip
     warnings = [Text(f"warning: {w}", style="yellow") for w in plan.warnings]
-    parts: list = [head, what, table, fit, *warnings, *_serving_time(plan), *_serving_capacity(plan)]
-    for report in (plan.prefill, plan.decode):
-        parts += [Text(""), render(report, sharding=sharding and report is plan.decode)]
+    advice = [Text(SERVING_ADVICE, style="red")] if plan.verdict == "does not fit" else []
+    parts: list = [head, what, table, fit, *advice, *warnings, *_serving_time(plan), *_serving_capacity(plan)]
+    for report in (plan.prefill, plan.decode):  # The serving advice above, once.
+        parts += [Text(""), render(report, sharding=sharding and report is plan.decode, advice="")]
     return Group(*parts)
 
 
