@@ -14,6 +14,7 @@ import contextlib
 import difflib
 import io
 import json
+import math
 import os
 import signal
 import sys
@@ -367,7 +368,8 @@ def _out_of_memory_named(program, devices):
         if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
             raise
         s = program.serving
-        cache = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(s.cache)) // len(devices)
+        cache = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                    for leaf in jax.tree.leaves(s.cache))  # fmt: skip
         raise ConfigError(
             f"out of memory on the {devices[0].platform} devices: the KV cache takes {format_bytes(cache)} "
             f"per device (serve.batch={s.batch} x serve.max_len={s.max_len}) beside the weights; lower "
