@@ -243,6 +243,7 @@ OPTIONS = {  # Each was silently accepted, or read another way than its neighbou
     "--search remat); add --search layout, or drop --objective",  # Was: ignored.
     "tune --search batch --jobs 2": "--jobs 2: only --search layout uses it (this is --search batch)",
     "plan --top -1": "--top -1: give the number of buffers to list, 0 or more",
+    "tune --search serve --no-offload": "--no-offload: --search serve offloads nothing to host memory",
 }
 
 

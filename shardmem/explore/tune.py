@@ -110,6 +110,9 @@ def tune(
     if min_seq_len is not None and search != "finetune":
         raise ConfigError(f"--min-seq-len {min_seq_len}: only --search finetune shortens the sequence; "
                           "leave it out or use --search finetune")  # fmt: skip
+    if allow_offload is False and search == "serve":
+        raise ConfigError("--no-offload: --search serve offloads nothing to host memory (its programs hold "
+                          "no activations for a backward pass); drop --no-offload")  # fmt: skip
     from shardmem.explore.layout import OBJECTIVES
     from shardmem.explore.sweep import JOBS_FIX
 
