@@ -383,7 +383,7 @@ def _generate(args) -> int:
 
     from shardmem._quiet import native_stderr_silenced
     from shardmem.parallel.mesh import build_mesh
-    from shardmem.planning.targets import ensure_cpu_devices
+    from shardmem.planning.targets import configure_local_memory, ensure_cpu_devices
     from shardmem.program.serving import serving_program
     from shardmem.run import generation
 
@@ -399,6 +399,7 @@ def _generate(args) -> int:
     generation.check_prompts(config, prompts, args.max_new_tokens, eos)  # Before anything is built.
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         ensure_cpu_devices(config.mesh.device_count())
+    configure_local_memory(config)  # A GPU's allocator holds what plan --serve --target local budgets.
     with native_stderr_silenced():
         devices = jax.devices()  # Start the backends without the CUDA stub's expected complaint.
     program = serving_program(config, build_mesh(config.mesh.axes, devices))

@@ -191,7 +191,10 @@ def test_generate_out_of_device_memory_names_the_cache_and_its_keys(capsys, monk
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(generation, "generate", exhausted)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     assert main(["generate", "configs/tiny.yaml", *SMALL, "--prompt-ids", "1,2"]) == 2
     err = capsys.readouterr().err
     assert "out of memory on the cpu devices: the KV cache takes" in err and "serve.max_len" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # A GPU's allocator would hold memory.usable_fraction, as plan --serve --target local budgets (not 75%).
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
