@@ -359,7 +359,7 @@ def _parse_span(span: str, n_layers: int) -> tuple[int, int]:
     if last >= n_layers:
         raise ConfigError(
             f"remat.layers.{span}: layers run from 0 to {n_layers - 1} (model.n_layers={n_layers}); "
-            f"give a range inside that"
+            f"give a range inside that, or drop it (--set 'remat.layers={{}}' drops them all)"
         )
     return first, last + 1
 
