@@ -146,15 +146,21 @@ def truth() -> dict:
                          "ratio": predicted[figure] / value,
                          "decode_bound": t.bound_seconds((t.contexts[0] + t.contexts[1]) // 2),
                          "mean_decode": t.mean_decode_seconds})  # fmt: skip
+    return {"rows": rows, "summary": _summary(rows, ("ttft", "tokens_per_second", "decode"),
+                                              headline=("ttft", "tokens_per_second"))}  # fmt: skip
+
+
+def _summary(rows: list[dict], figures: tuple[str, ...], headline: tuple[str, ...]) -> dict:
+    """The median and worst |ratio - 1| of each figure's rows, and of the ``headline`` figures' together."""
     summary = {}
-    for figure in ("ttft", "tokens_per_second", "decode"):
+    for figure in figures:
         errors = [abs(r["ratio"] - 1) for r in rows if r["figure"] == figure]
         if errors:
             summary[figure] = {"median_error": statistics.median(errors), "worst_error": max(errors),
                                "rows": len(errors)}  # fmt: skip
-    headline = [abs(r["ratio"] - 1) for r in rows if r["figure"] in ("ttft", "tokens_per_second")]
-    summary["headline"] = {"median_error": statistics.median(headline), "worst_error": max(headline)}
-    return {"rows": rows, "summary": summary}
+    every = [abs(r["ratio"] - 1) for r in rows if r["figure"] in headline]
+    summary["headline"] = {"median_error": statistics.median(every), "worst_error": max(every)}
+    return summary
 
 
 def others() -> dict:
@@ -172,14 +178,8 @@ def others() -> dict:
                      "peak_gib": plan.per_device["peak"] / GIB, "mean_decode": t.mean_decode_seconds,
                      "decode_bound": t.bound_seconds((t.contexts[0] + t.contexts[1]) // 2)})  # fmt: skip
         print(f"planned {row} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    summary = {}
-    for figure in ("ttft", "tokens_per_gpu"):
-        errors = [abs(r["ratio"] - 1) for r in rows if r["figure"] == figure]
-        summary[figure] = {"median_error": statistics.median(errors), "worst_error": max(errors),
-                           "rows": len(errors)}  # fmt: skip
-    every = [abs(r["ratio"] - 1) for r in rows]
-    summary["headline"] = {"median_error": statistics.median(every), "worst_error": max(every)}
-    return {"rows": rows, "summary": summary}
+    figures = ("ttft", "tokens_per_gpu")
+    return {"rows": rows, "summary": _summary(rows, figures, headline=figures)}
 
 
 def rtx3090() -> dict:
