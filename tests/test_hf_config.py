@@ -161,6 +161,19 @@ def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_
     assert words in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"num_attention_heads": None}, "config.json has no num_attention_heads, where transformers writes a"),
+    ({"hidden_size": "x"}, "config.json has hidden_size='x', where transformers writes a positive integer"),
+    ({"num_key_value_heads": 0}, "config.json has num_key_value_heads=0"),
+])  # fmt: skip
+def test_a_config_json_without_a_size_is_one_line_naming_the_file_and_key(tmp_path, change, words):
+    config = {k: v for k, v in {**hf.hf_config("llama"), **change}.items() if v is not None}
+    hf.save(tmp_path, config, {})
+    with pytest.raises(ConfigError) as error:  # Was a KeyError's traceback.
+        _config(tmp_path)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
 def test_seq_len_is_the_one_key_a_pretrained_model_needs(tmp_path):
     _checkpoint(tmp_path)
     with pytest.raises(ConfigError, match=r"model.seq_len is required: .* max_position_embeddings=64"):

@@ -135,6 +135,7 @@ def model_fields(hf: dict, where: str) -> dict:
         )
     if activation not in _ACTIVATIONS:
         refuse(f"the activation {activation!r} (the reference model's: {one_of(_ACTIVATIONS)})")
+    _check_sizes(hf, where)
     heads = hf["num_attention_heads"]
     head_dim = get("head_dim") or hf["hidden_size"] // heads
     gemma = kind == "gemma"
@@ -148,6 +149,32 @@ def model_fields(hf: dict, where: str) -> dict:
         "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2",
         "tie_embeddings": bool(get("tie_word_embeddings")), "n_experts": 0,
     }  # fmt: skip
+
+
+#: The sizes a config.json must give (transformers' names), and those it may.
+_REQUIRED_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")
+
+
+def _check_sizes(hf: dict, where: str) -> None:
+    """Raises ConfigError naming the file and the key for a size config.json lacks or gives as other than
+    a positive integer."""
+    for key in (*_REQUIRED_SIZES, *(k for k in _OPTIONAL_SIZES if hf.get(k) is not None)):
+        value = hf.get(key)
+        if key not in hf:
+            problem = f"has no {key}"
+        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            problem = f"has {key}={value!r}"
+        else:
+            continue
+        raise ConfigError(f"finetune.init_from: {where} {problem}, where transformers writes a positive "
+                          "integer; give the checkpoint's own config.json")  # fmt: skip
 
 
 def _rope_scaling(hf: dict, where: str, refuse) -> dict | None:
