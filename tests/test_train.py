@@ -336,6 +336,15 @@ def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch)
         assert main(["train", TINY, "--run-dir", str(under)]) == 2
         assert f"'{blocker}' is a file; choose another --run-dir" in capsys.readouterr().err
     assert blocker.read_text() == "kept\n"
+    theirs = tmp_path / "theirs"  # A folder of the user's with files of the names a run writes.
+    theirs.mkdir()
+    (theirs / "config.yaml").write_text("my: own\n")
+    assert main(["train", TINY, "--run-dir", str(theirs)]) == 2
+    assert "holds config.yaml but no shardmem run (no checkpoints folder): training would overwrite it" in \
+        capsys.readouterr().err  # fmt: skip
+    assert (theirs / "config.yaml").read_text() == "my: own\n" and sorted(theirs.iterdir()) == [
+        theirs / "config.yaml"
+    ]
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # As a user without write permission.
     assert main(["train", TINY, "--run-dir", str(tmp_path / "new")]) == 2
     assert f"cannot create it in '{tmp_path}' (permission denied)" in capsys.readouterr().err

@@ -529,9 +529,22 @@ def _from_process_0(text: str) -> str:
     return np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes()[:size].decode()
 
 
+#: Files a run writes at its top level: in a folder without a run's checkpoints, they are someone else's.
+_RUN_FILES = ("config.yaml", "plan.json", "metrics.jsonl")
+
+
 def _check_run_dir(run_dir: Path) -> None:
-    """Fails before any work when the run directory cannot be one: a file is in its way, or it (or
-    else its nearest existing folder) is not writable."""
+    """Fails before any work when the run directory cannot be one: a file is in its way, it (or else its
+    nearest existing folder) is not writable, or it holds files of the names a run writes but no run
+    (no ``checkpoints`` folder), which the run would overwrite."""
+    if run_dir.is_dir() and not (run_dir / "checkpoints").is_dir():
+        theirs = [name for name in _RUN_FILES if (run_dir / name).exists()]
+        if theirs:
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} holds {', '.join(theirs)} but no shardmem run (no "
+                f"checkpoints folder): training would overwrite {'them' if len(theirs) > 1 else 'it'}; "
+                "choose a new or empty --run-dir"
+            )
     for path in (run_dir, *run_dir.parents):
         if not os.path.exists(path):  # False also where a parent cannot be searched: check that one.
             continue
