@@ -239,6 +239,19 @@ def test_a_failed_resume_leaves_the_run_files_and_a_finished_run_says_how_to_con
     assert {name: (run_dir / name).read_bytes() for name in before} == before
 
 
+def test_resuming_a_fine_tune_with_another_lora_alpha_is_refused_before_it_writes(tmp_path):
+    lora = "finetune.lora={rank: 4, alpha: 8, targets: [layers/wq]}"
+    run_dir = tmp_path / "run"
+    first = train(load_config(TINY, [*FAST, lora, "train.steps=4"]), run_dir, console=Console(quiet=True))
+    assert first.final_step == 4
+    before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "plan.json")}
+    changed = load_config(TINY, [*FAST, lora.replace("alpha: 8", "alpha: 16"), "train.steps=6"])
+    with pytest.raises(ConfigError, match=r"finetune.lora.alpha=16.0, but this run's checkpoints were "
+                                          r"trained with finetune.lora.alpha=8.0"):  # fmt: skip
+        train(changed, run_dir, console=Console(quiet=True))  # The adapters' scale would change silently.
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+
+
 def test_mfu_counts_model_flops_and_hfu_the_recomputation_too():
     report = SimpleNamespace(flops_per_step=150.0, flops_no_remat=100.0)
     assert _utilization(report, 2.0, 100.0) == {"mfu": 0.5, "hfu": 0.75}

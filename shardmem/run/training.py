@@ -195,6 +195,8 @@ def _run(config: Config, run_dir: Path, program: TrainingProgram, step_fn, sourc
             _say_casts(checkpointer.casts(program.abstract_state, start), start, console)
         if start is None:
             start, state = 0, program.init()
+        if start > 0:  # Resumed.
+            _check_resumed_finetune(run_dir / "config.yaml", config)
         if lead:  # Only now: a resume that cannot restore leaves the run's files as they were.
             _write_config(run_dir / "config.yaml", config, console)
             _write_atomically(run_dir / "plan.json", json.dumps(report.to_json(), indent=2) + "\n")
@@ -638,6 +640,40 @@ class _NoLog:
 
     def __exit__(self, *exc_info: object) -> None:
         pass
+
+
+#: What a fine-tune's checkpoints mean only with: the base the adapters were trained on (loaded again at
+#: every start, not checkpointed), and how the adapters and the frozen weights are computed. The shapes
+#: the checkpoint holds are checked when it restores; these are not in them.
+_RESUME_FIXED = (
+    ("init_from",),
+    ("base_dtype",),
+    ("freeze",),
+    ("quantize",),
+    ("lora", "alpha"),
+    ("lora", "targets"),
+)
+
+
+def _check_resumed_finetune(path: Path, config: Config) -> None:
+    """Raises ConfigError when a resume changes a fine-tune setting its checkpoints depend on
+    (:data:`_RESUME_FIXED`), against the run directory's ``config.yaml``."""
+    try:
+        before = (yaml.safe_load(path.read_text()) or {}).get("finetune") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return  # No readable record of the last start: the restore's shape checks are what there is.
+    now = config.to_dict().get("finetune") or {}
+    for keys in _RESUME_FIXED:
+        old, new = before, now
+        for key in keys:
+            old = old.get(key) if isinstance(old, dict) else None
+            new = new.get(key) if isinstance(new, dict) else None
+        if old != new:
+            name = "finetune." + ".".join(keys)
+            raise ConfigError(
+                f"{name}={new!r}, but this run's checkpoints were trained with {name}={old!r} "
+                f"({path}): resuming would mix the two; set it back, or start a new --run-dir"
+            )
 
 
 def _write_config(path: Path, config: Config, console: Console) -> None:
