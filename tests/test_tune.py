@@ -142,6 +142,16 @@ def test_tune_batch_finds_the_largest_that_fits(peaks):
     assert result.compiles <= 12
 
 
+def test_tune_batch_says_when_its_compile_budget_ran_out_before_the_answer(peaks):
+    config = with_budget(
+        load_config(TINY, [*BASE, "remat.policy=full", "remat.layers={}"]), peaks["full"] * 3
+    )
+    result = tune(config, "cpu", search="batch", max_compiles=2)  # Two batches that fit: no upper bound.
+    assert result.found and result.compiles == 2
+    assert "the compile budget is spent before the search closed in" in result.explanation[-1]
+    assert "none is known not to fit" in result.explanation[-1] and "--max-compiles" in result.explanation[-1]
+
+
 @pytest.mark.slow
 def test_tune_micro_batches_finds_the_fewest_that_fit():
     config = load_config(TINY, ["train.global_batch=64", "remat.policy=none", "remat.layers={}"])

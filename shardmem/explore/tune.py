@@ -570,7 +570,8 @@ def family_rows(families: list, winner, config: Config, objective: str = "step_t
     return rows
 
 
-def _finish(planner: Planner, target, search: str, overrides: tuple[str, ...], what: str) -> TuneResult:
+def _finish(planner: Planner, target, search: str, overrides: tuple[str, ...], what: str,
+            notes: tuple[str, ...] = ()) -> TuneResult:  # fmt: skip
     report = planner.reports[overrides]
     chosen = next(t for t in planner.trials if t.overrides == overrides)
     explanation = [
@@ -580,7 +581,7 @@ def _finish(planner: Planner, target, search: str, overrides: tuple[str, ...], w
     over = [t for t in planner.trials if not t.fits]
     if over:
         explanation.append("over budget: " + ", ".join(t.candidate for t in over))
-    explanation.append(f"{planner.compiles} compiles")
+    explanation += [f"{planner.compiles} compiles", *notes]
     return TuneResult(search, planner.base.replace(*overrides), report, chosen, planner.trials,
                       planner.compiles, report.budget_bytes, target.label, explanation)  # fmt: skip
 
@@ -627,7 +628,13 @@ def _tune_batch(planner: Planner, target) -> TuneResult:
             "raise train.micro_batches, use a remat policy that keeps less (shardmem tune), or shard more",
         ])  # fmt: skip
     batch = lo * quantum
-    return _finish(planner, target, "batch", (f"train.global_batch={batch}",), f"train.global_batch={batch}")
+    notes = ()
+    if hi is None or hi - lo > 1:  # Out of compiles before the bounds met.
+        above = "none is known not to fit" if hi is None else f"{hi * quantum} does not fit"
+        notes = (f"the compile budget is spent before the search closed in ({batch} fits, {above}): a "
+                 "larger batch may fit; raise --max-compiles",)  # fmt: skip
+    return _finish(planner, target, "batch", (f"train.global_batch={batch}",), f"train.global_batch={batch}",
+                   notes)  # fmt: skip
 
 
 def _tune_micro_batches(planner: Planner, target) -> TuneResult:
