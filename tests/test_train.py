@@ -327,6 +327,12 @@ def test_bad_data_found_mid_run_keeps_the_steps_done(tmp_path, monkeypatch):
     with Checkpointer(tmp_path / "checkpoints", every=1, keep=3) as checkpointer:
         assert checkpointer.all_steps() == [5]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    # In the first batch, before the first step: a new run directory goes, as on any failed start.
+    monkeypatch.setattr(shardmem.run.data, "global_batch", lambda source, step, *args: global_batch(
+        source, step + 5, *args))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"the batch of step 1: .*token id 999"):
+        train(config, tmp_path / "new", console=Console(quiet=True))
+    assert not (tmp_path / "new").exists()
 
 
 def test_cli_config_errors_exit_2_before_any_work(tmp_path, capsys, monkeypatch):

@@ -227,7 +227,6 @@ def _begin(config: Config, run_dir: Path, program: TrainingProgram, step_fn, sou
     """Says how the run begins and trains from step ``start``; returns (status, state, the loop), the
     loop None when ``train.steps`` were already done."""
     train_config, mesh = config.train, program.mesh
-    started.keep()  # The run directory is the run's now, whatever happens.
     mesh_text = " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
     begin = f"resuming from step {start}" if start else "new run"
     _say(
@@ -237,6 +236,7 @@ def _begin(config: Config, run_dir: Path, program: TrainingProgram, step_fn, sou
         f"peak {format_bytes(report.per_device['peak'])} per device of {format_bytes(report.budget_bytes)}",
     )
     if start >= train_config.steps:
+        started.keep()
         _say(console, f"already trained to step {start} (train.steps={train_config.steps}); raise "
                       "train.steps to continue (the learning-rate schedule then decays over the new "
                       "train.steps, so the rate jumps up at the resume)")  # fmt: skip
@@ -248,7 +248,10 @@ def _begin(config: Config, run_dir: Path, program: TrainingProgram, step_fn, sou
         if jax.process_index() == 0 else _NoLog() as log,
         TrainProgress(console, total=train_config.steps, start=start) as progress,
     ):  # fmt: skip
-        status, state = loop.run(state, log, progress, signals)
+        # The run directory is the run's once its first step is under way (a failure before that, such
+        # as a bad token in the first batch, leaves the directory as it was), or once the loop returns.
+        status, state = loop.run(state, log, progress, signals, first_step=started.keep)
+        started.keep()
         checkpointer.wait()  # Still under the signal handlers: a second Ctrl-C here exits cleanly.
     return status, state, loop
 
@@ -312,7 +315,9 @@ class _Loop:
         self._last_done = 0.0
         self._compiled = False
 
-    def run(self, state, log, progress, signals) -> tuple[str, dict]:
+    def run(self, state, log, progress, signals, first_step=lambda: None) -> tuple[str, dict]:
+        """Trains from ``self.step`` to ``train.steps`` (or until a signal); calls ``first_step()`` once
+        the first step is dispatched."""
         train = self.config.train
         pending = None
         status = "finished"
@@ -327,6 +332,8 @@ class _Loop:
             except ConfigError as error:  # A bad token id shows on the batch that holds it.
                 self._stop_on_bad_data(error, state, pending, log, progress)
             state, metrics = self.step_fn(state, batch)
+            if self.step == self.start:
+                first_step()
             self.step += 1
             if pending is not None:
                 self._complete(*pending, log, progress)
