@@ -551,7 +551,7 @@ def _sweep(args) -> int:
                 print(line, file=sys.stderr, flush=True)
 
         rows = sweeping.sweep(config, grid, args.target, jobs=args.jobs, measure=args.measure,
-                     measure_steps=args.steps, progress=advance)  # fmt: skip
+                     measure_steps=5 if args.steps is None else args.steps, progress=advance)  # fmt: skip
     paths = sweeping.write_outputs(rows, out_dir, title=f"{config.name}: sweep")
     if args.json:
         print(json.dumps([{**row.flat(), "collectives": row.collectives} for row in rows], indent=2))
@@ -646,7 +646,7 @@ def _add_explore_commands(commands) -> None:
     p.add_argument("--jobs", type=int, help="worker processes (default: CPUs, at most one per candidate)")
     p.add_argument("--measure", action="store_true",
                    help="also run real steps (target local or cpu): step time, peak memory")  # fmt: skip
-    p.add_argument("--steps", type=int, default=5, help="timed steps per candidate with --measure")
+    p.add_argument("--steps", type=int, help="timed steps per candidate with --measure (default 5)")
     p.add_argument("--out", help="directory for sweep.csv/json/png (default: sweep-<config name>)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     p.set_defaults(run=cmd_sweep)

@@ -239,6 +239,7 @@ OPTIONS = {  # Each was silently accepted, or read another way than its neighbou
     "tune --search layout --jobs 0": f"--jobs 0: {JOBS}",
     "sweep --grid remat.policy=none,full --jobs 0": f"--jobs 0: {JOBS}",
     "sweep --grid remat.policy=none,full --jobs -2": f"--jobs -2: {JOBS}",
+    "sweep --grid remat.policy=none,full --steps 3": "--steps 3: only --measure times steps",  # Was: ignored.
     "tune --objective throughput": "--objective throughput: only --search layout or serve uses it (this is "
     "--search remat); add --search layout, or drop --objective",  # Was: ignored.
     "tune --search batch --jobs 2": "--jobs 2: only --search layout uses it (this is --search batch)",

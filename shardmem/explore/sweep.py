@@ -206,11 +206,15 @@ JOBS_FIX = "use 1 or more worker processes, or omit it for one per CPU"
 
 
 def check_options(
-    config: Config, target: str | None, *, jobs: int | None, measure: bool, measure_steps: int
+    config: Config, target: str | None, *, jobs: int | None, measure: bool, measure_steps: int | None
 ) -> None:
-    """Raises ConfigError for options :func:`sweep` cannot run with, before any work (or output) starts."""
+    """Raises ConfigError for options :func:`sweep` cannot run with, before any work (or output) starts;
+    ``measure_steps`` None: not given."""
     at_least("--jobs", jobs, 1, JOBS_FIX)
     at_least("--steps", measure_steps, 1, "time at least 1 step per candidate")
+    if measure_steps is not None and not measure:
+        raise ConfigError(f"--steps {measure_steps}: only --measure times steps (a sweep plans, by default); "
+                          "add --measure, or drop --steps")  # fmt: skip
     if measure:
         name = target or config.memory.target
         if name not in ("local", "cpu"):  # Every other target is compiled without its devices.
@@ -234,7 +238,9 @@ def sweep(
     per candidate in grid order. ``jobs`` worker processes (default: CPUs, at most one per candidate;
     1 plans in this process). ``measure`` also runs real steps (target ``local`` or ``cpu``). A grid
     value that makes no valid config is a ConfigError before anything is compiled."""
-    check_options(config, target, jobs=jobs, measure=measure, measure_steps=measure_steps)
+    check_options(
+        config, target, jobs=jobs, measure=measure, measure_steps=measure_steps if measure else None
+    )
     check_candidates(config, candidates(grid))
     return plan_candidates(config, candidates(grid), target, jobs=jobs, measure=measure,
                            measure_steps=measure_steps, progress=progress)  # fmt: skip
