@@ -651,6 +651,9 @@ def _pretrained_model(model: dict, finetune: Any) -> ModelConfig:
 def _build(cls, data: Any, key: str):
     """Converts plain data to dataclass ``cls``, checking keys and types against its fields."""
     where = key or "the config"
+    if data is None and key:  # "finetune:" with nothing under it.
+        raise ConfigError(f"{where} is empty: give it keys ({one_of(_fields(cls))}), write {where}: {{}} for "
+                          "the defaults, or leave the section out")  # fmt: skip
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}={data!r}: expected a mapping with keys {one_of(_fields(cls))}")
     hints = typing.get_type_hints(cls, include_extras=True)
