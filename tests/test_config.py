@@ -89,6 +89,10 @@ def test_reserve_accepts_units():
             ["serve.batch=-1: must be positive; give a value"],
         ),
         (
+            {"model": {"preset": "tiny"}, "finetune": None},
+            ["finetune is empty", "write finetune: {} for the"],
+        ),
+        (
             {"model": {"preset": "tiny"}, "train": {"global_batch": 10, "micro_batches": 4}},
             ["train.micro_batches=4", "divisor of 10"],
         ),
