@@ -323,6 +323,15 @@ def _export(args) -> int:
     what = "the adapters" if args.adapters_only else f"the weights{lora}"
     beside = f", with {', '.join(f.name for f in files[1:])}" if files[1:] else ""
     print(f"wrote {what} of step {step} to {files[0]}{beside}", file=sys.stderr)
+    adapter_config = next((f for f in files if f.name == "adapter_config.json"), None)
+    if (
+        adapter_config is not None
+        and json.loads(adapter_config.read_text())["base_model_name_or_path"] is None
+    ):
+        print(f"warning: {adapter_config} names no base model (base_model_name_or_path: null): the base, "
+              f"finetune.init_from={config.finetune.init_from!r}, is not a Hugging Face checkpoint PEFT can "
+              "load; export that base run merged, and set the field to its folder",
+              file=sys.stderr)  # fmt: skip
     return EXIT_OK
 
 

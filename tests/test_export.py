@@ -99,6 +99,22 @@ def test_a_merged_export_is_a_folder_transformers_loads_with_the_runs_logits(run
     np.testing.assert_allclose(np.asarray(model(tokens).logits), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_adapters_of_a_base_that_is_a_shardmem_run_warn_that_they_name_no_base(
+    run, tmp_path, capsys, monkeypatch
+):
+    written = tmp_path / "adapters" / "adapter_config.json"
+
+    def export_run(config, run_dir, out, **kwargs):  # What an export of a run on a shardmem base writes.
+        written.parent.mkdir()
+        written.write_text(json.dumps({"base_model_name_or_path": None}))
+        return 3, [written.parent / "adapter_model.safetensors", written]
+
+    monkeypatch.setattr(exporting, "export_run", export_run)
+    assert _export(run, written.parent, "--adapters-only") == 0
+    err = capsys.readouterr().err
+    assert "names no base model (base_model_name_or_path: null)" in err and "PEFT" in err, err
+
+
 @pytest.mark.newest
 def test_adapters_only_writes_peft_names_and_its_config(run, tmp_path, capsys):
     _, _, base, program, state = run
@@ -111,6 +127,7 @@ def test_adapters_only_writes_peft_names_and_its_config(run, tmp_path, capsys):
     assert peft[prefix + "model.layers.1.self_attn.q_proj.lora_B.weight"].shape == (hf.H * hf.K, 2)
     config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base) and config["inference_mode"] is True
+    assert "warning" not in capsys.readouterr().err  # A Hugging Face base: PEFT loads the adapters onto it.
     assert config["target_modules"] == ["embed_tokens", "lm_head", "q_proj"] and config["lora_alpha"] == 6
     # PEFT's merge (W + alpha / r x B A; an embedding's transposed) gives the run's merged weights.
     tensors = load_file(str(base / "model.safetensors"))
