@@ -4,7 +4,7 @@
                                                    # KV check, 70B timing
     python bench/serving_truth.py --only truth --json out.json
 
-Three checks (issue 39), nothing fitted to them: the times are the step-time model's
+Four checks (issue 39), nothing fitted to them: the times are the step-time model's
 (shardmem/planning/cost.py) on the targets' specs, the memory is the compiled programs'.
 
 1. ``truth``: every row of ``shared/reference/serving-truth.md`` (TensorRT-LLM's and lmdeploy's A100
@@ -23,12 +23,12 @@ Three checks (issue 39), nothing fitted to them: the times are the step-time mod
    (v0.6.1; batches of 52 to 1,280, tensor 1 to 8) and its "Low Latency" first-token table (v0.5, batch
    1) for the rows ``serving-truth.md`` does not already hold. The throughput table's A100 figures are
    read as per GPU, as its H100 table's header says ("out tok/s/GPU"): read as totals, Llama 70B at
-   tensor 4 would run 1,280 sequences of 128 + 128 tokens in 245 s, 0.2 of its weights' HBM bound. Each
-   row's plan also gives its memory verdict on the 80 GB card, where TensorRT-LLM ran it. Falcon 180B
-   becomes the reference Llama at its sizes (80 layers, hidden 14,848, 232 heads of 64 over 8 KV heads,
-   vocab 65,024), its GELU MLP of width 59,392 a SwiGLU of two thirds (39,595) rounded up to a multiple
-   of 512 (each of 8 tensor shards a multiple of 64: 39,936, 0.6% more weights), its parallel attention
-   and MLP run one after the other.
+   tensor 4 would run 1,280 sequences of 128 + 128 tokens in 245 s, six times what their FLOPs take at
+   the four A100s' peak (about 38 s). Each row's plan also gives its memory verdict on the 80 GB card,
+   where TensorRT-LLM ran it. Falcon 180B becomes the reference Llama at its sizes (80 layers, hidden
+   14,848, 232 heads of 64 over 8 KV heads, vocab 65,024), its GELU MLP of width 59,392 a SwiGLU of two
+   thirds (39,595) rounded up to a multiple of 512 (each of 8 tensor shards a multiple of 64: 39,936,
+   0.6% more weights), its parallel attention and MLP run one after the other.
 4. ``speed``: the wall and CPU time of ``shardmem plan --serve`` for Llama 3 70B at tensor 8 on
    ``h100-sxm`` (bar: under 30 s on the idle 2-core machine; the load average is printed beside it). The
    first plan of a model generates its kernels; later ones reuse them from the kernel cache
