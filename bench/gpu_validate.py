@@ -49,7 +49,7 @@ adds its plans before the parts.
    the background, and a fresh child (``--serve-child``) that compiles the prefill and the decode step,
    initialises the weights, times three prefills and every decode step until the KV cache is full, and
    reports ``peak_bytes_in_use`` with the cache: measured against the plan's time to first token, mean
-   decode step and peak. Then ``shardmem generate --seed 0 --json`` (greedy, fp32 matmuls) on the GPU
+   decode step and peak. Then ``shardmem generate --json`` (greedy, fp32 matmuls) on the GPU
    against the same command on CPU (run in the background from the start): the tokens must be equal.
 
 It writes ``gpu_validate.md`` and ``gpu_validate.json`` to ``--out`` after every piece (so a run cut short
@@ -604,10 +604,10 @@ def run_serving_child(trial: Trial, env: dict[str, str], timeout: float) -> dict
 
 
 def run_generate(trial: Trial, prompt_file: Path, env: dict[str, str], timeout: float) -> dict:
-    """Runs ``shardmem generate --seed 0 --json`` (greedy) on ``trial`` with fp32 matmuls; returns its
+    """Runs ``shardmem generate --json`` (greedy) on ``trial`` with fp32 matmuls; returns its
     JSON object's tokens, or why there are none."""
     argv = [sys.executable, "-m", "shardmem", "generate", trial.config, "--prompt-file", str(prompt_file),
-            "--max-new-tokens", str(GENERATE_TOKENS), "--seed", "0", "--json", *trial.sets]  # fmt: skip
+            "--max-new-tokens", str(GENERATE_TOKENS), "--json", *trial.sets]  # fmt: skip
     code, out, err, seconds = _run(argv, {**env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}, timeout)
     result = {"command": shlex.join(["shardmem", *argv[3:]]), "exit_code": code, "wall_s": round(seconds, 2)}
     lines = [line for line in out.splitlines() if line.startswith("{")]
@@ -1463,9 +1463,10 @@ def child(config_path: str, overrides: list[str], steps: int, local_plan: bool =
 def serve_child(config_path: str, overrides: list[str], repeats: int = 3) -> int:
     """Compiles the serving program's prefill and decode (before anything is allocated, as
     :func:`child` does, so that autotuning's scratch is not counted on top of the weights), initialises
-    the weights, times ``repeats`` prefills of full-length random prompts and then every decode step
-    until the KV cache is full (contexts ``prompt_len + 1`` to ``max_len``, as the plan's mean covers);
-    prints one JSON line with the step times and the allocator's figures."""
+    the weights and the KV cache (``program.new_cache``), times ``repeats`` prefills of full-length
+    random prompts and then every decode step until the KV cache is full (contexts ``prompt_len + 1`` to
+    ``max_len``, as the plan's mean covers); prints one JSON line with the step times and the
+    allocator's figures."""
     result: dict = {"status": "ok"}
     stage = "setup"
     try:
@@ -1489,6 +1490,7 @@ def serve_child(config_path: str, overrides: list[str], repeats: int = 3) -> int
         )
         stage = "init"
         weights = _initialised(program.init, result)
+        cache = jax.block_until_ready(program.new_cache())  # Allocated once, as an engine does.
 
         stage = "prefill"
         shape = (serving.batch, serving.prompt_len)
@@ -1496,10 +1498,9 @@ def serve_child(config_path: str, overrides: list[str], repeats: int = 3) -> int
         prompts_BxP = jax.device_put(prompts_BxP, serving.tokens)
         lengths_B = jax.device_put(np.full(serving.batch, serving.prompt_len, np.int32), serving.rows)
         prefill_s = []
-        for _ in range(repeats):
-            logits_BxV = cache = None  # The last prefill's cache is freed before the next is made.
+        for _ in range(repeats):  # Each prefill fills the cache the last one returned (donated).
             start = time.perf_counter()
-            logits_BxV, cache = jax.block_until_ready(prefill(weights, prompts_BxP, lengths_B))
+            logits_BxV, cache = jax.block_until_ready(prefill(weights, cache, prompts_BxP, lengths_B))
             prefill_s.append(time.perf_counter() - start)
 
         stage = "decode"
