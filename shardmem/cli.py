@@ -14,7 +14,6 @@ import contextlib
 import difflib
 import io
 import json
-import math
 import os
 import signal
 import sys
@@ -376,9 +375,10 @@ def _out_of_memory_named(program, devices):
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
             raise
+        from shardmem.planning.memory import per_device_bytes
+
         s = program.serving
-        cache = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-                    for leaf in jax.tree.leaves(s.cache))  # fmt: skip
+        cache = per_device_bytes(s.cache)
         raise ConfigError(
             f"out of memory on the {devices[0].platform} devices: the KV cache takes {format_bytes(cache)} "
             f"per device (serve.batch={s.batch} x serve.max_len={s.max_len}) beside the weights; lower "

@@ -306,6 +306,21 @@ class FinetuneConfig:
         """Whether any parameter is frozen or adapted."""
         return bool(self.freeze) or self.lora is not None
 
+    def differences(
+        self, other: FinetuneConfig, keys: Sequence[str] = ("freeze", "lora", "quantize", "base_dtype")
+    ) -> list[tuple[str, Any, Any]]:
+        """``(finetune.KEY, this value, other's)`` for each of ``keys`` where the two differ; a section
+        (``lora``, ``quantize``) field by field where both have it."""
+        pairs = []
+        for key in keys:
+            mine, theirs = getattr(self, key), getattr(other, key)
+            if dataclasses.is_dataclass(mine) and dataclasses.is_dataclass(theirs):
+                pairs += [(f"finetune.{key}.{f.name}", getattr(mine, f.name), getattr(theirs, f.name))
+                          for f in dataclasses.fields(mine)]  # fmt: skip
+            else:
+                pairs.append((f"finetune.{key}", mine, theirs))
+        return [(key, mine, theirs) for key, mine, theirs in pairs if mine != theirs]
+
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:

@@ -20,7 +20,6 @@ one) is in host memory at a time.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -79,14 +78,8 @@ def _same_as_the_run(config, run_dir: Path) -> None:
     saved = load_config(run_dir / "config.yaml")
     size = lambda model, key: model.head_size if key == "head_dim" else getattr(model, key, None)  # noqa: E731
     pairs = [(f"model.{k}", size(config.model, k), size(saved.model, k)) for k in ARCHITECTURE_KEYS]
-    for key in ("freeze", "lora", "quantize", "base_dtype"):
-        mine, theirs = getattr(config.finetune, key), getattr(saved.finetune, key)
-        if dataclasses.is_dataclass(mine) and dataclasses.is_dataclass(theirs):
-            pairs += [(f"finetune.{key}.{f.name}", getattr(mine, f.name), getattr(theirs, f.name))
-                      for f in dataclasses.fields(mine)]  # fmt: skip
-        else:
-            pairs.append((f"finetune.{key}", mine, theirs))
-    differ = [f"{key}={mine} here but {theirs} in the run" for key, mine, theirs in pairs if mine != theirs]
+    pairs = [p for p in pairs if p[1] != p[2]] + config.finetune.differences(saved.finetune)
+    differ = [f"{key}={mine} here but {theirs} in the run" for key, mine, theirs in pairs]
     if differ:
         raise ConfigError(f"{'; '.join(differ)} ({run_dir / 'config.yaml'}): export with the config the run "
                           "trained with (its weights are merged with its own settings)")  # fmt: skip

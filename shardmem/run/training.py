@@ -40,7 +40,7 @@ import yaml
 from rich.console import Console
 
 from shardmem._interrupt import sigint_to_python, undone_on_interrupt
-from shardmem.config import Config
+from shardmem.config import Config, load_config
 from shardmem.errors import ConfigError, PlanError, ShardmemError
 from shardmem.finetune.weights import check_init_from
 from shardmem.parallel.mesh import build_mesh
@@ -652,35 +652,23 @@ class _NoLog:
 #: What a fine-tune's checkpoints mean only with: the base the adapters were trained on (loaded again at
 #: every start, not checkpointed), and how the adapters and the frozen weights are computed. The shapes
 #: the checkpoint holds are checked when it restores; these are not in them.
-_RESUME_FIXED = (
-    ("init_from",),
-    ("base_dtype",),
-    ("freeze",),
-    ("quantize",),
-    ("lora", "alpha"),
-    ("lora", "targets"),
-)
+_RESUME_FIXED = ("init_from", "base_dtype", "freeze", "quantize", "lora")
 
 
 def _check_resumed_finetune(path: Path, config: Config) -> None:
     """Raises ConfigError when a resume changes a fine-tune setting its checkpoints depend on
     (:data:`_RESUME_FIXED`), against the run directory's ``config.yaml``."""
     try:
-        before = (yaml.safe_load(path.read_text()) or {}).get("finetune") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
+        saved = load_config(path)
+    except ConfigError:
         return  # No readable record of the last start: the restore's shape checks are what there is.
-    now = config.to_dict().get("finetune") or {}
-    for keys in _RESUME_FIXED:
-        old, new = before, now
-        for key in keys:
-            old = old.get(key) if isinstance(old, dict) else None
-            new = new.get(key) if isinstance(new, dict) else None
-        if old != new:
-            name = "finetune." + ".".join(keys)
-            raise ConfigError(
-                f"{name}={new!r}, but this run's checkpoints were trained with {name}={old!r} "
-                f"({path}): resuming would mix the two; set it back, or start a new --run-dir"
-            )
+    changed = config.finetune.differences(saved.finetune, _RESUME_FIXED)
+    if changed:
+        name, new, old = changed[0]
+        raise ConfigError(
+            f"{name}={new!r}, but this run's checkpoints were trained with {name}={old!r} "
+            f"({path}): resuming would mix the two; set it back, or start a new --run-dir"
+        )
 
 
 def _write_config(path: Path, config: Config, console: Console) -> None:
