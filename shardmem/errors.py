@@ -47,9 +47,11 @@ def at_least(option: str, value: int | None, least: int, fix: str) -> None:
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """Returns " (did you mean 'x'?)" for the closest choice, or "" when none is close."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    """Returns " (did you mean 'x'?)" for the closest choice, or "" when none is close (case aside: NF4
+    -> nf4)."""
+    spelled = {str(c).lower(): str(c) for c in choices}
+    close = difflib.get_close_matches(str(word).lower(), list(spelled), n=1, cutoff=0.6)
+    return f" (did you mean '{spelled[close[0]]}'?)" if close else ""
 
 
 def one_of(choices: Iterable[object]) -> str:

@@ -99,6 +99,10 @@ def test_reserve_accepts_units():
         ({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": -1, "fsdp": -1}}}, ["at most one axis"]),
         ({"model": {"preset": "tiny", "n_kv_heads": 3}}, ["model.n_kv_heads=3", "model.n_heads=4"]),
         ({"model": {"preset": "tiny"}, "remat": {"policy": "fulll"}}, ["remat.policy='fulll'", "full"]),
+        (
+            {"model": {"preset": "tiny"}, "finetune": {"quantize": {"format": "NF4"}}},
+            ["finetune.quantize.format='NF4' (did you mean 'nf4'?)"],
+        ),
         ({"model": {"preset": "tiny"}, "remat": {"layers": {"2-9": "full"}}}, ["remat.layers.2-9", "0 to 3"]),
         ({"model": {"preset": "tiny"}, "remat": {"layers": {"0-2": "full", "2": "none"}}}, ["already"]),
         (

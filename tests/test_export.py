@@ -196,6 +196,13 @@ def test_an_out_that_cannot_be_a_folder_is_one_line(run, tmp_path, capsys, out, 
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_a_runs_checkpoints_folder_as_run_dir_names_the_run_folder(run, capsys):
+    config_file, run_dir = run[:2]
+    argv = ["export", str(config_file), "--run-dir", str(run_dir / "checkpoints"), "--out", "/nonexistent"]
+    assert main(argv) == 2  # It said "no checkpoint to export; train first".
+    _one_line(capsys, "is a run's checkpoints folder; give the run's own folder", f"--run-dir {run_dir})")
+
+
 def test_export_merges_with_the_runs_own_settings(run, capsys):
     assert _export(run, "/nonexistent", "--set", "finetune.lora.alpha=1") == 2
     _one_line(

@@ -163,11 +163,19 @@ def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_
 
 @pytest.mark.parametrize("change, words", [
     ({"num_attention_heads": None}, "config.json has no num_attention_heads, where transformers writes a"),
-    ({"hidden_size": "x"}, "config.json has hidden_size='x', where transformers writes a positive integer"),
+    ({"hidden_size": "x"}, 'config.json has hidden_size="x", where transformers writes a positive integer'),
     ({"num_key_value_heads": 0}, "config.json has num_key_value_heads=0"),
+    # Quoted values: "false" loaded as true (tied embeddings: wrong logits), the others as tracebacks or
+    # as the model section's YAML advice.
+    ({"tie_word_embeddings": "false"}, 'has tie_word_embeddings="false", where transformers writes true or'),
+    ({"rms_norm_eps": "1e-5"}, 'has rms_norm_eps="1e-5", where transformers writes a positive number'),
+    ({"model_type": "mistral", "sliding_window": "16"}, 'has sliding_window="16", where transformers writes'),
 ])  # fmt: skip
-def test_a_config_json_without_a_size_is_one_line_naming_the_file_and_key(tmp_path, change, words):
-    config = {k: v for k, v in {**hf.hf_config("llama"), **change}.items() if v is not None}
+def test_a_config_json_without_a_size_or_with_a_mistyped_value_is_one_line_naming_the_file_and_key(
+    tmp_path, change, words
+):
+    config = {k: v for k, v in {**hf.hf_config(change.get("model_type", "llama")), **change}.items()
+              if v is not None}  # fmt: skip
     hf.save(tmp_path, config, {})
     with pytest.raises(ConfigError) as error:  # Was a KeyError's traceback.
         _config(tmp_path)

@@ -510,6 +510,7 @@ def test_plan_serve_that_does_not_fit_advises_the_serve_keys_not_trainings(tmp_p
     assert main(["plan", str(path), "--serve", "--memory-fraction", str(FRACTION / 50)]) == 3
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and out.count("next: lower serve.batch or serve.max_len") == 1, out
+    assert f"(device 79.26 GiB x {FRACTION / 50:g}): DOES NOT FIT" in " ".join(out.split())  # The flag's.
     assert "train.micro_batches" not in out and "remat.policy=full" not in out
 
 

@@ -134,6 +134,13 @@ def test_mismatched_checkpoints_are_one_line_errors_naming_the_tensor(checkpoint
 def test_a_folder_without_safetensors_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no .safetensors file there"):
         _program(tmp_path, {"data": 1}).init()
+    # A shardmem run that saved nothing yet (its folder, or its empty checkpoints folder): say so.
+    (tmp_path / "config.yaml").write_text("model: {preset: tiny}\n")
+    (tmp_path / "checkpoints").mkdir()
+    for given in (tmp_path, tmp_path / "checkpoints"):
+        says = f"the shardmem run at '{tmp_path}' has no checkpoint saved yet; train it first .*--run-dir"
+        with pytest.raises(ConfigError, match=f"{says} {tmp_path}\\)"):
+            _program(given, {"data": 1}).init()
 
 
 def test_train_starts_from_the_checkpoint_and_export_writes_the_adapters(checkpoint, tmp_path, capsys):

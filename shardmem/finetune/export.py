@@ -55,6 +55,9 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
     from shardmem.run.checkpoint import Checkpointer
 
     run_dir = Path(run_dir)
+    if run_dir.name == "checkpoints" and (run_dir.parent / "config.yaml").is_file():
+        raise ConfigError(f"--run-dir {str(run_dir)!r} is a run's checkpoints folder; give the run's own "
+                          f"folder (--run-dir {run_dir.parent})")  # fmt: skip
     _same_as_the_run(config, run_dir)
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     step = state = None

@@ -117,6 +117,7 @@ def model_fields(hf: dict, where: str) -> dict:
         raise ConfigError(f"finetune.init_from: {where} has {what}, which the reference model does not "
                           "implement: its logits would be wrong, so it is not loaded")  # fmt: skip
 
+    _check_types(hf, where)
     if hf.get("quantization_config"):
         refuse(
             f"quantization_config ({hf['quantization_config'].get('quant_method', '?')}-quantized weights)"
@@ -135,7 +136,6 @@ def model_fields(hf: dict, where: str) -> dict:
         )
     if activation not in _ACTIVATIONS:
         refuse(f"the activation {activation!r} (the reference model's: {one_of(_ACTIVATIONS)})")
-    _check_sizes(hf, where)
     heads = hf["num_attention_heads"]
     head_dim = get("head_dim") or hf["hidden_size"] // heads
     gemma = kind == "gemma"
@@ -159,22 +159,36 @@ _REQUIRED_SIZES = (
     "num_attention_heads",
     "intermediate_size",
 )
-_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+#: Other keys read, each checked where given: a quoted value would otherwise load as another model
+#: (``bool("false")`` ties the embeddings). Qwen2's window keys may be 0.
+_COUNTS = ("sliding_window", "max_window_layers")
+_NUMBERS = ("rope_theta", "rms_norm_eps")
+_FLAGS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
 
 
-def _check_sizes(hf: dict, where: str) -> None:
-    """Raises ConfigError naming the file and the key for a size config.json lacks or gives as other than
-    a positive integer."""
-    for key in (*_REQUIRED_SIZES, *(k for k in _OPTIONAL_SIZES if hf.get(k) is not None)):
-        value = hf.get(key)
+def _check_types(hf: dict, where: str) -> None:
+    """Raises ConfigError naming the file and the key for a size config.json lacks, or a value it gives
+    in another type than transformers writes (a size as other than a positive integer, a flag as other
+    than true or false, ...)."""
+    for key in _REQUIRED_SIZES:
         if key not in hf:
-            problem = f"has no {key}"
-        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            problem = f"has {key}={value!r}"
-        else:
-            continue
-        raise ConfigError(f"finetune.init_from: {where} {problem}, where transformers writes a positive "
-                          "integer; give the checkpoint's own config.json")  # fmt: skip
+            raise ConfigError(f"finetune.init_from: {where} has no {key}, where transformers writes a "
+                              "positive integer; give the checkpoint's own config.json")  # fmt: skip
+    number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)  # noqa: E731
+    kinds = ([(k, "a positive integer", lambda v: number(v) and isinstance(v, int) and v > 0)
+              for k in (*_REQUIRED_SIZES, *_OPTIONAL_SIZES)]
+             + [(k, "an integer of 0 or more", lambda v: number(v) and isinstance(v, int) and v >= 0)
+                for k in _COUNTS]
+             + [(k, "a positive number", lambda v: number(v) and v > 0) for k in _NUMBERS]
+             + [(k, "true or false", lambda v: isinstance(v, bool)) for k in _FLAGS])  # fmt: skip
+    for key, written, valid in kinds:
+        value = hf.get(key)
+        if value is not None and not valid(value):
+            raise ConfigError(
+                f"finetune.init_from: {where} has {key}={json.dumps(value)}, where "
+                f"transformers writes {written}; give the checkpoint's own config.json"
+            )
 
 
 def _rope_scaling(hf: dict, where: str, refuse) -> dict | None:

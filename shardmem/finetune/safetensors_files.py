@@ -59,6 +59,11 @@ class SafetensorsCheckpoint:
             files = safetensors_files(folder) if folder.is_dir() else [folder]
             listed = None
         if not files or not files[0].exists():
+            run = next((f for f in (folder, folder.parent) if (f / "config.yaml").is_file()), None)
+            if folder.is_dir() and run is not None:  # A shardmem run folder (or its checkpoints) with none.
+                raise ConfigError(f"finetune.init_from={where!r}: the shardmem run at {str(run)!r} has no "
+                                  "checkpoint saved yet; train it first (shardmem train CONFIG --run-dir "
+                                  f"{run}), or give a Hugging Face model's folder")  # fmt: skip
             raise ConfigError(f"finetune.init_from={where!r}: no .safetensors file there; give a file or a "
                               "folder of them (a Hugging Face model's folder)")  # fmt: skip
         tensors: dict[str, TensorHeader] = {}

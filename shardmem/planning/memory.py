@@ -112,6 +112,9 @@ class MemoryReport:
     module: hlo.HloModule | None = dataclasses.field(default=None, repr=False, compare=False)
     #: What the device has for the step: ``budget_bytes`` without the deviceless margin (0: not known).
     usable_bytes: int = 0
+    #: The budget's terms: memory.usable_fraction (or --memory-fraction) and memory.reserve (0.0: not known).
+    usable_fraction: float = 0.0
+    reserve_bytes: int = 0
 
     @property
     def margin_bytes(self) -> int:
@@ -156,6 +159,8 @@ class MemoryReport:
             "budget_bytes": self.budget_bytes,
             "deviceless_margin": self.deviceless_margin,
             "usable_bytes": self.usable_bytes,
+            "usable_fraction": self.usable_fraction,
+            "reserve_bytes": self.reserve_bytes,
             "fits": self.fits,
             "verdict": self.verdict,
             "margin_bytes": self.margin_bytes,
@@ -709,6 +714,7 @@ def _compile_and_analyze(
         flops_per_step=0.0, flops_no_remat=None, top_buffers=top_buffers, collectives=collectives,
         cross_check=cross_check, remat="", warnings=warnings, compile_seconds=seconds,
         compiler_options=options, schedule=schedule, module=module, usable_bytes=usable,
+        usable_fraction=memory.usable_fraction, reserve_bytes=memory.reserve,
     ), compiled  # fmt: skip
 
 

@@ -88,7 +88,7 @@ def render(report: MemoryReport, *, sharding: bool = False, advice: str = TRAINI
                   f"{format_bytes(report.device_memory_bytes)}")  # fmt: skip
     parts.append(Text.assemble(
         "budget ", format_bytes(report.budget_bytes),
-        f" ({device} x usable fraction - reserve"
+        f" ({device} x {_usable_terms(report)}"
         + (f", / {1 + report.deviceless_margin:g} deviceless margin" if report.deviceless_margin else "")
         + "): ",
         (verdict, style),
@@ -242,12 +242,24 @@ def render_refused(error: DoesNotFit, name: str, target: str) -> Group:
     return Group(*parts)
 
 
+def _usable_terms(report: MemoryReport) -> str:
+    """The usable share of the device as the budget took it: "0.9 - 1.00 GiB reserve" (the allocator's
+    limit where it is lower; the words alone for a report that does not carry the numbers)."""
+    if not report.usable_fraction:
+        return "usable fraction - reserve"
+    terms = f"{report.usable_fraction:g}" + (f" - {format_bytes(report.reserve_bytes)} reserve"
+                                             if report.reserve_bytes else "")  # fmt: skip
+    share = int(report.device_memory_bytes * report.usable_fraction) - report.reserve_bytes
+    capped = 0 < report.usable_bytes < share
+    return terms + (", capped by the allocator" if capped else "")
+
+
 def _tight_line(report: MemoryReport) -> str:
     """Why a tight plan likely fits, and why it may not."""
     spare = report.usable_bytes - report.per_device["peak"]
     return (
         f"tight: {format_bytes(spare)} under what the device has for the step "
-        f"({format_bytes(report.usable_bytes)}: device x usable fraction - reserve), over the budget only by "
+        f"({format_bytes(report.usable_bytes)}: device x {_usable_terms(report)}), over the budget only by "
         f"the deviceless margin ({report.deviceless_margin:g}). The margin covers the largest gap measured "
         "between a deviceless compile and the real GPU's (+15.5%, in one configuration; the others within "
         "2.2%), so this likely fits, but it may not: plan with --target local on the GPU for an exact "
