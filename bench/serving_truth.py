@@ -193,7 +193,7 @@ def rtx3090() -> dict:
         config = _config("llama-3.1-8b", 1, prompt, max_len, "rtx-3090", "bfloat16")
         plan = plan_serving(with_memory_fraction(config, 0.9))
         room, figures = plan.capacity, plan.per_device
-        out[max_len] = {"budget_gib": plan.decode.budget_bytes / GIB, "weights_gib": figures["weights"] / GIB,
+        out[max_len] = {"budget_gib": plan.budget_bytes / GIB, "weights_gib": figures["weights"] / GIB,
                         "prefill_temp_gib": figures["prefill_temp"] / GIB,
                         "decode_temp_gib": figures["decode_temp"] / GIB,
                         "peak_without_cache_gib": (figures["peak"] - figures["kv_cache"]) / GIB,

@@ -206,7 +206,8 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
     """Target to plan for and the budget: device memory x ``usable_fraction`` - ``reserve``, divided by
-    1 + ``deviceless_margin`` for GPUs compiled deviceless."""
+    1 + ``deviceless_margin`` for GPUs compiled deviceless (a serving plan takes the margin on each
+    function's temporaries alone: :mod:`shardmem.planning.serving`)."""
 
     target: str = "cpu"  # Where to plan for when --target is not given.
     usable_fraction: float = DEFAULT_ALLOCATOR_FRACTION  # The share of device memory the run may use.

@@ -26,7 +26,7 @@ from typing import Any
 from shardmem.config import Config
 from shardmem.errors import ConfigError
 from shardmem.explore.search import Planner, TuneResult, margin_text, no_fit
-from shardmem.planning.serving import ServingPlan, plan_serving
+from shardmem.planning.serving import ServingPlan, plan_serving, room_limit
 from shardmem.planning.targets import Target
 from shardmem.units import format_bytes, format_seconds
 
@@ -123,7 +123,7 @@ def _best_batch(planner: Planner, config: Config, label: str, layout: tuple[str,
             plans[batch] = plan_serving(config.replace(*overrides))
             planner.compiles += 2
             p = plans[batch]
-            why = f"{p.verdict}: {margin_text(p.decode.budget_bytes - p.per_device['peak'])}"
+            why = f"{p.verdict}: {margin_text(p.margin_bytes)}"
             planner.note(f"{label}, batch {batch}", overrides, p.per_device["peak"], 0, None, p.fits,
                          "compiled", why, step_time=p.time.to_json() if p.time else None)  # fmt: skip
         return plans[batch]
@@ -144,10 +144,7 @@ def _best_batch(planner: Planner, config: Config, label: str, layout: tuple[str,
                 chosen = trial
                 break
             points.append((guess, trial))
-            (a, plan_a), (b, plan_b) = points[-2:]
-            slope = (plan_b.per_device["peak"] - plan_a.per_device["peak"]) / (b - a)
-            guess = int(b + (plan_b.decode.budget_bytes - plan_b.per_device["peak"]) / slope)
-            guess = guess // replicas * replicas
+            guess = room_limit(points[-2:]) // replicas * replicas
     return _row(chosen, label, layout)
 
 
@@ -161,7 +158,7 @@ def _row(plan: ServingPlan, label: str, layout: tuple[str, ...]) -> dict[str, An
         "mean_decode_seconds": time.mean_decode_seconds if time else None,
         "total_seconds": time.total_seconds if time else float("inf"),
         "tokens_per_second": time.output_tokens_per_second if time else 0.0,
-        "budget_bytes": plan.decode.budget_bytes, "report": plan.decode,
+        "budget_bytes": plan.budget_bytes, "report": plan.decode,
     }  # fmt: skip
 
 

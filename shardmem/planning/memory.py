@@ -115,6 +115,9 @@ class MemoryReport:
     #: The budget's terms: memory.usable_fraction (or --memory-fraction) and memory.reserve (0.0: not known).
     usable_fraction: float = 0.0
     reserve_bytes: int = 0
+    #: Whether the deviceless margin was taken on the temporaries alone (a serving function's budget:
+    #: ``usable_bytes`` - margin x temporaries), not on the whole budget (a training step's).
+    margin_on_temporaries: bool = False
 
     @property
     def margin_bytes(self) -> int:
@@ -161,6 +164,7 @@ class MemoryReport:
             "usable_bytes": self.usable_bytes,
             "usable_fraction": self.usable_fraction,
             "reserve_bytes": self.reserve_bytes,
+            "margin_on_temporaries": self.margin_on_temporaries,
             "fits": self.fits,
             "verdict": self.verdict,
             "margin_bytes": self.margin_bytes,

@@ -88,9 +88,7 @@ def render(report: MemoryReport, *, sharding: bool = False, advice: str = TRAINI
                   f"{format_bytes(report.device_memory_bytes)}")  # fmt: skip
     parts.append(Text.assemble(
         "budget ", format_bytes(report.budget_bytes),
-        f" ({device} x {_usable_terms(report)}"
-        + (f", / {1 + report.deviceless_margin:g} deviceless margin" if report.deviceless_margin else "")
-        + "): ",
+        f" ({device} x {_usable_terms(report)}{_margin_terms(report)}): ",
         (verdict, style),
         f", {format_bytes(abs(report.margin_bytes))} {how}",
     ))  # fmt: skip
@@ -174,7 +172,12 @@ def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
                   f"the {plan.peaked_function}'s: one function runs at a time")  # fmt: skip
     verdict = {"fits": "FITS", "tight": "TIGHT, LIKELY FITS", "does not fit": "DOES NOT FIT"}[plan.verdict]
     style = {"fits": "bold green", "tight": "bold yellow", "does not fit": "bold red"}[plan.verdict]
-    fit = Text.assemble("budget ", format_bytes(plan.decode.budget_bytes), ": ", (verdict, style),
+    binding = plan.binding
+    margin = (f", less {binding.deviceless_margin:g} x the {binding.name.rsplit(': ', 1)[-1]}'s temporaries"
+              if binding.margin_on_temporaries else "")  # fmt: skip
+    fit = Text.assemble("budget ", format_bytes(plan.budget_bytes),
+                        f" (usable {format_bytes(binding.usable_bytes)}{margin})" if margin else "", ": ",
+                        (verdict, style),
                         f" (prefill {plan.prefill.verdict}, decode {plan.decode.verdict})")  # fmt: skip
     warnings = [Text(f"warning: {w}", style="yellow") for w in plan.warnings]
     advice = [Text(SERVING_ADVICE, style="red")] if plan.verdict == "does not fit" else []
@@ -252,6 +255,17 @@ def _usable_terms(report: MemoryReport) -> str:
     share = int(report.device_memory_bytes * report.usable_fraction) - report.reserve_bytes
     capped = 0 < report.usable_bytes < share
     return terms + (", capped by the allocator" if capped else "")
+
+
+def _margin_terms(report: MemoryReport) -> str:
+    """How the budget takes the deviceless margin: over the whole budget (a training step), or on the
+    temporaries alone (a serving function, whose weights and cache are exact)."""
+    if not report.deviceless_margin:
+        return ""
+    if report.margin_on_temporaries:
+        return (f", less {report.deviceless_margin:g} x its {format_bytes(report.per_device['temp'])} of "
+                "temporaries: the deviceless margin")  # fmt: skip
+    return f", / {1 + report.deviceless_margin:g} deviceless margin"
 
 
 def _tight_line(report: MemoryReport) -> str:

@@ -22,6 +22,12 @@ affine in its context). With ``model.sliding_window``, a step reads at most the 
 decode kernel skips the rest, :mod:`shardmem.models.decode_attention`). Beside each step stands its bound:
 every weight and the live cache read once at the full HBM bandwidth, which no step can beat.
 
+Budget: what the device has for serving (device x ``memory.usable_fraction`` - ``memory.reserve``), less the
+deviceless margin on each function's temporaries alone. The margin is for what a real GPU's compile may
+decide otherwise (its kernels' workspace, its fusions); the weights and the KV cache are arguments whose
+bytes are exact, and most of a serving peak. (A training plan divides its whole budget by 1 + the
+margin, which was measured on a training step.)
+
 Capacity (:class:`KVCapacity`): the bytes the cache may take are the budget less everything else at the
 peak (weights, the larger function's temporaries), as vLLM sizes its cache after a profiling run; the
 largest batch at ``max_len`` and the longest context at ``batch`` follow from the cache's bytes per token.
@@ -181,6 +187,23 @@ class ServingPlan:
         return self.prefill if self.peaked_function == "prefill" else self.decode
 
     @property
+    def binding(self) -> MemoryReport:
+        """The report of the function with the least room under its budget (both hold the weights and
+        the cache; their temporaries, and so their budgets, differ)."""
+        return min((self.prefill, self.decode), key=lambda report: report.margin_bytes)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget of :attr:`binding`: what the device has for serving less the deviceless margin on
+        that function's temporaries (module docstring)."""
+        return self.binding.budget_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        """The least room either function has under its budget: negative when serving does not fit."""
+        return self.binding.margin_bytes
+
+    @property
     def fits(self) -> bool:
         """Whether both functions fit the budget."""
         return self.prefill.fits and self.decode.fits
@@ -210,7 +233,8 @@ class ServingPlan:
             "target": self.decode.target,
             "serve": self.serve,
             "per_device": self.per_device,
-            "budget_bytes": self.decode.budget_bytes,
+            "budget_bytes": self.budget_bytes,
+            "usable_bytes": self.decode.usable_bytes,
             "fits": self.fits,
             "verdict": self.verdict,
             "time": self.time.to_json() if self.time else None,
@@ -254,7 +278,7 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
             planned = {function: pool.submit(contextvars.copy_context().run, plan_program, program, target,
                                              function=function, top=top)
                        for function in ("prefill", "decode")}  # fmt: skip
-            reports = {function: dataclasses.replace(future.result()[0], name=f"{config.name}: {function}")
+            reports = {function: _margined(future.result()[0], f"{config.name}: {function}")
                        for function, future in planned.items()}  # fmt: skip
     s = program.serving
     quantize = config.serve.quantize
@@ -263,6 +287,17 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
     plan = ServingPlan(reports["prefill"], reports["decode"], serve)
     time = _time(plan, target, config.model.sliding_window)
     return dataclasses.replace(plan, time=time, capacity=_capacity(plan, _batch_shards(program)))
+
+
+def _margined(report: MemoryReport, name: str) -> MemoryReport:
+    """A serving function's report named ``name``, its budget what the device has for it less the
+    deviceless margin on its temporaries alone (module docstring)."""
+    report = dataclasses.replace(report, name=name)
+    if not report.deviceless_margin or not report.usable_bytes:
+        return report
+    budget = report.usable_bytes - int(report.deviceless_margin * report.per_device["temp"])
+    return dataclasses.replace(report, budget_bytes=budget, fits=report.per_device["peak"] <= budget,
+                               margin_on_temporaries=True)  # fmt: skip
 
 
 def _time(plan: ServingPlan, target: Target, window: int | None = None) -> ServingTime | None:
@@ -286,7 +321,7 @@ def _capacity(plan: ServingPlan, batch_shards: int, verified: bool = False) -> K
     """The cache's room read off one plan: the budget less the peak's other bytes, in whole sequences
     (``batch_shards``: the devices a batch is split over, each holding its share of the sequences)."""
     figures, serve = plan.per_device, plan.serve
-    cache_bytes = plan.decode.budget_bytes - (figures["peak"] - figures["kv_cache"])
+    cache_bytes = plan.margin_bytes + figures["kv_cache"]  # Each function's budget less its other bytes.
     rows = serve["batch"] // batch_shards  # Sequences per device.
     per_token = figures["kv_cache"] // (rows * serve["max_len"])
     if not per_token or cache_bytes <= 0:
@@ -308,7 +343,6 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
     plan = _plan(program, resolved)
     shards = _batch_shards(program)
     s = program.serving
-    budget = plan.decode.budget_bytes
 
     def compiled(key: str, value: int) -> ServingPlan:
         return _plan(program.variant(f"serve.{key}={value}"), resolved)
@@ -324,7 +358,7 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
         for _ in range(CAPACITY_COMPILES):
             if over is not None and fits + quantum >= over:
                 break  # Bracketed: ``fits`` is the largest.
-            guess = _solve(points[-2:], budget) // quantum * quantum
+            guess = room_limit(points[-2:]) // quantum * quantum
             guess = max(guess, fits + quantum) if fits else guess  # Past what fits: is it the largest?
             guess = min(guess, over - quantum) if over is not None else guess
             if guess < least or guess in dict(points):
@@ -345,15 +379,17 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
 CAPACITY_COMPILES = 4
 
 
-def _solve(points: list[tuple[int, ServingPlan]], budget: int) -> int:
-    """Where the line through two compiled points reaches ``budget``: the smaller of the prefill's and the
-    decode's answers (each function's peak is affine; the larger of the two need not be)."""
+def room_limit(points: list[tuple[int, ServingPlan]]) -> int:
+    """Where the line through two compiled points leaves no room under the budget: the smaller of the
+    prefill's and the decode's answers (each function's room is affine; the smaller of the two need not
+    be)."""
     (a, plan_a), (b, plan_b) = points
-    answers = [1024 * max(a, b)]  # Where no peak grows, as far as a guess goes.
-    for peak in ("prefill_peak", "decode_peak"):
-        slope = (plan_b.per_device[peak] - plan_a.per_device[peak]) / (b - a)
-        if slope > 0:
-            answers.append(b + (budget - plan_b.per_device[peak]) / slope)
+    answers = [1024 * max(a, b)]  # Where no room shrinks, as far as a guess goes.
+    for function in ("prefill", "decode"):
+        room_a, room_b = (getattr(plan, function).margin_bytes for plan in (plan_a, plan_b))
+        slope = (room_b - room_a) / (b - a)
+        if slope < 0:
+            answers.append(b - room_b / slope)
     return int(min(answers))
 
 
