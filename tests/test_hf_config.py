@@ -161,6 +161,29 @@ def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_
     assert words in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("model_type, options, activation", [
+    # Llama's, Mistral's and Qwen2's forward run hidden_act (default silu): hidden_activation is Gemma's.
+    ("llama", {"hidden_activation": "gelu_pytorch_tanh"}, "silu"),
+    ("qwen2", {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "silu"}, "gelu_tanh"),
+    ("gemma", {"hidden_activation": "gelu_pytorch_tanh"}, "gelu_tanh"),  # hidden_act: the same default.
+    ("gemma", {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}, "gelu_tanh"),
+])  # fmt: skip
+def test_the_activation_is_the_one_transformers_forward_runs(model_type, options, activation):
+    config = {k: v for k, v in hf.hf_config(model_type).items() if k != "hidden_act"} | options
+    assert model_fields(config, "config.json")["mlp_activation"] == activation
+
+
+def test_a_gemma_hidden_activation_other_than_its_default_hidden_act_is_refused():
+    # transformers' PyTorch Gemma runs hidden_act, gelu_pytorch_tanh when config.json has none; its Flax
+    # Gemma runs hidden_activation: which the weights were trained with is not known.
+    config = {k: v for k, v in hf.hf_config("gemma", hidden_activation="silu").items() if k != "hidden_act"}
+    with pytest.raises(ConfigError) as error:
+        model_fields(config, "config.json")
+    assert "hidden_act 'gelu_pytorch_tanh' (transformers' default) and hidden_activation 'silu'" in str(
+        error.value
+    )
+
+
 @pytest.mark.parametrize("change, words", [
     ({"num_attention_heads": None}, "config.json has no num_attention_heads, where transformers writes a"),
     ({"hidden_size": "x"}, 'config.json has hidden_size="x", where transformers writes a positive integer'),

@@ -127,13 +127,17 @@ def model_fields(hf: dict, where: str) -> dict:
             refuse(f"{key}: true")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         refuse(f"partial_rotary_factor {hf['partial_rotary_factor']}")
-    activation = hf.get("hidden_activation") or get("hidden_act")
-    said = {_ACTIVATIONS.get(a, a) for a in (hf.get("hidden_activation"), hf.get("hidden_act")) if a}
-    if len(said) > 1:  # transformers' PyTorch Gemma runs hidden_act; its Flax Gemma, hidden_activation.
-        refuse(
-            f"hidden_act {hf['hidden_act']!r} and hidden_activation {hf['hidden_activation']!r}, which "
-            "transformers' own models read differently (set both to the one the model was trained with)"
-        )
+    activation = get("hidden_act")  # Llama's, Mistral's and Qwen2's: hidden_activation is no key of theirs.
+    if kind == "gemma" and hf.get("hidden_activation"):
+        # transformers' PyTorch Gemma runs hidden_act (its default where config.json has none); its Flax
+        # Gemma, hidden_activation: where they differ, which the model was trained with is not known.
+        said = hf["hidden_activation"]
+        if _ACTIVATIONS.get(activation, activation) != _ACTIVATIONS.get(said, said):
+            default = "" if hf.get("hidden_act") else " (transformers' default)"
+            refuse(f"hidden_act {activation!r}{default} and hidden_activation {said!r}, which "
+                   "transformers' own models read differently (set both to the one the model was trained "
+                   "with)")  # fmt: skip
+        activation = said
     if activation not in _ACTIVATIONS:
         refuse(f"the activation {activation!r} (the reference model's: {one_of(_ACTIVATIONS)})")
     heads = hf["num_attention_heads"]
