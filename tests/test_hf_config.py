@@ -215,6 +215,9 @@ def test_seq_len_is_the_one_key_a_pretrained_model_needs(tmp_path):
     ("llama", {"rope_scaling": LLAMA3}), ("mistral", {"sliding_window": 5}),
     ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
     ("gemma", {}),
+    # Not the type's usual activation: an export that wrote silu (Gemma: gelu_pytorch_tanh) gave other logits.
+    ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
+    ("gemma", {"hidden_act": "silu", "hidden_activation": "silu"}),
 ])  # fmt: skip
 def test_the_config_json_an_export_writes_reads_back_as_the_same_model(model_type, options):
     config = hf.hf_config(model_type, **options)

@@ -45,6 +45,7 @@ _DEFAULTS = {
               "head_dim": 256},
 }  # fmt: skip
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.mlp_activation -> hidden_act.
 _ROPE_KEYS = {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings",
               "beta_fast", "beta_slow", "attention_factor", "truncate"}  # fmt: skip
@@ -282,21 +283,23 @@ def to_hf(model, base: dict | None, dtype: str) -> dict | None:
     elif kind == "qwen2":
         out.update(use_sliding_window=model.sliding_window is not None, max_window_layers=0,
                    sliding_window=model.sliding_window, layer_types=None)  # fmt: skip
-    elif kind == "gemma":
-        out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    # The model's own activation (a Llama of gelu_pytorch_tanh, a Gemma of silu), not the type's usual one.
+    activation = _HF_ACTIVATIONS[model.mlp_activation]
+    if kind == "gemma":
+        out.update(hidden_act=activation, hidden_activation=activation)
     else:
-        out["hidden_act"] = "silu"
+        out["hidden_act"] = activation
     return out
 
 
 def _model_type(model) -> str | None:
     """The transformers model type whose forward is the reference model's with these options."""
-    if model.n_experts:
+    if model.n_experts or model.mlp_activation not in _HF_ACTIVATIONS:
         return None
-    if (model.norm_offset, model.scale_embeddings, model.mlp_activation) == (1.0, True, "gelu_tanh"):
+    if (model.norm_offset, model.scale_embeddings) == (1.0, True):
         plain = not model.qkv_bias and model.sliding_window is None and model.rope_scaling is None
         return "gemma" if plain else None
-    if (model.norm_offset, model.scale_embeddings, model.mlp_activation) != (0.0, False, "silu"):
+    if (model.norm_offset, model.scale_embeddings) != (0.0, False):
         return None
     if model.qkv_bias:
         return "qwen2"
