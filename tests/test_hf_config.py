@@ -118,6 +118,27 @@ def test_mistrals_sliding_window_gives_transformers_logits_and_trains(tmp_path, 
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("options, window", [
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, 4),
+    ({"use_sliding_window": True, "max_window_layers": 0}, 4096),  # transformers' default window.
+    ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0}, None),  # Was 4096.
+    ({"use_sliding_window": True, "sliding_window": 4}, None),  # max_window_layers 28: no layer of 2.
+    ({"use_sliding_window": False, "sliding_window": 4, "max_window_layers": 0}, None),
+    ({"use_sliding_window": True, "sliding_window": 4, "layer_types": ["sliding_attention"] * 2}, 4),
+])  # fmt: skip
+def test_qwen2s_window_is_the_one_transformers_gives_its_layers(options, window):
+    # As transformers 4.57's Qwen2Config(**options).sliding_window and .layer_types give each layer.
+    assert model_fields(hf.hf_config("qwen2", **options), "config.json")["sliding_window"] == window
+
+
+def test_a_qwen2_window_on_every_layer_gives_transformers_logits(tmp_path):
+    config, tensors = _checkpoint(
+        tmp_path, "qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=0
+    )
+    _, _, got = _logits(_config(tmp_path))
+    _assert_matches(got, config, tensors, {**config, "use_sliding_window": False})
+
+
 def test_a_window_refuses_the_pallas_kernel_where_it_would_run(tmp_path):
     _checkpoint(tmp_path, "mistral", sliding_window=5)
     with pytest.raises(ConfigError) as error:
@@ -152,6 +173,11 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
      "hidden_act 'gelu' and hidden_activation 'gelu_pytorch_tanh'"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
      "a sliding window on 1 of its 2 layers"),
+    # transformers' forward raises: sliding layers without a window, or a list for other layers.
+    ({"model_type": "qwen2", "use_sliding_window": False, "layer_types": ["sliding_attention"] * 2},
+     "layer_types with sliding_attention layers but no sliding window (use_sliding_window false"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "layer_types": ["full_attention"] * 3},
+     "layer_types of 3 layers for its 2"),
 ])  # fmt: skip
 def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_path, options, words):
     config = hf.hf_config(**{"model_type": "llama", **options})

@@ -216,18 +216,26 @@ def _rope_scaling(hf: dict, where: str, refuse) -> dict | None:
 
 def _sliding_window(hf: dict, kind: str, refuse) -> int | None:
     """Mistral's window, or Qwen2's where it covers every layer (transformers: layer i slides from
-    ``max_window_layers`` on, or as ``layer_types`` says)."""
+    ``max_window_layers`` on, or as ``layer_types`` says, with ``sliding_window`` when
+    ``use_sliding_window``; a null window is none)."""
     if kind == "mistral":
         return hf.get("sliding_window", 4096)
-    if kind != "qwen2" or not hf.get("use_sliding_window"):
+    if kind != "qwen2":
         return None
-    layers, window = hf["num_hidden_layers"], hf.get("sliding_window") or 4096
+    layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+    first = hf.get("max_window_layers", 28)  # The first layer that slides.
     kinds = hf.get("layer_types") or [
-        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
-        for i in range(layers)
+        "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)
     ]
+    if len(kinds) != layers:  # transformers' config raises.
+        refuse(f"layer_types of {len(kinds)} layers for its {layers}")
     if all(k == "full_attention" for k in kinds):
         return None
+    if window is None:  # transformers' forward raises: its sliding layers have no window.
+        refuse(f"layer_types with sliding_attention layers but no sliding window (use_sliding_window "
+               f"{json.dumps(hf.get('use_sliding_window'))}, sliding_window "
+               f"{json.dumps(hf.get('sliding_window'))})")  # fmt: skip
     if all(k == "sliding_attention" for k in kinds):
         return window
     refuse(f"a sliding window on {kinds.count('sliding_attention')} of its {layers} layers")
