@@ -76,6 +76,39 @@ def test_rope_scalings_load_with_the_logits_of_transformers(tmp_path, model_type
     _assert_matches(got, config, tensors, plain)
 
 
+DEFAULT_LONGEST = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "gemma": 8192}  # transformers' defaults.
+
+
+@pytest.mark.parametrize("model_type", DEFAULT_LONGEST)
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn"])
+def test_dynamic_and_yarn_read_transformers_default_max_position_embeddings(model_type, rope_type):
+    config = {k: v for k, v in hf.hf_config(model_type).items() if k != "max_position_embeddings"}
+    scaling = model_fields({**config, "rope_scaling": {"rope_type": rope_type, "factor": 4.0}}, "x")[
+        "rope_scaling"
+    ]
+    assert scaling["max_position_embeddings"] == DEFAULT_LONGEST[model_type]  # Was a ConfigError.
+
+
+def test_yarn_without_max_position_embeddings_gives_transformers_logits(tmp_path):
+    config, tensors = _checkpoint(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    del config["max_position_embeddings"]
+    hf.save(tmp_path, config, tensors)
+    _, _, got = _logits(_config(tmp_path))
+    # Its original context is transformers' default, Llama's 2048 (here, the highest frequencies' ramp).
+    _assert_matches(got, {**config, "max_position_embeddings": 2048}, tensors,
+                    {**config, "max_position_embeddings": 2048, "rope_scaling": None})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model_type, kv_heads", [("llama", hf.H), ("mistral", 8), ("qwen2", 32), ("gemma", 16)]
+)
+def test_a_config_json_without_num_key_value_heads_has_transformers_default(model_type, kv_heads):
+    config = {k: v for k, v in hf.hf_config(model_type).items() if k != "num_key_value_heads"}
+    assert model_fields(config, "x")["n_kv_heads"] == kv_heads  # Was num_attention_heads.
+    if model_type != "gemma":  # A null is as many as the query heads (transformers' Gemma fails on it).
+        assert model_fields({**config, "num_key_value_heads": None}, "x")["n_kv_heads"] == hf.H
+
+
 def test_the_llama_1b_preset_has_llama_3_2s_rope_scaling(tmp_path):
     # Llama-3.2-1B's config.json, as the Hub has it (its shapes, its llama3 scaling).
     config = hf.hf_config("llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,

@@ -35,14 +35,17 @@ ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads
                      "rope_theta", "rope_scaling", "sliding_window", "norm_eps", "norm_offset",
                      "scale_embeddings", "mlp_activation", "qkv_bias", "tie_embeddings", "n_experts",
                      "experts_per_token")  # fmt: skip
-# transformers' defaults for keys a config.json may leave out, by model type.
+# transformers' defaults for keys a config.json may leave out, by model type (num_key_value_heads:
+# Llama's is num_attention_heads, as every type's null is; max_position_embeddings: dynamic and yarn's).
 _DEFAULTS = {
-    "llama": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "llama": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+              "max_position_embeddings": 2048},
     "mistral": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
-                "sliding_window": 4096},
-    "qwen2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu"},
+                "sliding_window": 4096, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32},
+    "qwen2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+              "num_key_value_heads": 32, "max_position_embeddings": 32768},
     "gemma": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh",
-              "head_dim": 256},
+              "head_dim": 256, "num_key_value_heads": 16, "max_position_embeddings": 8192},
 }  # fmt: skip
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.mlp_activation -> hidden_act.
@@ -143,12 +146,14 @@ def model_fields(hf: dict, where: str) -> dict:
         refuse(f"the activation {activation!r} (the reference model's: {one_of(_ACTIVATIONS)})")
     heads = hf["num_attention_heads"]
     head_dim = get("head_dim") or hf["hidden_size"] // heads
+    kv_heads = hf.get("num_key_value_heads", _DEFAULTS[kind].get("num_key_value_heads")) or heads
+    scaling = _rope_scaling(hf, get("max_position_embeddings"), refuse)
     gemma = kind == "gemma"
     return {
         "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
-        "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads") or heads,
+        "n_heads": heads, "n_kv_heads": kv_heads,
         "d_ff": hf["intermediate_size"], "head_dim": head_dim,
-        "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": _rope_scaling(hf, where, refuse),
+        "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": scaling,
         "sliding_window": _sliding_window(hf, kind, refuse), "norm_eps": float(get("rms_norm_eps")),
         "norm_offset": 1.0 if gemma else 0.0, "scale_embeddings": gemma,
         "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2",
@@ -196,7 +201,9 @@ def _check_types(hf: dict, where: str) -> None:
             )
 
 
-def _rope_scaling(hf: dict, where: str, refuse) -> dict | None:
+def _rope_scaling(hf: dict, longest: int, refuse) -> dict | None:
+    """``rope_scaling`` as the model section writes it; ``longest``: config.json's
+    ``max_position_embeddings`` (or transformers' default), which dynamic and yarn read."""
     scaling = hf.get("rope_scaling")
     if not scaling:
         return None
@@ -208,9 +215,10 @@ def _rope_scaling(hf: dict, where: str, refuse) -> dict | None:
     unknown = sorted(set(scaling) - _ROPE_KEYS)
     if unknown:
         refuse(f"rope_scaling {', '.join(unknown)} ({scaling['rope_type']})")
-    if scaling["rope_type"] in ("dynamic", "yarn") and hf.get("max_position_embeddings"):
-        if scaling["rope_type"] == "dynamic" or not scaling.get("original_max_position_embeddings"):
-            scaling["max_position_embeddings"] = hf["max_position_embeddings"]
+    if scaling["rope_type"] == "dynamic" or (
+        scaling["rope_type"] == "yarn" and not scaling.get("original_max_position_embeddings")
+    ):
+        scaling["max_position_embeddings"] = longest
     return scaling
 
 
