@@ -211,6 +211,9 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
      "layer_types with sliding_attention layers but no sliding window (use_sliding_window false"),
     ({"model_type": "qwen2", "use_sliding_window": True, "layer_types": ["full_attention"] * 3},
      "layer_types of 3 layers for its 2"),
+    # What transformers cannot load either, loaded as another model (no scaling, a default base).
+    ({"rope_scaling": {"rope_type": "linear"}}, 'rope_scaling {"rope_type": "linear"} without its factor'),
+    ({"rope_theta": None}, "has rope_theta=null, where transformers writes a positive number"),
 ])  # fmt: skip
 def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_path, options, words):
     config = hf.hf_config(**{"model_type": "llama", **options})

@@ -25,6 +25,7 @@ import yaml
 
 from shardmem.errors import ConfigError, one_of
 from shardmem.finetune.safetensors_files import safetensors_files
+from shardmem.models.rope import ROPE_TYPES
 
 #: config.json's model_type -> the transformers class its weights are written for.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -147,7 +148,7 @@ def model_fields(hf: dict, where: str) -> dict:
     heads = hf["num_attention_heads"]
     head_dim = get("head_dim") or hf["hidden_size"] // heads
     kv_heads = hf.get("num_key_value_heads", _DEFAULTS[kind].get("num_key_value_heads")) or heads
-    scaling = _rope_scaling(hf, get("max_position_embeddings"), refuse)
+    scaling = _rope_scaling(hf, where, get("max_position_embeddings"), refuse)
     gemma = kind == "gemma"
     return {
         "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
@@ -194,14 +195,15 @@ def _check_types(hf: dict, where: str) -> None:
              + [(k, "true or false", lambda v: isinstance(v, bool)) for k in _FLAGS])  # fmt: skip
     for key, written, valid in kinds:
         value = hf.get(key)
-        if value is not None and not valid(value):
+        given = value is not None or (key in _NUMBERS and key in hf)  # transformers fails on a null theta.
+        if given and not valid(value):
             raise ConfigError(
                 f"finetune.init_from: {where} has {key}={json.dumps(value)}, where "
                 f"transformers writes {written}; give the checkpoint's own config.json"
             )
 
 
-def _rope_scaling(hf: dict, longest: int, refuse) -> dict | None:
+def _rope_scaling(hf: dict, where: str, longest: int, refuse) -> dict | None:
     """``rope_scaling`` as the model section writes it; ``longest``: config.json's
     ``max_position_embeddings`` (or transformers' default), which dynamic and yarn read."""
     scaling = hf.get("rope_scaling")
@@ -215,6 +217,10 @@ def _rope_scaling(hf: dict, longest: int, refuse) -> dict | None:
     unknown = sorted(set(scaling) - _ROPE_KEYS)
     if unknown:
         refuse(f"rope_scaling {', '.join(unknown)} ({scaling['rope_type']})")
+    if scaling["rope_type"] in ROPE_TYPES and scaling.get("factor") is None:  # transformers: a KeyError.
+        raise ConfigError(f"finetune.init_from: {where} has rope_scaling {json.dumps(hf['rope_scaling'])} "
+                          "without its factor, which transformers requires; give the checkpoint's own "
+                          "config.json")  # fmt: skip
     if scaling["rope_type"] == "dynamic" or (
         scaling["rope_type"] == "yarn" and not scaling.get("original_max_position_embeddings")
     ):
