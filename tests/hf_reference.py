@@ -120,7 +120,11 @@ def inv_freq(config: dict, seq_len: int) -> tuple[np.ndarray, float]:
         return np.where(medium, smoothed, scaled), 1.0
     assert kind == "yarn", kind
     original = scaling.get("original_max_position_embeddings") or config["max_position_embeddings"]
-    attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    attention = scaling.get("attention_factor")
+    if attention is None:  # get_mscale, with DeepSeek's mscale and mscale_all_dim where both are given.
+        mscale = lambda m=1: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0  # noqa: E731
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale()
     fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction(rotations):

@@ -66,6 +66,8 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
     ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}, "max_position_embeddings": 8}),
     ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                "mscale": 1.0, "mscale_all_dim": 0.5}}),  # Was refused.
 ])  # fmt: skip
 def test_rope_scalings_load_with_the_logits_of_transformers(tmp_path, model_type, options):
     config, tensors = _checkpoint(tmp_path, model_type, **options)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -214,13 +215,19 @@ def _rope_scaling(hf: dict, where: str, longest: int, refuse) -> dict | None:
     scaling.pop("type", None)
     if scaling["rope_type"] == "default":
         return None
-    unknown = sorted(set(scaling) - _ROPE_KEYS)
-    if unknown:
-        refuse(f"rope_scaling {', '.join(unknown)} ({scaling['rope_type']})")
     if scaling["rope_type"] in ROPE_TYPES and scaling.get("factor") is None:  # transformers: a KeyError.
         raise ConfigError(f"finetune.init_from: {where} has rope_scaling {json.dumps(hf['rope_scaling'])} "
                           "without its factor, which transformers requires; give the checkpoint's own "
                           "config.json")  # fmt: skip
+    if scaling["rope_type"] == "yarn":  # DeepSeek's pair: transformers' attention factor, where both are.
+        mscale, all_dims = scaling.pop("mscale", None), scaling.pop("mscale_all_dim", None)
+        if scaling.get("attention_factor") is None and mscale and all_dims:
+            factor = scaling["factor"]
+            scaled = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0  # noqa: E731
+            scaling["attention_factor"] = scaled(mscale) / scaled(all_dims)
+    unknown = sorted(set(scaling) - _ROPE_KEYS)
+    if unknown:
+        refuse(f"rope_scaling {', '.join(unknown)} ({scaling['rope_type']})")
     if scaling["rope_type"] == "dynamic" or (
         scaling["rope_type"] == "yarn" and not scaling.get("original_max_position_embeddings")
     ):
