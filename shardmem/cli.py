@@ -687,7 +687,8 @@ def _add_explore_commands(commands) -> None:
         "--jobs", type=int, help="--search layout: worker processes for its compiles (default: CPUs)"
     )
     p.add_argument("--out", help="write the tuned config as YAML that plan and train accept")
-    p.add_argument("--no-offload", action="store_true", help="never move activations to host memory")
+    p.add_argument("--no-offload", action="store_true",
+                   help="--search remat or layout: never move activations to host memory")  # fmt: skip
     p.add_argument("--max-compiles", type=int,
                    help="compile budget of the search, at least 2 (default: 12; for --search layout 40, "
                    "at least 3, the best layout of each family counted in it; for --search finetune "

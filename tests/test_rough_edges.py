@@ -245,6 +245,9 @@ OPTIONS = {  # Each was silently accepted, or read another way than its neighbou
     "tune --search batch --jobs 2": "--jobs 2: only --search layout uses it (this is --search batch)",
     "plan --top -1": "--top -1: give the number of buffers to list, 0 or more",
     "tune --search serve --no-offload": "--no-offload: --search serve offloads nothing to host memory",
+    "tune --search batch --no-offload": "--no-offload: only --search remat or layout chooses what to offload "
+    "(this is --search batch",  # Was: ignored, a config's remat.policy=offload kept.
+    "tune --search micro_batches --no-offload": "--no-offload: only --search remat or layout chooses",
 }
 
 

@@ -91,6 +91,9 @@ def test_tune_finetune_arguments_are_checked():
         tune(_tiny_lora(), "cpu", search="remat", min_seq_len=4)
     with pytest.raises(ConfigError, match="--min-seq-len 100: use a length from 1 to model.seq_len=64"):
         tune(_tiny_lora(), "cpu", min_seq_len=100)
+    with pytest.raises(ConfigError, match="--no-offload: only --search remat or layout chooses what to "
+                       "offload [(]this is --search finetune"):  # fmt: skip
+        tune(_tiny_lora(), "cpu", allow_offload=False)  # Was: ignored, the config's own offload kept.
     plain = load_config(ROOT / "configs" / "tiny.yaml")
     with pytest.raises(ConfigError, match="add a finetune section"):
         tune(plain, "cpu", search="finetune")

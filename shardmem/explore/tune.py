@@ -113,6 +113,10 @@ def tune(
     if allow_offload is False and search == "serve":
         raise ConfigError("--no-offload: --search serve offloads nothing to host memory (its programs hold "
                           "no activations for a backward pass); drop --no-offload")  # fmt: skip
+    if allow_offload is False and search not in ("remat", "layout"):  # They alone choose the remat policy.
+        raise ConfigError(f"--no-offload: only --search remat or layout chooses what to offload (this is "
+                          f"--search {search}, which offloads only where the config's remat.policy does); "
+                          "set remat.policy, or drop --no-offload")  # fmt: skip
     from shardmem.explore.layout import OBJECTIVES
     from shardmem.explore.sweep import JOBS_FIX
 
