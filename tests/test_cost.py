@@ -496,6 +496,19 @@ def test_host_rates_are_pinned_by_the_environment_and_shared_with_a_search_s_wor
         assert pool.submit(cost.host_rates).result() == (1.5e10, 3.25e9)
 
 
+def test_measuring_the_host_rates_first_starts_jax_quietly():
+    # A sweep's (and tune --search layout's) parent measures the rates before it plans anything, and so
+    # started JAX's backends there: the CUDA plugin's C++ complaint ("Could not find cuda drivers", with
+    # absl's preamble) reached the terminal above the sweep's table.
+    import subprocess
+    import sys
+
+    code = "import shardmem\nfrom shardmem.planning import cost\nprint(cost.measure_host_rates())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr == "", done.stderr
+
+
 # --- GEMMs on a GPU: waves of tiles over the SMs ---------------------------------------------------
 
 _A100 = GPU_TARGETS["a100-80g"]

@@ -213,7 +213,10 @@ def measure_host_rates() -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    device = jax.devices("cpu")[0]
+    from shardmem._quiet import native_stderr_silenced
+
+    with native_stderr_silenced():  # It may start JAX's backends: a sweep's parent measures before planning.
+        device = jax.devices("cpu")[0]
     a = jax.device_put(jnp.ones((1024, 1024), jnp.float32), device)
     x = jax.device_put(jnp.ones((1 << 23,), jnp.float32), device)
     matmul, scale = jax.jit(lambda a: a @ a), jax.jit(lambda x: x * 2.0)
