@@ -214,9 +214,10 @@ def test_a_checkpoint_of_another_model_is_a_config_error_and_stays_in_place(tmp_
     abstract = _abstract(state, lambda x: x.sharding)
     del abstract["params"]["b"]
     with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
-        with pytest.raises(ConfigError, match="does not match"):
+        with pytest.raises(ConfigError, match="does not match") as refused:
             checkpointer.restore_newest(abstract)
     assert [p.name for p in tmp_path.iterdir()] == ["0"]
+    assert "\n" not in str(refused.value) and "not in the state: params/b" in str(refused.value)
 
 
 def test_a_save_that_fills_the_disk_raises_and_keeps_the_last_good_checkpoint(small_disk, mesh8):

@@ -234,9 +234,18 @@ def test_a_failed_resume_leaves_the_run_files_and_a_finished_run_says_how_to_con
     text = console.export_text()
     assert f"already trained to step {STEPS}" in text and "the rate jumps" in text, text
     before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "plan.json")}
-    with pytest.raises(ConfigError, match="does not match the state"):
+    with pytest.raises(ConfigError) as refused:
         train(load_config(TINY, [*FAST, "model.d_model=128"]), run_dir, console=Console(quiet=True))
     assert {name: (run_dir / name).read_bytes() for name in before} == before
+    # One line naming the key that changed (it was a page of optimizer-state paths, no key named).
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("model.d_model=128 (was 64): this run's"), message
+    assert "set them back, or start a new --run-dir" in message
+    (run_dir / "config.yaml").unlink()  # No record of the last start: the arrays that differ, in one line.
+    with pytest.raises(ConfigError, match="does not match the state being restored: ") as refused:
+        train(load_config(TINY, [*FAST, "model.d_model=128"]), run_dir, console=Console(quiet=True))
+    message = str(refused.value)
+    assert "\n" not in message and "more; restore with the model and optimizer" in message, message
 
 
 def test_resuming_a_fine_tune_with_another_lora_alpha_is_refused_before_it_writes(tmp_path):

@@ -67,6 +67,9 @@ class Checkpointer:
       keep: how many of the newest checkpoints to keep; older ones are deleted.
     """
 
+    #: What the error says when a checkpoint's arrays are not the state's (another model or optimizer).
+    MISMATCH = "does not match the state being restored"
+
     def __init__(self, directory: str | os.PathLike[str], *, every: int, keep: int) -> None:
         for name, key, value in (("every", "train.checkpoint_every", every),
                                  ("keep", "train.keep_checkpoints", keep)):  # fmt: skip
@@ -272,12 +275,12 @@ class Checkpointer:
             if path in saved and saved[path] != shape
         ]
         if problems:
-            listed = "\n  ".join(sorted(problems)[:10])
-            more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+            listed = "; ".join(sorted(problems)[:3])
+            more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
             raise ConfigError(
-                f"The checkpoint at step {step} in {self.directory!r} does not match the "
-                f"state being restored:\n  {listed}{more}\nRestore with the model and optimizer "
-                "config the run was saved with, or train in a new --run-dir."
+                f"the checkpoint at step {step} in {self.directory!r} {self.MISMATCH}: {listed}{more}; "
+                "restore with the model and optimizer config the run was saved with, or train in a new "
+                "--run-dir"
             )
 
 

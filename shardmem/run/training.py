@@ -186,7 +186,12 @@ def _run(config: Config, run_dir: Path, program: TrainingProgram, step_fn, sourc
         raise
     try:
         _remove_unfinished_saves(checkpointer, console)
-        start, state, moved = checkpointer.restore_newest(program.abstract_state)
+        try:
+            start, state, moved = checkpointer.restore_newest(program.abstract_state)
+        except ConfigError as e:
+            if checkpointer.MISMATCH in str(e):
+                _name_the_changed_keys(run_dir / "config.yaml", config, e)
+            raise
         for corrupt in moved:
             resumed = f"resuming from step {start}" if start is not None else "starting again from step 0"
             _say(console, f"[yellow]warning:[/yellow] checkpoint {corrupt.step} does not restore "
@@ -669,6 +674,40 @@ def _check_resumed_finetune(path: Path, config: Config) -> None:
             f"{name}={new!r}, but this run's checkpoints were trained with {name}={old!r} "
             f"({path}): resuming would mix the two; set it back, or start a new --run-dir"
         )
+
+
+#: The sections whose values shape the checkpointed state.
+_STATE_SECTIONS = ("model", "optimizer", "precision", "finetune")
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        return {prefix: value}
+    return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}.{key}").items()}
+
+
+def _name_the_changed_keys(path: Path, config: Config, error: ConfigError) -> None:
+    """Raises a one-line ConfigError naming the keys that changed since the run directory's last start
+    (its ``config.yaml``), when a checkpoint does not restore into the state ``config`` makes; returns
+    when there is no readable record or nothing in :data:`_STATE_SECTIONS` differs."""
+    try:
+        saved = load_config(path).to_dict()
+    except ConfigError:
+        return
+    now = config.to_dict()
+    changed = []
+    for section in _STATE_SECTIONS:
+        old, new = _flat(saved.get(section), section), _flat(now.get(section), section)
+        changed += [(key, new.get(key), old.get(key)) for key in {**old, **new}
+                    if old.get(key) != new.get(key)]  # fmt: skip
+    if not changed:
+        return
+    listed = ", ".join(f"{key}={new!r} (was {old!r})" for key, new, old in changed[:3])
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    raise ConfigError(
+        f"{listed}{more}: this run's checkpoints were trained with the values in {path}, and their arrays "
+        "have other shapes; set them back, or start a new --run-dir"
+    ) from error
 
 
 def _write_config(path: Path, config: Config, console: Console) -> None:
