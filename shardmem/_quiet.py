@@ -17,11 +17,14 @@ from collections.abc import Iterator
 # what the native code wrote to the captured stderr, on the real one. Unless Ctrl-C came first: it
 # reaches the terminal's whole process group, this watcher too, and an interrupted command ends its
 # processes on purpose (tune's and sweep's workers are killed mid-compile, and their watchers see the
-# same end of file as after a crash). So SIGINT stays blocked here, pending once it came.
+# same end of file as after a crash). So SIGINT stays blocked here, pending once it came. SIGTERM too: a
+# scheduler (SLURM's time limit, `timeout`, `kill -- -PGID`) signals the whole process group, and `train`
+# stops at its next step, saved, where a watcher that died of it would fail the parent's block.
 _WATCHER = r"""
 import os, re, signal, sys
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # Ctrl-C is the parent's: no traceback here.
-if os.read(0, 1) or signal.SIGINT in signal.sigpending():
+stops = {signal.SIGINT, signal.SIGTERM}
+signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # Ctrl-C and SIGTERM are the parent's: no traceback here.
+if os.read(0, 1) or stops & signal.sigpending():
     sys.exit(0)
 fd = int(sys.argv[1])
 size = os.fstat(fd).st_size
@@ -90,7 +93,8 @@ def native_stderr_silenced(*, watch: bool = False) -> Iterator[None]:
         _saved_stderr = None
         os.close(saved)
         if watcher is not None:
-            os.write(write_end, b"k")  # Ended alive: the watcher exits without a word.
+            with contextlib.suppress(OSError):  # A watcher killed meanwhile (SIGKILL) has nothing to hear.
+                os.write(write_end, b"k")  # Ended alive: the watcher exits without a word.
         os.close(write_end)
         capture.close()
         if watcher is not None:

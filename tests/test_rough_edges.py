@@ -156,6 +156,36 @@ def test_a_native_abort_while_stderr_is_silenced_still_leaves_one_line(tmp_path)
     assert "expected native noise" not in done.stderr
 
 
+def test_a_sigterm_to_the_whole_process_group_leaves_a_watched_block_alone(tmp_path):
+    # `timeout -s TERM`, SLURM's time limit or `kill -- -PGID` signal the watcher with the command: it
+    # died, the block's end got a broken pipe, and a train still compiling failed as "XLA could not
+    # compile the step: [Errno 32] Broken pipe" (exit 2) where it should stop at its first step, saved.
+    import subprocess
+    import sys
+
+    script = tmp_path / "term.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from shardmem._quiet import _watchers, native_stderr_silenced\n"
+        "signal.signal(signal.SIGTERM, lambda *args: print('stop at the next step'))  # as train does\n"
+        "with native_stderr_silenced(watch=True):\n"
+        "    pid, deadline = _watchers[0].pid, time.monotonic() + 60\n"
+        "    while time.monotonic() < deadline:  # Until the watcher has set its signal mask.\n"
+        "        status = open(f'/proc/{pid}/status').read()\n"
+        "        if int(status.split('SigBlk:')[1].split()[0], 16) & (1 << (signal.SIGINT - 1)):\n"
+        "            break\n"
+        "        time.sleep(0.01)\n"
+        "    os.killpg(0, signal.SIGTERM)\n"
+        "    time.sleep(0.5)\n"
+        "print('block ended')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # This checkout's shardmem.
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          start_new_session=True, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["stop at the next step", "block ended"] and done.stderr == ""
+
+
 def test_a_block_that_ends_normally_prints_nothing_of_what_it_silenced(capfd):
     from shardmem._quiet import _watchers, native_stderr_silenced
 
