@@ -368,3 +368,21 @@ def test_cli_exits_2_when_a_grid_value_is_not_a_valid_config(monkeypatch, tmp_pa
 def test_a_grid_value_given_twice_is_planned_once():
     grid = parse_grid(["remat.policy=none,full,none,'full'", "train.global_batch=8,8"])
     assert grid == {"remat.policy": ["none", "full"], "train.global_batch": [8]}
+
+
+def test_a_sweep_in_one_process_plans_candidates_that_need_more_devices_than_the_first(tmp_path):
+    # `sweep --jobs 1 --grid mesh.axes.data=2,16`: the first candidate's plan asked JAX for its own 8
+    # devices, lowering the 16 the sweep had asked for, and the second failed with "target 'cpu' needs 16
+    # simulated devices but JAX started with 8; ... call shardmem.ensure_cpu_devices(16)".
+    import subprocess
+    import sys
+
+    out = tmp_path / "sweep"
+    done = subprocess.run(
+        [sys.executable, "-m", "shardmem", "sweep", TINY, "--grid", "mesh.axes.data=2,16", "--set",
+         "model.n_layers=1", "--set", "remat.layers={}", "--target", "cpu", "--jobs", "1", "--out", str(out)],
+        cwd=CONFIGS.parent, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [r["error"] for r in rows] == [None, None], rows

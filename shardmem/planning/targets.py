@@ -409,8 +409,10 @@ MAX_CPU_DEVICES = 4096
 
 
 def ensure_cpu_devices(n: int) -> None:
-    """Asks JAX for ``n`` simulated CPU devices; only possible before JAX's backends start. More than
-    :data:`MAX_CPU_DEVICES` is a ConfigError (the mesh's)."""
+    """Asks JAX for at least ``n`` simulated CPU devices (never fewer than an earlier call asked for: a
+    sweep planning its candidates in one process asks for the most any needs, then each candidate for
+    its own); only possible before JAX's backends start. More than :data:`MAX_CPU_DEVICES` is a
+    ConfigError (the mesh's)."""
     if n > MAX_CPU_DEVICES:
         raise ConfigError(
             f"mesh.axes make a mesh of {n:,} devices, more than the {MAX_CPU_DEVICES} simulated CPU devices "
@@ -418,7 +420,7 @@ def ensure_cpu_devices(n: int) -> None:
             "fewer devices"
         )
     try:
-        jax.config.update("jax_num_cpu_devices", max(n, 1))
+        jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices, 1))
     except RuntimeError:
         pass  # Backends already up; resolve_target reports a shortfall clearly.
 
