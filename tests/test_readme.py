@@ -107,3 +107,14 @@ def test_the_cards_page_shows_what_its_plans_and_searches_print_now():
 def test_readme_is_at_most_12_kb():
     # Issue 41, item 10: details belong on the site (docs/), the README is the front page.
     assert len((ROOT / "README.md").read_bytes()) <= 12_000
+
+
+def test_the_timeline_guide_gives_the_peak_of_the_plan_it_says_it_draws():
+    # The guide's picture and text said 47.64 GiB (and "layers (other)" filling it) for the plan of Getting
+    # started, which prints 48.91 GiB, most of it the scan's attention and MLP activations.
+    plan = re.search(r"^peak +│ ([\d.]+ GiB) │", (ROOT / "docs" / "getting-started.md").read_text(), re.M)
+    assert plan, "getting-started no longer shows the llama-7b plan's peak"
+    guide = (ROOT / "docs" / "guides" / "timeline.md").read_text()
+    assert "the plan of [Getting started]" in guide
+    said = set(re.findall(r"([\d.]+ GiB) (?:peak|in the backward pass)", guide))
+    assert said == {plan[1]}, said
