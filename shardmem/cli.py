@@ -116,13 +116,17 @@ def _progress_lines(what: str) -> Iterator[None]:
         teller.join()
 
 
+def _same_file(path: str, other: str) -> bool:
+    same = os.path.realpath(path) == os.path.realpath(other)
+    if not same and os.path.exists(path) and os.path.exists(other):
+        same = os.path.samefile(path, other)  # A hard link.
+    return same
+
+
 def _check_not_the_input(out: str, config_path: str) -> None:
     """Raises ConfigError when ``--out`` names the config file read: writing the tuned YAML there would
     lose its comments and whatever the tuned config does not repeat."""
-    same = os.path.realpath(out) == os.path.realpath(config_path)
-    if not same and os.path.exists(out) and os.path.exists(config_path):
-        same = os.path.samefile(out, config_path)  # A hard link.
-    if same:
+    if _same_file(out, config_path):
         stem, ext = os.path.splitext(out)
         raise ConfigError(f"--out {out!r} is the input config, which the tuned one would overwrite (its "
                           f"comments lost); write beside it, e.g. --out {stem}-tuned{ext}")  # fmt: skip
@@ -141,9 +145,16 @@ def _plan(args) -> int:
     for value, flag in ((args.memory_fraction, "--memory-fraction"), (args.capacity, "--capacity")):
         if value is not None and value is not False and not args.serve:
             raise ConfigError(f"{flag} sizes the serving plan's KV cache: add --serve, or leave {flag} out")
-    for path, flag in ((args.html, "--html"), (args.png, "--png")):
+    for path, flag, ext in ((args.html, "--html", ".html"), (args.png, "--png", ".png")):
+        if path and _same_file(path, args.config):  # The picture would replace the config.
+            beside = f"{os.path.splitext(path)[0]}{ext}"
+            raise ConfigError(f"{flag} {path!r} is the input config, which the timeline would overwrite; "
+                              f"write it beside it, e.g. {flag} {beside}")  # fmt: skip
         if path:
             check_writable(path, flag)
+    if args.html and args.png and _same_file(args.html, args.png):
+        raise ConfigError(f"--html and --png both name {args.png!r}: the image would overwrite the page; "
+                          "give each a file of its own")  # fmt: skip
     config = _load(args, planning_only=True)
     target = args.target or config.memory.target
     if args.serve:

@@ -343,6 +343,32 @@ def test_tune_out_never_overwrites_the_input_config(tmp_path, capsys, monkeypatc
     assert config.read_text() == text
 
 
+def test_plan_html_and_png_never_overwrite_the_input_config_or_each_other(tmp_path, capsys, monkeypatch):
+    # `plan configs/tiny.yaml --png configs/tiny.yaml` wrote the picture over the config (exit 0).
+    from shardmem.cli import main
+    from shardmem.planning import memory
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled before checking the paths")
+
+    monkeypatch.setattr(memory, "_compile", compiled)
+    config = tmp_path / "mine.yaml"
+    text = open(TINY).read()
+    config.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    for flag, ext in (("--png", ".png"), ("--html", ".html")):
+        for out in ("mine.yaml", "./mine.yaml", str(config)):
+            assert main(["plan", str(config), flag, out]) == 2
+            err = capsys.readouterr().err
+            assert err == (f"shardmem: error: {flag} {out!r} is the input config, which the timeline would "
+                           f"overwrite; write it beside it, e.g. {flag} {out[:-5]}{ext}\n")  # fmt: skip
+    assert config.read_text() == text
+    assert main(["plan", str(config), "--html", "plan.out", "--png", "./plan.out"]) == 2
+    assert capsys.readouterr().err == ("shardmem: error: --html and --png both name './plan.out': the image "
+                                       "would overwrite the page; give each a file of its own\n")  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]
+
+
 def test_unannotated_parameters_are_no_news_on_a_data_parallel_mesh():
     # Issue 30, item 13: a model of someone else's (no logical axes) planned on data parallelism alone was
     # warned its parameters are replicated, as every device holds them by design there.
