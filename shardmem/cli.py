@@ -352,7 +352,18 @@ def cmd_launch(args) -> int:
     if not argv:
         raise ConfigError("launch needs a command after --, e.g. shardmem launch --nproc 2 -- train "
                           "configs/tiny.yaml")  # fmt: skip
+    for arg in argv[1:]:  # The launcher sets these for each process; the command's own would win, and wait.
+        name = arg.split("=", 1)[0]
+        flag = next((f for f in _LAUNCHER_SETS if len(name) > 3 and f.startswith(name)), None)
+        if flag is not None:
+            raise ConfigError(f"{arg!r} after launch --: launch --nproc {args.nproc} gives each process "
+                              f"its {flag} (the processes would wait for peers that never start); drop "
+                              f"{flag}")  # fmt: skip
     return launch(args.nproc, argv, devices_per_process=args.local_devices)
+
+
+#: The train flags that launch sets for each process it starts (argparse also takes their prefixes).
+_LAUNCHER_SETS = ("--coordinator", "--num-processes", "--process-id")
 
 
 def cmd_generate(args) -> int:

@@ -265,6 +265,20 @@ def test_launch_rejects_bad_arguments():
         launch(1, [], port=70000)
 
 
+@pytest.mark.parametrize("given", [["--num-processes", "3"], ["--process-id=1"], ["--coordinator", "h:1"],
+                                   ["--num-p", "3"]])  # fmt: skip
+def test_launch_refuses_a_command_that_sets_what_the_launcher_sets(given, capsys):
+    # `launch --nproc 2 -- train CONFIG --num-processes 3` waited silently for a third process that never
+    # came (the command's flag overrode the launcher's variables).
+    from shardmem.cli import main
+
+    assert main(["launch", "--nproc", "2", "--", "train", "configs/tiny.yaml", *given]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"shardmem: error: {given[0]!r} after launch --: launch --nproc 2 gives each process its --"
+    ), err
+
+
 def _children_of(pid: int) -> list[int]:
     """The pids whose parent is ``pid`` (from /proc)."""
     children = []
