@@ -352,7 +352,7 @@ def cmd_launch(args) -> int:
     if not argv:
         raise ConfigError("launch needs a command after --, e.g. shardmem launch --nproc 2 -- train "
                           "configs/tiny.yaml")  # fmt: skip
-    for arg in argv[1:]:  # The launcher sets these for each process; the command's own would win, and wait.
+    for arg in argv[1:] if argv[0] == "train" else []:  # The launcher sets these; train's own would win.
         name = arg.split("=", 1)[0]
         flag = next((f for f in _LAUNCHER_SETS if len(name) > 3 and f.startswith(name)), None)
         if flag is not None:
