@@ -560,6 +560,7 @@ def _sweep(args) -> int:
 
     config = _load(args, planning_only=not args.measure)
     grid = sweeping.parse_grid(args.grid)
+    sweeping.check_grid_and_sets(grid, args.overrides or [])
     sweeping.check_options(config, args.target, jobs=args.jobs, measure=args.measure,
                            measure_steps=args.steps)  # fmt: skip
     sweeping.check_candidates(config, sweeping.candidates(grid))  # Before any output or compile.

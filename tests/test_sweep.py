@@ -17,6 +17,7 @@ from shardmem.explore.plot import plot_sweep
 from shardmem.explore.rows import COLUMNS, SweepRow, pareto_front
 from shardmem.explore.sweep import (
     candidates,
+    check_grid_and_sets,
     parse_grid,
     plan_candidate,
     render_sweep,
@@ -386,3 +387,23 @@ def test_a_sweep_in_one_process_plans_candidates_that_need_more_devices_than_the
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((out / "sweep.json").read_text())
     assert [r["error"] for r in rows] == [None, None], rows
+
+
+@pytest.mark.parametrize("sets, grid, refused", [
+    ("remat.policy=full", "remat.policy=none,full", "remat.policy"),
+    ("mesh.axes.data=8", "mesh.axes={data: 2},{data: 4}", "mesh.axes"),
+    ("mesh.axes={data: 1}", "mesh.axes.data=2,4", None),  # The grid varies one axis of the mesh set.
+])  # fmt: skip
+def test_a_set_of_a_key_the_grid_varies_is_refused(tmp_path, capsys, sets, grid, refused):
+    # `sweep --grid remat.policy=none,full --set remat.policy=offload` planned none and full: the grid's
+    # value replaced the --set without a word.
+    if refused is None:
+        check_grid_and_sets(parse_grid([grid]), [sets])
+        return
+    out = tmp_path / "out"
+    assert main(["sweep", TINY, "--grid", grid, "--set", sets, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"shardmem: error: --set {sets!r} and --grid {refused}=...: every candidate takes {refused} from the "
+        "grid, which would replace the --set; drop the --set, or list its value in the --grid\n"
+    )
+    assert not out.exists()

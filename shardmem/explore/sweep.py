@@ -38,6 +38,19 @@ if TYPE_CHECKING:
     from shardmem.program import TrainingProgram
 
 
+def check_grid_and_sets(grid: dict[str, list[Any]], overrides: Sequence[str]) -> None:
+    """Raises ConfigError for a ``--set`` of a key the grid varies (or of a key inside a section it varies):
+    each candidate's grid value would replace it without a word. A ``--set`` of a section holding a varied
+    key stays: the grid varies that key within it."""
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        for varied in grid:
+            if key == varied or key.startswith(f"{varied}."):
+                raise ConfigError(f"--set {override!r} and --grid {varied}=...: every candidate takes "
+                                  f"{varied} from the grid, which would replace the --set; drop the --set, "
+                                  "or list its value in the --grid")  # fmt: skip
+
+
 def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
     """Parses ``KEY=V1,V2,...`` strings (values as YAML) into ``{key: [values]}``.
 
