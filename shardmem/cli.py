@@ -26,7 +26,7 @@ from rich.console import Console
 
 from shardmem._files import check_writable
 from shardmem._interrupt import ends_on_interrupt
-from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least
+from shardmem.errors import ConfigError, DoesNotFit, ShardmemError, at_least, did_you_mean, one_of
 from shardmem.planning.targets import MIG_TARGETS, TARGET_NAMES, is_target_name
 from shardmem.remat import DESCRIPTIONS
 from shardmem.units import format_bytes
@@ -351,6 +351,11 @@ def cmd_launch(args) -> int:
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise ConfigError("launch needs a command after --, e.g. shardmem launch --nproc 2 -- train "
+                          "configs/tiny.yaml")  # fmt: skip
+    names = next(a.choices for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    if argv[0] not in names:  # Each process would print the same usage error.
+        raise ConfigError(f"launch -- {argv[0]!r}: not a shardmem command{did_you_mean(argv[0], names)}; "
+                          f"give one of {one_of(names)}, e.g. shardmem launch --nproc 2 -- train "
                           "configs/tiny.yaml")  # fmt: skip
     for arg in argv[1:] if argv[0] == "train" else []:  # The launcher sets these; train's own would win.
         name = arg.split("=", 1)[0]

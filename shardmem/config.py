@@ -625,6 +625,9 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
     raw = dict(raw)
     raw.setdefault("name", name)
     model = raw.get("model")
+    if model is None and "model" in raw:  # "model:" with nothing under it, or --set model=null.
+        raise ConfigError(f"model is empty: give model.preset ({one_of(PRESETS)}) or model.factory for a "
+                          "model of your own, e.g. model: {preset: tiny}")  # fmt: skip
     if model is not None and not isinstance(model, Mapping):
         raise ConfigError(f"model={model!r}: give a mapping such as {{preset: llama-7b}}")
     if model is not None and "factory" in model:

@@ -99,6 +99,7 @@ def test_reserve_accepts_units():
         ({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": -1, "fsdp": -1}}}, ["at most one axis"]),
         ({"model": {"preset": "tiny", "n_kv_heads": 3}}, ["model.n_kv_heads=3", "model.n_heads=4"]),
         ({"model": {"preset": "tiny"}, "remat": {"policy": "fulll"}}, ["remat.policy='fulll'", "full"]),
+        ({"model": None}, ["model is empty: give model.preset (tiny,", "e.g. model: {preset: tiny}"]),
         (
             {"model": {"preset": "tiny"}, "finetune": {"quantize": {"format": "NF4"}}},
             ["finetune.quantize.format='NF4' (did you mean 'nf4'?)"],

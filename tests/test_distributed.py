@@ -279,6 +279,18 @@ def test_launch_refuses_a_command_that_sets_what_the_launcher_sets(given, capsys
     ), err
 
 
+def test_launch_refuses_a_command_that_is_not_shardmems(capsys):
+    # `launch --nproc 2 -- trian CONFIG` started both processes, and each printed argparse's usage.
+    from shardmem.cli import main
+
+    assert main(["launch", "--nproc", "2", "--", "trian", "configs/tiny.yaml"]) == 2
+    assert capsys.readouterr().err == (
+        "shardmem: error: launch -- 'trian': not a shardmem command (did you mean 'train'?); give one of "
+        "plan, policies, train, export, launch, generate, sweep or tune, e.g. shardmem launch --nproc 2 -- "
+        "train configs/tiny.yaml\n"
+    )
+
+
 def _children_of(pid: int) -> list[int]:
     """The pids whose parent is ``pid`` (from /proc)."""
     children = []
