@@ -462,7 +462,11 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
             f"{path}: the config has no model section; add e.g. model: {{preset: tiny}} (presets: "
             f"{one_of(PRESETS)}) or model: {{factory: mypkg.models:build}} for a model of your own"
         )
-    config = config_from_dict(apply_overrides(raw, overrides), raw.get("name", path.stem))
+    merged = apply_overrides(raw, overrides)
+    if merged.get("model") is None:  # --set model=null (a model passed in code has no file to load).
+        raise ConfigError(f"model is empty: give model.preset ({one_of(PRESETS)}) or model.factory for a "
+                          "model of your own, e.g. model: {preset: tiny}")  # fmt: skip
+    config = config_from_dict(merged, raw.get("name", path.stem))
     return dataclasses.replace(config, folder=str(path.resolve().parent))
 
 
@@ -625,9 +629,6 @@ def config_from_dict(raw: Mapping[str, Any], name: str = "run") -> Config:
     raw = dict(raw)
     raw.setdefault("name", name)
     model = raw.get("model")
-    if model is None and "model" in raw:  # "model:" with nothing under it, or --set model=null.
-        raise ConfigError(f"model is empty: give model.preset ({one_of(PRESETS)}) or model.factory for a "
-                          "model of your own, e.g. model: {preset: tiny}")  # fmt: skip
     if model is not None and not isinstance(model, Mapping):
         raise ConfigError(f"model={model!r}: give a mapping such as {{preset: llama-7b}}")
     if model is not None and "factory" in model:
