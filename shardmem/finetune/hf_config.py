@@ -179,6 +179,19 @@ _NUMBERS = ("rope_theta", "rms_norm_eps")
 _FLAGS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
 
 
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: The keys the reader checks, what transformers writes for each, and the test of it.
+_TYPES = (
+    ((*_REQUIRED_SIZES, *_OPTIONAL_SIZES), "a positive integer", lambda v: _integer(v) and v > 0),
+    (_COUNTS, "an integer of 0 or more", lambda v: _integer(v) and v >= 0),
+    (_NUMBERS, "a positive number", lambda v: (_integer(v) or isinstance(v, float)) and v > 0),
+    (_FLAGS, "true or false", lambda v: isinstance(v, bool)),
+)
+
+
 def _check_types(hf: dict, where: str) -> None:
     """Raises ConfigError naming the file and the key for a size config.json lacks, or a value it gives
     in another type than transformers writes (a size as other than a positive integer, a flag as other
@@ -187,21 +200,16 @@ def _check_types(hf: dict, where: str) -> None:
         if key not in hf:
             raise ConfigError(f"finetune.init_from: {where} has no {key}, where transformers writes a "
                               "positive integer; give the checkpoint's own config.json")  # fmt: skip
-    number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)  # noqa: E731
-    kinds = ([(k, "a positive integer", lambda v: number(v) and isinstance(v, int) and v > 0)
-              for k in (*_REQUIRED_SIZES, *_OPTIONAL_SIZES)]
-             + [(k, "an integer of 0 or more", lambda v: number(v) and isinstance(v, int) and v >= 0)
-                for k in _COUNTS]
-             + [(k, "a positive number", lambda v: number(v) and v > 0) for k in _NUMBERS]
-             + [(k, "true or false", lambda v: isinstance(v, bool)) for k in _FLAGS])  # fmt: skip
-    for key, written, valid in kinds:
-        value = hf.get(key)
-        given = value is not None or (key in _NUMBERS and key in hf)  # transformers fails on a null theta.
-        if given and not valid(value):
-            raise ConfigError(
-                f"finetune.init_from: {where} has {key}={json.dumps(value)}, where "
-                f"transformers writes {written}; give the checkpoint's own config.json"
-            )
+    for keys, written, valid in _TYPES:
+        for key in keys:
+            value = hf.get(key)
+            # A null rope_theta or rms_norm_eps is given too: transformers fails on it.
+            given = value is not None or (key in _NUMBERS and key in hf)
+            if given and not valid(value):
+                raise ConfigError(
+                    f"finetune.init_from: {where} has {key}={json.dumps(value)}, where "
+                    f"transformers writes {written}; give the checkpoint's own config.json"
+                )
 
 
 def _rope_scaling(hf: dict, where: str, longest: int, refuse) -> dict | None:
