@@ -173,7 +173,7 @@ def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
     verdict = {"fits": "FITS", "tight": "TIGHT, LIKELY FITS", "does not fit": "DOES NOT FIT"}[plan.verdict]
     style = {"fits": "bold green", "tight": "bold yellow", "does not fit": "bold red"}[plan.verdict]
     binding = plan.binding
-    margin = (f", less {binding.deviceless_margin:g} x the {binding.name.rsplit(': ', 1)[-1]}'s temporaries"
+    margin = (f", less {binding.deviceless_margin:g} x the {plan.binding_function}'s temporaries"
               if binding.margin_on_temporaries else "")  # fmt: skip
     fit = Text.assemble("budget ", format_bytes(plan.budget_bytes),
                         f" (usable {format_bytes(binding.usable_bytes)}{margin})" if margin else "", ": ",

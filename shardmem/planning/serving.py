@@ -187,10 +187,15 @@ class ServingPlan:
         return self.prefill if self.peaked_function == "prefill" else self.decode
 
     @property
+    def binding_function(self) -> str:
+        """The function with the least room under its budget, ``"prefill"`` on a tie (both hold the
+        weights and the cache; their temporaries, and so their budgets, differ)."""
+        return "prefill" if self.prefill.margin_bytes <= self.decode.margin_bytes else "decode"
+
+    @property
     def binding(self) -> MemoryReport:
-        """The report of the function with the least room under its budget (both hold the weights and
-        the cache; their temporaries, and so their budgets, differ)."""
-        return min((self.prefill, self.decode), key=lambda report: report.margin_bytes)
+        """The report of :attr:`binding_function`."""
+        return self.prefill if self.binding_function == "prefill" else self.decode
 
     @property
     def budget_bytes(self) -> int:
