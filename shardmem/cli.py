@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardmem",
         description="Declarative sharding and rematerialization for JAX, checked before a run.",
     )
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print shardmem's, JAX's and Python's versions and exit")  # fmt: skip
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = commands.add_parser(
@@ -272,7 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_policies)
     _add_train_commands(commands)
     _add_explore_commands(commands)
+    parser.set_defaults(commands=tuple(commands.choices))  # What launch may start in each process.
     return parser
+
+
+def _version() -> str:
+    """What a bug report needs: shardmem's version and the JAX and Python it runs on."""
+    import platform
+    from importlib import metadata
+
+    import jax
+
+    return (f"shardmem {metadata.version('shardmem')} (jax {jax.__version__}, jaxlib "
+            f"{metadata.version('jaxlib')}, python {platform.python_version()})")  # fmt: skip
 
 
 def cmd_train(args) -> int:
@@ -352,7 +366,7 @@ def cmd_launch(args) -> int:
     if not argv:
         raise ConfigError("launch needs a command after --, e.g. shardmem launch --nproc 2 -- train "
                           "configs/tiny.yaml")  # fmt: skip
-    names = next(a.choices for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = args.commands
     if argv[0] not in names:  # Each process would print the same usage error.
         raise ConfigError(f"launch -- {argv[0]!r}: not a shardmem command{did_you_mean(argv[0], names)}; "
                           f"give one of {one_of(names)}, e.g. shardmem launch --nproc 2 -- train "
@@ -605,6 +619,14 @@ def _sweep(args) -> int:
         print(f"shardmem: error: {len(invalid)} of {len(rows)} candidates are not valid configs; first "
               f"{first.candidate}: {first.error.splitlines()[0]}", file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
+    planned = [row for row in rows if row.peak_bytes is not None and row.budget_bytes is not None]
+    if planned and not any(row.fits for row in rows):  # As plan exits: 5 if the best is tight, else 3.
+        best = min(planned, key=lambda row: row.peak_bytes)
+        verdict = "is tight" if best.tight else "does not fit"
+        print(f"shardmem: no candidate fits; the smallest peak, {best.candidate}'s "
+              f"{format_bytes(best.peak_bytes)} per device, {verdict} in its budget of "
+              f"{format_bytes(best.budget_bytes)}", file=sys.stderr)  # fmt: skip
+        return EXIT_TIGHT if best.tight else EXIT_DOES_NOT_FIT
     return EXIT_OK
 
 
@@ -674,7 +696,8 @@ def _add_explore_commands(commands) -> None:
         "tabulates peak memory per device, fit and margin, FLOPs per step, recomputation, host-offloaded "
         "bytes and collective traffic. Writes sweep.csv, sweep.json and sweep.png (peak memory against "
         "FLOPs or step time, budget line, Pareto front) to --out. A candidate that fails is a row with "
-        "its error. Exit 2: config or usage error (in any candidate too), or every candidate failed.",
+        "its error. Exit 0: a candidate fits; 5: the smallest peak is tight; 3: no candidate fits; 2: "
+        "config or usage error (in any candidate too), or every candidate failed.",
     )
     _config_args(p)
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", required=True,

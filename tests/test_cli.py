@@ -151,6 +151,15 @@ def test_policies_lists_presets_policies_and_targets():
     assert all(line.startswith("  ") or line in sections for line in result.stdout.splitlines())
 
 
+def test_version_names_shardmem_jax_and_python(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("shardmem 0.1.0 (jax ") and f"jax {jax.__version__}, jaxlib " in out
+    assert f"python {sys.version_info.major}.{sys.version_info.minor}." in out
+
+
 def test_plan_top_must_not_be_negative(capsys):
     assert main(["plan", TINY, "--top", "-1"]) == 2
     assert "--top -1" in capsys.readouterr().err

@@ -188,6 +188,33 @@ def test_an_unexpected_error_is_the_candidates_row_not_the_end_of_the_sweep(monk
     assert rows[2].peak_bytes == 100
 
 
+@pytest.mark.parametrize(
+    ("peaks", "tight", "code", "said"),
+    [
+        ((1500, 900), (False, False), 0, None),
+        ((1500, 1100), (False, True), 5, "remat.policy=full's 1.07 KiB per device, is tight"),
+        ((1500, 1200), (False, False), 3, "remat.policy=full's 1.17 KiB per device, does not fit"),
+    ],
+)
+def test_cli_sweep_exits_as_plan_does_when_no_candidate_fits(monkeypatch, tmp_path, capsys, peaks, tight,
+                                                              code, said):  # fmt: skip
+    def fake_plan(program, target, **kwargs):
+        i = ["none", "full"].index(program.config.remat.policy)
+        report = _fake_report()
+        report.per_device = {**report.per_device, "peak": peaks[i]}
+        report.fits, report.tight = peaks[i] <= 1000, tight[i]
+        return report, None
+
+    monkeypatch.setattr("shardmem.planning.memory.plan_program", fake_plan)
+    args = ["sweep", TINY, "--grid", "remat.policy=none,full", "--target", "cpu", "--jobs", "1"]
+    assert main([*args, "--out", str(tmp_path)]) == code
+    err = capsys.readouterr().err
+    if said is None:
+        assert "no candidate fits" not in err
+    else:
+        assert f"no candidate fits; the smallest peak, {said} in its budget of 1000 B" in err
+
+
 def test_cli_exits_2_when_every_candidate_failed(monkeypatch, tmp_path, capsys):
     def fake_plan(program, target, **kwargs):
         raise ValueError("no")
