@@ -234,6 +234,11 @@ def test_a_failed_resume_leaves_the_run_files_and_a_finished_run_says_how_to_con
     text = console.export_text()
     assert f"already trained to step {STEPS}" in text and "the rate jumps" in text, text
     before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "plan.json")}
+    fewer = train(config.replace(f"train.steps={STEPS - 1}"), run_dir, console=Console(quiet=True))
+    assert (fewer.status, fewer.final_step) == ("finished", STEPS)
+    # Nothing ran, so the run's record stays: it took the smaller train.steps, and the next start of the
+    # run's own command said "train changed".
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
     with pytest.raises(ConfigError) as refused:
         train(load_config(TINY, [*FAST, "model.d_model=128"]), run_dir, console=Console(quiet=True))
     assert {name: (run_dir / name).read_bytes() for name in before} == before

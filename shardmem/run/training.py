@@ -202,7 +202,9 @@ def _run(config: Config, run_dir: Path, program: TrainingProgram, step_fn, sourc
             start, state = 0, program.init()
         if start > 0:  # Resumed.
             _check_resumed_finetune(run_dir / "config.yaml", config)
-        if lead:  # Only now: a resume that cannot restore leaves the run's files as they were.
+        # Only now: a resume that cannot restore leaves the run's files as they were, and so does a start
+        # with nothing left to train.
+        if lead and start < train_config.steps:
             _write_config(run_dir / "config.yaml", config, console)
             _write_atomically(run_dir / "plan.json", json.dumps(report.to_json(), indent=2) + "\n")
         with _StopSignals() as signals:  # From here on a signal stops the run at a step, saved.
