@@ -5,6 +5,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+from pathlib import Path
+
+# The processes the tests start (the CLI, launch's processes, notebook kernels) import this checkout's
+# shardmem, as the tests do, not the one pip installed: a git worktree's tests then test the worktree.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
 # The tests' CPU programs compile without LLVM's optimization, as deviceless GPU plans already do
 # (shardmem.planning.codegen): XLA's HLO passes, buffers and schedules are the same, and a test's tiny
@@ -17,7 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-import shardmem  # noqa: F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
+import shardmem  # noqa: E402, F401  Sets JAX_PLATFORMS=cpu on machines without a GPU driver.
 
 jax.config.update("jax_num_cpu_devices", 8)
 
