@@ -152,9 +152,9 @@ def test_restore_without_a_checkpoint_names_real_options(tmp_path, mesh8):
 
 
 def test_bad_arguments_raise_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"`every=0` \(train.checkpoint_every\)"):
+    with pytest.raises(ConfigError, match=r"train.checkpoint_every=0 \(the checkpointer's every\)"):
         Checkpointer(tmp_path, every=0, keep=1)
-    with pytest.raises(ConfigError, match=r"`keep=-1` \(train.keep_checkpoints\)"):
+    with pytest.raises(ConfigError, match=r"train.keep_checkpoints=-1 \(the checkpointer's keep\)"):
         Checkpointer(tmp_path, every=1, keep=-1)
     file_path = tmp_path / "file"
     file_path.write_text("x")

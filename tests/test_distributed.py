@@ -130,18 +130,18 @@ def test_initialize_without_settings_is_a_single_process_no_op(clean_env):
         (
             dict(coordinator="localhost", num_processes=2, process_id=0),
             {},
-            "--coordinator localhost` \\(or SHARDMEM_COORDINATOR\\)",
+            "--coordinator localhost \\(or SHARDMEM_COORDINATOR\\)",
         ),
         (dict(coordinator="h:99999", num_processes=2, process_id=0), {}, "is not HOST:PORT"),
         (
             dict(coordinator="h:1234", num_processes=2, process_id=3),
             {},
-            r"--process-id 3` \(or SHARDMEM_PROCESS_ID\) must be below `--num-processes 2`.*0 to 1",
+            r"--process-id 3 \(or SHARDMEM_PROCESS_ID\) must be below --num-processes 2.*0 to 1",
         ),
         (dict(coordinator="h:1234", num_processes=0, process_id=0), {}, "--num-processes 0"),
         (dict(coordinator="h:1234"), {}, r"\['--num-processes', '--process-id'\] are unset"),
         ({}, {"SHARDMEM_NUM_PROCESSES": "two"}, "SHARDMEM_NUM_PROCESSES='two'"),
-        ({}, {"SHARDMEM_PROCESS_ID": "-1"}, r"--process-id -1` \(or SHARDMEM_PROCESS_ID\)"),
+        ({}, {"SHARDMEM_PROCESS_ID": "-1"}, r"--process-id -1 \(or SHARDMEM_PROCESS_ID\)"),
         ({}, {"SHARDMEM_COORDINATOR": "h:1", "SHARDMEM_NUM_PROCESSES": "2"}, "--process-id'] is"),
     ],
 )
@@ -261,7 +261,7 @@ def test_launch_rejects_bad_arguments():
         launch(0, [])
     with pytest.raises(ConfigError, match="--local-devices 0"):
         launch(1, [], devices_per_process=0)
-    with pytest.raises(ConfigError, match="`port=70000` is not a TCP port"):
+    with pytest.raises(ConfigError, match="port=70000 is not a TCP port"):
         launch(1, [], port=70000)
 
 

@@ -74,7 +74,8 @@ class Checkpointer:
         for name, key, value in (("every", "train.checkpoint_every", every),
                                  ("keep", "train.keep_checkpoints", keep)):  # fmt: skip
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"`{name}={value!r}` ({key}) must be a positive integer.")
+                raise ConfigError(f"{key}={value!r} (the checkpointer's {name}) must be a positive integer; "
+                                  f"use e.g. {key}=1")  # fmt: skip
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ConfigError(

@@ -53,7 +53,7 @@ class TokenSource(abc.ABC):
         _check_positive("model.vocab_size", vocab_size)
         _check_positive("model.seq_len", seq_len)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ConfigError(f"`seed={seed!r}` must be a non-negative integer; use e.g. seed=0.")
+            raise ConfigError(f"seed={seed!r} must be a non-negative integer; use e.g. seed=0")
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.seed = seed
@@ -288,7 +288,7 @@ def source_batch(fn: Callable, step: int, seed: int, abstract_batch) -> Any:
 
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"`{name}={value!r}` must be a positive integer.")
+        raise ConfigError(f"{name}={value!r} must be a positive integer; use e.g. {name}=1")
 
 
 def _file_size(path: str) -> int:

@@ -165,7 +165,7 @@ def launch(
     if port is None:
         port = _free_port()
     elif not 0 < port < 65536:
-        raise ConfigError(f"`port={port}` is not a TCP port; use 1024-65535, or None for a free one.")
+        raise ConfigError(f"port={port} is not a TCP port; use 1024-65535, or None for a free one")
     prefix = list(command) if command is not None else [sys.executable, "-m", "shardmem"]
     children: list[subprocess.Popen[bytes]] = []
     outputs = []
@@ -365,9 +365,9 @@ def _set_cpu_device_count(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as error:
         raise ConfigError(
-            f"`--local-devices {count}` ({ENV_LOCAL_DEVICES}) came after JAX had already "
+            f"--local-devices {count} ({ENV_LOCAL_DEVICES}) came after JAX had already "
             "created its devices; call shardmem.run.distributed.initialize() before any JAX "
-            "computation."
+            "computation"
         ) from error
 
 
@@ -376,18 +376,18 @@ def _validate(coordinator: str | None, num_processes: int | None, process_id: in
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(
-                f"`--coordinator {coordinator}` (or {ENV_COORDINATOR}) is not HOST:PORT; "
-                "use e.g. 10.0.0.1:1234 or 127.0.0.1:1234."
+                f"--coordinator {coordinator} (or {ENV_COORDINATOR}) is not HOST:PORT; "
+                "use e.g. 10.0.0.1:1234 or 127.0.0.1:1234"
             )
     if num_processes is not None:
         _check_positive("--num-processes", num_processes, ENV_NUM_PROCESSES)
     if process_id is not None:
         if process_id < 0:
-            raise ConfigError(f"`--process-id {process_id}` (or {ENV_PROCESS_ID}) must be 0 or more.")
+            raise ConfigError(f"--process-id {process_id} (or {ENV_PROCESS_ID}) must be 0 or more")
         if num_processes is not None and process_id >= num_processes:
             raise ConfigError(
-                f"`--process-id {process_id}` (or {ENV_PROCESS_ID}) must be below "
-                f"`--num-processes {num_processes}` (or {ENV_NUM_PROCESSES}); use 0 to {num_processes - 1}."
+                f"--process-id {process_id} (or {ENV_PROCESS_ID}) must be below "
+                f"--num-processes {num_processes} (or {ENV_NUM_PROCESSES}); use 0 to {num_processes - 1}"
             )
 
 
@@ -395,7 +395,7 @@ def _check_positive(flag: str, value: int, env_var: str = "") -> None:
     """Raises ConfigError naming the flag (and the variable that can also set it) unless ``value`` >= 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         source = f" (or {env_var})" if env_var else ""
-        raise ConfigError(f"`{flag} {value!r}`{source} must be a positive integer.")
+        raise ConfigError(f"{flag} {value!r}{source} must be a positive integer; use e.g. {flag} 1")
 
 
 def _env_int(name: str) -> int | None:
@@ -405,7 +405,7 @@ def _env_int(name: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise ConfigError(f"`{name}={text!r}` must be an integer.") from None
+        raise ConfigError(f"{name}={text!r} must be an integer; set it to one, or unset it") from None
 
 
 def _int_or(text: str | None, default: int) -> int:
