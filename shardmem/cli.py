@@ -610,7 +610,7 @@ def _sweep(args) -> int:
         rendered = sweeping.render_sweep(rows, title=f"shardmem sweep  {config.name}")
         console(fit=rendered.renderables[0]).print(rendered)  # Wide enough for the table; errors wrap.
         console().print(f"wrote {paths['csv']}, {paths['json']}, {paths['png']}")
-    if rows and all(row.error for row in rows):
+    if rows and all(row.error and row.fits is None for row in rows):  # A compiler's refusal is a verdict.
         print(f"shardmem: error: all {len(rows)} candidates failed; see their errors", file=sys.stderr)
         return EXIT_USAGE
     invalid = [row for row in rows if row.config_error]
@@ -619,9 +619,12 @@ def _sweep(args) -> int:
         print(f"shardmem: error: {len(invalid)} of {len(rows)} candidates are not valid configs; first "
               f"{first.candidate}: {first.error.splitlines()[0]}", file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
-    planned = [row for row in rows if row.peak_bytes is not None and row.budget_bytes is not None]
-    if planned and not any(row.fits for row in rows):  # As plan exits: 5 if the best is tight, else 3.
-        best = min(planned, key=lambda row: row.peak_bytes)
+    if rows and not any(row.fits for row in rows):  # As plan exits: 5 if the best is tight, else 3.
+        planned = [row for row in rows if row.peak_bytes is not None and row.budget_bytes is not None]
+        best = min(planned, key=lambda row: row.peak_bytes, default=None)
+        if best is None:  # Each one failed or was refused by the compiler (a TPU's), with no report.
+            print("shardmem: no candidate fits; see their errors", file=sys.stderr)
+            return EXIT_DOES_NOT_FIT
         verdict = "is tight" if best.tight else "does not fit"
         print(f"shardmem: no candidate fits; the smallest peak, {best.candidate}'s "
               f"{format_bytes(best.peak_bytes)} per device, {verdict} in its budget of "

@@ -5,6 +5,7 @@
 import collections
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -247,7 +248,7 @@ def test_a_megascale_send_is_a_collective_over_dcn_between_the_slices():
     )
 
 
-def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypatch):
+def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypatch, tmp_path, capsys):
     # libtpu refuses a step over the chip's HBM instead of compiling it (simulated for remat "none"; a real
     # refusal needs a model that takes minutes to compile here): tune goes on to the policies that compile.
     from shardmem.explore import search
@@ -283,6 +284,13 @@ def test_tune_reads_a_candidate_libtpu_refuses_as_one_that_does_not_fit(monkeypa
     row = plan_candidate(_config("v5e-4"), ("remat.policy=none",), None)
     assert (row.fits, row.peak_bytes, row.config_error) == (False, refusal.required_bytes, False)
     assert "libtpu's compiler says" in row.error
+    # And a sweep whose every candidate it refused exits 3, as plan does: a verdict, not a failure.
+    from shardmem.cli import main
+
+    config = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+    args = ["sweep", config, "--grid", "remat.policy=none,full", "--target", "v5e-4", "--jobs", "1"]
+    assert main([*args, "--out", str(tmp_path)]) == 3
+    assert "no candidate fits; see their errors" in capsys.readouterr().err
 
 
 def test_a_peak_at_the_chips_hbm_says_the_compiler_fitted_it_itself():
