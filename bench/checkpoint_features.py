@@ -5,8 +5,12 @@ linear, dynamic and YaRN scalings, Mistral's sliding window, tied and untied hea
 index and a stray consolidated file, Gemma) with their own ``save_pretrained``, and their logits; shardmem
 loads each folder knowing only ``seq_len`` (the rest from config.json) and compares its float32 logits.
 Then shardmem exports a LoRA fine-tune of one of them, merged and as adapters, and transformers (and PEFT,
-where installed) load those folders as they are. Three steps, two Pythons (PyTorch is not in shardmem's
-environment):
+where installed) load those folders as they are. And each checkpoint generates: transformers' greedy
+``generate`` with its KV cache (each prompt alone, and both together, left-padded) records every step's
+logits, and shardmem's serving program (prefill, then decode steps fed transformers' tokens) is compared
+step by step; the dynamic RoPE case's prompts and generations pass its ``max_position_embeddings``, where
+transformers' cache keeps each key as it was rotated. Three steps, two Pythons (PyTorch is not in
+shardmem's environment):
 
     /work/venv-torch/bin/python bench/checkpoint_features.py make OUT     # torch: checkpoints and logits
     PYTHONPATH=. .venv/bin/python bench/checkpoint_features.py check OUT  # shardmem: load, compare, export
@@ -35,12 +39,23 @@ CASES = {
                                                  max_position_embeddings=32), {}),
     "qwen2 yarn": ("Qwen2Config", dict(rope_scaling={"type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 16}), {}),
+    "yarn with mscale": ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 16,
+                                                          "mscale": 0.707, "mscale_all_dim": 1.0}), {}),
+    "qwen2 window null": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=None), {}),
+    "qwen2 window, upper layer": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16,
+                                                      max_window_layers=1), {"attention": "xla"}),
     "mistral window, xla": ("MistralConfig", dict(sliding_window=16), {"attention": "xla"}),
     "mistral window, chunked": ("MistralConfig", dict(sliding_window=16), {"attention": "chunked",
                                                                          "attention_chunk": 16}),
     "sharded + index + stray file": ("LlamaConfig", dict(), {}),
     "gemma": ("GemmaConfig", dict(head_dim=32, hidden_activation="gelu_pytorch_tanh"), {}),
 }  # fmt: skip
+
+
+# Generation: two prompts (40 and 29 tokens) and 24 new tokens each, past the dynamic case's 32 positions.
+PROMPTS = (TOKENS[0, :40].tolist(), TOKENS[1, :29].tolist())
+NEW_TOKENS = 24
 
 
 def make(out: Path) -> None:
@@ -71,21 +86,50 @@ def make(out: Path) -> None:
         with torch.no_grad():
             logits = model(torch.tensor(TOKENS)).logits.numpy()
         np.save(folder / "logits.npy", logits)
+        _generate_in_transformers(folder)
         print(f"{name}: {sorted(p.name for p in folder.iterdir())}")
+
+
+def _generate_in_transformers(folder: Path) -> None:
+    """Greedy ``generate`` with the KV cache, each prompt alone and the two together (left-padded, as
+    transformers pads for generation): its tokens and every step's logits, ``generate-*.npz``. Each run
+    loads the model afresh: dynamic RoPE's module keeps the frequencies of the longest forward it ran
+    until one shorter than max_position_embeddings (the logits' 64 tokens would set every later run's)."""
+    import torch
+    import transformers
+
+    runs = {f"alone{i}": [prompt] for i, prompt in enumerate(PROMPTS)} | {"together": list(PROMPTS)}
+    for run, prompts in runs.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None  # Every sequence runs NEW_TOKENS steps.
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            made = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  pad_token_id=0, output_logits=True,
+                                  return_dict_in_generate=True)  # fmt: skip
+        np.savez(folder / f"generate-{run}.npz", tokens=made.sequences[:, width:].numpy(),
+                 logits=torch.stack(made.logits).numpy())  # fmt: skip
 
 
 def check(out: Path) -> None:
     import jax
     from flax import nnx
 
-    from shardmem import build_mesh, build_program, config_from_dict
+    from shardmem import ConfigError, build_mesh, build_program, config_from_dict
 
     rows = []
     for name, (_, _, model) in CASES.items():
         folder = out / _slug(name.replace(", chunked", ", xla"))
-        config = config_from_dict({"model": {"seq_len": SEQ, **model}, "mesh": {"axes": {"data": 1}},
-                                   "precision": {"compute": "float32"}, "train": {"global_batch": 2},
-                                   "finetune": {"init_from": str(folder)}})  # fmt: skip
+        try:
+            config = config_from_dict({"model": {"seq_len": SEQ, **model}, "mesh": {"axes": {"data": 1}},
+                                       "precision": {"compute": "float32"}, "train": {"global_batch": 2},
+                                       "finetune": {"init_from": str(folder)}})  # fmt: skip
+        except ConfigError as e:  # Refused with a reason: never loaded with wrong logits.
+            rows.append({"case": name, "refused": str(e)})
+            print(f"{name:32s} refused: {str(e).replace(str(folder / 'config.json'), 'config.json')}")
+            continue
         program = build_program(config, build_mesh({"data": 1}, jax.devices()[:1]))
         params = program.init()["params"]
 
@@ -103,7 +147,59 @@ def check(out: Path) -> None:
         print(f"{name:32s} |logit| <= {row['max_abs_logit']:6.2f}  max error {row['max_error']:.2e}  "
               f"{row['of_tolerance']:.2f} of 1e-4 + 1e-4|ref|")  # fmt: skip
     (out / "check.json").write_text(json.dumps(rows, indent=2))
+    _check_generation(out)
     _export(out)
+
+
+def _check_generation(out: Path) -> None:
+    """shardmem's serving program on transformers' generations: the prompts prefilled (right-padded, each
+    with its length), then each step decoded with the token transformers chose; every step's logits
+    against transformers' (``generate.json``)."""
+    import jax
+
+    from shardmem import build_mesh, config_from_dict, serving_program
+
+    rows = []
+    refused = {row["case"] for row in json.loads((out / "check.json").read_text()) if "refused" in row}
+    for name, (_, _, model) in CASES.items():
+        folder = out / _slug(name.replace(", chunked", ", xla"))
+        for run in ("alone0", "alone1", "together") if name not in refused else ():
+            prompts = [PROMPTS[int(run[-1])]] if run.startswith("alone") else list(PROMPTS)
+            made = np.load(folder / f"generate-{run}.npz")
+            serve = {"batch": len(prompts), "prompt_len": max(len(p) for p in prompts), "max_len": 64,
+                     "kv_dtype": "float32"}  # fmt: skip
+            config = config_from_dict({"model": {"seq_len": SEQ, **model}, "mesh": {"axes": {"data": 1}},
+                                       "precision": {"compute": "float32"}, "serve": serve,
+                                       "finetune": {"init_from": str(folder)}})  # fmt: skip
+            program = serving_program(config, build_mesh({"data": 1}, jax.devices()[:1]))
+            weights = program.init()
+            prompts_BxP = np.zeros((len(prompts), serve["prompt_len"]), np.int32)
+            for i, prompt in enumerate(prompts):
+                prompts_BxP[i, : len(prompt)] = prompt
+            lengths_B = np.array([len(p) for p in prompts], np.int32)
+            logits_BxV, cache = program.prefill(weights, program.new_cache(), prompts_BxP, lengths_B)
+            got = [np.asarray(logits_BxV)]
+            for step in range(NEW_TOKENS - 1):
+                tokens_B = made["tokens"][:, step].astype(np.int32)
+                logits_BxV, cache = program.decode(weights, cache, tokens_B, lengths_B + step)
+                got.append(np.asarray(logits_BxV))
+            expected = made["logits"]
+            error = np.abs(np.stack(got) - expected)
+            worst = error.reshape(NEW_TOKENS, -1).max(axis=1)
+            row = {"case": name, "run": run, "max_abs_logit": float(np.abs(expected).max()),
+                   "max_error": float(error.max()), "first_step_over": _first(worst > 1e-3),
+                   "of_tolerance": float((error / (1e-4 + 1e-4 * np.abs(expected))).max())}  # fmt: skip
+            rows.append(row)
+            print(f"generate {name:28s} {run:8s} max error {row['max_error']:.2e}  "
+                  f"{row['of_tolerance']:.2f} of 1e-4 + 1e-4|ref|"
+                  + (f"  (from step {row['first_step_over']})" if row["first_step_over"] is not None
+                     else ""))  # fmt: skip
+    (out / "generate.json").write_text(json.dumps(rows, indent=2))
+
+
+def _first(flags) -> int | None:
+    hits = np.flatnonzero(flags)
+    return int(hits[0]) if hits.size else None
 
 
 def _export(out: Path) -> None:
