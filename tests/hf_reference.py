@@ -7,6 +7,7 @@ independent reference shardmem's logits are compared with, written without shard
     tensors = random_tensors(config, seed=0)                                 # HF names, [out, in]
     save(folder, config, tensors, shards=2)                                  # + the index file
     expected_BxLxV = logits(config, tensors, tokens_BxL)
+    expected_NxBxV = generate_logits(config, tensors, prompts, steps=N)   # with a KV cache
 """
 
 import json
@@ -93,7 +94,8 @@ def save(folder, config: dict | None, tensors: dict, shards: int = 1, index: boo
 
 def inv_freq(config: dict, seq_len: int) -> tuple[np.ndarray, float]:
     """``ROPE_INIT_FUNCTIONS[rope_type](config, seq_len=seq_len)``: inverse frequencies and the factor on
-    cos and sin (modeling_rope_utils.py; dynamic as its forward recomputes it for a longer sequence)."""
+    cos and sin (modeling_rope_utils.py; dynamic as :class:`Rotary` recomputes it for a forward's
+    ``seq_len``)."""
     dim, base = head_dim(config), config["rope_theta"]
     default = 1.0 / base ** (np.arange(0, dim, 2) / dim)
     scaling = config.get("rope_scaling") or {}
@@ -138,8 +140,63 @@ def inv_freq(config: dict, seq_len: int) -> tuple[np.ndarray, float]:
     return (1 / (factor * positions)) * (1 - extrapolation) + (1 / positions) * extrapolation, attention
 
 
+class Rotary:
+    """transformers' rotary module (``LlamaRotaryEmbedding``, the same class in each type), its state
+    kept across forwards as ``dynamic_rope_update`` keeps it: a dynamic scaling's frequencies are
+    recomputed for ``seq_len = max(position_ids) + 1`` when that exceeds the longest seen, and reset to
+    the original ones for a forward shorter than ``max_position_embeddings`` after a longer one."""
+
+    def __init__(self, config: dict):
+        self.config, self.original = config, config["max_position_embeddings"]
+        self.longest = self.original  # max_seq_len_cached
+        self.inv, self.attention = inv_freq(config, self.original)
+        scaling = config.get("rope_scaling") or {}
+        self.dynamic = "dynamic" in scaling.get("rope_type", scaling.get("type", "default"))
+
+    def __call__(self, position_ids_BxS) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin ``[B, 1, S, head_dim]`` of the positions."""
+        if self.dynamic:
+            seq_len = int(position_ids_BxS.max()) + 1
+            if seq_len > self.longest:  # growth
+                self.inv, self.attention = inv_freq(self.config, seq_len)
+                self.longest = seq_len
+            if seq_len < self.original < self.longest:  # reset
+                self.inv, self.attention = inv_freq(self.config, self.original)
+                self.longest = self.original
+        emb = np.concatenate([position_ids_BxS[..., None] * self.inv] * 2, -1)[:, None]
+        return np.cos(emb) * self.attention, np.sin(emb) * self.attention
+
+
 def logits(config: dict, tensors: dict, tokens) -> np.ndarray:
     """The model's logits for ``tokens`` ``[B, S]``: transformers' forward, in float64."""
+    B, S = tokens.shape
+    positions = np.broadcast_to(np.arange(S), (B, S))
+    return forward(config, tensors, tokens, positions, np.ones((B, S), bool), Rotary(config), None)
+
+
+def generate_logits(config: dict, tensors: dict, prompts: list, steps: int) -> np.ndarray:
+    """``[steps, B, V]``: the logits of transformers' greedy ``generate`` with a KV cache on a fresh model
+    (``DynamicCache``): the prompts left-padded with an attention mask, their ``position_ids`` its
+    ``cumsum - 1`` (``prepare_inputs_for_generation``), one forward over the prompts, then one per new
+    token, the keys in the cache as each forward rotated them."""
+    width, rotary = max(map(len, prompts)), Rotary(config)
+    tokens = np.array([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts], bool)
+    cache, out = [], []
+    for _ in range(steps):
+        fresh = tokens[:, -1:] if out else tokens
+        positions = np.where(mask, np.cumsum(mask, -1) - 1, 1)[:, -fresh.shape[1] :]
+        step = forward(config, tensors, fresh, positions, mask, rotary, cache)[:, -1]
+        out.append(step)
+        tokens = np.concatenate([tokens, step.argmax(-1)[:, None]], -1)
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), bool)], -1)
+    return np.stack(out)
+
+
+def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary, cache: list | None):
+    """Logits ``[B, S, V]`` of ``tokens`` ``[B, S]`` at ``positions`` after the ``cache``'s keys and values
+    (a list of each layer's, extended in place; None: no cache); ``mask`` ``[B, T]``: which of the
+    cache's and these tokens are not padding."""
     t = {k: v.astype(np.float64) for k, v in tensors.items()}
     gemma = config["model_type"] == "gemma"
     heads, groups, k = config["num_attention_heads"], config["num_key_value_heads"], head_dim(config)
@@ -158,17 +215,16 @@ def logits(config: dict, tensors: dict, tokens) -> np.ndarray:
         return x / (1 + np.exp(-x))
 
     B, S = tokens.shape
-    inv, attention = inv_freq(config, S)
-    emb = np.concatenate([np.outer(np.arange(S), inv)] * 2, -1)
-    cos, sin = np.cos(emb)[None, None] * attention, np.sin(emb)[None, None] * attention
-    q_idx, kv_idx = np.arange(S)[:, None], np.arange(S)[None, :]
-    allowed = kv_idx <= q_idx
+    T = mask.shape[1]
+    cos, sin = rotary(positions)
+    q_idx, kv_idx = np.arange(T - S, T)[:, None], np.arange(T)[None, :]
+    allowed = (kv_idx <= q_idx) & mask[:, None, None, :]
     window = config.get("sliding_window") if config["model_type"] == "mistral" else None
     if config["model_type"] == "qwen2" and config.get("use_sliding_window"):
         window = config["sliding_window"]  # Every layer's, in these tests (max_window_layers 0).
     if window is not None:
         allowed = allowed & (kv_idx > q_idx - window)  # masking_utils.sliding_window_overlay
-    mask = np.where(allowed, 0.0, -np.inf)
+    bias = np.where(allowed, 0.0, np.finfo(np.float64).min)  # A padding query sees nothing: finite.
     x = t["model.embed_tokens.weight"][tokens]
     if gemma:
         x = x * np.sqrt(config["hidden_size"])
@@ -180,8 +236,13 @@ def logits(config: dict, tensors: dict, tokens) -> np.ndarray:
         q = q.reshape(B, S, heads, k).transpose(0, 2, 1, 3)
         kk, v = (a.reshape(B, S, groups, k).transpose(0, 2, 1, 3) for a in (kk, v))
         q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
+        if cache is not None:  # The keys as rotated when they were computed.
+            if len(cache) == i:
+                cache.append((kk[:, :, :0], v[:, :, :0]))
+            kk, v = (np.concatenate([old, new], 2) for old, new in zip(cache[i], (kk, v), strict=True))
+            cache[i] = (kk, v)
         kk, v = np.repeat(kk, heads // groups, axis=1), np.repeat(v, heads // groups, axis=1)
-        scores = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(k) + mask
+        scores = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(k) + bias
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         x = (

@@ -91,6 +91,48 @@ def test_greedy_output_equals_transformers_forward_with_a_sliding_window_gemma_a
     assert _generated(tmp_path, devices=2) == _numpy_greedy(config, tensors)
 
 
+DYNAMIC = {"rope_type": "dynamic", "factor": 4.0}
+LONG_PROMPTS = [[9, 4, 250, 31, 77, 5, 18, 201, 66, 3, 140, 12], [7, 8, 9]]  # Longer than 8, and not.
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("longest, prompts, steps, devices", [
+    (8, PROMPTS, 10, 2),            # Past max_position_embeddings in decode.
+    (8, LONG_PROMPTS, 6, 2),        # Past it from the prefill on; the short prompt's positions too.
+    (8, LONG_PROMPTS[:1], 6, 1),    # One sequence.
+    (32, PROMPTS, 6, 2),            # Below it throughout (the cache's room, 40, is not).
+])  # fmt: skip
+def test_dynamic_rope_prefill_and_decode_give_the_logits_of_transformers_generate(
+    longest, prompts, steps, devices, tmp_path
+):
+    config = hf.hf_config("llama", rope_scaling=DYNAMIC, max_position_embeddings=longest)
+    tensors = {name: t * 2 for name, t in hf.random_tensors(config, seed=3).items()}
+    hf.save(tmp_path, config, tensors)
+    expected_NxBxV = hf.generate_logits(config, tensors, prompts, steps)
+    plain = {k: v for k, v in config.items() if k != "rope_scaling"}
+    if longest == 8:  # The cache's keys keep their rotation: recomputing every step would differ.
+        drawn = expected_NxBxV[:-1, 0].argmax(-1).tolist()
+        again = hf.logits(config, tensors, np.array([prompts[0] + drawn]))[0, -1]
+        assert np.abs(again - expected_NxBxV[-1, 0]).max() > 0.01
+        assert np.abs(hf.generate_logits(plain, tensors, prompts, steps) - expected_NxBxV).max() > 0.05
+    batch = len(prompts) + len(prompts) % devices
+    shardmem_config = config_from_dict({"model": {"seq_len": 64}, "mesh": {"axes": {"data": devices}},
+                                        "precision": {"compute": "float32"},
+                                        "serve": {"batch": batch, "prompt_len": 16, "max_len": 40},
+                                        "finetune": {"init_from": str(tmp_path)}})  # fmt: skip
+    program = serving_program(shardmem_config, build_mesh(shardmem_config.mesh.axes, jax.devices()[:devices]))
+    weights = program.init()
+    prompts_BxP, lengths_B = np.zeros((batch, 16), np.int32), np.ones(batch, np.int32)
+    for i, prompt in enumerate(prompts):
+        prompts_BxP[i, : len(prompt)], lengths_B[i] = prompt, len(prompt)
+    logits_BxV, cache = program.prefill(weights, program.new_cache(), prompts_BxP, lengths_B)
+    for step, expected_BxV in enumerate(expected_NxBxV):
+        np.testing.assert_allclose(np.asarray(logits_BxV)[: len(prompts)], expected_BxV, atol=1e-4, rtol=1e-4)
+        tokens_B = np.zeros(batch, np.int32)
+        tokens_B[: len(prompts)] = expected_BxV.argmax(-1)  # transformers' greedy choice, fed back.
+        logits_BxV, cache = program.decode(weights, cache, tokens_B, lengths_B + step)
+
+
 @pytest.mark.newest
 def test_sampling_keeps_the_top_k_and_top_p_tokens_transformers_keeps():
     probs = np.array([0.5, 0.3, 0.1, 0.06, 0.04], np.float32)

@@ -121,13 +121,16 @@ def _dequantize(codes_BxTxGxK, scales_BxTxG, dtype) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class CacheSlot:
     """What one layer of the model sees of the cache in a prefill or decode step: the whole ``cache``,
-    the layer's index in it, and the positions of the step's tokens (``[L]`` for a prefill's prompts,
-    ``[B, 1]`` for a decode step's tokens)."""
+    the layer's index in it, the positions of the step's tokens (``[L]`` for a prefill's prompts,
+    ``[B, 1]`` for a decode step's tokens), and ``rope_length``: the step's largest position of a real
+    token over the batch, plus one, from which dynamic RoPE computes its frequencies
+    (:mod:`shardmem.models.rope`; None for the others)."""
 
     cache: KVCache
     layer: jax.Array
     positions: jax.Array
     prefill: bool
+    rope_length: jax.Array | None = None
 
     def attend(self, kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
         """Returns ``(ctx_BxLxHxK, cache)``: the step's attention, and the cache with the step's keys

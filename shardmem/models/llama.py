@@ -402,12 +402,15 @@ class Block(nnx.Module):
         fused = fused or {}
         cfg = self.cfg
         x_BxLxD = checkpoint_name(constrain(x_BxLxD, RESIDUAL), "layer_input")
+        # Dynamic RoPE's frequencies depend on the forward's longest position (models/rope.py): the
+        # sequence's in training; a serving step's longest real token over the batch (not the padded
+        # prompt's, nor the cache's room).
         if cache is None:
             positions = context.layer_positions(x_BxLxD.shape[1])  # Zigzag order when split.
+            length = x_BxLxD.shape[1]
         else:
             positions = cache.positions  # Each sequence's own in a decode step.
-        # Dynamic RoPE's frequencies depend on the length: a cache's is its room, fixed for every step.
-        length = None if cache is None else cache.cache.max_len
+            length = cache.rope_length
 
         with jax.named_scope("attention"):
             # With sequence parallelism (rules.residual_seq over tensor) the norm runs on its share of
@@ -526,11 +529,14 @@ class Llama(nnx.Module):
             else constrain(context.from_zigzag(h_BxLxD, shards), ("batch", "seq", None))
         )
 
-    def cached_hidden_states(self, tokens_BxL, cache: KVCache, positions, layer_params, *, prefill: bool):
+    def cached_hidden_states(self, tokens_BxL, cache: KVCache, positions, layer_params, *, prefill: bool,
+                             rope_length=None):  # fmt: skip
         """Returns ``(h_BxLxD, cache)``: :meth:`hidden_states` of a step of serving, the same layers run
         with a KV cache (:mod:`shardmem.models.kv_cache`). A prefill's ``tokens`` are right-padded prompts
         at ``positions`` ``[L]`` (0 .. L-1), written to the cache's first L places; a decode step's are
         one token per sequence (``L`` = 1) at ``positions`` ``[B, 1]``, each sequence's own.
+        ``rope_length``: the step's largest position of a real token over the batch, plus one (the
+        longest prompt's length in a prefill), which dynamic RoPE requires (:mod:`shardmem.models.rope`).
         ``layer_params`` holds each layer's parameters (a pure dict each, in layer order): the serving
         program's weights are stored by layer (:func:`shardmem.program.serving.by_layer`), and the layers
         read them from there, not from the model's stacked layers."""
@@ -556,18 +562,21 @@ class Llama(nnx.Module):
         # layer and held all of them meanwhile (Llama 2 7B, 384 prompts of 128 tokens on an A100: 15.8 GiB
         # of temporaries, 5.7 GiB with the barrier; Llama 3.1 8B, one prompt of 20,000 tokens: 3.25, 2.33).
         layer_indices = jax.lax.optimization_barrier([jnp.int32(i) for i in range(len(layer_params))])
+        if self.cfg.rope_scaling is not None and self.cfg.rope_scaling.per_forward and rope_length is None:
+            raise ValueError("dynamic RoPE needs the step's rope_length (its longest position + 1)")
 
         @jax.jit
-        def run_layer(params, rest, fused, x_BxLxD, cache, layer, positions):
+        def run_layer(params, rest, fused, x_BxLxD, cache, layer, positions, rope_length):
             parts = {part: shape for w in fused.values() for part, shape in w.part_shapes().items()}
             block = nnx.merge(graphdef, {**params, **parts}, rest)
-            return block(x_BxLxD, CacheSlot(cache, layer, positions, prefill), fused)
+            return block(x_BxLxD, CacheSlot(cache, layer, positions, prefill, rope_length), fused)
 
         for index, params in enumerate(layer_params):
             fused = {name: w for name, w in params.items() if isinstance(w, Fused)}
             params = {name: w for name, w in params.items() if name not in fused}
             x_BxLxD, cache = run_layer(params, jax.tree.map(operator.itemgetter(index), rest), fused,
-                                       x_BxLxD, cache, layer_indices[index], positions)  # fmt: skip
+                                       x_BxLxD, cache, layer_indices[index], positions,
+                                       rope_length)  # fmt: skip
             if prefill:  # The layer's keys and values are in the cache before the next layer runs.
                 x_BxLxD, cache = jax.lax.optimization_barrier((x_BxLxD, cache))
         return self.final_norm(x_BxLxD), cache

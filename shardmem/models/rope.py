@@ -11,6 +11,21 @@ Hugging Face ``transformers`` computes them (``modeling_rope_utils``: ``default`
 ``config.json`` writes under ``rope_scaling`` (``rope_type`` for its older ``type``), so the value can be
 copied from there; ``max_position_embeddings`` is ``config.json``'s top-level one, which ``dynamic`` and
 ``yarn`` read.
+
+``dynamic`` is the one scaling whose frequencies depend on the sequence: transformers' rotary module
+(``dynamic_rope_update`` in ``modeling_rope_utils``, its inner ``dynamic_frequency_update``) recomputes
+them at each forward from ``seq_len = max(position_ids) + 1`` over the whole batch, with
+``max(seq_len, max_position_embeddings)`` in ``_compute_dynamic_ntk_parameters``'s formula, in float32.
+shardmem gives each forward the same ``length``: a training forward its sequence length (the positions
+are ``0 .. L-1``); a prefill its longest prompt (padding has no position; transformers' ``generate``
+gives a left-padded batch the same positions as shardmem's right-padded one); a decode step the largest
+position over the batch, plus one. A KV cache keeps each key as it was rotated, so in ``generate`` the
+prompts' keys keep the prefill's frequencies and each decoded token has those of its own step -- as
+transformers' cache does. transformers' module also keeps state between forwards: after a forward longer
+than ``max_position_embeddings`` it keeps those frequencies for a shorter one until a forward shorter
+than ``max_position_embeddings`` resets them. shardmem has no such state: its results are those of a
+model as loaded (each ``generate`` a fresh model's), never the stale frequencies of an earlier, longer
+call.
 """
 
 from __future__ import annotations
@@ -28,7 +43,8 @@ from shardmem.errors import ConfigError, did_you_mean, one_of
 ROPE_TYPES = {
     "linear": ("every frequency divided by factor (position interpolation)", ()),
     "dynamic": ("NTK-aware: the base grows with a sequence longer than max_position_embeddings "
-                "(the sequence's own length, as transformers' forward on it)", ("max_position_embeddings",)),
+                "(each forward's longest position + 1, as transformers' forward; see the module docstring)",
+                ("max_position_embeddings",)),
     "yarn": ("YaRN: low frequencies interpolated, high ones kept, a ramp between, cos and sin scaled by "
              "attention_factor (Qwen2's long context)", ()),
     "llama3": ("Llama 3.1/3.2: low frequencies divided by factor, high ones kept, smoothed between",
@@ -79,16 +95,20 @@ class RopeScaling:
             raise ConfigError(f"{key}.high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
                               f"{self.low_freq_factor}")  # fmt: skip
 
+    @property
+    def per_forward(self) -> bool:
+        """Whether the frequencies depend on each forward's longest position (``dynamic``)."""
+        return self.rope_type == "dynamic"
+
     def describe(self) -> str:
         """Returns e.g. ``llama3 x32``."""
         return f"{self.rope_type} x{self.factor:g}"
 
 
-def frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None, length: int
-) -> tuple[np.ndarray, float]:
-    """Returns the float32 inverse frequencies ``[head_dim / 2]`` and the factor on cos and sin for
-    sequences of ``length`` positions (``dynamic`` alone depends on it)."""
+def frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, length) -> tuple[np.ndarray, float]:
+    """Returns the float32 inverse frequencies ``[head_dim / 2]`` and the factor on cos and sin for a
+    forward whose longest position is ``length - 1`` (``dynamic`` alone depends on it; ``length`` may
+    be a traced scalar, and the frequencies are then a ``jax.Array``)."""
     dim = np.float32(head_dim)
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / dim
 
@@ -101,10 +121,7 @@ def frequencies(
     if kind == "linear":
         return (default(theta) / np.float32(factor)).astype(np.float32), 1.0
     if kind == "dynamic":
-        longest = scaling.max_position_embeddings
-        seen = max(length, longest)
-        base = theta * ((factor * seen / longest) - (factor - 1)) ** (head_dim / (head_dim - 2))
-        return default(base), 1.0
+        return _dynamic(head_dim, theta, scaling, length, exponents), 1.0
     if kind == "llama3":
         inv_freq = default(theta)
         old = scaling.original_max_position_embeddings
@@ -116,6 +133,17 @@ def frequencies(
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
     return _yarn(head_dim, theta, scaling, exponents)
+
+
+def _dynamic(head_dim: int, theta: float, scaling: RopeScaling, length, exponents: np.ndarray):
+    """NTK-aware frequencies as ``_compute_dynamic_ntk_parameters`` computes them from a forward's
+    ``seq_len`` tensor: every step in float32 (numpy for a known length, jax for a traced one)."""
+    xp = jnp if isinstance(length, jax.Array) else np
+    longest, f32 = scaling.max_position_embeddings, xp.float32
+    seen = xp.maximum(xp.asarray(length, xp.int32), longest).astype(f32)
+    stretch = f32(scaling.factor) * seen / f32(longest) - f32(scaling.factor - 1)
+    base = f32(theta) * stretch ** f32(head_dim / (head_dim - 2))
+    return (f32(1.0) / base ** xp.asarray(exponents)).astype(f32)
 
 
 def _yarn(
@@ -147,14 +175,16 @@ def _yarn(
     return inv_freq.astype(np.float32), float(attention)
 
 
-def rope(x_BxLxHxK, positions, theta: float, scaling: RopeScaling | None = None, length: int | None = None,
+def rope(x_BxLxHxK, positions, theta: float, scaling: RopeScaling | None = None, length=None,
          *, shared: bool = False):  # fmt: skip
     """Rotary position embedding on the last axis (half-split convention, as Llama's), with
-    ``scaling``'s frequencies for sequences of ``length`` positions (default: ``x``'s). ``positions``
+    ``scaling``'s frequencies for a forward of ``length`` positions (default: ``x``'s; a traced scalar
+    in serving, see the module docstring). ``positions``
     are ``[L]``, the same for every sequence, or ``[B, L]``, each sequence's own (a KV cache's decode).
     ``shared``: the sines and cosines are computed apart from the rotation (a decode step's layers)."""
     half = x_BxLxHxK.shape[-1] // 2
-    inv_freq_K, attention = frequencies(2 * half, theta, scaling, length or x_BxLxHxK.shape[1])
+    length = x_BxLxHxK.shape[1] if length is None else length
+    inv_freq_K, attention = frequencies(2 * half, theta, scaling, length)
     angles_xLxK = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_K)
     sin, cos = jnp.sin(angles_xLxK)[..., None, :], jnp.cos(angles_xLxK)[..., None, :]
     if shared:

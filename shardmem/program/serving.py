@@ -200,6 +200,9 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
         logits_BxV = h_BxD @ model.unembedding()
         return constrain(logits_BxV, ("batch", "vocab")).astype(jnp.float32)
 
+    # Dynamic RoPE's frequencies follow each step's longest real token over the batch (models/rope.py).
+    per_forward = m.rope_scaling is not None and m.rope_scaling.per_forward
+
     def new_cache():
         return KVCache.zeros(layers=m.n_layers, batch=s.batch, max_len=s.max_len, kv_heads=m.n_kv_heads,
                              head_dim=m.head_size, dtype=s.kv_dtype)  # fmt: skip
@@ -210,7 +213,9 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
         with rules.activate(mesh):
             model, layers = model_of(weights)
             positions_P = jnp.arange(prompts_BxP.shape[1])
-            h_BxPxD, cache = model.cached_hidden_states(prompts_BxP, cache, positions_P, layers, prefill=True)
+            longest = jnp.max(lengths_B) if per_forward else None  # Padding has no position.
+            h_BxPxD, cache = model.cached_hidden_states(prompts_BxP, cache, positions_P, layers, prefill=True,
+                                                        rope_length=longest)  # fmt: skip
             last_Bx1x1 = (lengths_B - 1)[:, None, None]  # Each prompt's last token gives the next one.
             h_BxD = jnp.take_along_axis(h_BxPxD, last_Bx1x1, axis=1)[:, 0]
             return logits(model, h_BxD), cache
@@ -218,8 +223,10 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
     def decode(weights, cache, tokens_B, positions_B):
         with rules.activate(mesh):
             model, layers = model_of(weights)
-            h_Bx1xD, cache = model.cached_hidden_states(tokens_B[:, None], cache, positions_B[:, None],
-                                                        layers, prefill=False)  # fmt: skip
+            longest = jnp.max(positions_B) + 1 if per_forward else None
+            h_Bx1xD, cache = model.cached_hidden_states(
+                tokens_B[:, None], cache, positions_B[:, None], layers, prefill=False, rope_length=longest
+            )
             return logits(model, h_Bx1xD[:, 0]), cache
 
     rows, weights = s.rows, serving_layout(d.frozen_shardings, d)
