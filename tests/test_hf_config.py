@@ -153,6 +153,24 @@ def test_mistrals_sliding_window_gives_transformers_logits_and_trains(tmp_path, 
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("axes, sections", [
+    ({"data": 1}, {}),
+    # Accumulation with the weights whole: each device holds its own chunks of a sequence (split by hand).
+    ({"context": 2}, {"train": {"global_batch": 8, "micro_batches": 2}, "rules": {"embed": None}}),
+])  # fmt: skip
+def test_dynamic_rope_trains_with_the_whole_sequences_length(tmp_path, axes, sections):
+    config, tensors = _checkpoint(tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+                                  max_position_embeddings=8)  # fmt: skip
+    program, state, _ = _logits(_config(tmp_path, axes=axes, **sections))
+    batch = np.random.default_rng(2).integers(0, hf.V, (8, 17), dtype=np.int32)
+    _, metrics = program.step(state, jax.device_put(batch, program.batch_sharding))
+    reference = hf.logits(config, tensors, batch[:, :-1])  # Frequencies for 16 positions, over 8.
+    reference = reference - reference.max(-1, keepdims=True)
+    log_probs = reference - np.log(np.exp(reference).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(log_probs, batch[:, 1:, None], -1).mean()
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+
+
 @pytest.mark.parametrize("options, window", [
     ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, 4),
     ({"use_sliding_window": True, "max_window_layers": 0}, 4096),  # transformers' default window.

@@ -402,12 +402,12 @@ class Block(nnx.Module):
         fused = fused or {}
         cfg = self.cfg
         x_BxLxD = checkpoint_name(constrain(x_BxLxD, RESIDUAL), "layer_input")
-        # Dynamic RoPE's frequencies depend on the forward's longest position (models/rope.py): the
-        # sequence's in training; a serving step's longest real token over the batch (not the padded
-        # prompt's, nor the cache's room).
+        # Dynamic RoPE's frequencies depend on the forward's longest position (models/rope.py): the whole
+        # sequence's in training, also where each device holds its own chunks of it; a serving step's
+        # longest real token over the batch (not the padded prompt's, nor the cache's room).
         if cache is None:
             positions = context.layer_positions(x_BxLxD.shape[1])  # Zigzag order when split.
-            length = x_BxLxD.shape[1]
+            length = x_BxLxD.shape[1] * (context.shards() if context.split_by_hand() else 1)
         else:
             positions = cache.positions  # Each sequence's own in a decode step.
             length = cache.rope_length
