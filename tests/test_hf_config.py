@@ -216,7 +216,9 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
 
 @pytest.mark.parametrize("options, words", [
     ({"model_type": "phi3"}, "model_type 'phi3'"),
-    ({"attention_bias": True}, "attention_bias: true"),
+    ({"attention_bias": True}, "attention_bias: true"),  # Llama's q, k, v and o projections read it,
+    ({"mlp_bias": True}, "mlp_bias: true"),  # and its MLP's this one;
+    ({"model_type": "gemma", "attention_bias": True}, "attention_bias: true"),  # Gemma's attention too.
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0]}},
      "rope_scaling short_factor"),
@@ -241,6 +243,17 @@ def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_
     with pytest.raises(ConfigError) as error:
         _config(tmp_path)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("model_type, options", [
+    ("mistral", {"attention_bias": True, "mlp_bias": True}),  # Its projections have no bias, whatever
+    ("qwen2", {"attention_bias": True, "mlp_bias": True}),  # q, k and v always have one, no others
+    ("gemma", {"mlp_bias": True}),  # Its MLP has none.
+])  # fmt: skip
+def test_bias_flags_transformers_ignores_for_the_type_load_with_its_logits(tmp_path, model_type, options):
+    config, tensors = _checkpoint(tmp_path, model_type, **options)  # Were refused.
+    _, _, got = _logits(_config(tmp_path))
+    _assert_matches(got, config, tensors)
 
 
 @pytest.mark.parametrize("model_type, options, activation", [

@@ -51,6 +51,12 @@ _DEFAULTS = {
 }  # fmt: skip
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.mlp_activation -> hidden_act.
+#: The bias flags each type's forward reads (transformers 4.57): Llama's attention projections take
+#: attention_bias and its MLP's mlp_bias; Gemma's attention takes attention_bias, its MLP has no bias;
+#: Mistral builds every projection without one, and Qwen2 its q, k and v with one (qkv_bias), whatever
+#: config.json says.
+_BIAS_FLAGS = {"llama": ("attention_bias", "mlp_bias"), "gemma": ("attention_bias",), "mistral": (),
+               "qwen2": ()}  # fmt: skip
 _ROPE_KEYS = {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings",
               "beta_fast", "beta_slow", "attention_factor", "truncate"}  # fmt: skip
@@ -128,7 +134,7 @@ def model_fields(hf: dict, where: str) -> dict:
         refuse(
             f"quantization_config ({hf['quantization_config'].get('quant_method', '?')}-quantized weights)"
         )
-    for key in ("attention_bias", "mlp_bias"):
+    for key in _BIAS_FLAGS[kind]:
         if hf.get(key):
             refuse(f"{key}: true")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
