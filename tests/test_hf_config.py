@@ -78,6 +78,13 @@ def test_rope_scalings_load_with_the_logits_of_transformers(tmp_path, model_type
     _assert_matches(got, config, tensors, plain)
 
 
+def test_an_original_context_written_as_a_whole_float_loads_as_transformers_reads_it(tmp_path):
+    # transformers warns that it must be an integer, and computes with 8.0 as with 8 (was refused).
+    config, tensors = _checkpoint(tmp_path, rope_scaling={**LLAMA3, "original_max_position_embeddings": 8.0})
+    _, _, got = _logits(_config(tmp_path))
+    _assert_matches(got, config, tensors, {k: v for k, v in config.items() if k != "rope_scaling"})
+
+
 DEFAULT_LONGEST = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "gemma": 8192}  # transformers' defaults.
 
 
@@ -236,6 +243,12 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
     # What transformers cannot load either, loaded as another model (no scaling, a default base).
     ({"rope_scaling": {"rope_type": "linear"}}, 'rope_scaling {"rope_type": "linear"} without its factor'),
     ({"rope_theta": None}, "has rope_theta=null, where transformers writes a positive number"),
+    # config.json's key and value, not the model section's (was model.rope_scaling...).
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8.5}},
+     "config.json has rope_scaling.original_max_position_embeddings=8.5, where transformers writes a "
+     "positive integer"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "false"}},
+     'config.json has rope_scaling.truncate="false", where transformers writes true or false'),
 ])  # fmt: skip
 def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_path, options, words):
     config = hf.hf_config(**{"model_type": "llama", **options})

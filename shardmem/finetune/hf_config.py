@@ -218,6 +218,14 @@ def _check_types(hf: dict, where: str) -> None:
                 )
 
 
+#: What transformers writes for each rope_scaling key (its other keys are numbers, as factor).
+_ROPE_VALUES = {
+    "factor": ("a number", lambda v: _integer(v) or isinstance(v, float)),
+    "original_max_position_embeddings": ("a positive integer", lambda v: _integer(v) and v > 0),
+    "truncate": ("true or false", lambda v: isinstance(v, bool)),
+}
+
+
 def _rope_scaling(hf: dict, where: str, longest: int, refuse) -> dict | None:
     """``rope_scaling`` as the model section writes it; ``longest``: config.json's
     ``max_position_embeddings`` (or transformers' default), which dynamic and yarn read."""
@@ -242,6 +250,15 @@ def _rope_scaling(hf: dict, where: str, longest: int, refuse) -> dict | None:
     unknown = sorted(set(scaling) - _ROPE_KEYS)
     if unknown:
         refuse(f"rope_scaling {', '.join(unknown)} ({scaling['rope_type']})")
+    original = scaling.get("original_max_position_embeddings")
+    if isinstance(original, float) and original.is_integer():  # transformers computes with it as written.
+        scaling["original_max_position_embeddings"] = int(original)
+    for key, value in scaling.items():
+        written, valid = _ROPE_VALUES.get(key, _ROPE_VALUES["factor"])
+        if key != "rope_type" and value is not None and not valid(value):
+            raise ConfigError(f"finetune.init_from: {where} has rope_scaling.{key}="
+                              f"{json.dumps(hf['rope_scaling'].get(key, value))}, where transformers writes "
+                              f"{written}; give the checkpoint's own config.json")  # fmt: skip
     if scaling["rope_type"] == "dynamic" or (
         scaling["rope_type"] == "yarn" and not scaling.get("original_max_position_embeddings")
     ):
