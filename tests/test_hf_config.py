@@ -184,6 +184,7 @@ def test_dynamic_rope_trains_with_the_whole_sequences_length(tmp_path, axes, sec
     ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0}, None),  # Was 4096.
     ({"use_sliding_window": True, "sliding_window": 4}, None),  # max_window_layers 28: no layer of 2.
     ({"use_sliding_window": False, "sliding_window": 4, "max_window_layers": 0}, None),
+    ({"use_sliding_window": False, "sliding_window": 0, "max_window_layers": 0}, None),  # Unread: no window.
     ({"use_sliding_window": True, "sliding_window": 4, "layer_types": ["sliding_attention"] * 2}, 4),
 ])  # fmt: skip
 def test_qwen2s_window_is_the_one_transformers_gives_its_layers(options, window):
@@ -243,12 +244,16 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
     # What transformers cannot load either, loaded as another model (no scaling, a default base).
     ({"rope_scaling": {"rope_type": "linear"}}, 'rope_scaling {"rope_type": "linear"} without its factor'),
     ({"rope_theta": None}, "has rope_theta=null, where transformers writes a positive number"),
-    # config.json's key and value, not the model section's (was model.rope_scaling...).
+    # config.json's key and value, not the model section's (was model.rope_scaling..., model.sliding_window).
     ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8.5}},
      "config.json has rope_scaling.original_max_position_embeddings=8.5, where transformers writes a "
      "positive integer"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "false"}},
      'config.json has rope_scaling.truncate="false", where transformers writes true or false'),
+    # A window of no positions: transformers' mask hides every key.
+    ({"model_type": "mistral", "sliding_window": 0}, "config.json has sliding_window=0, a window under"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 0, "max_window_layers": 0},
+     "config.json has sliding_window=0"),
 ])  # fmt: skip
 def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_path, options, words):
     config = hf.hf_config(**{"model_type": "llama", **options})

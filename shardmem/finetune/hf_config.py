@@ -162,7 +162,7 @@ def model_fields(hf: dict, where: str) -> dict:
         "n_heads": heads, "n_kv_heads": kv_heads,
         "d_ff": hf["intermediate_size"], "head_dim": head_dim,
         "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": scaling,
-        "sliding_window": _sliding_window(hf, kind, refuse), "norm_eps": float(get("rms_norm_eps")),
+        "sliding_window": _sliding_window(hf, kind, where, refuse), "norm_eps": float(get("rms_norm_eps")),
         "norm_offset": 1.0 if gemma else 0.0, "scale_embeddings": gemma,
         "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2",
         "tie_embeddings": bool(get("tie_word_embeddings")), "n_experts": 0,
@@ -266,12 +266,23 @@ def _rope_scaling(hf: dict, where: str, longest: int, refuse) -> dict | None:
     return scaling
 
 
-def _sliding_window(hf: dict, kind: str, refuse) -> int | None:
+def _no_positions(where: str) -> ConfigError:
+    """A window of 0 on a sliding layer: transformers' mask (``masking_utils.sliding_window_overlay``, the
+    keys after ``q - window``) hides every key from every query."""
+    return ConfigError(f"finetune.init_from: {where} has sliding_window=0, a window under which "
+                       "transformers' mask hides every key from every query; give the checkpoint's own "
+                       "config.json (null: no window)")  # fmt: skip
+
+
+def _sliding_window(hf: dict, kind: str, where: str, refuse) -> int | None:
     """Mistral's window, or Qwen2's where it covers every layer (transformers: layer i slides from
     ``max_window_layers`` on, or as ``layer_types`` says, with ``sliding_window`` when
     ``use_sliding_window``; a null window is none)."""
     if kind == "mistral":
-        return hf.get("sliding_window", 4096)
+        window = hf.get("sliding_window", 4096)
+        if window == 0:
+            raise _no_positions(where)
+        return window
     if kind != "qwen2":
         return None
     layers = hf["num_hidden_layers"]
@@ -288,6 +299,8 @@ def _sliding_window(hf: dict, kind: str, refuse) -> int | None:
         refuse(f"layer_types with sliding_attention layers but no sliding window (use_sliding_window "
                f"{json.dumps(hf.get('use_sliding_window'))}, sliding_window "
                f"{json.dumps(hf.get('sliding_window'))})")  # fmt: skip
+    if window == 0:
+        raise _no_positions(where)
     if all(k == "sliding_attention" for k in kinds):
         return window
     refuse(f"a sliding window on {kinds.count('sliding_attention')} of its {layers} layers")
