@@ -267,11 +267,17 @@ def test_what_the_reference_model_does_not_implement_is_refused_in_one_line(tmp_
     ("mistral", {"attention_bias": True, "mlp_bias": True}),  # Its projections have no bias, whatever
     ("qwen2", {"attention_bias": True, "mlp_bias": True}),  # q, k and v always have one, no others
     ("gemma", {"mlp_bias": True}),  # Its MLP has none.
+    ("mistral", {"attention_bias": "true", "mlp_bias": "false"}),  # Unread, so never type-checked.
 ])  # fmt: skip
 def test_bias_flags_transformers_ignores_for_the_type_load_with_its_logits(tmp_path, model_type, options):
     config, tensors = _checkpoint(tmp_path, model_type, **options)  # Were refused.
     _, _, got = _logits(_config(tmp_path))
     _assert_matches(got, config, tensors)
+
+
+def test_a_quoted_bias_flag_of_a_type_that_reads_it_is_refused():
+    with pytest.raises(ConfigError, match=r'attention_bias="false", where transformers writes true or false'):
+        model_fields(hf.hf_config("llama", attention_bias="false"), "config.json")
 
 
 @pytest.mark.parametrize("model_type, options, activation", [

@@ -129,7 +129,7 @@ def model_fields(hf: dict, where: str) -> dict:
         raise ConfigError(f"finetune.init_from: {where} has {what}, which the reference model does not "
                           "implement: its logits would be wrong, so it is not loaded")  # fmt: skip
 
-    _check_types(hf, where)
+    _check_types(hf, where, kind)
     if hf.get("quantization_config"):
         refuse(
             f"quantization_config ({hf['quantization_config'].get('quant_method', '?')}-quantized weights)"
@@ -198,16 +198,17 @@ _TYPES = (
 )
 
 
-def _check_types(hf: dict, where: str) -> None:
+def _check_types(hf: dict, where: str, kind: str) -> None:
     """Raises ConfigError naming the file and the key for a size config.json lacks, or a value it gives
     in another type than transformers writes (a size as other than a positive integer, a flag as other
-    than true or false, ...)."""
+    than true or false, ...); a bias flag only where model type ``kind`` reads it."""
+    unread = {"attention_bias", "mlp_bias"} - set(_BIAS_FLAGS[kind])
     for key in _REQUIRED_SIZES:
         if key not in hf:
             raise ConfigError(f"finetune.init_from: {where} has no {key}, where transformers writes a "
                               "positive integer; give the checkpoint's own config.json")  # fmt: skip
     for keys, written, valid in _TYPES:
-        for key in keys:
+        for key in (key for key in keys if key not in unread):
             value = hf.get(key)
             # A null rope_theta or rms_norm_eps is given too: transformers fails on it.
             given = value is not None or (key in _NUMBERS and key in hf)
