@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardmem",
         description="Declarative sharding and rematerialization for JAX, checked before a run.",
     )
-    parser.add_argument("--version", action="version", version=_version(),
+    parser.add_argument("--version", action=_Version, nargs=0,
                         help="print shardmem's, JAX's and Python's versions and exit")  # fmt: skip
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -278,15 +278,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
-    """What a bug report needs: shardmem's version and the JAX and Python it runs on."""
-    import platform
-    from importlib import metadata
+class _Version(argparse.Action):
+    """``--version``: what a bug report needs, shardmem's version and the JAX and Python it runs on (read
+    when asked, not each time the parser is built)."""
 
-    import jax
+    def __call__(self, parser, namespace, values, option_string=None):
+        import platform
+        from importlib import metadata
 
-    return (f"shardmem {metadata.version('shardmem')} (jax {jax.__version__}, jaxlib "
-            f"{metadata.version('jaxlib')}, python {platform.python_version()})")  # fmt: skip
+        import jax
+
+        try:
+            version = metadata.version("shardmem")
+        except metadata.PackageNotFoundError:  # Run from a checkout on PYTHONPATH, not installed.
+            version = "(not installed)"
+        jaxlib = metadata.version("jaxlib")
+        python = platform.python_version()
+        print(f"shardmem {version} (jax {jax.__version__}, jaxlib {jaxlib}, python {python})")
+        parser.exit()
 
 
 def cmd_train(args) -> int:
@@ -621,12 +630,14 @@ def _sweep(args) -> int:
         return EXIT_USAGE
     if rows and not any(row.fits for row in rows):  # As plan exits: 5 if the best is tight, else 3.
         planned = [row for row in rows if row.peak_bytes is not None and row.budget_bytes is not None]
-        best = min(planned, key=lambda row: row.peak_bytes, default=None)
+        best = min([row for row in planned if row.tight] or planned, key=lambda row: row.peak_bytes,
+                   default=None)  # fmt: skip
         if best is None:  # Each one failed or was refused by the compiler (a TPU's), with no report.
             print("shardmem: no candidate fits; see their errors", file=sys.stderr)
             return EXIT_DOES_NOT_FIT
         verdict = "is tight" if best.tight else "does not fit"
-        print(f"shardmem: no candidate fits; the smallest peak, {best.candidate}'s "
+        print(f"shardmem: no candidate fits; the {'smallest tight' if best.tight else 'smallest'} peak, "
+              f"{best.candidate}'s "
               f"{format_bytes(best.peak_bytes)} per device, {verdict} in its budget of "
               f"{format_bytes(best.budget_bytes)}", file=sys.stderr)  # fmt: skip
         return EXIT_TIGHT if best.tight else EXIT_DOES_NOT_FIT

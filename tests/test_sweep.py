@@ -192,10 +192,12 @@ def test_an_unexpected_error_is_the_candidates_row_not_the_end_of_the_sweep(monk
     ("peaks", "tight", "code", "said"),
     [
         ((1500, 900), (False, False), 0, None),
-        ((1500, 1100), (False, True), 5, "remat.policy=full's 1.07 KiB per device, is tight"),
-        ((1500, 1200), (False, False), 3, "remat.policy=full's 1.17 KiB per device, does not fit"),
+        ((1500, 1100), (False, True), 5, ("smallest tight", "full", "1.07 KiB", "is tight")),
+        # A tight candidate is named over a smaller peak that does not fit.
+        ((1200, 1100), (True, False), 5, ("smallest tight", "none", "1.17 KiB", "is tight")),
+        ((1500, 1200), (False, False), 3, ("smallest", "full", "1.17 KiB", "does not fit")),
     ],
-)
+)  # fmt: skip
 def test_cli_sweep_exits_as_plan_does_when_no_candidate_fits(monkeypatch, tmp_path, capsys, peaks, tight,
                                                               code, said):  # fmt: skip
     def fake_plan(program, target, **kwargs):
@@ -212,7 +214,9 @@ def test_cli_sweep_exits_as_plan_does_when_no_candidate_fits(monkeypatch, tmp_pa
     if said is None:
         assert "no candidate fits" not in err
     else:
-        assert f"no candidate fits; the smallest peak, {said} in its budget of 1000 B" in err
+        which, policy, size, verdict = said
+        assert (f"no candidate fits; the {which} peak, remat.policy={policy}'s {size} per device, "
+                f"{verdict} in its budget of 1000 B") in err  # fmt: skip
 
 
 def test_cli_exits_2_when_every_candidate_failed(monkeypatch, tmp_path, capsys):
