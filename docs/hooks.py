@@ -197,6 +197,9 @@ def cli_reference() -> str:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {a.dest: a.help for a in sub._choices_actions}
     out = [f"`shardmem COMMAND`: {parser.description}", ""]
+    for action in parser._actions:  # The options before any command (--version).
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            out += [f"`shardmem {action.option_strings[0]}`: {action.help}.", ""]
     for name, command in cli_commands().items():
         usage = " ".join(command.format_usage().removeprefix("usage: ").split())
         out += [f"## `shardmem {name}`", "", f"{helps.get(name, '')}.", "", "```", usage, "```", ""]
