@@ -111,6 +111,26 @@ def test_a_tensor_by_data_program_on_8_devices_gives_one_devices_logits(sharded)
     np.testing.assert_allclose(single, cached, atol=2e-5, rtol=2e-5)
 
 
+def test_more_tensor_devices_than_kv_heads_hold_each_kv_head_on_several_as_the_error_says(sharded):
+    program, weights, cached = sharded
+    with pytest.raises(ConfigError) as refused:  # 4 devices, 2 KV heads.
+        _program({"data": 1, "tensor": 4})
+    advice = ("to hold each KV head on 2 devices, split the axis: mesh.axes.tensor=2 and "
+              "mesh.axes.tensor_rep=2, with rules heads, mlp and vocab on [tensor, tensor_rep] (kv_heads "
+              "stays on [tensor])")  # fmt: skip
+    assert advice in str(refused.value)
+    split = ["tensor", "tensor_rep"]
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": {"data": 2, "tensor": 2, "tensor_rep": 2}},
+                               "rules": {"heads": split, "mlp": split, "vocab": split},
+                               "precision": {"compute": "float32"},
+                               "serve": {"batch": B, "prompt_len": P_LEN, "max_len": T}})  # fmt: skip
+    followed = serving_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    assert followed.serving.cache_shardings.keys.spec == P(None, "data", None, "tensor")  # A head each.
+    assert followed.description.frozen_shardings["layers"]["wq"].spec == P(None, None, tuple(split))
+    laid_out = followed.start_from(jax.device_get(stacked(weights)))
+    np.testing.assert_allclose(_cached_logits(followed, laid_out, _tokens()), cached, atol=2e-5, rtol=2e-5)
+
+
 def test_one_sequence_decodes_to_the_full_forwards_logits(sharded):
     # A batch of one writes its cache in place with an update, not a scatter (kv_cache.KVCache.write).
     program, weights, _ = sharded

@@ -258,6 +258,16 @@ def check_divisible(
             if path_rule is not None:
                 rule = f"param_rules.{path_rule!r} puts dimension {dim} on {list(axes)}"
                 other = f"change entry {dim} of param_rules.{path_rule!r}"
+            elif name == "kv_heads" and len(axes) == 1 and shards % size == 0:
+                # More devices than KV heads: each KV head on shards // size of them (as vLLM holds them).
+                (axis,) = axes
+                pair = f"[{axis}, {axis}_rep]"
+                raise ConfigError(
+                    f"{key}: kv_heads has size {size}, which {sizes} does not divide ({rule}); to hold each "
+                    f"KV head on {shards // size} devices, split the axis: mesh.axes.{axis}={size} and "
+                    f"mesh.axes.{axis}_rep={shards // size}, with rules heads, mlp and vocab on {pair} "
+                    f"(kv_heads stays on [{axis}]); or use a mesh axis size among {fits}"
+                )
             raise ConfigError(
                 f"{key}: {name} has size {size}, which {sizes} does not divide ({rule}); "
                 f"use a mesh axis size among {fits}, or {other}"
