@@ -254,6 +254,23 @@ def test_an_orbax_checkpoint_of_a_run_loads_its_parameters_into_a_lora_program(t
     assert "\n" not in str(error.value) and re.search(r"\(2, (96, 64|64, 96)\)", str(error.value))
 
 
+def test_a_runs_checkpoint_loads_without_orbax_warnings(tmp_path, caplog):
+    """The item folder holds no step metadata (the step folder above does): reading the saved tree through
+    a PyTreeCheckpointer warned, at every plan, train and generate, that the file does not exist."""
+    from shardmem.finetune.weights import check_init_from
+    from shardmem.run.checkpoint import Checkpointer
+
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": {"data": 1}}, "train": {"global_batch": 8}})
+    pretrained = build_program(config, build_mesh(config.mesh.axes, jax.devices()[:1]))
+    with Checkpointer(tmp_path / "run" / "checkpoints", every=1, keep=1) as checkpointer:
+        checkpointer.save(7, pretrained.init(), force=True)
+    program = build_program(config.replace(f"finetune.init_from={tmp_path / 'run'}"), pretrained.mesh)
+    with caplog.at_level("WARNING"):
+        check_init_from(program)
+        program.init()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= 30]
+
+
 # The bar against the real library: Hugging Face `transformers` 4.x (the last line with Flax models, so no
 # torch) random-initialises a tiny Llama and Gemma. Two checkpoints of each: the Flax-layout one its own
 # save_pretrained writes, and the PyTorch-layout one (what the Hub holds) written here from its parameters

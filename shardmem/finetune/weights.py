@@ -271,10 +271,14 @@ def _orbax_tree(item: Path) -> dict:
     """The saved state's tree of array metadata (shapes and dtypes), read without its data."""
     import orbax.checkpoint as ocp
 
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        metadata = checkpointer.metadata(item)
-    tree = getattr(metadata, "item_metadata", metadata)
-    return getattr(tree, "tree", tree)
+    # The handler reads the item's own metadata; a PyTreeCheckpointer would also look for the step's
+    # _CHECKPOINT_METADATA in the item folder (it is one level up) and warn that it does not exist.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        metadata = handler.metadata(item)
+    finally:
+        handler.close()
+    return getattr(metadata, "tree", metadata)
 
 
 def _check_orbax(path: Path, given, program) -> None:
