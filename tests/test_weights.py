@@ -271,6 +271,24 @@ def test_a_runs_checkpoint_loads_without_orbax_warnings(tmp_path, caplog):
     assert not [r.getMessage() for r in caplog.records if r.levelno >= 30]
 
 
+@pytest.mark.parametrize("damage", ["deleted", "garbled"])
+def test_a_run_whose_checkpoint_metadata_is_damaged_is_a_one_line_error_naming_it(tmp_path, damage):
+    from shardmem.finetune.weights import check_init_from
+    from shardmem.run.checkpoint import Checkpointer
+
+    config = config_from_dict({"model": MODEL, "mesh": {"axes": {"data": 1}}, "train": {"global_batch": 8}})
+    pretrained = build_program(config, build_mesh(config.mesh.axes, jax.devices()[:1]))
+    with Checkpointer(tmp_path / "run" / "checkpoints", every=1, keep=1) as checkpointer:
+        checkpointer.save(7, pretrained.init(), force=True)
+    metadata = tmp_path / "run" / "checkpoints" / "7" / "default" / "_METADATA"
+    metadata.unlink() if damage == "deleted" else metadata.write_text("{not json")
+    program = build_program(config.replace(f"finetune.init_from={tmp_path / 'run'}"), pretrained.mesh)
+    for call in (lambda: check_init_from(program), program.init):
+        message = _one_line_error(call)
+        assert message.startswith("finetune.init_from: the checkpoint in") and "7/default" in message
+        assert "name an older step's folder" in message
+
+
 # The bar against the real library: Hugging Face `transformers` 4.x (the last line with Flax models, so no
 # torch) random-initialises a tiny Llama and Gemma. Two checkpoints of each: the Flax-layout one its own
 # save_pretrained writes, and the PyTorch-layout one (what the Hub holds) written here from its parameters

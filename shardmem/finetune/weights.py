@@ -276,6 +276,10 @@ def _orbax_tree(item: Path) -> dict:
     handler = ocp.PyTreeCheckpointHandler()
     try:
         metadata = handler.metadata(item)
+    except (OSError, ValueError) as e:  # A deleted or garbled _METADATA (JSONDecodeError is a ValueError).
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"finetune.init_from: the checkpoint in {str(item)!r} does not read ({first}); "
+                          "name an older step's folder of the run, or another run") from None  # fmt: skip
     finally:
         handler.close()
     return getattr(metadata, "tree", metadata)
