@@ -653,8 +653,10 @@ def _pretrained_model(model: dict, finetune: Any) -> ModelConfig:
     (a Hugging Face folder's config.json, a shardmem run's config.yaml): the keys the section leaves out
     come from there, and one it writes (or its preset does) must agree
     (:mod:`shardmem.finetune.hf_config`)."""
-    source = pretrained_model(finetune.get("init_from") if isinstance(finetune, Mapping) else None)
+    init_from = finetune.get("init_from") if isinstance(finetune, Mapping) else None
+    source = pretrained_model(init_from)
     if source is None:
+        _check_init_from_is_there(model, init_from)
         return _build(ModelConfig, model, "model")
     if "seq_len" not in model:
         longest = (source.hf or {}).get("max_position_embeddings")
@@ -666,6 +668,20 @@ def _pretrained_model(model: dict, finetune: Any) -> ModelConfig:
         written, _build(ModelConfig, {**model, **source.fields}, "model"), source.fields, source.where
     )
     return written
+
+
+def _check_init_from_is_there(model: dict, init_from: Any) -> None:
+    """Raises ConfigError naming ``finetune.init_from`` when the model section leaves out keys its
+    config.json would give and the path is not there (a typo, a relative path from another working
+    directory): "model.vocab_size is required" would send the user to a path they did give."""
+    from shardmem.finetune.weights import _missing
+
+    required = [f.name for f in dataclasses.fields(ModelConfig)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    absent = [name for name in required if name not in model and name != "seq_len"]
+    if absent and isinstance(init_from, str) and init_from and not Path(init_from).expanduser().exists():
+        raise ConfigError(f"{_missing(init_from)} (its config.json would give model.{absent[0]}, which the "
+                          "model section leaves out)")  # fmt: skip
 
 
 def _build(cls, data: Any, key: str):

@@ -113,6 +113,10 @@ def test_reserve_accepts_units():
         ({"model": {"preset": "tiny"}, "memory": {"reserve": "lots"}}, ["memory.reserve", "1GiB"]),
         ({"model": {"preset": "tiny"}, "precision": {"compute": "fp8"}}, ["precision.compute", "bfloat16"]),
         ({"model": {}}, ["model.vocab_size is required", "model.preset"]),
+        (  # The model section left to a checkpoint that is not there: the path is the mistake.
+            {"model": {"seq_len": 64}, "finetune": {"init_from": "/no/such/Llama-3.2-1B"}},
+            ["finetune.init_from='/no/such/Llama-3.2-1B': no such file or folder", "model.vocab_size"],
+        ),
         ({"model": {"preset": "tiny", "head_dim": -4}}, ["model.head_dim=-4", "positive"]),
         ({"model": {"preset": "tiny"}, "optimizer": {"b2": 1.5}}, ["optimizer.b2=1.5", "[0, 1)"]),
         ({"model": {"preset": "tiny"}, "optimizer": {"warmup_steps": -1}}, ["optimizer.warmup_steps=-1"]),
