@@ -656,9 +656,10 @@ class _NoLog:
         pass
 
 
-#: What a fine-tune's checkpoints mean only with: the base the adapters were trained on (loaded again at
-#: every start, not checkpointed), and how the adapters and the frozen weights are computed. The shapes
-#: the checkpoint holds are checked when it restores; these are not in them.
+#: What a fine-tune's checkpoints mean only with: the base the adapters were trained on (checkpointed with
+#: them and restored from there, so a changed init_from would be silently ignored), and how the adapters
+#: and the frozen weights are computed. The shapes the checkpoint holds are checked when it restores;
+#: these are not in them.
 _RESUME_FIXED = ("init_from", "base_dtype", "freeze", "quantize", "lora")
 
 
