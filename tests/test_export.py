@@ -196,11 +196,13 @@ def test_an_out_that_cannot_be_a_folder_is_one_line(run, tmp_path, capsys, out, 
     assert (tmp_path / "file").read_text() == "mine"
 
 
-def test_a_runs_checkpoints_folder_as_run_dir_names_the_run_folder(run, capsys):
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/3", "checkpoints/3/default"])
+def test_a_runs_checkpoints_or_step_folder_as_run_dir_names_the_run_folder(run, capsys, inside):
     config_file, run_dir = run[:2]
-    argv = ["export", str(config_file), "--run-dir", str(run_dir / "checkpoints"), "--out", "/nonexistent"]
+    argv = ["export", str(config_file), "--run-dir", str(run_dir / inside), "--out", "/nonexistent"]
     assert main(argv) == 2  # It said "no checkpoint to export; train first".
-    _one_line(capsys, "is a run's checkpoints folder; give the run's own folder", f"--run-dir {run_dir})")
+    what = "checkpoints folder" if inside == "checkpoints" else "checkpoint folder"
+    _one_line(capsys, f"is a run's {what}; give the run's own folder", f"--run-dir {run_dir})")
 
 
 def test_export_merges_with_the_runs_own_settings(run, capsys):

@@ -32,7 +32,7 @@ import numpy as np
 
 from shardmem._files import make_folder, staged
 from shardmem.errors import ConfigError
-from shardmem.finetune.hf_config import ARCHITECTURE_KEYS, pretrained_model, to_hf
+from shardmem.finetune.hf_config import ARCHITECTURE_KEYS, pretrained_model, run_folder, to_hf
 from shardmem.finetune.lora import weight
 from shardmem.finetune.spec import _flat, _name
 from shardmem.finetune.weights import _expected, _layout, _resolved
@@ -55,9 +55,11 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
     from shardmem.run.checkpoint import Checkpointer
 
     run_dir = Path(run_dir)
-    if run_dir.name == "checkpoints" and (run_dir.parent / "config.yaml").is_file():
-        raise ConfigError(f"--run-dir {str(run_dir)!r} is a run's checkpoints folder; give the run's own "
-                          f"folder (--run-dir {run_dir.parent})")  # fmt: skip
+    run = run_folder(run_dir)
+    if run is not None and run.resolve() != run_dir.resolve():  # Its checkpoints folder, a step's, an item.
+        what = "checkpoints folder" if run_dir.name == "checkpoints" else "checkpoint folder"
+        raise ConfigError(f"--run-dir {str(run_dir)!r} is a run's {what}; give the run's own folder "
+                          f"(--run-dir {run}): export takes its newest checkpoint")  # fmt: skip
     _same_as_the_run(config, run_dir)
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     step = state = None
