@@ -671,17 +671,33 @@ def _pretrained_model(model: dict, finetune: Any) -> ModelConfig:
 
 
 def _check_init_from_is_there(model: dict, init_from: Any) -> None:
-    """Raises ConfigError naming ``finetune.init_from`` when the model section leaves out keys its
-    config.json would give and the path is not there (a typo, a relative path from another working
-    directory): "model.vocab_size is required" would send the user to a path they did give."""
+    """Raises ConfigError naming ``finetune.init_from`` when the model section leaves out keys and the
+    path gives no architecture to take them from (not there, a file other than safetensors, a folder
+    without a config.json, PEFT's adapters): "model.vocab_size is required; or point finetune.init_from
+    at a Hugging Face folder" would send the user to a path they did give."""
     from shardmem.finetune.weights import _missing
 
     required = [f.name for f in dataclasses.fields(ModelConfig)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
     absent = [name for name in required if name not in model and name != "seq_len"]
-    if absent and isinstance(init_from, str) and init_from and not Path(init_from).expanduser().exists():
-        raise ConfigError(f"{_missing(init_from)} (its config.json would give model.{absent[0]}, which the "
-                          "model section leaves out)")  # fmt: skip
+    if not absent or not isinstance(init_from, str) or not init_from:
+        return
+    path = Path(init_from).expanduser()
+    leaves_out = f"model.{absent[0]}, which the model section leaves out"
+    if not path.exists():
+        raise ConfigError(f"{_missing(init_from)} (its config.json would give {leaves_out})")
+    if ((path if path.is_dir() else path.parent) / "adapter_config.json").is_file():
+        raise ConfigError(f"finetune.init_from={init_from!r} is PEFT's adapters (adapter_config.json), not a "
+                          "model; give the base model's folder (adapter_config.json's "
+                          "base_model_name_or_path), or a merged export (shardmem export without "
+                          "--adapters-only)")  # fmt: skip
+    if path.is_file() and path.suffix != ".safetensors":
+        raise ConfigError(f"finetune.init_from={init_from!r} is a file, not weights; give the folder it is "
+                          f"in ({str(path.parent)!r}) if that is a Hugging Face model's or a shardmem "
+                          "run's")  # fmt: skip
+    raise ConfigError(f"finetune.init_from={init_from!r} has no config.json to give {leaves_out}; give the "
+                      "Hugging Face model's folder with its config.json, or the whole model section (or a "
+                      "model.preset)")  # fmt: skip
 
 
 def _build(cls, data: Any, key: str):

@@ -147,6 +147,33 @@ def test_config_errors_name_the_key_and_the_fix(raw, fragments):
         assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "given, says",
+    [
+        ("adapters", "is PEFT's adapters (adapter_config.json), not a model; give the base model's folder"),
+        ("adapters/adapter_model.safetensors", "is PEFT's adapters (adapter_config.json), not a model"),
+        ("base/config.json", "is a file, not weights; give the folder it is in"),
+        ("weights", "has no config.json to give model.vocab_size, which the model section leaves out"),
+    ],
+)
+def test_a_model_section_left_to_an_init_from_that_has_no_config_json_names_what_it_is(
+    tmp_path, monkeypatch, given, says
+):
+    """It said "model.vocab_size is required; or point finetune.init_from at a Hugging Face folder", for a
+    path that is one: the mistake is which path."""
+    folders = {"adapters": ["adapter_config.json", "adapter_model.safetensors"],
+               "base": ["config.json", "model.safetensors"], "weights": ["model.safetensors"]}  # fmt: skip
+    for folder, files in folders.items():
+        (tmp_path / folder).mkdir()
+        for name in files:
+            (tmp_path / folder / name).write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": {"seq_len": 64}, "finetune": {"init_from": given}})
+    assert str(info.value).startswith(f"finetune.init_from={given!r}") and says in str(info.value)
+    assert "\n" not in str(info.value)
+
+
 def test_bad_override_syntax(tmp_path):
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_config(CONFIGS[0], ["remat.policy"])
