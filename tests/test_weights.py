@@ -512,6 +512,21 @@ def test_an_empty_truncated_or_garbage_file_is_a_one_line_error_naming_it(tmp_pa
     assert message.endswith("it is empty, truncated or not safetensors: download it again")
 
 
+@pytest.mark.parametrize("name", ["config.json", "config.yaml", "pytorch_model.bin"])
+def test_a_file_that_is_not_weights_is_named_with_its_folder_not_download_it_again(tmp_path, name):
+    """init_from naming a checkpoint's config.json, a run's config.yaml or a PyTorch pickle, beside a model
+    section that says the whole model: the mistake is the path, not a broken download."""
+    from shardmem.finetune.weights import check_init_from
+
+    (tmp_path / name).write_text('{"model_type": "llama"}')
+    program = _plain_program(tmp_path / name)
+    for call in (lambda: check_init_from(program, planning=True), program.init):
+        message = _one_line_error(call)
+        given = str(tmp_path / name)
+        assert message.startswith(f"finetune.init_from={given!r} is a file, not weights; give ")
+        assert f"the folder it is in ({str(tmp_path)!r})" in message and "download" not in message
+
+
 def test_plan_on_a_bad_checkpoint_exits_2_with_one_line_before_compiling(tmp_path, capsys):
     import yaml
 

@@ -69,7 +69,14 @@ class SafetensorsCheckpoint:
         tensors: dict[str, TensorHeader] = {}
         formats = set()
         for file in files:
-            names, dtypes, shapes, metadata = _header(file)
+            try:
+                names, dtypes, shapes, metadata = _header(file)
+            except ConfigError:
+                if folder.is_dir() or folder.suffix == ".safetensors":
+                    raise  # A checkpoint's file that does not read: "download it again" is the fix.
+                raise ConfigError(f"finetune.init_from={where!r} is a file, not weights; give the folder it "
+                                  f"is in ({str(folder.parent)!r}) if that is a Hugging Face model's or a "
+                                  "shardmem run's, or a .safetensors file") from None  # fmt: skip
             formats.add(metadata.get("format"))
             for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
                 if listed is not None and listed.get(name) != file:
