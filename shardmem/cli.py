@@ -570,7 +570,8 @@ def _add_train_commands(commands) -> None:
                         "tokens")  # fmt: skip
     p.add_argument("--eos", metavar="IDS",
                    help="end-of-sequence token ids, e.g. 2 or 128001,128009 (default: finetune.init_from's "
-                   "config.json eos_token_id, else none)")  # fmt: skip
+                   "eos_token_id, from its generation_config.json or else its config.json; else "
+                   "none)")  # fmt: skip
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout at the end (the steps on stderr)")  # fmt: skip
     p.set_defaults(run=cmd_generate)

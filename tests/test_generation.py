@@ -206,6 +206,32 @@ def test_generate_streams_repeats_itself_for_a_seed_and_stops_at_eos(tmp_path):
     assert "generated" in again.stderr and "Traceback" not in again.stderr
 
 
+@pytest.mark.parametrize(
+    "config_eos, generation, expected",
+    [
+        (2, None, (2,)),
+        ([2, 3], None, (2, 3)),
+        (128001, {"eos_token_id": [128001, 128009]}, (128001, 128009)),  # Llama 3 Instruct's files.
+        (2, {"max_length": 64}, (2,)),  # A generation_config.json without one: config.json's.
+        (2, "{broken", (2,)),
+        (None, None, ()),
+    ],
+)
+def test_the_default_eos_is_the_one_transformers_generate_stops_at(tmp_path, config_eos, generation,
+                                                                   expected):  # fmt: skip
+    """``from_pretrained`` reads generation_config.json's eos_token_id over config.json's: taking only
+    config.json's, generate ran past Llama 3 Instruct's end of turn (<|eot_id|>, 128009)."""
+    from shardmem.run.generation import checkpoint_eos
+
+    config = hf.hf_config("llama", eos_token_id=config_eos)
+    hf.save(tmp_path, config, hf.random_tensors(config))
+    if generation is not None:
+        text = generation if isinstance(generation, str) else json.dumps(generation)
+        (tmp_path / "generation_config.json").write_text(text)
+    loaded = config_from_dict({"model": {"seq_len": 16}, "finetune": {"init_from": str(tmp_path)}})
+    assert checkpoint_eos(loaded) == expected
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt-ids", "1,x"], "--prompt-ids: 'x' is not a token id; give integers such as 1,2,3"),
     (["--prompt-ids", ",".join(["1"] * 9)], "prompt 0 has 9 tokens, over serve.prompt_len=8"),

@@ -11,13 +11,14 @@ tokens are dropped), right-padded to ``serve.prompt_len``. Each step samples eve
 (:mod:`shardmem.run.sampling`), hands it to ``on_step`` as it comes and decodes it into the KV cache at
 that sequence's own position; a sequence that draws one of the ``eos`` ids is finished, and the loop ends
 when every one is or after ``max_new_tokens``. Token ids only: no tokenizer is needed
-(:func:`checkpoint_eos` reads the ids a Hugging Face checkpoint's ``config.json`` ends with).
+(:func:`checkpoint_eos` reads the ids a Hugging Face checkpoint ends with).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -181,11 +182,21 @@ def _batch_shards(config) -> int:
 
 
 def checkpoint_eos(config) -> tuple[int, ...]:
-    """Returns the end-of-sequence ids of ``finetune.init_from``'s Hugging Face ``config.json``
-    (``eos_token_id``: one id or a list), or none."""
+    """Returns the end-of-sequence ids ``transformers``' ``generate`` stops at for ``finetune.init_from``'s
+    Hugging Face checkpoint: ``eos_token_id`` (one id or a list) of its ``generation_config.json`` where
+    that gives one, as ``from_pretrained`` reads it (Llama 3 Instruct's adds ``<|eot_id|>`` to the
+    ``config.json``'s), else of its ``config.json``; or none."""
     from shardmem.finetune.hf_config import pretrained_model
 
     source = pretrained_model(config.finetune.init_from)
-    eos = (source.hf or {}).get("eos_token_id") if source is not None else None
+    if source is None or source.hf is None:
+        return ()
+    eos = source.hf.get("eos_token_id")
+    try:
+        generation = json.loads((Path(source.where).parent / "generation_config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        generation = None  # None there, or unreadable: transformers too falls back to config.json.
+    if isinstance(generation, dict) and generation.get("eos_token_id") is not None:
+        eos = generation["eos_token_id"]
     ids = eos if isinstance(eos, list) else [eos]
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
