@@ -446,6 +446,43 @@ def test_a_users_own_model_loads_its_checkpoint_by_path_into_a_lora_program(tmp_
     jax.tree.map(np.testing.assert_array_equal, loaded, original)  # LoRA's B starts at zero.
 
 
+def test_init_names_renames_a_users_tensors_and_a_path_it_does_not_have_is_named(tmp_path):
+    """A key of finetune.init_names that is no parameter path was ignored: the error then asked for the
+    path's own tensor name and suggested another parameter's (up/kernal -> "did you mean 'down.kernel'?");
+    on the reference model the whole mapping was ignored."""
+    spec = {"x": {"shape": ["global_batch", 8], "dtype": "float32", "axes": ["batch", None]},
+            "y": {"shape": ["global_batch"], "dtype": "int32", "axes": ["batch"]}}  # fmt: skip
+    base = {"mesh": {"axes": {"data": 1}}, "train": {"global_batch": 4},
+            "precision": {"params": "float32", "compute": "float32"}}  # fmt: skip
+    mesh = build_mesh({"data": 1}, jax.devices()[:1])
+    plain = build_program(config_from_dict(base), mesh, model_factory=_Mlp, loss_fn=_mlp_loss, batch=spec)
+    original = jax.device_get(plain.init()["params"])
+    export_safetensors(plain, {"params": original}, tmp_path, dtype=jnp.float32)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["encoder.fc1.w"] = tensors.pop("up.kernel")  # Another library's name for it.
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+    def program(names):
+        finetune = {
+            "init_from": str(tmp_path),
+            "init_names": names,
+            "lora": {"rank": 2, "targets": ["up/kernel"]},
+        }
+        return build_program(config_from_dict({**base, "finetune": finetune}), mesh, model_factory=_Mlp,
+                             loss_fn=_mlp_loss, batch=spec)  # fmt: skip
+
+    state = program({"up/kernel": "encoder.fc1.w"}).init()
+    np.testing.assert_array_equal(np.asarray(state["frozen"]["up"]["kernel"]), original["up"]["kernel"])
+    message = _one_line_error(program({"up/kernal": "encoder.fc1.w"}).init)
+    said = "finetune.init_names: 'up/kernal' is not a parameter path of the model (did you mean 'up/kernel'?)"
+    assert message.startswith(said) and "down.kernel" not in message
+    finetune = {"init_from": str(tmp_path), "init_names": {"a": "b"}}
+    reference = config_from_dict({"model": MODEL, "mesh": {"axes": {"data": 1}}, "train": {"global_batch": 8},
+                                  "finetune": finetune})  # fmt: skip
+    message = _one_line_error(build_program(reference, mesh).init)
+    assert message.startswith("finetune.init_names={'a': 'b'}: it renames a model of your own's parameters")
+
+
 # --- Issue 40: checkpoints load exactly or not at all -------------------------------------------------
 
 

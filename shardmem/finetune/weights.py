@@ -83,8 +83,19 @@ def _layout(program, full_shapes: dict, flax: bool = False) -> dict:
     transformers' Flax models save them (``safetensors`` metadata ``format: flax``)."""
     layout = {}
     rename = _flax_name if flax else (lambda name, matrix: name)
+    names = program.config.finetune.init_names
+    if names and not program.custom_model:
+        raise ConfigError(f"finetune.init_names={names!r}: it renames a model of your own's parameters; the "
+                          "reference model reads Hugging Face Llama names (model.layers.0.self_attn.q_proj."
+                          "weight, ...): leave finetune.init_names out")  # fmt: skip
     if program.custom_model:
-        names = program.config.finetune.init_names
+        paths = sorted(_name(path) for path in full_shapes)
+        unknown = next((key for key in names if key not in paths), None)
+        if unknown is not None:  # Its tensor would be looked for under the path's own name instead.
+            more = ", ..." if len(paths) > 6 else ""
+            raise ConfigError(f"finetune.init_names: {unknown!r} is not a parameter path of the model"
+                              f"{did_you_mean(unknown, paths)}; its paths are /-joined, as plan --sharding "
+                              f"lists them: {', '.join(paths[:6])}{more}")  # fmt: skip
         for path in full_shapes:
             layout[path] = _Tensor([names.get(_name(path), _name(path).replace("/", "."))], False)
         return layout
