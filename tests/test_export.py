@@ -212,6 +212,26 @@ def test_export_merges_with_the_runs_own_settings(run, capsys):
     )
 
 
+def test_export_refuses_another_base_than_the_runs_but_takes_its_own_by_another_path(
+    run, tmp_path, capsys, monkeypatch
+):
+    """init_from was not compared: another checkpoint of the same shapes gave the export its config.json and
+    tokenizer, and an adapter export PEFT's base_model_name_or_path, the adapters not trained on it."""
+    import shutil
+
+    base = run[2]
+    shutil.copytree(base, tmp_path / "instruct")
+    assert _export(run, tmp_path / "out", "--set", f"finetune.init_from={tmp_path / 'instruct'}") == 2
+    _one_line(capsys, f"finetune.init_from={tmp_path / 'instruct'} here but {base} in the run",
+              "its base's config.json and tokenizer files go beside them")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    assert _export(run, "/nonexistent", "--set", "finetune.quantize={format: int8, group: 32}") == 2
+    _one_line(capsys, "finetune.quantize={format: int8, group: 32, targets: ['*']} here but null in the run")
+    monkeypatch.chdir(base.parent)  # The run's own base, named relative to the working directory.
+    assert _export(run, tmp_path / "same", "--set", f"finetune.init_from={base.name}") == 0
+    assert (tmp_path / "same" / "model.safetensors").is_file()
+
+
 def test_float16_refuses_entries_beyond_its_range(run, tmp_path):
     _, _, _, program, state = run
     state = dict(state, frozen=jax.tree.map(lambda x: x, state["frozen"]))

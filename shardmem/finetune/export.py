@@ -84,10 +84,25 @@ def _same_as_the_run(config, run_dir: Path) -> None:
     size = lambda model, key: model.head_size if key == "head_dim" else getattr(model, key, None)  # noqa: E731
     pairs = [(f"model.{k}", size(config.model, k), size(saved.model, k)) for k in ARCHITECTURE_KEYS]
     pairs = [p for p in pairs if p[1] != p[2]] + config.finetune.differences(saved.finetune)
-    differ = [f"{key}={mine} here but {theirs} in the run" for key, mine, theirs in pairs]
+    mine, theirs = config.finetune.init_from, saved.finetune.init_from
+    if mine != theirs and (mine is None or theirs is None or _resolved(mine) != _resolved(theirs)):
+        pairs.append(("finetune.init_from", mine, theirs))  # Its config.json, tokenizer, PEFT's base.
+    differ = [f"{key}={_shown(mine)} here but {_shown(theirs)} in the run" for key, mine, theirs in pairs]
     if differ:
         raise ConfigError(f"{'; '.join(differ)} ({run_dir / 'config.yaml'}): export with the config the run "
-                          "trained with (its weights are merged with its own settings)")  # fmt: skip
+                          "trained with (its weights are merged with its own settings, and its base's "
+                          "config.json and tokenizer files go beside them)")  # fmt: skip
+
+
+def _shown(value) -> str:
+    """A setting as --set would write it: ``{format: nf4, group: 16}`` for a section, not its repr."""
+    import dataclasses
+
+    import yaml
+
+    if dataclasses.is_dataclass(value):
+        return yaml.safe_dump(dataclasses.asdict(value), default_flow_style=True, width=10_000).strip()
+    return "null" if value is None else str(value)
 
 
 def export_safetensors(program, state, folder: str | Path, *, dtype=jnp.bfloat16, adapters_only: bool = False,
