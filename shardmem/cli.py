@@ -351,7 +351,7 @@ def _export(args) -> int:
         jax.devices()  # Start the backends now, without the CUDA stub's expected complaint (as train does).
     run_dir = args.run_dir or f"runs/{config.name}"
     step, files = export_run(config, run_dir, args.out, dtype=jax.numpy.dtype(args.dtype),
-                             adapters_only=args.adapters_only, force=args.force)  # fmt: skip
+                             adapters_only=args.adapters_only, force=args.force, step=args.step)  # fmt: skip
     lora = " (LoRA merged)" if config.finetune.lora else ""
     what = "the adapters" if args.adapters_only else f"the weights{lora}"
     beside = f", with {', '.join(f.name for f in files[1:])}" if files[1:] else ""
@@ -510,16 +510,18 @@ def _add_train_commands(commands) -> None:
     p = commands.add_parser(
         "export",
         help="write a run's trained weights as safetensors (LoRA merged, or the adapters alone)",
-        description="Restores the newest checkpoint of RUN_DIR and writes OUT/model.safetensors: Hugging "
-        "Face Llama names for the reference model (LoRA merged into its matrices, a quantized base "
-        "dequantized) with the config.json transformers loads it by, a model of your own's parameter paths; "
-        "with --adapters-only PEFT's OUT/adapter_model.safetensors and adapter_config.json. Each file is "
-        "complete or not there: an error, a full disk or Ctrl-C leaves OUT as it was. Exit 2: config "
-        "error, no checkpoint, a config other than the run's, an export already in OUT (--force replaces "
-        "it) or a value --dtype cannot hold; 130: interrupted.",
+        description="Restores the newest checkpoint of RUN_DIR (or --step N's) and writes "
+        "OUT/model.safetensors: Hugging Face Llama names for the reference model (LoRA merged into its "
+        "matrices, a quantized base dequantized) with the config.json transformers loads it by, a model of "
+        "your own's parameter paths; with --adapters-only PEFT's OUT/adapter_model.safetensors and "
+        "adapter_config.json. Each file is complete or not there: an error, a full disk or Ctrl-C leaves OUT "
+        "as it was. Exit 2: config error, no checkpoint, a config other than the run's, an export already in "
+        "OUT (--force replaces it) or a value --dtype cannot hold; 130: interrupted.",
     )
     _config_args(p)
     p.add_argument("--run-dir", help="the run to export (default: runs/<config name>)")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="export the checkpoint of step N (default: the run's newest)")  # fmt: skip
     p.add_argument("--out", required=True, metavar="FOLDER",
                    help="where the files go (created; never the run's finetune.init_from)")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out")

@@ -201,8 +201,35 @@ def test_a_runs_checkpoints_or_step_folder_as_run_dir_names_the_run_folder(run, 
     config_file, run_dir = run[:2]
     argv = ["export", str(config_file), "--run-dir", str(run_dir / inside), "--out", "/nonexistent"]
     assert main(argv) == 2  # It said "no checkpoint to export; train first".
-    what = "checkpoints folder" if inside == "checkpoints" else "checkpoint folder"
-    _one_line(capsys, f"is a run's {what}; give the run's own folder", f"--run-dir {run_dir})")
+    if inside == "checkpoints":
+        _one_line(capsys, "is a run's checkpoints folder; give the run's own folder", f"--run-dir {run_dir})")
+    else:
+        _one_line(capsys, "is step 3's checkpoint folder of a run", f"(--run-dir {run_dir} --step 3)")
+
+
+def test_step_exports_that_checkpoint_and_a_step_not_saved_lists_those_there(run, tmp_path, capsys):
+    """Only the newest checkpoint could be exported: the fix a diverged run's export suggested, an earlier
+    checkpoint, had no flag, and a step's folder as --run-dir said there was no checkpoint."""
+    config_file, run_dir, _, program, state = run
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=5) as checkpointer:
+        later = jax.tree.map(lambda x: x, state)
+        b = later["params"]["layers"]["wq"]["lora_b"]
+        later["params"]["layers"]["wq"]["lora_b"] = jax.device_put(b + 1.0, b.sharding)
+        checkpointer.save(4, later, force=True)
+    try:
+        assert _export(run, tmp_path / "newest", "--dtype", "float32") == 0
+        assert _export(run, tmp_path / "three", "--dtype", "float32", "--step", "3") == 0
+        assert "of step 3 to" in capsys.readouterr().err
+        newest, three = (load_file(str(tmp_path / f / "model.safetensors")) for f in ("newest", "three"))
+        name, wq_DxHxK = "model.layers.1.self_attn.q_proj.weight", _merged(program, state)["layers"]["wq"][1]
+        np.testing.assert_allclose(three[name], wq_DxHxK.reshape(wq_DxHxK.shape[0], -1).T, atol=1e-6)
+        assert np.abs(newest[name] - three[name]).max() > 0.1  # Step 4 is another model.
+        assert _export(run, tmp_path / "five", "--step", "5") == 2
+        _one_line(capsys, f"--step 5: {run_dir} has no checkpoint of that step; it has steps 3, 4")
+    finally:
+        import shutil
+
+        shutil.rmtree(run_dir / "checkpoints" / "4")  # The module's run as it was.
 
 
 def test_export_merges_with_the_runs_own_settings(run, capsys):

@@ -1,6 +1,7 @@
 """A run's weights out, as folders ``transformers`` and PEFT load as they are, written whole or not at all.
 
     step, files = export_run(config, "runs/my-lora", "exported/")        # the run's newest checkpoint
+    export_run(config, "runs/my-lora", "exported/", step=300)             # or one step's
     export_safetensors(program, state, "exported/")                      # model.safetensors + config.json
     export_safetensors(program, state, "adapters/", adapters_only=True)  # PEFT's adapter files
 
@@ -45,11 +46,12 @@ _CODES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jnp
 
 
 def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat16,
-               adapters_only: bool = False, force: bool = False) -> tuple[int, list[Path]]:  # fmt: skip
-    """Exports the newest checkpoint of the run in ``run_dir`` (see :func:`export_safetensors`) and
-    returns its step and the files written, the weights first. ``config`` must be the run's own: a model
-    or fine-tune setting that differs from its ``config.yaml`` (a LoRA ``alpha`` merges otherwise) is a
-    ConfigError."""
+               adapters_only: bool = False, force: bool = False,
+               step: int | None = None) -> tuple[int, list[Path]]:  # fmt: skip
+    """Exports the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` (see
+    :func:`export_safetensors`) and returns its step and the files written, the weights first.
+    ``config`` must be the run's own: a model or fine-tune setting that differs from its ``config.yaml``
+    (a LoRA ``alpha`` merges otherwise) is a ConfigError."""
     from shardmem.parallel.mesh import build_mesh
     from shardmem.program import build_program
     from shardmem.run.checkpoint import Checkpointer
@@ -57,17 +59,28 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
     run_dir = Path(run_dir)
     run = run_folder(run_dir)
     if run is not None and run.resolve() != run_dir.resolve():  # Its checkpoints folder, a step's, an item.
-        what = "checkpoints folder" if run_dir.name == "checkpoints" else "checkpoint folder"
-        raise ConfigError(f"--run-dir {str(run_dir)!r} is a run's {what}; give the run's own folder "
-                          f"(--run-dir {run}): export takes its newest checkpoint")  # fmt: skip
+        inside = run_dir.resolve().relative_to(run.resolve()).parts  # ("checkpoints", "9", "default")
+        if len(inside) > 1 and inside[1].isdigit():
+            raise ConfigError(f"--run-dir {str(run_dir)!r} is step {inside[1]}'s checkpoint folder of a run; "
+                              f"give the run's own folder and the step (--run-dir {run} --step "
+                              f"{inside[1]})")  # fmt: skip
+        raise ConfigError(f"--run-dir {str(run_dir)!r} is a run's checkpoints folder; give the run's own "
+                          f"folder (--run-dir {run}): export takes its newest checkpoint, or --step "
+                          "N's")  # fmt: skip
     _same_as_the_run(config, run_dir)
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
-    step = state = None
+    saved_steps, state = [], None
     if (run_dir / "checkpoints").is_dir():
-        step, state, _ = Checkpointer(run_dir / "checkpoints", every=1, keep=1 << 30).restore_newest(
-            program.abstract_state
-        )
-    if step is None:
+        checkpoints = Checkpointer(run_dir / "checkpoints", every=1, keep=1 << 30)
+        saved_steps = checkpoints.all_steps()
+        if step is None:
+            step, state, _ = checkpoints.restore_newest(program.abstract_state)
+        elif step in saved_steps:
+            state = checkpoints.restore(program.abstract_state, step)
+    if state is None and step is not None and saved_steps:  # --step names a step the run did not save.
+        raise ConfigError(f"--step {step}: {run_dir} has no checkpoint of that step; it has steps "
+                          f"{', '.join(map(str, saved_steps))}")  # fmt: skip
+    if state is None:
         raise ConfigError(f"--run-dir {str(run_dir)!r} has no checkpoint to export; train first "
                           f"(shardmem train CONFIG --run-dir {run_dir})")  # fmt: skip
     return step, _export(program, state, out, dtype, adapters_only, force)
@@ -277,7 +290,7 @@ def _cast(array: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
     ``dtype`` cannot hold (float16's largest is 65,504: beyond it numpy writes infinities)."""
     if not np.isfinite(array).all():
         raise ConfigError(f"export: {name} has NaN or infinite entries: the run's state is not finite (did "
-                          "it diverge?); export an earlier checkpoint")  # fmt: skip
+                          "it diverge?); export an earlier checkpoint (--step)")  # fmt: skip
     largest = float(np.abs(array).max()) if array.size else 0.0
     if largest > float(jnp.finfo(dtype).max):
         raise ConfigError(f"export --dtype {dtype.name}: {name} has an entry of {largest:.6g}, beyond "
