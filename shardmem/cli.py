@@ -351,7 +351,8 @@ def _export(args) -> int:
         jax.devices()  # Start the backends now, without the CUDA stub's expected complaint (as train does).
     run_dir = args.run_dir or f"runs/{config.name}"
     step, files = export_run(config, run_dir, args.out, dtype=jax.numpy.dtype(args.dtype),
-                             adapters_only=args.adapters_only, force=args.force, step=args.step)  # fmt: skip
+                             adapters_only=args.adapters_only, force=args.force, step=args.step,
+                             warn=lambda line: print(f"warning: {line}", file=sys.stderr))  # fmt: skip
     lora = " (LoRA merged)" if config.finetune.lora else ""
     what = "the adapters" if args.adapters_only else f"the weights{lora}"
     beside = f", with {', '.join(f.name for f in files[1:])}" if files[1:] else ""

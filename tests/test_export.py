@@ -232,6 +232,24 @@ def test_step_exports_that_checkpoint_and_a_step_not_saved_lists_those_there(run
         shutil.rmtree(run_dir / "checkpoints" / "4")  # The module's run as it was.
 
 
+def test_a_newest_checkpoint_that_does_not_restore_is_said_not_passed_over_silently(run, tmp_path, capsys):
+    """The export moved it aside (renamed in the run's folder) and wrote the step before, with no word."""
+    import shutil
+
+    run_dir, state = run[1], run[4]
+    with Checkpointer(run_dir / "checkpoints", every=1, keep=5) as checkpointer:
+        checkpointer.save(4, state, force=True)
+    (run_dir / "checkpoints" / "4" / "default" / "_METADATA").write_text("garbage")
+    try:
+        assert _export(run, tmp_path / "out") == 0
+        err = capsys.readouterr().err
+        assert err.startswith("warning: checkpoint 4 does not restore (") and "; exporting step 3\n" in err
+        assert "wrote the weights (LoRA merged) of step 3 to" in err
+    finally:
+        for moved in (run_dir / "checkpoints").glob("4*"):
+            shutil.rmtree(moved)  # The module's run as it was.
+
+
 def test_export_merges_with_the_runs_own_settings(run, capsys):
     assert _export(run, "/nonexistent", "--set", "finetune.lora.alpha=1") == 2
     _one_line(

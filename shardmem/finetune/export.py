@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -46,12 +46,14 @@ _CODES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jnp
 
 
 def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat16,
-               adapters_only: bool = False, force: bool = False,
-               step: int | None = None) -> tuple[int, list[Path]]:  # fmt: skip
+               adapters_only: bool = False, force: bool = False, step: int | None = None,
+               warn: Callable[[str], None] | None = None) -> tuple[int, list[Path]]:  # fmt: skip
     """Exports the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` (see
     :func:`export_safetensors`) and returns its step and the files written, the weights first.
     ``config`` must be the run's own: a model or fine-tune setting that differs from its ``config.yaml``
-    (a LoRA ``alpha`` merges otherwise) is a ConfigError."""
+    (a LoRA ``alpha`` merges otherwise) is a ConfigError. A newest checkpoint that does not restore is
+    moved aside as ``train`` does (:meth:`~shardmem.run.checkpoint.Checkpointer.restore_newest`) and the
+    one before it exported; ``warn`` is told so in a line."""
     from shardmem.parallel.mesh import build_mesh
     from shardmem.program import build_program
     from shardmem.run.checkpoint import Checkpointer
@@ -74,7 +76,11 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
         checkpoints = Checkpointer(run_dir / "checkpoints", every=1, keep=1 << 30)
         saved_steps = checkpoints.all_steps()
         if step is None:
-            step, state, _ = checkpoints.restore_newest(program.abstract_state)
+            step, state, moved = checkpoints.restore_newest(program.abstract_state)
+            for corrupt in moved if warn is not None else ():
+                instead = f"exporting step {step}" if step is not None else "no other checkpoint restores"
+                warn(f"checkpoint {corrupt.step} does not restore ({corrupt.reason}); moved it to "
+                     f"{corrupt.path}; {instead}")  # fmt: skip
         elif step in saved_steps:
             state = checkpoints.restore(program.abstract_state, step)
     if state is None and step is not None and saved_steps:  # --step names a step the run did not save.
