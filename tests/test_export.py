@@ -207,6 +207,31 @@ def test_a_runs_checkpoints_or_step_folder_as_run_dir_names_the_run_folder(run, 
         _one_line(capsys, "is step 3's checkpoint folder of a run", f"(--run-dir {run_dir} --step 3)")
 
 
+def test_a_run_dir_that_is_not_a_run_says_what_it_is(run, tmp_path, capsys):
+    """Each said "has no checkpoint to export; train first"; a run's config.yaml, "a checkpoints folder"."""
+    config_file, run_dir = run[:2]
+    for name in ("a", "lora"):  # Runs train wrote, one of them under the config's name.
+        (tmp_path / "runs" / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.yaml").write_text("name: x\n")
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    (exported / "model.safetensors").write_bytes(b"")
+    for given, says in [
+        (
+            tmp_path / "runs",
+            f"holds runs (a, lora), not one; give the one to export (--run-dir {tmp_path}/runs/lora)",
+        ),
+        (exported, "holds safetensors weights (a Hugging Face checkpoint or an export), not a shardmem run"),
+        (
+            run_dir / "config.yaml",
+            f"is inside the run {run_dir}; give the run's own folder (--run-dir {run_dir})",
+        ),
+    ]:
+        argv = ["export", str(config_file), "--run-dir", str(given), "--out", str(tmp_path / "out")]
+        assert main(argv) == 2
+        _one_line(capsys, f"--run-dir {str(given)!r} {says}")
+
+
 def test_step_exports_that_checkpoint_and_a_step_not_saved_lists_those_there(run, tmp_path, capsys):
     """Only the newest checkpoint could be exported: the fix a diverged run's export suggested, an earlier
     checkpoint, had no flag, and a step's folder as --run-dir said there was no checkpoint."""

@@ -35,6 +35,7 @@ from shardmem._files import make_folder, staged
 from shardmem.errors import ConfigError
 from shardmem.finetune.hf_config import ARCHITECTURE_KEYS, pretrained_model, run_folder, to_hf
 from shardmem.finetune.lora import weight
+from shardmem.finetune.safetensors_files import safetensors_files
 from shardmem.finetune.spec import _flat, _name
 from shardmem.finetune.weights import _expected, _layout, _resolved
 from shardmem.units import format_bytes
@@ -62,13 +63,13 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
     run = run_folder(run_dir)
     if run is not None and run.resolve() != run_dir.resolve():  # Its checkpoints folder, a step's, an item.
         inside = run_dir.resolve().relative_to(run.resolve()).parts  # ("checkpoints", "9", "default")
-        if len(inside) > 1 and inside[1].isdigit():
+        if len(inside) > 1 and inside[0] == "checkpoints" and inside[1].isdigit():
             raise ConfigError(f"--run-dir {str(run_dir)!r} is step {inside[1]}'s checkpoint folder of a run; "
                               f"give the run's own folder and the step (--run-dir {run} --step "
                               f"{inside[1]})")  # fmt: skip
-        raise ConfigError(f"--run-dir {str(run_dir)!r} is a run's checkpoints folder; give the run's own "
-                          f"folder (--run-dir {run}): export takes its newest checkpoint, or --step "
-                          "N's")  # fmt: skip
+        what = "a run's checkpoints folder" if inside == ("checkpoints",) else f"inside the run {run}"
+        raise ConfigError(f"--run-dir {str(run_dir)!r} is {what}; give the run's own folder (--run-dir "
+                          f"{run}): export takes its newest checkpoint, or --step N's")  # fmt: skip
     _same_as_the_run(config, run_dir)
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     saved_steps, state = [], None
@@ -87,9 +88,23 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
         raise ConfigError(f"--step {step}: {run_dir} has no checkpoint of that step; it has steps "
                           f"{', '.join(map(str, saved_steps))}")  # fmt: skip
     if state is None:
-        raise ConfigError(f"--run-dir {str(run_dir)!r} has no checkpoint to export; train first "
-                          f"(shardmem train CONFIG --run-dir {run_dir})")  # fmt: skip
+        raise ConfigError(_no_run(run_dir, config.name))
     return step, _export(program, state, out, dtype, adapters_only, force)
+
+
+def _no_run(run_dir: Path, name: str) -> str:
+    """What to say of a --run-dir with no checkpoint: a folder of runs, a checkpoint of weights, or a run
+    not trained yet."""
+    runs = sorted(p.name for p in run_dir.glob("*") if run_folder(p) == p) if run_dir.is_dir() else []
+    if runs:
+        listed = ", ".join(runs[:5]) + (", ..." if runs[5:] else "")
+        return (f"--run-dir {str(run_dir)!r} holds runs ({listed}), not one; give the one to export "
+                f"(--run-dir {run_dir / (name if name in runs else runs[0])})")  # fmt: skip
+    if run_dir.is_dir() and safetensors_files(run_dir):
+        return (f"--run-dir {str(run_dir)!r} holds safetensors weights (a Hugging Face checkpoint or an "
+                "export), not a shardmem run; give the folder train wrote the run to")  # fmt: skip
+    return (f"--run-dir {str(run_dir)!r} has no checkpoint to export; train first (shardmem train CONFIG "
+            f"--run-dir {run_dir})")  # fmt: skip
 
 
 def _same_as_the_run(config, run_dir: Path) -> None:
