@@ -266,6 +266,28 @@ def test_resuming_a_fine_tune_with_another_lora_alpha_is_refused_before_it_write
     assert {name: (run_dir / name).read_bytes() for name in before} == before
 
 
+def test_resuming_a_fine_tune_takes_its_base_by_another_path_to_it_but_not_another_base(
+    tmp_path, monkeypatch
+):
+    """init_from was compared as text: the same folder by a relative path, or with a trailing slash (as
+    tab completion writes it), was refused as another base ("resuming would mix the two")."""
+    import shutil
+
+    base = train(load_config(TINY, [*FAST, "train.steps=2"]), tmp_path / "base", console=Console(quiet=True))
+    lora = "finetune.lora={rank: 4, alpha: 8, targets: [layers/wq]}"
+    run_dir = tmp_path / "run"
+    first = load_config(TINY, [*FAST, lora, "train.steps=2", f"finetune.init_from={base.run_dir}"])
+    assert train(first, run_dir, console=Console(quiet=True)).final_step == 2
+    monkeypatch.chdir(tmp_path)
+    same = load_config(TINY, [*FAST, lora, "train.steps=3", "finetune.init_from=base/"])
+    assert train(same, run_dir, console=Console(quiet=True)).final_step == 3
+    shutil.copytree(tmp_path / "base", tmp_path / "other")
+    other = load_config(TINY, [*FAST, lora, "train.steps=4", "finetune.init_from=other"])
+    said = r"init_from='other', but this run's checkpoints were trained with finetune.init_from='base/'"
+    with pytest.raises(ConfigError, match=said):
+        train(other, run_dir, console=Console(quiet=True))
+
+
 def test_mfu_counts_model_flops_and_hfu_the_recomputation_too():
     report = SimpleNamespace(flops_per_step=150.0, flops_no_remat=100.0)
     assert _utilization(report, 2.0, 100.0) == {"mfu": 0.5, "hfu": 0.75}

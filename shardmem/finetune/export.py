@@ -37,7 +37,7 @@ from shardmem.finetune.hf_config import ARCHITECTURE_KEYS, pretrained_model, run
 from shardmem.finetune.lora import weight
 from shardmem.finetune.safetensors_files import safetensors_files
 from shardmem.finetune.spec import _flat, _name
-from shardmem.finetune.weights import _expected, _layout, _resolved
+from shardmem.finetune.weights import _expected, _layout, _resolved, same_init_from
 from shardmem.units import format_bytes
 
 #: The base checkpoint's files a merged export copies, so that its folder loads with a tokenizer.
@@ -119,7 +119,7 @@ def _same_as_the_run(config, run_dir: Path) -> None:
     pairs = [(f"model.{k}", size(config.model, k), size(saved.model, k)) for k in ARCHITECTURE_KEYS]
     pairs = [p for p in pairs if p[1] != p[2]] + config.finetune.differences(saved.finetune)
     mine, theirs = config.finetune.init_from, saved.finetune.init_from
-    if mine != theirs and (mine is None or theirs is None or _resolved(mine) != _resolved(theirs)):
+    if not same_init_from(mine, theirs):
         pairs.append(("finetune.init_from", mine, theirs))  # Its config.json, tokenizer, PEFT's base.
     differ = [f"{key}={_shown(mine)} here but {_shown(theirs)} in the run" for key, mine, theirs in pairs]
     if differ:

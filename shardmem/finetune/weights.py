@@ -160,6 +160,14 @@ def _resolved(path: str | Path) -> Path:
     return Path(path).expanduser().absolute()
 
 
+def same_init_from(given, other) -> bool:
+    """Whether two ``finetune.init_from`` values name the same weights: equal, or paths to one place (a
+    relative and an absolute path, a trailing slash)."""
+    if given == other or given is None or other is None:
+        return given == other
+    return _resolved(given).resolve() == _resolved(other).resolve()
+
+
 def _missing(given) -> str:
     relative = "" if Path(given).expanduser().is_absolute() else f" (a relative path is from {Path.cwd()})"
     return (f"finetune.init_from={str(given)!r}: no such file or folder{relative}; give a Hugging Face "

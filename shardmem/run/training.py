@@ -42,7 +42,7 @@ from rich.console import Console
 from shardmem._interrupt import sigint_to_python, undone_on_interrupt
 from shardmem.config import Config, load_config
 from shardmem.errors import ConfigError, PlanError, ShardmemError
-from shardmem.finetune.weights import check_init_from
+from shardmem.finetune.weights import check_init_from, same_init_from
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
@@ -671,6 +671,7 @@ def _check_resumed_finetune(path: Path, config: Config) -> None:
     except ConfigError:
         return  # No readable record of the last start: the restore's shape checks are what there is.
     changed = config.finetune.differences(saved.finetune, _RESUME_FIXED)
+    changed = [c for c in changed if c[0] != "finetune.init_from" or not same_init_from(c[1], c[2])]
     if changed:
         name, new, old = changed[0]
         raise ConfigError(
