@@ -457,6 +457,9 @@ def _generate(args) -> int:
     config = _load(args)
     eos = generation.checkpoint_eos(config) if eos is None else eos
     generation.check_prompts(config, prompts, args.max_new_tokens, eos)  # Before anything is built.
+    note = generation.untrained_adapters_note(config)
+    if note is not None:
+        print(note, file=sys.stderr)
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         ensure_cpu_devices(config.mesh.device_count())
     configure_local_memory(config)  # A GPU's allocator holds what plan --serve --target local budgets.

@@ -232,6 +232,30 @@ def test_the_default_eos_is_the_one_transformers_generate_stops_at(tmp_path, con
     assert checkpoint_eos(loaded) == expected
 
 
+def test_generate_on_a_fine_tuning_config_says_its_weights_are_the_bases(tmp_path):
+    """generate on the config a LoRA run trained with read init_from's base, silently: the adapters it
+    trained are in the run, which init_from must name."""
+    from shardmem.run.generation import untrained_adapters_note
+
+    config = hf.hf_config("llama")
+    hf.save(tmp_path / "base", config, hf.random_tensors(config))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    plain = config_from_dict({"model": {"seq_len": 16}, "finetune": {"init_from": str(tmp_path / "base")}})
+    (tmp_path / "run" / "config.yaml").write_text(plain.to_yaml())  # A run trained from it.
+    lora = {"rank": 2, "targets": ["layers/wq"]}
+
+    def note(**finetune):
+        raw = {"name": "mine", "model": {"seq_len": 16}, "finetune": finetune}
+        return untrained_adapters_note(config_from_dict(raw))
+
+    said = note(init_from=str(tmp_path / "base"), lora=lora)
+    assert said.startswith(f"note: the weights are finetune.init_from's ({tmp_path / 'base'}), without")
+    assert "--set finetune.init_from=RUN_DIR (e.g. runs/mine)" in said
+    assert note(init_from=str(tmp_path / "base")) is None  # Nothing fine-tuned: the checkpoint is the model.
+    assert note(init_from=str(tmp_path / "run"), lora=lora) is None  # The run's merged model.
+    assert note(init_from=str(tmp_path / "run" / "checkpoints"), lora=lora) is None
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt-ids", "1,x"], "--prompt-ids: 'x' is not a token id; give integers such as 1,2,3"),
     (["--prompt-ids", ",".join(["1"] * 9)], "prompt 0 has 9 tokens, over serve.prompt_len=8"),

@@ -181,6 +181,25 @@ def _batch_shards(config) -> int:
     return math.prod(axes[axis] for axis in batch_axes)
 
 
+def untrained_adapters_note(config) -> str | None:
+    """A note for ``generate`` on a fine-tuning config whose ``init_from`` is not a shardmem run: the
+    serving program reads ``init_from``'s weights, the base; the config's adapters are trained by
+    ``train`` into its run, which ``init_from`` must name for them to be generated with. None otherwise."""
+    from shardmem.finetune.hf_config import run_folder
+
+    finetune = config.finetune
+    if finetune.lora is None and not finetune.freeze:
+        return None
+    if finetune.init_from is not None and run_folder(Path(finetune.init_from).expanduser()) is not None:
+        return None
+    weights = f"finetune.init_from's ({finetune.init_from})" if finetune.init_from else "random (train.seed)"
+    return (
+        f"note: the weights are {weights}, without the fine-tune: finetune.lora and freeze describe "
+        f"training; to generate with a fine-tuned run, --set finetune.init_from=RUN_DIR (e.g. "
+        f"runs/{config.name})"
+    )
+
+
 def checkpoint_eos(config) -> tuple[int, ...]:
     """Returns the end-of-sequence ids ``transformers``' ``generate`` stops at for ``finetune.init_from``'s
     Hugging Face checkpoint: ``eos_token_id`` (one id or a list) of its ``generation_config.json`` where
