@@ -232,6 +232,22 @@ def test_a_run_dir_that_is_not_a_run_says_what_it_is(run, tmp_path, capsys):
         _one_line(capsys, f"--run-dir {str(given)!r} {says}")
 
 
+@pytest.mark.parametrize("inside", [".", "checkpoints", "checkpoints/3"])
+def test_an_out_that_is_the_run_or_its_checkpoints_is_refused(run, capsys, inside):
+    """The export's safetensors there made the run read as them (finetune.init_from, generate), not as
+    its newest checkpoint."""
+    run_dir = run[1]
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    assert _export(run, run_dir / inside) == 2
+    _one_line(capsys, "is the run's folder or holds its checkpoints", f"--out exported/{run_dir.name}")
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
+    if inside == ".":  # A folder of its own in the run is fine.
+        import shutil
+
+        assert _export(run, run_dir / "exported", "--dtype", "float32") == 0
+        shutil.rmtree(run_dir / "exported")  # The module's run as it was.
+
+
 def test_step_exports_that_checkpoint_and_a_step_not_saved_lists_those_there(run, tmp_path, capsys):
     """Only the newest checkpoint could be exported: the fix a diverged run's export suggested, an earlier
     checkpoint, had no flag, and a step's folder as --run-dir said there was no checkpoint."""

@@ -70,6 +70,12 @@ def export_run(config, run_dir: str | Path, out: str | Path, *, dtype=jnp.bfloat
         what = "a run's checkpoints folder" if inside == ("checkpoints",) else f"inside the run {run}"
         raise ConfigError(f"--run-dir {str(run_dir)!r} is {what}; give the run's own folder (--run-dir "
                           f"{run}): export takes its newest checkpoint, or --step N's")  # fmt: skip
+    out_path, home = Path(out).expanduser().resolve(), run_dir.resolve()
+    if run_dir.is_dir() and (out_path == home or out_path.is_relative_to(home / "checkpoints")):
+        # finetune.init_from (and generate) would then read the run's folder as these safetensors.
+        raise ConfigError(f"--out {str(out)!r} is the run's folder or holds its checkpoints: "
+                          "finetune.init_from and generate would read the run as this export, not its newest "
+                          f"checkpoint; export beside it, e.g. --out exported/{home.name}")  # fmt: skip
     _same_as_the_run(config, run_dir)
     program = build_program(config, build_mesh(config.mesh.axes, jax.devices()))
     saved_steps, state = [], None
