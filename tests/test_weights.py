@@ -426,21 +426,27 @@ def _mlp_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
 
 
+_MLP_BATCH = {"x": {"shape": ["global_batch", 8], "dtype": "float32", "axes": ["batch", None]},
+              "y": {"shape": ["global_batch"], "dtype": "int32", "axes": ["batch"]}}  # fmt: skip
+_MLP_BASE = {"mesh": {"axes": {"data": 1}}, "train": {"global_batch": 4},
+             "precision": {"params": "float32", "compute": "float32"}}  # fmt: skip
+
+
+def _mlp_program(finetune: dict | None = None):
+    """The user's MLP (``_Mlp``) on one device, with ``finetune`` if given."""
+    config = config_from_dict({**_MLP_BASE, **({"finetune": finetune} if finetune else {})})
+    return build_program(config, build_mesh({"data": 1}, jax.devices()[:1]), model_factory=_Mlp,
+                         loss_fn=_mlp_loss, batch=_MLP_BATCH)  # fmt: skip
+
+
 def test_a_users_own_model_loads_its_checkpoint_by_path_into_a_lora_program(tmp_path):
     # Issue 32 item 1: weights into "a user's model" as well as the reference one, tensors named by path.
-    spec = {"x": {"shape": ["global_batch", 8], "dtype": "float32", "axes": ["batch", None]},
-            "y": {"shape": ["global_batch"], "dtype": "int32", "axes": ["batch"]}}  # fmt: skip
-    base = {"mesh": {"axes": {"data": 1}}, "train": {"global_batch": 4},
-            "precision": {"params": "float32", "compute": "float32"}}  # fmt: skip
-    mesh = build_mesh({"data": 1}, jax.devices()[:1])
-    plain = build_program(config_from_dict(base), mesh, model_factory=_Mlp, loss_fn=_mlp_loss, batch=spec)
+    plain = _mlp_program()
     original = jax.device_get(plain.init()["params"])
     original["up"]["kernel"] = original["up"]["kernel"] + 1.0  # Not what a fresh init would give.
     export_safetensors(plain, {"params": original}, tmp_path, dtype=jnp.float32)
-    finetune = {"init_from": str(tmp_path), "base_dtype": "float32",
-                "lora": {"rank": 2, "targets": ["up/kernel"]}}  # fmt: skip
-    config = config_from_dict({**base, "finetune": finetune})
-    adapted = build_program(config, mesh, model_factory=_Mlp, loss_fn=_mlp_loss, batch=spec)
+    adapted = _mlp_program({"init_from": str(tmp_path), "base_dtype": "float32",
+                            "lora": {"rank": 2, "targets": ["up/kernel"]}})  # fmt: skip
     state = adapted.init()
     loaded = jax.device_get(adapted.finetune.assemble(state["params"], state["frozen"]))
     jax.tree.map(np.testing.assert_array_equal, loaded, original)  # LoRA's B starts at zero.
@@ -450,12 +456,7 @@ def test_init_names_renames_a_users_tensors_and_a_path_it_does_not_have_is_named
     """A key of finetune.init_names that is no parameter path was ignored: the error then asked for the
     path's own tensor name and suggested another parameter's (up/kernal -> "did you mean 'down.kernel'?");
     on the reference model the whole mapping was ignored."""
-    spec = {"x": {"shape": ["global_batch", 8], "dtype": "float32", "axes": ["batch", None]},
-            "y": {"shape": ["global_batch"], "dtype": "int32", "axes": ["batch"]}}  # fmt: skip
-    base = {"mesh": {"axes": {"data": 1}}, "train": {"global_batch": 4},
-            "precision": {"params": "float32", "compute": "float32"}}  # fmt: skip
-    mesh = build_mesh({"data": 1}, jax.devices()[:1])
-    plain = build_program(config_from_dict(base), mesh, model_factory=_Mlp, loss_fn=_mlp_loss, batch=spec)
+    plain = _mlp_program()
     original = jax.device_get(plain.init()["params"])
     export_safetensors(plain, {"params": original}, tmp_path, dtype=jnp.float32)
     tensors = load_file(str(tmp_path / "model.safetensors"))
@@ -463,13 +464,8 @@ def test_init_names_renames_a_users_tensors_and_a_path_it_does_not_have_is_named
     save_file(tensors, str(tmp_path / "model.safetensors"))
 
     def program(names):
-        finetune = {
-            "init_from": str(tmp_path),
-            "init_names": names,
-            "lora": {"rank": 2, "targets": ["up/kernel"]},
-        }
-        return build_program(config_from_dict({**base, "finetune": finetune}), mesh, model_factory=_Mlp,
-                             loss_fn=_mlp_loss, batch=spec)  # fmt: skip
+        return _mlp_program({"init_from": str(tmp_path), "init_names": names,
+                             "lora": {"rank": 2, "targets": ["up/kernel"]}})  # fmt: skip
 
     state = program({"up/kernel": "encoder.fc1.w"}).init()
     np.testing.assert_array_equal(np.asarray(state["frozen"]["up"]["kernel"]), original["up"]["kernel"])
@@ -479,7 +475,7 @@ def test_init_names_renames_a_users_tensors_and_a_path_it_does_not_have_is_named
     finetune = {"init_from": str(tmp_path), "init_names": {"a": "b"}}
     reference = config_from_dict({"model": MODEL, "mesh": {"axes": {"data": 1}}, "train": {"global_batch": 8},
                                   "finetune": finetune})  # fmt: skip
-    message = _one_line_error(build_program(reference, mesh).init)
+    message = _one_line_error(build_program(reference, build_mesh({"data": 1}, jax.devices()[:1])).init)
     assert message.startswith("finetune.init_names={'a': 'b'}: it renames a model of your own's parameters")
 
 
