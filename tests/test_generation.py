@@ -265,6 +265,7 @@ def test_generate_on_a_fine_tuning_config_says_its_weights_are_the_bases(tmp_pat
     (["--prompt-ids", "1", "--top-k", "5"], "--top-k only shape sampling, and --temperature 0 decodes"),
     (["--prompt-ids", "1", "--temperature", "1", "--seed", str(1 << 32)],
      "seed=4294967296 (--seed): use an integer from 0 to 4294967295"),  # jax.random.key's 32 bits
+    (["--prompt-ids", "1", "--temperature", "inf"], "temperature=inf (--temperature): use 0 (greedy)"),
 ])  # fmt: skip
 def test_generate_errors_exit_2_with_one_line_before_anything_is_built(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)

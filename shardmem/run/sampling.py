@@ -12,6 +12,7 @@ greedy decoding (the largest logit; the other settings do nothing).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ class Sampling:
     seed: int = 0  # Seeds the draws: the same seed, prompts and weights give the same tokens.
 
     def __post_init__(self):
-        if not self.temperature >= 0:
+        if not 0 <= self.temperature < math.inf:  # inf would draw every token alike; NaN any of them.
             raise ConfigError(f"temperature={self.temperature} (--temperature): use 0 (greedy) or a positive "
                               "temperature, e.g. 0.7")  # fmt: skip
         if self.top_k < 0:
