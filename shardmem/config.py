@@ -675,7 +675,7 @@ def _check_init_from_is_there(model: dict, init_from: Any) -> None:
     path gives no architecture to take them from (not there, a file other than safetensors, a folder
     without a config.json, PEFT's adapters): "model.vocab_size is required; or point finetune.init_from
     at a Hugging Face folder" would send the user to a path they did give."""
-    from shardmem.finetune.weights import _missing
+    from shardmem.finetune.weights import missing_init_from
 
     required = [f.name for f in dataclasses.fields(ModelConfig)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
@@ -685,7 +685,7 @@ def _check_init_from_is_there(model: dict, init_from: Any) -> None:
     path = Path(init_from).expanduser()
     leaves_out = f"model.{absent[0]}, which the model section leaves out"
     if not path.exists():
-        raise ConfigError(f"{_missing(init_from)} (its config.json would give {leaves_out})")
+        raise ConfigError(f"{missing_init_from(init_from)} (its config.json would give {leaves_out})")
     if ((path if path.is_dir() else path.parent) / "adapter_config.json").is_file():
         raise ConfigError(f"finetune.init_from={init_from!r} is PEFT's adapters (adapter_config.json), not a "
                           "model; give the base model's folder (adapter_config.json's "

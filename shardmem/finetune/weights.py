@@ -143,7 +143,7 @@ def check_init_from(program, *, planning: bool = False) -> list[str]:
         if planning:
             return [f"finetune.init_from={given!r} is not there yet, so the plan could not check it against "
                     "the model (train checks it before compiling)"]  # fmt: skip
-        raise ConfigError(_missing(given))
+        raise ConfigError(missing_init_from(given))
     if _is_orbax_run(path):
         _check_orbax(path, given, program)
         return []
@@ -168,7 +168,8 @@ def same_init_from(given, other) -> bool:
     return _resolved(given).resolve() == _resolved(other).resolve()
 
 
-def _missing(given) -> str:
+def missing_init_from(given) -> str:
+    """The message for a ``finetune.init_from`` that is not there (where a relative one is read from)."""
     relative = "" if Path(given).expanduser().is_absolute() else f" (a relative path is from {Path.cwd()})"
     return (f"finetune.init_from={str(given)!r}: no such file or folder{relative}; give a Hugging Face "
             "model's folder, a safetensors file or a shardmem run's folder")  # fmt: skip
@@ -264,7 +265,7 @@ def load_weights(path: str | Path, program) -> dict:
     the working directory."""
     where = _resolved(path)
     if not where.exists():
-        raise ConfigError(_missing(path))
+        raise ConfigError(missing_init_from(path))
     if _is_orbax_run(where):
         return load_orbax(where, program)
     return load_safetensors(where, program)
