@@ -717,7 +717,7 @@ def _add_explore_commands(commands) -> None:
         "tabulates peak memory per device, fit and margin, FLOPs per step, recomputation, host-offloaded "
         "bytes and collective traffic. Writes sweep.csv, sweep.json and sweep.png (peak memory against "
         "FLOPs or step time, budget line, Pareto front) to --out. A candidate that fails is a row with "
-        "its error. Exit 0: a candidate fits; 5: the smallest peak is tight; 3: no candidate fits; 2: "
+        "its error. Exit 0: a candidate fits; 5: none fits but one is tight; 3: no candidate fits; 2: "
         "config or usage error (in any candidate too), or every candidate failed.",
     )
     _config_args(p)
