@@ -675,13 +675,16 @@ def _check_init_from_is_there(model: dict, init_from: Any) -> None:
     path gives no architecture to take them from (not there, a file other than safetensors, a folder
     without a config.json, PEFT's adapters): "model.vocab_size is required; or point finetune.init_from
     at a Hugging Face folder" would send the user to a path they did give."""
-    from shardmem.finetune.weights import missing_init_from
-
+    if not isinstance(init_from, str) or not init_from:
+        return
     required = [f.name for f in dataclasses.fields(ModelConfig)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
     absent = [name for name in required if name not in model and name != "seq_len"]
-    if not absent or not isinstance(init_from, str) or not init_from:
+    if not absent:
         return
+    from shardmem.finetune.safetensors_files import not_weights
+    from shardmem.finetune.weights import missing_init_from
+
     path = Path(init_from).expanduser()
     leaves_out = f"model.{absent[0]}, which the model section leaves out"
     if not path.exists():
@@ -692,9 +695,7 @@ def _check_init_from_is_there(model: dict, init_from: Any) -> None:
                           "base_model_name_or_path), or a merged export (shardmem export without "
                           "--adapters-only)")  # fmt: skip
     if path.is_file() and path.suffix != ".safetensors":
-        raise ConfigError(f"finetune.init_from={init_from!r} is a file, not weights; give the folder it is "
-                          f"in ({str(path.parent)!r}) if that is a Hugging Face model's or a shardmem "
-                          "run's")  # fmt: skip
+        raise ConfigError(not_weights(init_from, path))
     raise ConfigError(f"finetune.init_from={init_from!r} has no config.json to give {leaves_out}; give the "
                       "Hugging Face model's folder with its config.json, or the whole model section (or a "
                       "model.preset)")  # fmt: skip

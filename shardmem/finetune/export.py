@@ -21,6 +21,7 @@ one) is in host memory at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -30,6 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 
 from shardmem._files import make_folder, staged
 from shardmem.errors import ConfigError
@@ -136,10 +138,6 @@ def _same_as_the_run(config, run_dir: Path) -> None:
 
 def _shown(value) -> str:
     """A setting as --set would write it: ``{format: nf4, group: 16}`` for a section, not its repr."""
-    import dataclasses
-
-    import yaml
-
     if dataclasses.is_dataclass(value):
         return yaml.safe_dump(dataclasses.asdict(value), default_flow_style=True, width=10_000).strip()
     return "null" if value is None else str(value)

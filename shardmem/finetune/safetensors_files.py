@@ -23,6 +23,14 @@ INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
+def not_weights(given, file: Path) -> str:
+    """The message for a ``finetune.init_from`` that names a file other than weights (a ``config.json``,
+    a run's ``config.yaml``, a PyTorch ``.bin``)."""
+    return (f"finetune.init_from={given!r} is a file, not weights; give the folder it is in "
+            f"({str(file.parent)!r}) if that is a Hugging Face model's or a shardmem run's, or a "
+            ".safetensors file")  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorHeader:
     """One tensor of a checkpoint: the file holding it, its safetensors dtype code and its shape."""
@@ -74,9 +82,7 @@ class SafetensorsCheckpoint:
             except ConfigError:
                 if folder.is_dir() or folder.suffix == ".safetensors":
                     raise  # A checkpoint's file that does not read: "download it again" is the fix.
-                raise ConfigError(f"finetune.init_from={where!r} is a file, not weights; give the folder it "
-                                  f"is in ({str(folder.parent)!r}) if that is a Hugging Face model's or a "
-                                  "shardmem run's, or a .safetensors file") from None  # fmt: skip
+                raise ConfigError(not_weights(where, folder)) from None
             formats.add(metadata.get("format"))
             for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
                 if listed is not None and listed.get(name) != file:
