@@ -271,9 +271,8 @@ def test_resuming_a_fine_tune_takes_its_base_by_another_path_to_it_but_not_anoth
     tmp_path, monkeypatch
 ):
     """init_from was compared as text: the same folder by a relative path, or with a trailing slash (as
-    tab completion writes it), was refused as another base ("resuming would mix the two")."""
-    import shutil
-
+    tab completion writes it), was refused as another base ("resuming would mix the two"). A resume
+    restores the base from the run's checkpoint, so it needs no init_from folder: it refused one gone."""
     base = train(load_config(TINY, [*FAST, "train.steps=2"]), tmp_path / "base", console=Console(quiet=True))
     lora = "finetune.lora={rank: 4, alpha: 8, targets: [layers/wq]}"
     run_dir = tmp_path / "run"
@@ -282,8 +281,14 @@ def test_resuming_a_fine_tune_takes_its_base_by_another_path_to_it_but_not_anoth
     monkeypatch.chdir(tmp_path)
     same = load_config(TINY, [*FAST, lora, "train.steps=3", "finetune.init_from=base/"])
     assert train(same, run_dir, console=Console(quiet=True)).final_step == 3
+    (tmp_path / "base").rename(tmp_path / "elsewhere")  # The run, moved to where its base is not.
+    console = Console(record=True, width=400)
+    gone = load_config(TINY, [*FAST, lora, "train.steps=4", "finetune.init_from=base/"])
+    assert train(gone, run_dir, console=console).final_step == 4
+    assert "warning" not in console.export_text(), console.export_text()
+    (tmp_path / "elsewhere").rename(tmp_path / "base")
     shutil.copytree(tmp_path / "base", tmp_path / "other")
-    other = load_config(TINY, [*FAST, lora, "train.steps=4", "finetune.init_from=other"])
+    other = load_config(TINY, [*FAST, lora, "train.steps=5", "finetune.init_from=other"])
     said = r"init_from='other', but this run's checkpoints were trained with finetune.init_from='base/'"
     with pytest.raises(ConfigError, match=said):
         train(other, run_dir, console=Console(quiet=True))

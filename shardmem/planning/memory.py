@@ -271,12 +271,15 @@ def plan_program(
     function: str | None = None,
     top: int = 10,
     count_remat_overhead: bool = True,
+    reads_init_from: bool = True,
 ) -> tuple[MemoryReport, jax.stages.Compiled]:
     """Plans a built program (its mesh over ``target.devices``), whatever its kind: compiles one of its
     jitted functions on their abstract arguments (``function``, by name; default its first, a training
     program's step) and returns the report with the compiled function, which runs on attached devices:
-    ``shardmem train`` steps with it rather than compiling again."""
-    unchecked = check_init_from(program, planning=True)  # Headers only, before the compile.
+    ``shardmem train`` steps with it rather than compiling again. ``reads_init_from=False``: the
+    weights come from elsewhere (a resumed run's checkpoint), so ``finetune.init_from`` is not checked."""
+    # Headers only, before the compile.
+    unchecked = check_init_from(program, planning=True) if reads_init_from else []
     planned = program.function(function)
     traced = planned.trace()
     config = program.config

@@ -122,7 +122,7 @@ class Checkpointer:
             raise self._write_error(error) from None
 
     def _write_error(self, error: BaseException) -> CheckpointError:
-        latest = self._committed_steps()
+        latest = committed_steps(self.directory)
         kept = f"the last good checkpoint is step {latest[-1]}" if latest else "no checkpoint was committed"
         text = _first_line(error, limit=10_000)
         # TensorStore puts the OS error last, after a long temporary path: say it first.
@@ -146,14 +146,6 @@ class Checkpointer:
                 shutil.rmtree(path)
                 removed.append(path)
         return removed
-
-    def _committed_steps(self) -> list[int]:
-        """The steps whose directories Orbax finished, read from the disk (no Orbax state involved)."""
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            return []
-        return sorted(int(name) for name in names if name.isdigit())
 
     def restore_newest(self, abstract_state: PyTree) -> tuple[int | None, PyTree, list[MovedAside]]:
         """Returns ``(step, state, moved)`` for the newest checkpoint that restores, or ``(None, None,
@@ -283,6 +275,16 @@ class Checkpointer:
                 "restore with the model and optimizer config the run was saved with, or train in a new "
                 "--run-dir"
             )
+
+
+def committed_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """The steps whose directories Orbax finished in ``directory``, oldest first, read from the disk
+    (no Orbax state involved): a run's checkpoints folder, before its :class:`Checkpointer` opens."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(int(name) for name in names if name.isdigit())
 
 
 def _first_line(error: BaseException, limit: int = 200) -> str:

@@ -47,7 +47,7 @@ from shardmem.parallel.mesh import build_mesh
 from shardmem.planning.memory import MemoryReport, make_target, plan_program
 from shardmem.planning.targets import peak_flops_for
 from shardmem.program import LossFn, ModelFactory, TrainingProgram, build_program
-from shardmem.run.checkpoint import Checkpointer
+from shardmem.run.checkpoint import Checkpointer, committed_steps
 from shardmem.run.data import batch_stream
 from shardmem.run.lock import LOCK_NAME, RunDirLock
 from shardmem.run.metrics import MetricsLog, TrainProgress, tensorboard_writer_class
@@ -131,9 +131,14 @@ def train(
 
     mesh = build_mesh(config.mesh.axes, jax.devices())
     program = build_program(config, mesh, model_factory=model_factory, loss_fn=loss_fn, batch=batch)
-    check_init_from(program)  # The pretrained weights' names, dtypes and shapes: before the compile too.
+    # A resume restores the pretrained base from the run's checkpoint, not from finetune.init_from, which
+    # may be gone by then (the run moved to another machine); a fresh start checks the weights' names,
+    # dtypes and shapes now, before the compile too.
+    resuming = bool(committed_steps(run_dir / "checkpoints"))
+    if not resuming:
+        check_init_from(program)
     source = batch_stream(config, program)  # A bad data file fails now, before the compile.
-    report, step_fn = _plan_once(program)
+    report, step_fn = _plan_once(program, reads_init_from=not resuming)
     peak, limit = report.per_device["peak"], report.budget_bytes
     if not report.fits:
         message = (
@@ -442,22 +447,23 @@ def _utilization(report: MemoryReport, step_time: float, peak_flops: float | Non
             "hfu": report.flops_per_step / per_second}  # fmt: skip
 
 
-def _plan_once(program: TrainingProgram) -> tuple[MemoryReport, Callable]:
+def _plan_once(program: TrainingProgram, *, reads_init_from: bool) -> tuple[MemoryReport, Callable]:
     """Plans the step for the attached devices and returns the report with the step function to train
     with. One process: the plan's compiled step, so the step is compiled once. Several: process 0 plans
     and gives every process the report, so that all of them take the same decision, and each compiles
     ``program.step`` itself, with the plan's XLA options (:func:`compiled_step`). A planning error on
-    process 0 is raised on every process, so that all of them exit alike."""
+    process 0 is raised on every process, so that all of them exit alike. ``reads_init_from``: as
+    :func:`plan_program`'s."""
     target = make_target(program.config, "local")
     if jax.process_count() == 1:
-        return plan_program(program, target, top=5)
+        return plan_program(program, target, top=5, reads_init_from=reads_init_from)
     from jax.experimental import multihost_utils
 
     payload = b""
     failure: BaseException | None = None
     if jax.process_index() == 0:
         try:
-            outcome: object = plan_program(program, target, top=5)[0]
+            outcome: object = plan_program(program, target, top=5, reads_init_from=reads_init_from)[0]
         except ShardmemError as error:
             # Sent as class and message, which always pickle; a subclass's own arguments may not.
             kind = next(c for c in (ConfigError, PlanError, ShardmemError) if isinstance(error, c))
