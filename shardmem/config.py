@@ -707,9 +707,12 @@ def _build(cls, data: Any, key: str):
     if data is None and key:  # "finetune:" with nothing under it.
         raise ConfigError(f"{where} is empty: give it keys ({one_of(_fields(cls))}), write {where}: {{}} for "
                           "the defaults, or leave the section out")  # fmt: skip
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}={data!r}: expected a mapping with keys {one_of(_fields(cls))}")
     hints = typing.get_type_hints(cls, include_extras=True)
+    if not isinstance(data, Mapping):
+        # A value that only one key takes ("serve.quantize: nf4"): show it under that key.
+        takers = [name for name in _fields(cls) if isinstance(data, str) and hints[name] is str]
+        example = f", e.g. {where}={{{takers[0]}: {data}}}" if len(takers) == 1 else ""
+        raise ConfigError(f"{where}={data!r}: expected a mapping with keys {one_of(_fields(cls))}{example}")
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     for name in data:
         if name not in fields:

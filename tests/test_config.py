@@ -209,6 +209,21 @@ def test_a_file_needs_a_model_section_and_python_may_bring_the_model(tmp_path):
     assert config_from_dict({"mesh": {"axes": {"data": 2}}}).model is None  # model_factory= comes later
 
 
+@pytest.mark.parametrize("section, value, example", [
+    ("serve.quantize", "nf4", ", e.g. serve.quantize={format: nf4}"),  # The one key that takes a word.
+    ("optimizer", "adamw", ", e.g. optimizer={name: adamw}"),
+    ("train", 5, ""),  # A number that many keys take: no guess at which.
+])  # fmt: skip
+def test_a_section_given_a_value_says_the_key_that_takes_it(section, value, example):
+    data = {"model": {"preset": "tiny"}}
+    parent, _, leaf = section.rpartition(".")
+    (data.setdefault(parent, {}) if parent else data)[leaf] = value
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(data)
+    assert str(error.value).startswith(f"{section}={value!r}: expected a mapping with keys ")
+    assert str(error.value).endswith(example if example else " or loss"), str(error.value)
+
+
 def _bomb(levels: int) -> str:
     """A "billion laughs": each level an alias list of nine of the previous one (9**levels values)."""
     lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
