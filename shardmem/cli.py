@@ -408,7 +408,8 @@ def _sampling(args):
     given = {"--top-k": args.top_k, "--top-p": args.top_p, "--seed": args.seed}
     ignored = [flag for flag, value in given.items() if value is not None]
     if ignored and not args.temperature:
-        raise ConfigError(f"{' and '.join(ignored)} only shape sampling, and --temperature "
+        apply = "apply" if len(ignored) > 1 else "applies"
+        raise ConfigError(f"{' and '.join(ignored)} only {apply} to sampling, and --temperature "
                           f"{args.temperature:g} decodes greedily: add --temperature, e.g. 0.7, or drop "
                           f"{'them' if len(ignored) > 1 else 'it'}")  # fmt: skip
     return Sampling(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p,

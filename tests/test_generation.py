@@ -262,7 +262,7 @@ def test_generate_on_a_fine_tuning_config_says_its_weights_are_the_bases(tmp_pat
     (["--prompt-file", "missing.txt"], "--prompt-file 'missing.txt': cannot read it"),
     (["--prompt-ids", "1,--1"], "--prompt-ids: '--1' is not a token id"),  # int() would take "1_0", "²"
     (["--prompt-ids", "1", "--temperature", "1", "--top-p", "0"], "top_p=0.0 (--top-p): use a probability"),
-    (["--prompt-ids", "1", "--top-k", "5"], "--top-k only shape sampling, and --temperature 0 decodes"),
+    (["--prompt-ids", "1", "--top-k", "5"], "--top-k only applies to sampling, and --temperature 0 decodes"),
     (["--prompt-ids", "1", "--temperature", "1", "--seed", str(1 << 32)],
      "seed=4294967296 (--seed): use an integer from 0 to 4294967295"),  # jax.random.key's 32 bits
     (["--prompt-ids", "1", "--temperature", "inf"], "temperature=inf (--temperature): use 0 (greedy)"),
