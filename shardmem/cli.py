@@ -381,7 +381,11 @@ def cmd_launch(args) -> int:
         raise ConfigError(f"launch -- {argv[0]!r}: not a shardmem command{did_you_mean(argv[0], names)}; "
                           f"give one of {one_of(names)}, e.g. shardmem launch --nproc 2 -- train "
                           "configs/tiny.yaml")  # fmt: skip
-    for arg in argv[1:] if argv[0] == "train" else []:  # The launcher sets these; train's own would win.
+    if argv[0] != "train":  # The others ignore the launcher's variables: N copies of one command.
+        raise ConfigError(f"launch -- {argv[0]}: only train joins the processes into one JAX run; each "
+                          f"process would run its own {argv[0]} alone, so run `shardmem {argv[0]} ...` "
+                          "without launch (it uses every device of this machine)")  # fmt: skip
+    for arg in argv[1:]:  # The launcher sets these; train's own would win.
         name = arg.split("=", 1)[0]
         flag = next((f for f in _LAUNCHER_SETS if len(name) > 3 and f.startswith(name)), None)
         if flag is not None:
@@ -537,14 +541,14 @@ def _add_train_commands(commands) -> None:
 
     p = commands.add_parser(
         "launch",
-        help="run N local processes of a command, e.g. launch --nproc 2 -- train CONFIG",
-        description="Starts N processes of `shardmem ARGS...` on this machine, joined into one JAX "
-        "run over loopback, and prefixes their output with [i]. Signals are forwarded.",
+        help="run N local processes of train, e.g. launch --nproc 2 -- train CONFIG",
+        description="Starts N processes of `shardmem train ARGS...` on this machine, joined into one "
+        "JAX run over loopback, and prefixes their output with [i]. Signals are forwarded.",
     )
     p.add_argument("--nproc", type=int, required=True, help="how many processes")
     p.add_argument("--local-devices", type=int, metavar="K", help="simulated CPU devices per process")
-    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                   help="the shardmem command each process runs")  # fmt: skip
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- train ...",
+                   help="the train command each process runs")  # fmt: skip
     p.set_defaults(run=cmd_launch)
 
     p = commands.add_parser(

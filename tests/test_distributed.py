@@ -279,6 +279,18 @@ def test_launch_refuses_a_command_that_sets_what_the_launcher_sets(given, capsys
     ), err
 
 
+def test_launch_refuses_a_command_that_does_not_join_the_processes(capsys):
+    # `launch --nproc 2 -- generate CONFIG` ran two generates, each alone on all 8 devices, each printing.
+    from shardmem.cli import main
+
+    assert main(["launch", "--nproc", "2", "--", "generate", "configs/tiny.yaml", "--prompt-ids", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "shardmem: error: launch -- generate: only train joins the processes into one JAX run; each process "
+        "would run its own generate alone, so run `shardmem generate ...` without launch (it uses every "
+        "device of this machine)\n"
+    )
+
+
 def test_launch_refuses_a_command_that_is_not_shardmems(capsys):
     # `launch --nproc 2 -- trian CONFIG` started both processes, and each printed argparse's usage.
     from shardmem.cli import main
