@@ -17,7 +17,8 @@ for it: it runs ``on_interrupt`` and the undo steps of :func:`undone_on_interrup
 this one started, prints ``shardmem: interrupted`` and exits with status 130 at once, without the
 interpreter's shutdown. Before any block (while the command imports JAX, a second or more) the same
 exit is a plain handler's (:func:`guard_the_command`). ``train``'s loop takes SIGINT over
-(:func:`sigint_to_python`): it saves a checkpoint first.
+(:func:`sigint_to_python`): it saves a checkpoint first. A process started with SIGINT ignored (a
+shell's background job) ignores it throughout, as Python itself then does.
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ def guard_the_command() -> None:
     console script); in a program that imports shardmem, nothing changes. Called first thing by the
     package, because ``python -m shardmem`` imports it, JAX included, before ``__main__`` runs. A process
     started with Ctrl-C ignored (a background job) keeps ignoring it."""
-    if not _is_the_command() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    if not _is_the_command() or _ignored(signal.SIGINT):
         return
     signal.signal(signal.SIGINT, lambda signum, frame: _interrupted(None))
+
+
+def _ignored(signum: int) -> bool:
+    """Whether this process ignores the signal ``signum`` (it started so, or its program set it so)."""
+    return signal.getsignal(signum) is signal.SIG_IGN
 
 
 def _is_the_command() -> bool:
@@ -66,8 +72,9 @@ def ends_on_interrupt(
     """Inside the block, SIGINT ends the process (exit 130) within a moment, with one line on stderr
     after whatever ``on_interrupt`` prints, and no process of this one's left behind. ``workers``: the
     block starts ``multiprocessing`` processes. Outside the main thread the block changes nothing
-    (signals are the main thread's to handle)."""
-    if threading.current_thread() is not threading.main_thread():
+    (signals are the main thread's to handle), nor in a process that ignores SIGINT (one started so, as
+    a shell starts a background job: Ctrl-C is the foreground's, here as during the imports)."""
+    if threading.current_thread() is not threading.main_thread() or _ignored(signal.SIGINT):
         yield
         return
     if workers:

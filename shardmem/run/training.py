@@ -602,7 +602,8 @@ def _any_process(flag: bool) -> bool:
 
 class _StopSignals:
     """While active, the first SIGTERM or SIGINT asks the loop to stop at the next step and save; a
-    second one ends the process at once (exit 128 + signal number) with a one-line note. Raising
+    second one ends the process at once (exit 128 + signal number) with a one-line note; a signal the
+    process ignores (SIGINT in a background job) stays ignored. Raising
     KeyboardInterrupt instead would land in whatever runs, often Orbax's wait for the save in progress,
     which then logs an ERROR and a traceback; the last committed checkpoint is intact either way, since
     Orbax commits a step by renaming its finished temporary directory."""
@@ -623,7 +624,8 @@ class _StopSignals:
     def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
             self._python_handles.__enter__()  # Not the CLI's exit at once (shardmem._interrupt).
         return self
 
