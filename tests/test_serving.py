@@ -567,6 +567,19 @@ def test_plan_serve_that_does_not_fit_advises_the_serve_keys_not_trainings(tmp_p
     assert "train.micro_batches" not in out and "remat.policy=full" not in out
 
 
+def test_plan_serve_says_a_warning_of_the_program_once_not_for_the_prefill_and_the_decode(tmp_path, capsys):
+    from pathlib import Path
+
+    tiny = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
+    missing = str(tmp_path / "not-downloaded")
+    sets = [f"finetune.init_from={missing}", "serve.prompt_len=8", "serve.max_len=32"]
+    assert main(["plan", tiny, "--serve", *[arg for value in sets for arg in ("--set", value)]]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    warning = f"warning: finetune.init_from={missing!r} is not there yet, so the plan could not check it"
+    assert out.count(warning) == 1, out
+    assert out.index(warning) < out.index("shardmem plan tiny: prefill")  # With serving's, above the two.
+
+
 @pytest.mark.parametrize("args, message", [
     (["--serve", "--memory-fraction", "1.5"], "--memory-fraction=1.5: give the share of device memory"),
     (["--memory-fraction", "0.9"], "--memory-fraction sizes the serving plan's KV cache: add --serve"),

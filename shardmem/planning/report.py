@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -182,8 +183,10 @@ def render_serving(plan: ServingPlan, *, sharding: bool = False) -> Group:
     warnings = [Text(f"warning: {w}", style="yellow") for w in plan.warnings]
     advice = [Text(SERVING_ADVICE, style="red")] if plan.verdict == "does not fit" else []
     parts: list = [head, what, table, fit, *advice, *warnings, *_serving_time(plan), *_serving_capacity(plan)]
-    for report in (plan.prefill, plan.decode):  # The serving advice above, once.
-        parts += [Text(""), render(report, sharding=sharding and report is plan.decode, advice="")]
+    shared = plan.shared_warnings
+    for report in (plan.prefill, plan.decode):  # The serving advice and the shared warnings above, once.
+        own = dataclasses.replace(report, warnings=[w for w in report.warnings if w not in shared])
+        parts += [Text(""), render(own, sharding=sharding and report is plan.decode, advice="")]
     return Group(*parts)
 
 

@@ -219,8 +219,18 @@ class ServingPlan:
         return max(self.prefill.verdict, self.decode.verdict, key=_VERDICTS.index)
 
     @property
+    def shared_warnings(self) -> list[str]:
+        """The warnings the prefill's and the decode step's reports both give: of the one program they
+        compile (``finetune.init_from`` not there yet, a partition rule), said once for serving."""
+        return [w for w in self.decode.warnings if w in self.prefill.warnings]
+
+    @property
     def warnings(self) -> list[str]:
-        """What in the layout costs serving (the decode step gathering the weights it should hold)."""
+        """The :attr:`shared_warnings`, then what in the layout costs serving (the decode step gathering
+        the weights it should hold)."""
+        return self.shared_warnings + self._layout_warnings()
+
+    def _layout_warnings(self) -> list[str]:
         gathered, weights = self.decode.collectives.get("all-gather", 0), self.per_device["weights"]
         if not weights or gathered < weights / 4:
             return []
