@@ -460,11 +460,14 @@ def _generate(args) -> int:
         prompts = generation.read_prompts(args.prompt_file)
     eos = generation.parse_prompt_ids(args.eos, "--eos") if args.eos is not None else None
     config = _load(args)
-    eos = generation.checkpoint_eos(config) if eos is None else eos
+    notes = [generation.untrained_adapters_note(config)]
+    if eos is None:
+        eos = generation.checkpoint_eos(config)
+        notes.append(generation.run_base_note(config, eos))
     generation.check_prompts(config, prompts, args.max_new_tokens, eos)  # Before anything is built.
-    note = generation.untrained_adapters_note(config)
-    if note is not None:
-        print(note, file=sys.stderr)
+    for note in notes:
+        if note is not None:
+            print(note, file=sys.stderr)
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         ensure_cpu_devices(config.mesh.device_count())
     configure_local_memory(config)  # A GPU's allocator holds what plan --serve --target local budgets.
@@ -581,8 +584,8 @@ def _add_train_commands(commands) -> None:
                         "tokens")  # fmt: skip
     p.add_argument("--eos", metavar="IDS",
                    help="end-of-sequence token ids, e.g. 2 or 128001,128009 (default: finetune.init_from's "
-                   "eos_token_id, from its generation_config.json or else its config.json; else "
-                   "none)")  # fmt: skip
+                   "eos_token_id, from its generation_config.json or else its config.json, a fine-tuned "
+                   "run's from the checkpoint it started from; else none)")  # fmt: skip
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout at the end (the steps on stderr)")  # fmt: skip
     p.set_defaults(run=cmd_generate)

@@ -5,6 +5,7 @@ does; the command streams, repeats itself for a seed and stops at EOS."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 from shardmem import ConfigError, build_mesh, config_from_dict
 from shardmem.cli import main
@@ -230,6 +232,64 @@ def test_the_default_eos_is_the_one_transformers_generate_stops_at(tmp_path, con
         (tmp_path / "generation_config.json").write_text(text)
     loaded = config_from_dict({"model": {"seq_len": 16}, "finetune": {"init_from": str(tmp_path)}})
     assert checkpoint_eos(loaded) == expected
+
+
+def _fine_tuned_run(root: Path, eos: list[int]) -> tuple[Path, Path]:
+    """A run fine-tuned from a Hugging Face folder whose generation_config.json ends at ``eos`` (its
+    checkpoint the base's weights): ``(run folder, base folder)``. The run holds neither JSON file."""
+    from shardmem.program import build_program
+    from shardmem.run.checkpoint import Checkpointer
+
+    base = root / "base"
+    hf.save(base, hf.hf_config("llama"), hf.random_tensors(hf.hf_config("llama")))
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    config = config_from_dict({"name": "tuned", "model": {"seq_len": 16}, "mesh": {"axes": {"data": 1}},
+                               "precision": {"compute": "float32"}, "train": {"global_batch": 8},
+                               "finetune": {"init_from": str(base)}})  # fmt: skip
+    program = build_program(config, build_mesh(config.mesh.axes, jax.devices()[:1]))
+    (root / "run").mkdir()
+    (root / "run" / "config.yaml").write_text(config.to_yaml())
+    with Checkpointer(root / "run" / "checkpoints", every=1, keep=1) as checkpointer:
+        checkpointer.save(2, program.init(), force=True)
+    return root / "run", base
+
+
+def test_the_default_eos_of_a_fine_tuned_run_is_its_bases_and_without_the_base_generate_says_so(tmp_path):
+    """A run's folder has no config.json nor generation_config.json (only its exports do): generate from
+    it ran to --max-new-tokens, past the EOS of the checkpoint it was fine-tuned from."""
+    from shardmem.run.generation import checkpoint_eos, run_base, run_base_note
+
+    run, base = _fine_tuned_run(tmp_path, [7, 9])
+    (tmp_path / "again" / "checkpoints").mkdir(parents=True)  # A run fine-tuned from that run.
+    again = yaml.safe_load((run / "config.yaml").read_text())
+    (tmp_path / "again" / "config.yaml").write_text(
+        yaml.safe_dump({**again, "finetune": {"init_from": str(run)}})
+    )
+    for init_from in (run, run / "checkpoints", tmp_path / "again"):
+        config = config_from_dict({"model": {"seq_len": 16}, "finetune": {"init_from": str(init_from)}})
+        assert checkpoint_eos(config) == (7, 9) and run_base(str(init_from))[1] == str(base)
+    said = f"note: EOS 7,9 (the default) from the run's base, finetune.init_from={str(base)!r} in {run}"
+    assert run_base_note(config, (7, 9)) == f"{said}/config.yaml"
+    assert (
+        run_base(str(base)) is None
+        and run_base_note(config.replace(f"finetune.init_from={base}"), ()) is None
+    )
+
+    # With every id an EOS, each prompt's first token ends it: one step, where --max-new-tokens is 6.
+    run, base = _fine_tuned_run(tmp_path / "all", list(range(hf.V)))
+    args = ["generate", str(run / "config.yaml"), "--set", f"finetune.init_from={run}", *SMALL,
+            "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--json"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "shardmem", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["steps"] == 1 and "note: EOS 0,1,2," in done.stderr
+    shutil.rmtree(base)  # The base is gone: generate says so, and goes on without an EOS.
+    done = subprocess.run([sys.executable, "-m", "shardmem", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["steps"] == 6
+    said = f"note: no default EOS: the run's base checkpoint, finetune.init_from={str(base)!r} in "
+    assert said in done.stderr and "is not there, so each prompt runs to --max-new-tokens" in done.stderr
 
 
 def test_generate_on_a_fine_tuning_config_says_its_weights_are_the_bases(tmp_path):

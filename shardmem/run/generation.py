@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import yaml
 
 from shardmem.errors import ConfigError
 from shardmem.program.serving import ServingProgram
@@ -204,10 +205,16 @@ def checkpoint_eos(config) -> tuple[int, ...]:
     """Returns the end-of-sequence ids ``transformers``' ``generate`` stops at for ``finetune.init_from``'s
     Hugging Face checkpoint: ``eos_token_id`` (one id or a list) of its ``generation_config.json`` where
     that gives one, as ``from_pretrained`` reads it (Llama 3 Instruct's adds ``<|eot_id|>`` to the
-    ``config.json``'s), else of its ``config.json``; or none."""
+    ``config.json``'s), else of its ``config.json``; or none. A shardmem run (fine-tuned from such a
+    checkpoint) has neither file: its base's, the run's own ``finetune.init_from``, are taken
+    (:func:`run_base_note` says so)."""
     from shardmem.finetune.hf_config import pretrained_model
 
-    source = pretrained_model(config.finetune.init_from)
+    base = run_base(config.finetune.init_from)
+    given = config.finetune.init_from if base is None else base[1]
+    if base is not None and not Path(given).expanduser().exists():
+        return ()  # The base is gone: run_base_note says generate goes on without an EOS.
+    source = pretrained_model(given)
     if source is None or source.hf is None:
         return ()
     eos = source.hf.get("eos_token_id")
@@ -219,3 +226,56 @@ def checkpoint_eos(config) -> tuple[int, ...]:
         eos = generation["eos_token_id"]
     ids = eos if isinstance(eos, list) else [eos]
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+#: Runs fine-tuned from runs: how many ``init_from`` links :func:`run_base` follows to a checkpoint.
+_MAX_RUN_LINKS = 8
+
+
+def run_base(init_from) -> tuple[Path, str] | None:
+    """Returns, for a ``finetune.init_from`` that is a shardmem run, the run whose ``config.yaml`` names
+    the weights it started from and that ``finetune.init_from`` (through runs fine-tuned from runs, to
+    the first that is not one); None for anything else (a checkpoint, a run trained from scratch)."""
+    from shardmem.finetune.hf_config import run_folder
+
+    if not isinstance(init_from, str) or not init_from:
+        return None
+    found, seen = None, set()
+    for _ in range(_MAX_RUN_LINKS):
+        path = Path(init_from).expanduser()
+        if ((path if path.is_dir() else path.parent) / "config.json").is_file():
+            break  # A Hugging Face checkpoint, even one exported into a run's folder, is read as one.
+        run = run_folder(path)
+        if run is None or run.resolve() in seen:
+            break
+        seen.add(run.resolve())
+        try:
+            finetune = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("finetune") or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+            break  # Loading the run's weights names what is wrong with its config.yaml.
+        base = finetune.get("init_from") if isinstance(finetune, dict) else None
+        if not isinstance(base, str) or not base:
+            break
+        found, init_from = (run, base), base
+    return found
+
+
+def run_base_note(config, eos: tuple[int, ...]) -> str | None:
+    """A note for ``generate`` from a shardmem run without ``--eos``: the default ``eos`` ids are its base's
+    (:func:`checkpoint_eos`), or, the base gone, there are none and each prompt runs to
+    ``--max-new-tokens``. None where ``finetune.init_from`` is not a fine-tuned run."""
+    base = run_base(config.finetune.init_from)
+    if base is None:
+        return None
+    run, given = base
+    where = f"finetune.init_from={given!r} in {run / 'config.yaml'}"
+    if not Path(given).expanduser().exists():
+        if not Path(given).expanduser().is_absolute():
+            where += f" (a relative path is from {Path.cwd()})"
+        return (f"note: no default EOS: the run's base checkpoint, {where}, is not there, so each prompt "
+                "runs to --max-new-tokens; give --eos IDS (its generation_config.json's eos_token_id), or "
+                "put the base back")  # fmt: skip
+    if not eos:
+        return f"note: no default EOS: the run's base, {where}, gives no eos_token_id; give --eos IDS"
+    ids = ",".join(map(str, eos))
+    return f"note: EOS {ids} (the default) from the run's base, {where}"
