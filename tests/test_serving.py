@@ -608,17 +608,23 @@ def test_tune_serve_ranks_the_layouts_that_fit_by_the_batchs_time(tmp_path, caps
                                     "serve": {**GPU_SERVE["serve"], "batch": 2}}))  # fmt: skip
     assert main(["tune", str(path), "--search", "serve", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    # 4 devices, 2 KV heads: tensor 1 or 2. Tensor 1 leaves 4 data replicas for 2 sequences: skipped.
+    # 4 devices, 2 KV heads: tensor 1, 2, or 4 with each KV head on two devices. Tensor 1 leaves 4 data
+    # replicas for 2 sequences: skipped.
     skipped = [t for t in result["trials"] if t["how"] == "skipped"]
     assert [t["candidate"] for t in skipped] == ["tensor 1 x data 4, KV bfloat16",
                                                  "tensor 1 x data 4, KV int8"]  # fmt: skip
     ranked = result["ranked"]
-    assert [r["layout"] for r in ranked] == sorted([r["layout"] for r in ranked], key=lambda layout: next(
-        r["total_seconds"] for r in ranked if r["layout"] == layout))  # fmt: skip
-    assert {r["layout"] for r in ranked} == {"tensor 2 x data 2, KV bfloat16", "tensor 2 x data 2, KV int8"}
-    assert result["compiles"] == 4 and all(r["fits"] and r["batch"] == 2 for r in ranked)  # Latency: as set.
-    layout = ["mesh.axes={data: 2, fsdp: 1, tensor: 2}", ranked[0]["overrides"][1]]
-    assert result["overrides"][:2] == ranked[0]["overrides"][:2] == layout
+    assert [r["total_seconds"] for r in ranked] == sorted(r["total_seconds"] for r in ranked)
+    assert {r["layout"] for r in ranked} == {f"{layout}, KV {kv}" for kv in ("bfloat16", "int8")
+                                             for layout in ("tensor 2 x data 2",
+                                                            "tensor 2 x tensor_rep 2 x data 1")}  # fmt: skip
+    assert result["compiles"] == 8 and all(r["fits"] and r["batch"] == 2 for r in ranked)  # Latency: as set.
+    mesh = {
+        "tensor 2 x data 2": "mesh.axes={data: 2, fsdp: 1, tensor: 2}",
+        "tensor 2 x tensor_rep 2 x data 1": "mesh.axes={data: 1, fsdp: 1, tensor: 2, tensor_rep: 2}",
+    }
+    assert result["overrides"] == ranked[0]["overrides"]
+    assert ranked[0]["overrides"][0] == mesh[ranked[0]["layout"].split(",")[0]]
 
 
 def test_tune_serve_says_when_its_budget_cut_the_search_and_refuses_a_batch_no_layout_splits(
@@ -627,18 +633,49 @@ def test_tune_serve_says_when_its_budget_cut_the_search_and_refuses_a_batch_no_l
     import yaml
 
     path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(GPU_SERVE))  # 4 devices: tensor 1 or 2, each with two KV dtypes.
+    path.write_text(yaml.safe_dump(GPU_SERVE))  # 4 devices: tensor 1, 2 or 4, each with two KV dtypes.
     assert main(["tune", str(path), "--search", "serve", "--max-compiles", "2"]) == 0
     out = capsys.readouterr().out
-    assert "the compile budget is spent with 3 of 4 layouts unplanned: raise --max-compiles" in out, out
-    assert main(["tune", str(path), "--search", "serve", "--set", "serve.batch=3"]) == 2
+    assert "the compile budget is spent with 5 of 6 layouts unplanned: raise --max-compiles" in out, out
+    # 8 devices: tensor 8 would hold 2 of the 4 query heads: not a layout. Tensor 4 leaves 2 replicas.
+    eight = ["--set", "mesh.axes={data: 4, tensor: 2}", "--set", "serve.batch=3"]
+    assert main(["tune", str(path), "--search", "serve", *eight]) == 2
     err = capsys.readouterr().err
     assert (
-        "serve.batch=3 does not split over the data replicas of any layout of 4 devices (4 at tensor 1, "
-        "2 at tensor 2); use a multiple of 2"
+        "serve.batch=3 does not split over the data replicas of any layout of 8 devices (8 at tensor 1, "
+        "4 at tensor 2, 2 at tensor 4); use a multiple of 2"
         in err
         and len(err.strip().splitlines()) == 1
     )
+
+
+def test_tune_serve_holds_each_kv_head_on_several_devices_where_more_tensor_devices_fit_and_writes_it(
+    tmp_path, capsys
+):
+    """Two KV heads on 4 devices, in a budget only tensor 4 fits: each KV head on two devices, as the
+    refusal of mesh.axes.tensor=4 advises; the config tune writes serves so."""
+    import yaml
+
+    from shardmem.config import load_config
+
+    path, out = tmp_path / "serve.yaml", tmp_path / "tuned.yaml"
+    usable = 270 * 1024  # Between tensor 4's peaks (222 and 246 KiB) and tensor 2's (295 and 307 KiB).
+    memory = {"target": "a100-80g", "usable_fraction": usable / GPU_TARGETS["a100-80g"].memory_bytes,
+              "reserve": 0, "deviceless_margin": 0.0}  # fmt: skip
+    path.write_text(
+        yaml.safe_dump({**GPU_SERVE, "memory": memory, "serve": {**GPU_SERVE["serve"], "batch": 2}})
+    )
+    assert main(["tune", str(path), "--search", "serve", "--out", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "chosen: tensor 2 x tensor_rep 2 x data 1, KV " in said, said
+    assert ("each KV head on several devices (mesh.axes={data: 1, tensor: 2, tensor_rep: 2}): rules heads, "
+            "mlp, vocab on [tensor, tensor_rep], kv_heads on [tensor]") in said  # fmt: skip
+    tuned = load_config(str(out))
+    split = ["tensor", "tensor_rep"]
+    assert tuned.mesh.axes == {"data": 1, "tensor": 2, "tensor_rep": 2}
+    assert tuned.rules == {"heads": split, "mlp": split, "vocab": split, "kv_heads": ["tensor"]}
+    plan = plan_serving(tuned)
+    assert plan.fits and plan.decode.mesh == {"data": 1, "tensor": 2, "tensor_rep": 2}
 
 
 @pytest.mark.slow

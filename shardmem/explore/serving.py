@@ -5,9 +5,13 @@
     result.ranked               # every layout planned: its time, tokens/s, peak, verdict
 
 The knobs are the tensor-parallel degree (the config's devices split into ``tensor`` x ``data``
-replicas, the tensor degree dividing the KV heads) and the KV cache's dtype (the compute dtype, or
-int8); with ``objective="throughput"`` also the batch. Each candidate is a serving plan
-(:func:`~shardmem.planning.serving.plan_serving`: two compiles, prefill and decode):
+replicas) and the KV cache's dtype (the compute dtype, or int8); with ``objective="throughput"`` also
+the batch. A tensor degree divides the KV heads, or is a multiple of them that divides the query heads,
+the MLP and the vocabulary: then each KV head is held on several devices, as vLLM holds them
+(``mesh.axes {tensor: 8, tensor_rep: 2}`` for 8 KV heads on 16 devices, ``heads``, ``mlp`` and
+``vocab`` on ``[tensor, tensor_rep]``, ``kv_heads`` on ``tensor``; the chosen config says so). Each
+candidate is a serving plan (:func:`~shardmem.planning.serving.plan_serving`: two compiles, prefill and
+decode):
 
 - ``latency``: the config's ``serve.batch``; the best candidate takes the least time for the whole
   static batch (time to first token and every decode step), among those that fit.
@@ -41,12 +45,12 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
         raise ConfigError(f"--objective {objective!r}: --search serve ranks by latency or throughput")
     config = planner.base
     devices = len(target.devices)
-    kv_heads = config.model.n_kv_heads
     compute = config.precision.compute
     kv_dtypes = list(dict.fromkeys([config.serve.kv_dtype or compute, "int8"]))
     budget = None
     ranked: list[dict[str, Any]] = []
-    tensors = [t for t in range(1, devices + 1) if devices % t == 0 and kv_heads % t == 0]
+    layouts = {t: _tensor_layout(config, t) for t in range(1, devices + 1) if devices % t == 0}
+    tensors = [t for t, layout in layouts.items() if layout is not None]
     candidates = [(t, kv_dtype) for t in tensors for kv_dtype in kv_dtypes]
     if all(config.serve.batch % (devices // t) for t in tensors):
         each = ", ".join(f"{devices // t} at tensor {t}" for t in tensors)
@@ -59,8 +63,11 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
         if planner.exhausted:
             break
         replicas = devices // tensor
-        label = f"tensor {tensor} x data {replicas}, KV {kv_dtype}"
-        layout = (_mesh(config, replicas, tensor), f"serve.kv_dtype={kv_dtype}")
+        axes, rules = layouts[tensor]
+        shown = {axis: size for axis, size in axes.items() if size > 1 or axis == "tensor"}
+        label = " x ".join(f"{axis} {size}" for axis, size in {**shown, "data": replicas}.items())
+        label += f", KV {kv_dtype}"
+        layout = (_mesh(config, replicas, axes), *rules, f"serve.kv_dtype={kv_dtype}")
         if config.serve.batch % replicas:
             why = f"serve.batch={config.serve.batch} does not split over {replicas} data replicas"
             planner.note(label, layout, None, None, None, False, "skipped", why)
@@ -93,6 +100,7 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
         f"chosen: {best['layout']} at serve.batch={best['batch']}: {format_seconds(best['total_seconds'])} "
         f"for the batch, {best['tokens_per_second']:,.0f} output tokens/s, first token in "
         f"{format_seconds(best['ttft'])}",
+        *_split_text(best["overrides"]),
         f"{planner.compiles} compiles",
         *spent,
     ]
@@ -101,10 +109,42 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
                       ranked=[{k: v for k, v in r.items() if k != "report"} for r in ranked])  # fmt: skip
 
 
-def _mesh(config, replicas: int, tensor: int) -> str:
-    """The ``mesh.axes`` override of a serving layout: ``replicas`` x ``tensor``, the config's other axes
-    (``fsdp``, ``context``, ...) kept at 1, so that partition rules naming them still hold."""
-    axes = {**{axis: 1 for axis in config.mesh.axes}, "data": replicas, "tensor": tensor}
+#: The mesh axis that holds each KV head on several devices when the tensor degree is above the KV heads.
+_REPLICA_AXIS = "tensor_rep"
+
+#: What ``tensor`` x ``tensor_rep`` splits (``kv_heads`` stays on ``tensor`` alone).
+_SPLIT_RULES = ("heads", "mlp", "vocab")
+
+
+def _tensor_layout(config: Config, tensor: int) -> tuple[dict[str, int], tuple[str, ...]] | None:
+    """The tensor axes of a serving layout ``tensor`` devices wide, and its rule overrides: ``{tensor:
+    t}`` where ``t`` divides the KV heads; above them, ``{tensor: KV heads, tensor_rep: t / KV heads}``
+    with ``heads``, ``mlp`` and ``vocab`` on both and ``kv_heads`` on ``tensor`` (each KV head, and its
+    cache, held on ``t / KV heads`` devices), where ``t`` divides the query heads, ``d_ff`` and the
+    vocabulary; None for a degree neither layout splits evenly."""
+    m = config.model
+    if m.n_kv_heads % tensor == 0:
+        return {"tensor": tensor, **({_REPLICA_AXIS: 1} if _REPLICA_AXIS in config.mesh.axes else {})}, ()
+    if tensor % m.n_kv_heads or any(size % tensor for size in (m.n_heads, m.d_ff, m.vocab_size)):
+        return None
+    both = f"[tensor, {_REPLICA_AXIS}]"
+    rules = (*(f"rules.{name}={both}" for name in _SPLIT_RULES), "rules.kv_heads=[tensor]")
+    return {"tensor": m.n_kv_heads, _REPLICA_AXIS: tensor // m.n_kv_heads}, rules
+
+
+def _split_text(overrides: list[str]) -> list[str]:
+    """The line that spells out a chosen layout holding each KV head on several devices (none for
+    another)."""
+    if "rules.kv_heads=[tensor]" not in overrides:
+        return []
+    return [f"each KV head on several devices ({overrides[0]}): rules {', '.join(_SPLIT_RULES)} on "
+            f"[tensor, {_REPLICA_AXIS}], kv_heads on [tensor]"]  # fmt: skip
+
+
+def _mesh(config, replicas: int, tensor_axes: dict[str, int]) -> str:
+    """The ``mesh.axes`` override of a serving layout: ``replicas`` x the ``tensor_axes``, the config's
+    other axes (``fsdp``, ``context``, ...) kept at 1, so that partition rules naming them still hold."""
+    axes = {**{axis: 1 for axis in config.mesh.axes}, "data": replicas, **tensor_axes}
     return "mesh.axes={" + ", ".join(f"{axis}: {size}" for axis, size in axes.items()) + "}"
 
 
