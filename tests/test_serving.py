@@ -636,7 +636,10 @@ def test_tune_serve_says_when_its_budget_cut_the_search_and_refuses_a_batch_no_l
     path.write_text(yaml.safe_dump(GPU_SERVE))  # 4 devices: tensor 1, 2 or 4, each with two KV dtypes.
     assert main(["tune", str(path), "--search", "serve", "--max-compiles", "2"]) == 0
     out = capsys.readouterr().out
-    assert "the compile budget is spent with 5 of 6 layouts unplanned: raise --max-compiles" in out, out
+    said = " ".join(out.split())
+    assert ("the compile budget is spent with 5 of 6 layouts unplanned (those holding the most bytes per "
+            "device): raise --max-compiles") in said, out  # fmt: skip
+    assert "chosen: tensor 2 x tensor_rep 2 x data 1, KV int8 at" in said  # The one holding the least.
     # 8 devices: tensor 8 would hold 2 of the 4 query heads: not a layout. Tensor 4 leaves 2 replicas.
     eight = ["--set", "mesh.axes={data: 4, tensor: 2}", "--set", "serve.batch=3"]
     assert main(["tune", str(path), "--search", "serve", *eight]) == 2
@@ -649,6 +652,30 @@ def test_tune_serve_says_when_its_budget_cut_the_search_and_refuses_a_batch_no_l
     )
 
 
+def _usable(kib: int) -> dict:
+    """A memory section whose budget is ``kib`` KiB of an A100, for serving plans and tune alike."""
+    fraction = kib * 1024 / GPU_TARGETS["a100-80g"].memory_bytes
+    return {"target": "a100-80g", "usable_fraction": fraction, "reserve": 0, "deviceless_margin": 0.0}
+
+
+def test_tune_serve_plans_the_layouts_holding_the_least_first_and_compiles_none_that_holds_too_much():
+    from shardmem.explore.tune import tune
+    from shardmem.units import format_bytes
+
+    result = tune(config_from_dict({**GPU_SERVE, "memory": _usable(400)}), search="serve")
+    # Per device, weights + KV cache (bfloat16 / int8): tensor 1, 449 KiB + 64 / 40; tensor 2, 225 KiB + 64
+    # / 40; tensor 4 (each KV head on two devices), 121 KiB + 128 / 80.
+    pruned = [t for t in result.trials if t.how == "pruned"]
+    assert [t.candidate for t in pruned] == ["tensor 1 x data 4, KV bfloat16", "tensor 1 x data 4, KV int8"]
+    weights = format_bytes(449 * 1024 + 128)
+    assert pruned[0].reason == (f"its weights ({weights}) and KV cache (64.00 KiB) per device are over the "
+                                "400.00 KiB the device has for serving")  # fmt: skip
+    compiled = [t.candidate.removesuffix(", batch 4") for t in result.trials if t.how == "compiled"]
+    split, plain = "tensor 2 x tensor_rep 2 x data 1, KV", "tensor 2 x data 2, KV"
+    assert compiled == [f"{split} int8", f"{split} bfloat16", f"{plain} int8", f"{plain} bfloat16"]
+    assert result.compiles == 8 and result.found
+
+
 def test_tune_serve_holds_each_kv_head_on_several_devices_where_more_tensor_devices_fit_and_writes_it(
     tmp_path, capsys
 ):
@@ -659,9 +686,7 @@ def test_tune_serve_holds_each_kv_head_on_several_devices_where_more_tensor_devi
     from shardmem.config import load_config
 
     path, out = tmp_path / "serve.yaml", tmp_path / "tuned.yaml"
-    usable = 270 * 1024  # Between tensor 4's peaks (222 and 246 KiB) and tensor 2's (295 and 307 KiB).
-    memory = {"target": "a100-80g", "usable_fraction": usable / GPU_TARGETS["a100-80g"].memory_bytes,
-              "reserve": 0, "deviceless_margin": 0.0}  # fmt: skip
+    memory = _usable(270)  # Between tensor 4's peaks (222 and 246 KiB) and tensor 2's (295 and 307 KiB).
     path.write_text(
         yaml.safe_dump({**GPU_SERVE, "memory": memory, "serve": {**GPU_SERVE["serve"], "batch": 2}})
     )

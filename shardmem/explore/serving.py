@@ -20,7 +20,11 @@ decode):
   the two compiled points solved for the budget and compiled again (as ``plan --serve --capacity``
   does); the best has the most output tokens/s.
 
-Candidates whose ``serve.batch`` the data replicas do not divide are skipped and say so.
+Candidates whose ``serve.batch`` the data replicas do not divide are skipped and say so. Before any
+compile, each layout's weights and KV cache per device come from their shapes and shardings: a layout
+whose two are over what the device has for serving is pruned (not compiled), and the rest are planned
+holding the fewest bytes first (what a decode step reads, and what leaves room for sequences), so that
+a compile budget too small for all of them goes to the likeliest winners.
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ from typing import Any
 from shardmem.config import Config
 from shardmem.errors import ConfigError
 from shardmem.explore.search import Planner, TuneResult, margin_text, no_fit
+from shardmem.parallel.mesh import build_mesh
+from shardmem.planning.memory import budget, per_device_bytes
 from shardmem.planning.serving import ServingPlan, plan_serving, room_limit
 from shardmem.planning.targets import Target
+from shardmem.program.serving import serving_program
 from shardmem.units import format_bytes, format_seconds
 
 #: What ``--objective`` may ask of a serving search.
@@ -47,7 +54,7 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
     devices = len(target.devices)
     compute = config.precision.compute
     kv_dtypes = list(dict.fromkeys([config.serve.kv_dtype or compute, "int8"]))
-    budget = None
+    budget_bytes = None
     ranked: list[dict[str, Any]] = []
     layouts = {t: _tensor_layout(config, t) for t in range(1, devices + 1) if devices % t == 0}
     tensors = [t for t, layout in layouts.items() if layout is not None]
@@ -58,34 +65,26 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
             f"serve.batch={config.serve.batch} does not split over the data replicas of any layout of "
             f"{devices} devices ({each}); use a multiple of {devices // tensors[-1]}"
         )
-    planned = 0  # Candidates planned or skipped: fewer than all when the compile budget runs out.
-    for tensor, kv_dtype in candidates:
+    usable = budget(config.memory, target.memory_bytes, target.allocator_limit)  # No margin: an upper bound.
+    queue = _queue(planner, target, candidates, layouts, usable)
+    planned = 0
+    for _, label, layout, replicas in queue:
         if planner.exhausted:
             break
-        replicas = devices // tensor
-        axes, rules = layouts[tensor]
-        shown = {axis: size for axis, size in axes.items() if size > 1 or axis == "tensor"}
-        label = " x ".join(f"{axis} {size}" for axis, size in {**shown, "data": replicas}.items())
-        label += f", KV {kv_dtype}"
-        layout = (_mesh(config, replicas, axes), *rules, f"serve.kv_dtype={kv_dtype}")
-        if config.serve.batch % replicas:
-            why = f"serve.batch={config.serve.batch} does not split over {replicas} data replicas"
-            planner.note(label, layout, None, None, None, False, "skipped", why)
-            planned += 1
-            continue
         row = _best_batch(planner, config, label, layout, replicas, objective)
         if row is None:
             break  # Out of compiles.
-        budget = row.pop("budget_bytes")
+        budget_bytes = row.pop("budget_bytes")
         ranked.append(row)
         planned += 1
-    spent = [f"the compile budget is spent with {len(candidates) - planned} of {len(candidates)} layouts "
-             "unplanned: raise --max-compiles"] if planned < len(candidates) else []  # fmt: skip
+    spent = [f"the compile budget is spent with {len(queue) - planned} of {len(candidates)} layouts "
+             "unplanned (those holding the most bytes per device): raise --max-compiles"
+             ] if planned < len(queue) else []  # fmt: skip
     fitting = [r for r in ranked if r["fits"]]
     key = (lambda r: r["total_seconds"]) if objective == "latency" else (lambda r: -r["tokens_per_second"])
     ranked = sorted(fitting, key=key) + [r for r in ranked if not r["fits"]]
     if not fitting:
-        return no_fit(planner, target, budget or 0, "serve", [
+        return no_fit(planner, target, budget_bytes or usable, "serve", [
             f"no layout of {devices} devices fits serve.batch={config.serve.batch} with either KV dtype",
             "lower serve.batch or serve.max_len, quantize the weights (serve.quantize), or plan more devices",
             *spent,
@@ -105,8 +104,46 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
         *spent,
     ]
     return TuneResult("serve", config.replace(*best["overrides"]), best.pop("report"), chosen, planner.trials,
-                      planner.compiles, budget, target.label, explanation,
+                      planner.compiles, budget_bytes, target.label, explanation,
                       ranked=[{k: v for k, v in r.items() if k != "report"} for r in ranked])  # fmt: skip
+
+
+def _queue(planner: Planner, target: Target, candidates: list[tuple[int, str]],
+           layouts: dict[int, tuple[dict[str, int], tuple[str, ...]] | None],
+           usable: int) -> list[tuple[int, str, tuple[str, ...], int]]:  # fmt: skip
+    """The layouts to plan, each ``(bytes held per device, label, overrides, data replicas)``, fewest
+    bytes first; noting those skipped (``serve.batch`` does not split over their replicas) and pruned
+    (their weights and KV cache alone are over the ``usable`` bytes)."""
+    config, devices = planner.base, len(target.devices)
+    queue = []
+    for tensor, kv_dtype in candidates:
+        replicas = devices // tensor
+        axes, rules = layouts[tensor]
+        shown = {axis: size for axis, size in axes.items() if size > 1 or axis == "tensor"}
+        label = " x ".join(f"{axis} {size}" for axis, size in {**shown, "data": replicas}.items())
+        label += f", KV {kv_dtype}"
+        layout = (_mesh(config, replicas, axes), *rules, f"serve.kv_dtype={kv_dtype}")
+        if config.serve.batch % replicas:
+            why = f"serve.batch={config.serve.batch} does not split over {replicas} data replicas"
+            planner.note(label, layout, None, None, None, False, "skipped", why)
+            continue
+        weights, cache = _held_bytes(config.replace(*layout), target)
+        if weights + cache > usable:
+            why = (f"its weights ({format_bytes(weights)}) and KV cache ({format_bytes(cache)}) per device "
+                   f"are over the {format_bytes(usable)} the device has for serving")  # fmt: skip
+            planner.note(label, layout, weights + cache, None, None, False, "pruned", why)
+            continue
+        queue.append((weights + cache, label, layout, replicas))
+    # Fewest bytes first: a decode step reads them all (the least time where it is memory bound), and
+    # they leave the most room for sequences; the compile budget goes to the likeliest winners.
+    return sorted(queue, key=lambda queued: queued[0])
+
+
+def _held_bytes(config: Config, target: Target) -> tuple[int, int]:
+    """The weights and the KV cache a device holds throughout serving, from their shapes and shardings
+    (no compile): every plan's peak holds both."""
+    program = serving_program(config, build_mesh(config.mesh.axes, target.devices))
+    return per_device_bytes(program.abstract_weights), per_device_bytes(program.serving.cache)
 
 
 #: The mesh axis that holds each KV head on several devices when the tensor degree is above the KV heads.
@@ -220,11 +257,12 @@ def render_serving_tune(result: TuneResult):
                       format_seconds(row["mean_decode_seconds"]) if row["mean_decode_seconds"] else "-",
                       format_seconds(row["total_seconds"]) if fits else "over",
                       f"{row['tokens_per_second']:,.0f}")  # fmt: skip
-    skipped = [t for t in result.trials if t.how == "skipped"]
     lines = [Text(result.explanation[0]), table]
-    if skipped:
-        why = "; ".join(f"{t.candidate} ({t.reason})" for t in skipped)
-        lines.append(Text(f"skipped: {why}", style="dim"))
+    for how in ("skipped", "pruned"):
+        trials = [t for t in result.trials if t.how == how]
+        if trials:
+            why = "; ".join(f"{t.candidate} ({t.reason})" for t in trials)
+            lines.append(Text(f"{how}{', not compiled' if how == 'pruned' else ''}: {why}", style="dim"))
     style = "bold green" if result.found else "bold red"
     lines += [Text(line, style=style if i == 0 else None) for i, line in enumerate(result.explanation[1:])]
     return Group(*lines)
