@@ -31,6 +31,7 @@ if _NO_GPU:
 
 from shardmem.config import Config, config_from_dict, load_config  # noqa: E402
 from shardmem.errors import ConfigError, PlanError, ShardmemError  # noqa: E402
+from shardmem.models.kv_cache import CacheLayout, CacheSlot, KVCache  # noqa: E402
 from shardmem.models.llama import CHECKPOINT_TAGS, PRESETS, Llama, ModelConfig  # noqa: E402
 from shardmem.parallel.mesh import build_mesh  # noqa: E402
 from shardmem.parallel.rules import Rules, constrain  # noqa: E402
@@ -59,9 +60,12 @@ __all__ = [
     "GPU_TARGETS",
     "TPU_TARGETS",
     "PRESETS",
+    "CacheLayout",
+    "CacheSlot",
     "Config",
     "ConfigError",
     "Description",
+    "KVCache",
     "LayerPlan",
     "Llama",
     "MemoryReport",

@@ -51,6 +51,12 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
     if objective not in SERVING_OBJECTIVES:
         raise ConfigError(f"--objective {objective!r}: --search serve ranks by latency or throughput")
     config = planner.base
+    if config.user_model:  # Its KV heads are its cache_layout()'s, known only once it is built.
+        raise ConfigError(
+            f"shardmem tune --search serve splits the reference decoder's model.n_kv_heads over tensor; a "
+            f"model of your own (model.factory={getattr(config.model, 'factory', None)}) is not searched: "
+            "compare layouts with shardmem plan CONFIG --serve --set mesh.axes.tensor=N"
+        )
     devices = len(target.devices)
     compute = config.precision.compute
     kv_dtypes = list(dict.fromkeys([config.serve.kv_dtype or compute, "int8"]))

@@ -38,6 +38,23 @@ CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 SCALE_AXES = CACHE_AXES[:-1]
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Returns from a model of your own's ``cache_layout()``: the shape of the KV cache its
+    ``cached_call`` reads and writes (``layers`` attention layers, each with ``kv_heads`` key/value heads
+    of ``head_dim``), and the sliding ``window`` its layers attend over (None: all positions), which
+    the serving plan's decode time reads.
+
+        def cache_layout(self):
+            return shardmem.CacheLayout(layers=len(self.blocks), kv_heads=2, head_dim=16)
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -127,7 +144,7 @@ class CacheSlot:
     (:mod:`shardmem.models.rope`; None for the others)."""
 
     cache: KVCache
-    layer: jax.Array
+    layer: jax.Array | int
     positions: jax.Array
     prefill: bool
     rope_length: jax.Array | None = None
@@ -135,17 +152,24 @@ class CacheSlot:
     def attend(self, kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
         """Returns ``(ctx_BxLxHxK, cache)``: the step's attention, and the cache with the step's keys
         and values written. Prefill attends over the prompt with ``kernel`` (the training forward's
-        attention); decode over the cache, up to each sequence's position: on GPUs (a flash ``kernel``)
-        with the Pallas decode kernel over the stacked cache (:mod:`shardmem.models.decode_attention`;
-        an int8 cache keeps XLA's attention, which dequantizes the layer's codes), else with XLA's."""
+        attention; None: XLA's, :func:`~shardmem.models.attention.causal_attention`, as a model of your
+        own passes it); decode over the cache, up to each sequence's position: on GPUs (a flash
+        ``kernel``) with the Pallas decode kernel over the stacked cache
+        (:mod:`shardmem.models.decode_attention`; an int8 cache keeps XLA's attention, which dequantizes
+        the layer's codes), else with XLA's."""
         from shardmem.models import decode_attention
         from shardmem.models.attention import attend, causal_attention
 
         cache = self.cache.write(self.layer, self.positions, k_BxLxGxK, v_BxLxGxK)
+        if self.prefill and kernel is None:
+            length = q_BxLxHxK.shape[1]
+            window = window if window is not None and window < length else None
+            return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window), cache
         if self.prefill:
             return attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window), cache
         window = window if window is not None and window < cache.max_len else None
-        if kernel.decodes_in_pallas and cache.key_scales is None:  # int8 codes: XLA dequantizes them.
+        pallas = kernel is not None and kernel.decodes_in_pallas
+        if pallas and cache.key_scales is None:  # int8 codes: XLA dequantizes them.
             ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, cache.keys, cache.values, self.layer,
                                                   self.positions, window=window)  # fmt: skip
             if ctx_BxLxHxK is not None:

@@ -300,7 +300,7 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
     serve = {"batch": s.batch, "prompt_len": s.prompt_len, "max_len": s.max_len, "kv_dtype": s.kv_dtype,
              "quantize": dataclasses.asdict(quantize) if quantize else None}  # fmt: skip
     plan = ServingPlan(reports["prefill"], reports["decode"], serve)
-    time = _time(plan, target, config.model.sliding_window)
+    time = _time(plan, target, s.layout.window)
     return dataclasses.replace(plan, time=time, capacity=_capacity(plan, _batch_shards(program)))
 
 
@@ -317,7 +317,8 @@ def _margined(report: MemoryReport, name: str) -> MemoryReport:
 
 def _time(plan: ServingPlan, target: Target, window: int | None = None) -> ServingTime | None:
     """The static batch's times, from the two functions' step times (None without a time model); a
-    step reads at most ``window`` positions of each sequence (``model.sliding_window``)."""
+    step reads at most ``window`` positions of each sequence (``model.sliding_window``, or a model of
+    your own's ``cache_layout().window``)."""
     prefill, decode = plan.prefill.step_time, plan.decode.step_time
     if prefill is None or decode is None:
         return None

@@ -38,12 +38,13 @@ from shardmem.models.attention import (
     shared_memory_per_block,
     sm_count,
 )
-from shardmem.models.kv_cache import KVCache
+from shardmem.models.kv_cache import CacheLayout, KVCache
 from shardmem.models.llama import lora_input_dims
 from shardmem.parallel import collective_matmul
 from shardmem.parallel.mesh import auto_axes
 from shardmem.parallel.pipeline import STAGE_AXIS, Pipeline
 from shardmem.parallel.rules import Rules, check_divisible
+from shardmem.program import user_serving
 from shardmem.program.batch import declared_batch
 from shardmem.program.batch import is_leaf as is_batch_leaf
 from shardmem.program.loss import LossFn, next_token_loss, resolve_loss
@@ -86,6 +87,9 @@ class Serving:
     shardings, ``cache_shardings``: its batch over the data replicas, its KV heads over ``tensor``, by
     the rules). ``rows`` places one value per sequence (``[batch]``: lengths, positions, tokens),
     ``tokens`` a prefill's prompts ``[batch, prompt_len]`` and ``logits`` ``[batch, vocab]``.
+    ``layout`` is the cache's shape (the reference model's layers, KV heads and head size, and its
+    sliding window; a model of your own's ``cache_layout()``, :mod:`shardmem.program.user_serving`),
+    ``vocab`` the logits' last axis.
     """
 
     batch: int
@@ -97,6 +101,8 @@ class Serving:
     rows: NamedSharding
     tokens: NamedSharding
     logits: NamedSharding
+    layout: CacheLayout
+    vocab: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +178,8 @@ def describe(
     ``serving=True`` (which implies ``training=False``) resolves the ``serve:`` section for the serving
     program (:func:`~shardmem.program.serving.build_serving`): its weights, every parameter frozen in
     ``precision.compute`` or quantized by ``serve.quantize``, and its KV cache (:class:`Serving`); the
-    config's remat does not apply (nothing is differentiated).
+    config's remat does not apply (nothing is differentiated). A model of your own serves through its
+    cache-aware call (:mod:`shardmem.program.user_serving`), and is refused without one.
     """
     mesh = auto_axes(mesh)
     custom = model_factory is not None or config.user_model
@@ -182,7 +189,7 @@ def describe(
     rules = Rules.from_config(config.rules, mesh.axis_names, config.param_rules)
     context = context_shards(config, mesh, rules, custom, batch_shape)
     if serving:
-        _check_serving(config, mesh, rules, custom, context)
+        _check_serving(config, mesh, rules, context)
     pipeline = pipeline_for(config, mesh, custom, rules)
     if attention is None and not custom:
         attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
@@ -221,7 +228,13 @@ def describe(
         arguments=arguments, collective_matmuls=collective,
     )  # fmt: skip
     if serving:
-        return dataclasses.replace(description, serving=_serving(config, mesh, rules))
+        if custom:  # Its cache-aware call says the cache's shape (and refuses a model without one).
+            layout, vocab = user_serving.cache_layout(config, model, mesh, rules)
+        else:
+            m = config.model
+            layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, m.sliding_window)
+            vocab = m.vocab_size
+        return dataclasses.replace(description, serving=_serving(config, mesh, rules, layout, vocab))
     if not training:
         return description
     training_part = _training(config, description, batch_tree, token, loss_fn)
@@ -258,15 +271,10 @@ def _fine_tune(config: Config, model: Model, pipeline: Pipeline | None, custom: 
                 frozen_shardings=frozen_shardings, frozen_logical=frozen_logical)  # fmt: skip
 
 
-def _check_serving(config: Config, mesh: Mesh, rules: Rules, custom: bool, context: int) -> None:
-    """Raises ConfigError for what the serving program cannot run: a model of your own, pipeline
-    stages, a sequence split over devices, a batch its devices do not divide."""
-    if custom:
-        raise ConfigError(
-            "serving runs the reference decoder (model.preset or model fields, or finetune.init_from a "
-            "Hugging Face Llama, Mistral, Gemma or Qwen2 folder): a model of your own has no KV-cache call "
-            "shardmem knows; serve it with your own code"
-        )
+def _check_serving(config: Config, mesh: Mesh, rules: Rules, context: int) -> None:
+    """Raises ConfigError for what the serving program cannot run: pipeline stages, a sequence split
+    over devices, a batch its devices do not divide. (A model of your own without a cache-aware call
+    is refused once it is built: :func:`~shardmem.program.user_serving.cache_layout`.)"""
     stages = dict(mesh.shape).get(STAGE_AXIS, 1)
     if stages > 1:
         raise ConfigError(
@@ -301,25 +309,25 @@ def _serving_weights(config: Config, model: Model, custom: bool) -> dict[str, An
                 frozen_logical=frozen_logical)  # fmt: skip
 
 
-def _serving(config: Config, mesh: Mesh, rules: Rules) -> Serving:
-    """The serve section resolved: the KV cache's abstract arrays and shardings, and the batch's."""
-    serve, m = config.serve, config.model
+def _serving(config: Config, mesh: Mesh, rules: Rules, layout: CacheLayout, vocab: int) -> Serving:
+    """The serve section resolved: the KV cache's abstract arrays (of ``layout``) and shardings, and the
+    batch's."""
+    serve = config.serve
     kv_dtype = serve.kv_dtype or config.precision.compute
-    cache = jax.eval_shape(functools.partial(
-        KVCache.zeros, layers=m.n_layers, batch=serve.batch, max_len=serve.max_len, kv_heads=m.n_kv_heads,
-        head_dim=m.head_size, dtype=kv_dtype))  # fmt: skip
+    cache = jax.eval_shape(functools.partial(user_serving.new_cache, layout, serve.batch, serve.max_len,
+                                             kv_dtype))  # fmt: skip
 
     def sharding(axes):
         spec = rules.spec(axes)
-        check_divisible("the KV cache", (m.n_layers, serve.batch, serve.max_len, m.n_kv_heads, m.head_size),
-                        spec, mesh, axes)  # fmt: skip
+        shape = (layout.layers, serve.batch, serve.max_len, layout.kv_heads, layout.head_dim)
+        check_divisible("the KV cache", shape, spec, mesh, axes)
         return NamedSharding(mesh, spec)
 
     cache_shardings = cache.by_axes(sharding)
     place = lambda *axes: NamedSharding(mesh, rules.spec(axes))  # noqa: E731
     return Serving(serve.batch, serve.prompt_len, serve.max_len, kv_dtype, sharded(cache, cache_shardings),
-                   cache_shardings, place("batch"), place("batch", None),
-                   place("batch", "vocab"))  # fmt: skip
+                   cache_shardings, place("batch"), place("batch", None), place("batch", "vocab"),
+                   layout, vocab)  # fmt: skip
 
 
 def _training(config: Config, d: Description, batch_tree, token: bool, loss_fn: LossFn) -> Training:

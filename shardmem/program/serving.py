@@ -39,8 +39,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
 from shardmem.models.fused import Fused, fuse_layer, unfuse_layer
-from shardmem.models.kv_cache import KVCache
 from shardmem.parallel.rules import constrain
+from shardmem.program import user_serving
 from shardmem.program.description import Description, Serving, describe
 from shardmem.program.model import sharded
 from shardmem.program.program import Function, Program, loading
@@ -123,7 +123,9 @@ def serving_layout(tree, description: Description) -> dict:
     as the description's ``abstract_frozen``) as the serving program stores its weights: by layer
     (:func:`by_layer`), each layer's query, key and value weights fused into one matrix and its gate and
     up weights into another (:func:`~shardmem.models.fused.fuse_layer`), so that a decode step runs one
-    matmul for each group and reads each weight once."""
+    matmul for each group and reads each weight once. A model of your own's are its own tree as it is."""
+    if description.model.factory.custom:
+        return tree
     layers = description.config.model.n_layers
     abstract = by_layer(description.abstract_frozen, layers)["layers"]
     shardings = by_layer(description.frozen_shardings, layers)["layers"]
@@ -179,8 +181,32 @@ def build_serving(description: Description) -> ServingProgram:
 
 
 def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
-    """The jitted prefill, decode and new_cache (see the module docstring)."""
-    s, mesh, rules, finetune = d.serving, d.mesh, d.rules, d.finetune
+    """The jitted prefill, decode and new_cache (see the module docstring), of the reference model or
+    of a model of your own (:func:`_user_functions`), with the same signatures and shardings."""
+    s = d.serving
+    prefill, decode = _user_functions(d) if d.model.factory.custom else _reference_functions(d)
+
+    def new_cache():
+        return user_serving.new_cache(s.layout, s.batch, s.max_len, s.kv_dtype)
+
+    rows, weights = s.rows, serving_layout(d.frozen_shardings, d)
+    outputs = (s.logits, s.cache_shardings)
+    return (
+        jax.jit(prefill, in_shardings=(weights, s.cache_shardings, s.tokens, rows), out_shardings=outputs,
+                donate_argnums=1, compiler_options=COMPILER_OPTIONS),
+        jax.jit(decode, in_shardings=(weights, s.cache_shardings, rows, rows), out_shardings=outputs,
+                donate_argnums=1, compiler_options=COMPILER_OPTIONS),
+        jax.jit(new_cache, out_shardings=s.cache_shardings),
+    )  # fmt: skip
+
+
+def _logits(logits_BxV):
+    return constrain(logits_BxV, ("batch", "vocab")).astype(jnp.float32)
+
+
+def _reference_functions(d: Description) -> tuple[Callable, Callable]:
+    """The reference model's prefill and decode, its layers reading their weights by layer."""
+    mesh, rules, finetune = d.mesh, d.rules, d.finetune
     m = d.config.model
     graphdef = d.model.graphdef
 
@@ -196,16 +222,8 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
         return model, [{**finetune.assemble({}, {"layers": _apart(layer, False)})["layers"],
                         **_apart(layer, True)} for layer in layers]  # fmt: skip
 
-    def logits(model, h_BxD):
-        logits_BxV = h_BxD @ model.unembedding()
-        return constrain(logits_BxV, ("batch", "vocab")).astype(jnp.float32)
-
     # Dynamic RoPE's frequencies follow each step's longest real token over the batch (models/rope.py).
     per_forward = m.rope_scaling is not None and m.rope_scaling.per_forward
-
-    def new_cache():
-        return KVCache.zeros(layers=m.n_layers, batch=s.batch, max_len=s.max_len, kv_heads=m.n_kv_heads,
-                             head_dim=m.head_size, dtype=s.kv_dtype)  # fmt: skip
 
     # The prefill writes into the cache it is given (donated), as a serving engine fills the cache it
     # allocated at start-up: made inside, it was a broadcast of zeros every prefill wrote in full.
@@ -218,7 +236,7 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
                                                         rope_length=longest)  # fmt: skip
             last_Bx1x1 = (lengths_B - 1)[:, None, None]  # Each prompt's last token gives the next one.
             h_BxD = jnp.take_along_axis(h_BxPxD, last_Bx1x1, axis=1)[:, 0]
-            return logits(model, h_BxD), cache
+            return _logits(h_BxD @ model.unembedding()), cache
 
     def decode(weights, cache, tokens_B, positions_B):
         with rules.activate(mesh):
@@ -227,17 +245,32 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
             h_Bx1xD, cache = model.cached_hidden_states(
                 tokens_B[:, None], cache, positions_B[:, None], layers, prefill=False, rope_length=longest
             )
-            return logits(model, h_Bx1xD[:, 0]), cache
+            return _logits(h_Bx1xD[:, 0] @ model.unembedding()), cache
 
-    rows, weights = s.rows, serving_layout(d.frozen_shardings, d)
-    outputs = (s.logits, s.cache_shardings)
-    return (
-        jax.jit(prefill, in_shardings=(weights, s.cache_shardings, s.tokens, rows), out_shardings=outputs,
-                donate_argnums=1, compiler_options=COMPILER_OPTIONS),
-        jax.jit(decode, in_shardings=(weights, s.cache_shardings, rows, rows), out_shardings=outputs,
-                donate_argnums=1, compiler_options=COMPILER_OPTIONS),
-        jax.jit(new_cache, out_shardings=s.cache_shardings),
-    )  # fmt: skip
+    return prefill, decode
+
+
+def _user_functions(d: Description) -> tuple[Callable, Callable]:
+    """A model of your own's prefill and decode: its ``cached_call`` (:mod:`shardmem.program.user_serving`)
+    on its own parameter tree, the logits of each prompt's last real token."""
+    mesh, rules, finetune, graphdef = d.mesh, d.rules, d.finetune, d.model.graphdef
+
+    def prefill(weights, cache, prompts_BxP, lengths_B):
+        with rules.activate(mesh):
+            model = nnx.merge(graphdef, finetune.assemble({}, weights))
+            positions_P = jnp.arange(prompts_BxP.shape[1])
+            logits_BxPxV, cache = model.cached_call(prompts_BxP, cache, positions_P, prefill=True)
+            last_Bx1x1 = (lengths_B - 1)[:, None, None]  # Each prompt's last token gives the next one.
+            return _logits(jnp.take_along_axis(logits_BxPxV, last_Bx1x1, axis=1)[:, 0]), cache
+
+    def decode(weights, cache, tokens_B, positions_B):
+        with rules.activate(mesh):
+            model = nnx.merge(graphdef, finetune.assemble({}, weights))
+            logits_Bx1xV, cache = model.cached_call(tokens_B[:, None], cache, positions_B[:, None],
+                                                    prefill=False)  # fmt: skip
+            return _logits(logits_Bx1xV[:, 0]), cache
+
+    return prefill, decode
 
 
 def _initializers(d: Description) -> tuple[Callable, Callable]:

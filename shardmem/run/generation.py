@@ -94,7 +94,7 @@ def generate(
     room for, naming the key to raise."""
     sampling = sampling or Sampling()
     serving = program.serving
-    check_prompts(program.config, prompts, max_new_tokens, eos)
+    check_prompts(program.config, prompts, max_new_tokens, eos, vocab=serving.vocab)
     rows = len(prompts)
     prompts_BxP = np.zeros((serving.batch, serving.prompt_len), np.int32)
     lengths_B = np.ones(serving.batch, np.int32)  # Placeholder rows: one token each, dropped.
@@ -127,11 +127,16 @@ def generate(
     return Generation([list(p) for p in prompts], new, finished, step)
 
 
-def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = ()) -> None:
+def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = (), *,
+                  vocab: int | None = None) -> None:  # fmt: skip
     """Raises ConfigError for prompts (and ``eos`` ids) the config's model and ``serve`` section cannot
     take, or a ``max_new_tokens`` the KV cache has no room for, naming the key to change: before anything
-    is built."""
-    serving, vocab = config.serve, config.model.vocab_size
+    is built. ``vocab``: the model's vocabulary (default: ``model.vocab_size``; a model of your own's is
+    known once its program is, ``program.serving.vocab``, and unchecked without it)."""
+    serving = config.serve
+    vocab = vocab if vocab is not None else getattr(config.model, "vocab_size", None)
+    # The reference model's vocabulary is a key; a model of your own's is its logits' last axis.
+    size = f"model.vocab_size={vocab}" if hasattr(config.model, "vocab_size") else f"{vocab} tokens"
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={max_new_tokens}: generate at least 1 token")
     if not prompts:
@@ -150,10 +155,10 @@ def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = ())
             n = len(prompt)
             raise ConfigError(f"prompt {i} has {n} tokens, over serve.prompt_len={serving.prompt_len}; set "
                               f"serve.prompt_len={n} (--set serve.prompt_len={n})")  # fmt: skip
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = [t for t in prompt if vocab is not None and not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"prompt {i} has token id {bad[0]}, outside the model's vocabulary of "
-                              f"model.vocab_size={vocab} (0 to {vocab - 1})")  # fmt: skip
+                              f"{size} (0 to {vocab - 1})")  # fmt: skip
     longest = max(len(p) for p in prompts)
     needed = longest + max_new_tokens - 1  # The last token drawn is never written to the cache.
     if needed > serving.max_len:
@@ -162,9 +167,8 @@ def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = ())
                           f"serve.max_len={needed} (--set serve.max_len={needed}) or generate "
                           f"{serving.max_len - longest + 1} tokens at most")  # fmt: skip
     for token in eos:
-        if not 0 <= token < vocab:
-            raise ConfigError(f"--eos {token}: outside the model's vocabulary of model.vocab_size={vocab} "
-                              f"(0 to {vocab - 1})")  # fmt: skip
+        if vocab is not None and not 0 <= token < vocab:
+            raise ConfigError(f"--eos {token}: outside the model's vocabulary of {size} (0 to {vocab - 1})")
 
 
 def _batch_shards(config) -> int:

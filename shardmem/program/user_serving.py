@@ -1,0 +1,92 @@
+"""Serving a model of your own: the cache-aware call it exposes, checked and run by the serving program.
+
+    class Decoder(nnx.Module):
+        def cache_layout(self) -> shardmem.CacheLayout:        # the KV cache's shape
+            return shardmem.CacheLayout(layers=len(self.blocks), kv_heads=2, head_dim=16)
+
+        def cached_call(self, tokens_BxL, cache, positions, *, prefill):   # -> (logits_BxLxV, cache)
+            x_BxLxD = self.embed[...][tokens_BxL]
+            for layer, block in enumerate(self.blocks):        # each attention layer, its own slot
+                x_BxLxD, cache = block(x_BxLxD, shardmem.CacheSlot(cache, layer, positions, prefill))
+            return self.head(x_BxLxD), cache
+
+A prefill's ``tokens_BxL`` are the prompts, right-padded to ``serve.prompt_len``, at ``positions`` ``[L]``
+(0 .. L-1); a decode step's are one token per sequence (``L`` = 1) at ``positions`` ``[B, 1]``, each
+sequence's own. ``cache`` is a :class:`~shardmem.models.kv_cache.KVCache` that shardmem allocates in the
+layout's shape, sharded by the rules (:data:`~shardmem.models.kv_cache.CACHE_AXES`), and donates to each
+call. Inside an attention layer, ``slot.attend(None, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=...)``
+writes the step's keys and values and returns ``(ctx_BxLxHxK, cache)``: causal attention over the prompt
+in a prefill, over the cache up to each sequence's position in a decode step, with an int8 cache
+quantized and read back. The layer applies its own position embedding (rotary: at ``slot.positions``)
+before it. The serving program takes each prompt's logits at its last real token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from shardmem.config import Config
+from shardmem.errors import ConfigError
+from shardmem.models.kv_cache import CacheLayout, KVCache
+from shardmem.parallel.rules import Rules
+from shardmem.program.model import Model
+
+#: Where the guide says what to add.
+GUIDE = "docs/guides/your-own-model.md#serving-it"
+
+
+def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules) -> tuple[CacheLayout, int]:
+    """Returns the model's :class:`CacheLayout` and its vocabulary (the logits' last axis, from its
+    ``cached_call`` traced on abstract prompts); raises ConfigError, one line naming what to add, for a
+    model without the cache-aware call, or one whose call or layout is not as the protocol says."""
+    factory = getattr(config.model, "factory", None)
+    where = f"model.factory={factory}" if factory else "the model_factory"
+    abstract = nnx.merge(model.graphdef, model.abstract_params, model.abstract_rest)
+    name = type(abstract).__name__
+    missing = [m for m in ("cached_call", "cache_layout") if not callable(getattr(abstract, m, None))]
+    if missing:
+        raise ConfigError(
+            f"{where}: serving needs the model's cache-aware call, and {name} has no "
+            f"{' or '.join(missing)}; add cached_call(tokens_BxL, cache, positions, *, prefill) -> "
+            f"(logits_BxLxV, cache) and cache_layout() -> shardmem.CacheLayout (see {GUIDE})"
+        )
+    if model.has_rest:
+        raise ConfigError(
+            f"{where}: {name} holds variables other than nnx.Param (batch statistics, RNG streams), which a "
+            "serving program does not carry; build the model without them for serving (e.g. no dropout "
+            f"rngs), see {GUIDE}"
+        )
+    layout = abstract.cache_layout()
+    if not isinstance(layout, CacheLayout):
+        raise ConfigError(f"{where}: {name}.cache_layout() returned a {type(layout).__name__}; return "
+                          "shardmem.CacheLayout(layers=..., kv_heads=..., head_dim=...)")  # fmt: skip
+    for field in ("layers", "kv_heads", "head_dim"):
+        value = getattr(layout, field)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: {name}.cache_layout().{field}={value!r}; give a positive integer")
+    serve = config.serve
+    cache = jax.eval_shape(lambda: new_cache(layout, serve.batch, serve.max_len, "float32"))
+    prompts = jax.ShapeDtypeStruct((serve.batch, serve.prompt_len), jnp.int32)
+
+    def call(params, prompts_BxP, cache):
+        with rules.activate(mesh):
+            merged = nnx.merge(model.graphdef, params)
+            return merged.cached_call(prompts_BxP, cache, jnp.arange(prompts_BxP.shape[1]), prefill=True)
+
+    out = jax.eval_shape(call, model.abstract_params, prompts, cache)
+    shape = (serve.batch, serve.prompt_len)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], KVCache)
+            and getattr(out[0], "ndim", 0) == 3 and out[0].shape[:2] == shape):  # fmt: skip
+        got = jax.tree.map(lambda x: list(x.shape), out)
+        raise ConfigError(f"{where}: {name}.cached_call returned {got} for prompts {list(shape)}; return "
+                          "(logits [batch, length, vocab], the cache it was given, written)")  # fmt: skip
+    return layout, out[0].shape[2]
+
+
+def new_cache(layout: CacheLayout, batch: int, max_len: int, dtype: str) -> KVCache:
+    """Returns an empty cache of ``layout``'s shape for ``batch`` sequences of ``max_len`` positions."""
+    return KVCache.zeros(layers=layout.layers, batch=batch, max_len=max_len, kv_heads=layout.kv_heads,
+                         head_dim=layout.head_dim, dtype=dtype)  # fmt: skip
