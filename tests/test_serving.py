@@ -251,10 +251,15 @@ def test_a_serve_section_serving_cannot_run_is_one_line_naming_the_key(change, m
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_model_of_your_own_is_refused_and_a_variant_stays_a_serving_program():
+def test_a_model_of_your_own_without_a_cached_call_is_refused_and_a_variant_stays_a_serving_program():
     config = config_from_dict({"model": {"preset": "tiny"}, "mesh": {"axes": {"data": 1}}})
     mesh = build_mesh(config.mesh.axes, jax.devices()[:1])
-    with pytest.raises(ConfigError, match="serving runs the reference decoder"):
+    # Serving a model of your own: tests/test_user_serving.py.
+    with pytest.raises(
+        ConfigError,
+        match="the model passed as model_factory: serving needs the model's "
+        "cache-aware call, and Linear has no cached_call or cache_layout",
+    ):
         serving_program(config, mesh, model_factory=lambda rngs: nnx.Linear(2, 2, rngs=rngs))
     program = serving_program(config, mesh)
     variant = program.variant("serve.max_len=4096")

@@ -43,7 +43,7 @@ def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules) -> tupl
     ``cached_call`` traced on abstract prompts); raises ConfigError, one line naming what to add, for a
     model without the cache-aware call, or one whose call or layout is not as the protocol says."""
     factory = getattr(config.model, "factory", None)
-    where = f"model.factory={factory}" if factory else "the model_factory"
+    where = f"model.factory={factory}" if factory else "the model passed as model_factory"
     abstract = nnx.merge(model.graphdef, model.abstract_params, model.abstract_rest)
     name = type(abstract).__name__
     missing = [m for m in ("cached_call", "cache_layout") if not callable(getattr(abstract, m, None))]

@@ -1,0 +1,196 @@
+"""Serving a model of your own (shardmem.program.user_serving, examples/cached_decoder.py): its cache-aware
+call's prefill and decode give its full forward's logits at every position, sharded, with a sliding window
+and an int8 cache within its tolerance; `shardmem generate` and `plan --serve` take its config; a model
+without the call is refused in one line naming what to add."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardmem import CacheLayout, ConfigError, build_mesh, load_config
+from shardmem.cli import main
+from shardmem.program import ServingProgram, serving_program
+from shardmem.run.generation import generate
+
+pytestmark = pytest.mark.newest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CONFIG = EXAMPLES / "cached_decoder.yaml"
+B, P_LEN, T, V = 8, 8, 16, 256
+LENGTHS = np.array([8, 3, 1, 5, 8, 2, 7, 4], np.int32)  # Prompts of every length in one batch.
+WINDOW = 6  # Shorter than the prompts: the window masks in the prefill and in the decode steps.
+
+
+def _program(*overrides: str) -> ServingProgram:
+    config = load_config(CONFIG, [f"model.options.window={WINDOW}", "precision.compute=float32",
+                                  "precision.params=float32", f"serve.batch={B}", f"serve.prompt_len={P_LEN}",
+                                  f"serve.max_len={T}", "mesh.axes={data: 4, fsdp: 1, tensor: 2}",
+                                  *overrides])  # fmt: skip
+    return serving_program(config, build_mesh(config.mesh.axes, jax.devices()))
+
+
+def _tokens():
+    return np.random.default_rng(0).integers(0, V, (B, T), dtype=np.int32)
+
+
+def _cached_logits(program: ServingProgram, weights, tokens_BxT) -> np.ndarray:
+    """``[B, T - 1, V]``: at position t, the logits that predict token t + 1, from the prefill (t = the
+    prompt's last) and then from decode steps fed the sequence's own tokens; NaN before the prompt's end."""
+    prompts_BxP = np.where(np.arange(P_LEN) < LENGTHS[:, None], tokens_BxT[:, :P_LEN], 0)
+    out = np.full((B, T - 1, V), np.nan, np.float32)
+    logits_BxV, cache = program.prefill(weights, program.new_cache(), prompts_BxP, LENGTHS)
+    positions_B, rows = LENGTHS.copy(), np.arange(B)
+    out[rows, positions_B - 1] = np.asarray(logits_BxV)
+    while positions_B.min() < T - 1:
+        step = np.minimum(positions_B, T - 2)  # Rows at the end redo their last position (cache room).
+        logits_BxV, cache = program.decode(weights, cache, tokens_BxT[rows, step], step)
+        out[rows, step] = np.asarray(logits_BxV)
+        positions_B = step + 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The example on 8 devices (4 data replicas x tensor 2), its weights and teacher-forced logits."""
+    program = _program()
+    weights = program.init()
+    return program, weights, _cached_logits(program, weights, _tokens())
+
+
+def test_prefill_and_decode_give_the_models_own_forwards_logits_at_every_position(served):
+    program, weights, cached = served
+    s = program.serving
+    assert s.layout == CacheLayout(layers=2, kv_heads=2, head_dim=16, window=WINDOW) and s.vocab == V
+    spec = s.cache_shardings.keys.spec  # Its batch over the data replicas, its KV heads over tensor.
+    assert "data" in spec[1] and spec[3] == "tensor"
+    assert set(weights) == {"embed", "blocks", "norm", "head"}  # The model's own tree: not by_layer.
+    d = program.description
+    model = nnx.merge(d.model.graphdef, weights)
+    full = np.asarray(jax.jit(lambda t: model(t))(_tokens()))[:, :-1]
+    known = ~np.isnan(cached)
+    assert known.sum() == (T - LENGTHS).sum() * V  # Every position from each prompt's end on.
+    assert np.abs(full).max() > 1  # Logits of order 1: near-zero ones would meet any tolerance.
+    # float32 throughout: only the order of the sums differs (the cache's attention is over max_len keys).
+    np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
+
+
+def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(served):
+    program, weights, cached = served
+    int8 = _program("serve.kv_dtype=int8")
+    assert int8.serving.cache.key_scales.shape == (2, B, T, 2)  # One scale per token and KV head.
+    quantized = _cached_logits(int8, weights, _tokens())
+    known = ~np.isnan(cached)
+    error = np.abs(quantized[known] - cached[known])
+    # Codes of 127 levels a side per head vector: logits within 3% of their largest magnitude, as the
+    # reference model's (tests/test_serving.py). Prefill attends before quantizing: exact.
+    assert 0 < error.max() <= 0.03 * np.abs(cached[known]).max()
+    prefill = np.arange(T - 1)[None, :] == LENGTHS[:, None] - 1
+    np.testing.assert_allclose(quantized[prefill], cached[prefill], atol=2e-5, rtol=2e-5)
+
+
+def test_quantized_weights_serve_the_model_they_quantize():
+    program = _program("serve.quantize={format: int8, targets: ['blocks/*/w*']}")
+    weights = program.init()
+    assert set(weights["blocks"][0]["wq"]) == {"codes", "scales"} and weights["embed"].dtype == np.float32
+    d = program.description
+    model = nnx.merge(d.model.graphdef, d.finetune.assemble({}, weights))  # Dequantized, as served.
+    full = np.asarray(jax.jit(lambda t: model(t))(_tokens()))[:, :-1]
+    cached = _cached_logits(program, weights, _tokens())
+    known = ~np.isnan(cached)
+    np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
+
+
+def test_generate_on_the_example_prints_the_same_greedy_tokens_each_time(capsys):
+    args = ["generate", str(CONFIG), "--prompt-ids", "5,8,11", "--max-new-tokens", "4", "--json"]
+    runs = []
+    for _ in range(2):
+        assert main(args) == 0
+        out, err = capsys.readouterr()
+        runs.append(json.loads(out))
+        assert "generated 4 tokens for 1 prompt" in err
+    assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"][0]) == 4
+    assert all(0 <= t < V for t in runs[0]["tokens"][0])
+
+
+def test_a_token_outside_the_models_vocabulary_names_its_size(capsys):
+    assert main(["generate", str(CONFIG), "--prompt-ids", f"5,{V}"]) == 2
+    err = capsys.readouterr().err
+    assert f"prompt 0 has token id {V}, outside the model's vocabulary of {V} tokens (0 to {V - 1})" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_serve_of_the_example_for_h100s_reports_weights_cache_and_peak(capsys):
+    assert main(["plan", str(CONFIG), "--serve", "--target", "h100-sxm", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    figures, serve = data["per_device"], data["serve"]
+    assert serve == {"batch": 4, "prompt_len": 16, "max_len": 64, "kv_dtype": "bfloat16", "quantize": None}
+    # 8 GPUs: 4 data replicas x tensor 2. Per device: one sequence, one of the 2 KV heads, 2 layers of
+    # keys and values, 64 positions of 16 bfloat16 numbers.
+    assert figures["kv_cache"] == 2 * 1 * 64 * 1 * 16 * 2 * 2
+    # Every weight in bfloat16 (the compute dtype), the matrices split over tensor 2, the norms whole.
+    width, hidden, vocab, heads, kv_heads, head_dim = 64, 128, 256, 4, 2, 16
+    matrices = 2 * width * vocab + 2 * (width * (heads + 2 * kv_heads) * head_dim + heads * head_dim * width
+                                        + 2 * width * hidden)  # fmt: skip
+    assert figures["weights"] == (matrices // 2 + 5 * width) * 2
+    assert figures["peak"] >= figures["weights"] + figures["kv_cache"] and data["fits"]
+    assert data["time"]["output_tokens_per_second"] > 0
+
+
+def test_a_model_without_the_cached_call_is_refused_naming_what_to_add(capsys):
+    config = load_config(CONFIG, ["mesh.axes={data: 1, fsdp: 1, tensor: 1}"])
+    mesh = build_mesh(config.mesh.axes, jax.devices()[:1])
+    with pytest.raises(ConfigError) as refused:
+        serving_program(config, mesh, model_factory=lambda rngs: nnx.Linear(2, 2, rngs=rngs))
+    message = str(refused.value)
+    assert (
+        "the model passed as model_factory: serving needs the model's cache-aware call, and Linear has "
+        "no cached_call or cache_layout"
+    ) in message
+    assert "docs/guides/your-own-model.md#serving-it" in message and "\n" not in message
+    assert main(["generate", str(EXAMPLES / "moe.yaml"), "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "model.factory=moe:build: serving needs the model's cache-aware call, and MoE has no" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+class WithDropout(nnx.Module):
+    """A cache-aware call, and an RNG stream beside the parameters."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Param(nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed"))(
+            rngs.params(), (V, 8)))  # fmt: skip
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def cache_layout(self):
+        return CacheLayout(layers=1, kv_heads=1, head_dim=8)
+
+    def cached_call(self, tokens_BxL, cache, positions, *, prefill):
+        return self.drop(self.embed[...][tokens_BxL]) @ self.embed[...].T, cache
+
+
+def test_a_model_with_variables_beyond_its_parameters_is_refused_for_serving():
+    config = load_config(CONFIG, ["mesh.axes={data: 1, fsdp: 1, tensor: 1}"])
+    with pytest.raises(ConfigError, match="WithDropout holds variables other than nnx.Param"):
+        serving_program(config, build_mesh(config.mesh.axes, jax.devices()[:1]), model_factory=WithDropout)
+
+
+def test_tune_search_serve_refuses_a_model_of_your_own_in_one_line(capsys):
+    assert main(["tune", str(CONFIG), "--search", "serve", "--target", "h100-sxm"]) == 2
+    err = capsys.readouterr().err
+    assert "a model of your own (model.factory=cached_decoder:build) is not searched" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_example_trained_by_shardmem_then_served_from_its_run_continues_a_progression(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", str(CONFIG), "--run-dir", str(run), "--set", "train.steps=200"]) == 0
+    capsys.readouterr()
+    config = load_config(CONFIG, [f"finetune.init_from={run}"])
+    program = serving_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    result = generate(program, program.init(), [[5, 8, 11, 14], [40, 41]], max_new_tokens=6)
+    assert result.tokens == [[17, 20, 23, 26, 29, 32], [42, 43, 44, 45, 46, 47]]
