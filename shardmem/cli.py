@@ -754,8 +754,8 @@ def _add_explore_commands(commands) -> None:
                    help="what to tune (default: finetune for a config with a finetune section, else remat); "
                    "layout: the mesh, micro-batches, remat and ZeRO-1 with the shortest predicted step "
                    "time; finetune: LoRA rank, base quantization, remat, micro-batches (and sequence "
-                   "length with --min-seq-len), with what each costs; serve: the serving program's tensor "
-                   "degree and KV dtype (and batch, for throughput)")  # fmt: skip
+                   "length with --min-seq-len), with what each costs; serve: the reference decoder's serving "
+                   "program's tensor degree and KV dtype (and batch, for throughput)")  # fmt: skip
     p.add_argument("--min-seq-len", type=int, metavar="N",
                    help="--search finetune may halve model.seq_len down to N (default: never)")  # fmt: skip
     p.add_argument("--objective", choices=("step_time", "throughput", "latency"),

@@ -24,7 +24,9 @@ Candidates whose ``serve.batch`` the data replicas do not divide are skipped and
 compile, each layout's weights and KV cache per device come from their shapes and shardings: a layout
 whose two are over what the device has for serving is pruned (not compiled), and the rest are planned
 holding the fewest bytes first (what a decode step reads, and what leaves room for sequences), so that
-a compile budget too small for all of them goes to the likeliest winners.
+a compile budget too small for all of them goes to the likeliest winners. The search splits the
+reference decoder's ``model.n_kv_heads``; a model of your own is refused (plan its layouts with
+``shardmem plan CONFIG --serve --set mesh.axes...``).
 """
 
 from __future__ import annotations

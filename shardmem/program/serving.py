@@ -17,7 +17,9 @@ in place as the layer runs (the cache is donated), and returns the logits of eac
 the cache. ``decode`` takes one token per sequence at each sequence's own position (the first: its
 prompt's length), writes its keys and values into the cache in place (donated too) and returns the next
 logits. Both run the reference model's own layers
-(:meth:`~shardmem.models.llama.Llama.cached_hidden_states`): the training forward with a cache. Both
+(:meth:`~shardmem.models.llama.Llama.cached_hidden_states`): the training forward with a cache. A model
+of your own runs its ``cached_call`` instead (:mod:`shardmem.program.user_serving`), its weights its own
+parameter tree (neither by layer nor fused), the cache in the shape its ``cache_layout()`` gives. Both
 are jitted with explicit shardings -- the weights by the rules, the cache's batch over the data replicas
 and its KV heads over ``tensor`` -- and listed in :attr:`ServingProgram.functions` with abstract
 arguments, so :func:`~shardmem.planning.memory.plan_program` compiles them for a target without
@@ -60,9 +62,9 @@ COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_disable_hlo_passe
 @dataclasses.dataclass
 class ServingProgram(Program):
     """The jitted prefill and decode of a serving program (see the module docstring), ready to run or
-    only to compile. ``init()`` returns the weights: every parameter, frozen, in ``precision.compute``
-    or quantized by ``serve.quantize`` (the description's ``abstract_frozen`` tree, laid out by
-    :func:`serving_layout`)."""
+    only to compile, of the reference model or of a model of your own with a cache-aware call.
+    ``init()`` returns the weights: every parameter, frozen, in ``precision.compute`` or quantized by
+    ``serve.quantize`` (the description's ``abstract_frozen`` tree, laid out by :func:`serving_layout`)."""
 
     prefill: Callable  # jitted (weights, cache, prompts_BxP, lengths_B) -> (logits_BxV, cache); cache donated
     decode: Callable  # jitted (weights, cache, tokens_B, positions_B) -> (logits_BxV, cache); cache donated
@@ -136,8 +138,9 @@ def serving_layout(tree, description: Description) -> dict:
 
 
 def stacked(weights) -> dict:
-    """Returns serving ``weights`` (:func:`serving_layout`) with their layers unfused and stacked again:
-    the model's own parameter tree (a copy of the layers' arrays)."""
+    """Returns the reference model's serving ``weights`` (:func:`serving_layout`) with their layers
+    unfused and stacked again: the model's own parameter tree (a copy of the layers' arrays). A model of
+    your own's weights are its tree already."""
     layers = [unfuse_layer(layer) for layer in weights["layers"]]
     return {**weights, "layers": jax.tree.map(lambda *each: jnp.stack(each), *layers)}
 
