@@ -178,6 +178,49 @@ def test_a_model_with_variables_beyond_its_parameters_is_refused_for_serving():
         serving_program(config, build_mesh(config.mesh.axes, jax.devices()[:1]), model_factory=WithDropout)
 
 
+class Tied(nnx.Module):
+    """The protocol at its smallest (no attention), for its mistakes below to break one piece each."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Param(nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed"))(
+            rngs.params(), (V, 8)))  # fmt: skip
+
+    def cache_layout(self):
+        return CacheLayout(layers=1, kv_heads=1, head_dim=8)
+
+    def cached_call(self, tokens_BxL, cache, positions, *, prefill):
+        return self.embed[...][tokens_BxL] @ self.embed[...].T, cache
+
+
+class LayoutAsDict(Tied):
+    def cache_layout(self):
+        return {"layers": 1, "kv_heads": 1, "head_dim": 8}
+
+
+class NoPrefillArgument(Tied):
+    def cached_call(self, tokens_BxL, cache, positions):
+        return super().cached_call(tokens_BxL, cache, positions, prefill=True)
+
+
+class LogitsOnly(Tied):
+    def cached_call(self, tokens_BxL, cache, positions, *, prefill):
+        return super().cached_call(tokens_BxL, cache, positions, prefill=prefill)[0]
+
+
+@pytest.mark.parametrize("model, message", [
+    (LayoutAsDict, "LayoutAsDict.cache_layout() returned a dict; return shardmem.CacheLayout(layers=..., "),
+    (NoPrefillArgument, "NoPrefillArgument.cached_call cannot take (tokens_BxL, cache, positions, prefill="),
+    (LogitsOnly, "LogitsOnly.cached_call returned [4, 16, 256] for prompts [4, 16]; return (logits [batch, "),
+])  # fmt: skip
+def test_a_cached_call_not_as_the_protocol_says_is_one_line_naming_the_piece(model, message):
+    config = load_config(CONFIG, ["mesh.axes={data: 1, fsdp: 1, tensor: 1}"])
+    mesh = build_mesh(config.mesh.axes, jax.devices()[:1])
+    assert serving_program(config, mesh, model_factory=Tied).serving.vocab == V
+    with pytest.raises(ConfigError) as refused:
+        serving_program(config, mesh, model_factory=model)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_tune_search_serve_refuses_a_model_of_your_own_in_one_line(capsys):
     assert main(["tune", str(CONFIG), "--search", "serve", "--target", "h100-sxm"]) == 2
     err = capsys.readouterr().err

@@ -40,10 +40,10 @@ SCALE_AXES = CACHE_AXES[:-1]
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Returns from a model of your own's ``cache_layout()``: the shape of the KV cache its
-    ``cached_call`` reads and writes (``layers`` attention layers, each with ``kv_heads`` key/value heads
-    of ``head_dim``), and the sliding ``window`` its layers attend over (None: all positions), which
-    the serving plan's decode time reads.
+    """The shape of the KV cache a model of your own's ``cached_call`` reads and writes, as its
+    ``cache_layout()`` returns it: ``layers`` attention layers, each with ``kv_heads`` key/value heads of
+    ``head_dim``; and the sliding ``window`` its layers attend over (None: all positions), which the
+    serving plan's decode time reads (:mod:`shardmem.program.user_serving`).
 
         def cache_layout(self):
             return shardmem.CacheLayout(layers=len(self.blocks), kv_heads=2, head_dim=16)

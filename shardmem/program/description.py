@@ -229,7 +229,8 @@ def describe(
     )  # fmt: skip
     if serving:
         if custom:  # Its cache-aware call says the cache's shape (and refuses a model without one).
-            layout, vocab = user_serving.cache_layout(config, model, mesh, rules)
+            passed = model_factory is not None
+            layout, vocab = user_serving.cache_layout(config, model, mesh, rules, passed=passed)
         else:
             m = config.model
             layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, m.sliding_window)

@@ -23,6 +23,8 @@ before it. The serving program takes each prompt's logits at its last real token
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -38,11 +40,13 @@ from shardmem.program.model import Model
 GUIDE = "docs/guides/your-own-model.md#serving-it"
 
 
-def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules) -> tuple[CacheLayout, int]:
+def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules, *,
+                 passed: bool) -> tuple[CacheLayout, int]:  # fmt: skip
     """Returns the model's :class:`CacheLayout` and its vocabulary (the logits' last axis, from its
     ``cached_call`` traced on abstract prompts); raises ConfigError, one line naming what to add, for a
-    model without the cache-aware call, or one whose call or layout is not as the protocol says."""
-    factory = getattr(config.model, "factory", None)
+    model without the cache-aware call, or one whose call or layout is not as the protocol says.
+    ``passed``: the model came as ``model_factory=`` (in code), not from ``model.factory``."""
+    factory = None if passed else getattr(config.model, "factory", None)
     where = f"model.factory={factory}" if factory else "the model passed as model_factory"
     abstract = nnx.merge(model.graphdef, model.abstract_params, model.abstract_rest)
     name = type(abstract).__name__
@@ -63,10 +67,17 @@ def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules) -> tupl
     if not isinstance(layout, CacheLayout):
         raise ConfigError(f"{where}: {name}.cache_layout() returned a {type(layout).__name__}; return "
                           "shardmem.CacheLayout(layers=..., kv_heads=..., head_dim=...)")  # fmt: skip
-    for field in ("layers", "kv_heads", "head_dim"):
+    for field in ("layers", "kv_heads", "head_dim", "window"):
         value = getattr(layout, field)
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{where}: {name}.cache_layout().{field}={value!r}; give a positive integer")
+        if (value is not None or field != "window") and (not isinstance(value, int) or value < 1):
+            also = " (or None: no window)" if field == "window" else ""
+            raise ConfigError(f"{where}: {name}.cache_layout().{field}={value!r}; give a positive "
+                              f"integer{also}")  # fmt: skip
+    try:  # What the serving program passes it, before it is traced.
+        inspect.signature(abstract.cached_call).bind("tokens", "cache", "positions", prefill=True)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {name}.cached_call cannot take (tokens_BxL, cache, positions, "
+                          f"prefill=...): {e}; give it that signature (see {GUIDE})") from None  # fmt: skip
     serve = config.serve
     cache = jax.eval_shape(lambda: new_cache(layout, serve.batch, serve.max_len, "float32"))
     prompts = jax.ShapeDtypeStruct((serve.batch, serve.prompt_len), jnp.int32)
@@ -80,7 +91,7 @@ def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules) -> tupl
     shape = (serve.batch, serve.prompt_len)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], KVCache)
             and getattr(out[0], "ndim", 0) == 3 and out[0].shape[:2] == shape):  # fmt: skip
-        got = jax.tree.map(lambda x: list(x.shape), out)
+        got = jax.tree.map(lambda x: list(getattr(x, "shape", [])), out)
         raise ConfigError(f"{where}: {name}.cached_call returned {got} for prompts {list(shape)}; return "
                           "(logits [batch, length, vocab], the cache it was given, written)")  # fmt: skip
     return layout, out[0].shape[2]
