@@ -40,10 +40,10 @@ SCALE_AXES = CACHE_AXES[:-1]
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """The shape of the KV cache a model of your own's ``cached_call`` reads and writes, as its
-    ``cache_layout()`` returns it: ``layers`` attention layers, each with ``kv_heads`` key/value heads of
-    ``head_dim``; and the sliding ``window`` its layers attend over (None: all positions), which the
-    serving plan's decode time reads (:mod:`shardmem.program.user_serving`).
+    """The shape of a model's KV cache: ``layers`` attention layers, each with ``kv_heads`` key/value
+    heads of ``head_dim``; and the sliding ``window`` its layers attend over (None: all positions), which
+    the serving plan's decode time reads. The reference model's comes from its config; a model of your
+    own's ``cache_layout()`` returns it (:mod:`shardmem.program.user_serving`):
 
         def cache_layout(self):
             return shardmem.CacheLayout(layers=len(self.blocks), kv_heads=2, head_dim=16)
@@ -53,6 +53,11 @@ class CacheLayout:
     kv_heads: int
     head_dim: int
     window: int | None = None
+
+    def zeros(self, *, batch: int, max_len: int, dtype: str) -> KVCache:
+        """Returns an empty cache of this shape for ``batch`` sequences of ``max_len`` positions."""
+        return KVCache.zeros(layers=self.layers, batch=batch, max_len=max_len, kv_heads=self.kv_heads,
+                             head_dim=self.head_dim, dtype=dtype)  # fmt: skip
 
 
 @jax.tree_util.register_dataclass

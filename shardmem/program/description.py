@@ -315,8 +315,8 @@ def _serving(config: Config, mesh: Mesh, rules: Rules, layout: CacheLayout, voca
     batch's."""
     serve = config.serve
     kv_dtype = serve.kv_dtype or config.precision.compute
-    cache = jax.eval_shape(functools.partial(user_serving.new_cache, layout, serve.batch, serve.max_len,
-                                             kv_dtype))  # fmt: skip
+    cache = jax.eval_shape(functools.partial(layout.zeros, batch=serve.batch, max_len=serve.max_len,
+                                             dtype=kv_dtype))  # fmt: skip
 
     def sharding(axes):
         spec = rules.spec(axes)

@@ -42,7 +42,6 @@ from jax.sharding import PartitionSpec as P
 from shardmem.config import Config
 from shardmem.models.fused import Fused, fuse_layer, unfuse_layer
 from shardmem.parallel.rules import constrain
-from shardmem.program import user_serving
 from shardmem.program.description import Description, Serving, describe
 from shardmem.program.model import sharded
 from shardmem.program.program import Function, Program, loading
@@ -190,7 +189,7 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
     prefill, decode = _user_functions(d) if d.model.factory.custom else _reference_functions(d)
 
     def new_cache():
-        return user_serving.new_cache(s.layout, s.batch, s.max_len, s.kv_dtype)
+        return s.layout.zeros(batch=s.batch, max_len=s.max_len, dtype=s.kv_dtype)
 
     rows, weights = s.rows, serving_layout(d.frozen_shardings, d)
     outputs = (s.logits, s.cache_shardings)

@@ -79,7 +79,7 @@ def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules, *,
         raise ConfigError(f"{where}: {name}.cached_call cannot take (tokens_BxL, cache, positions, "
                           f"prefill=...): {e}; give it that signature (see {GUIDE})") from None  # fmt: skip
     serve = config.serve
-    cache = jax.eval_shape(lambda: new_cache(layout, serve.batch, serve.max_len, "float32"))
+    cache = jax.eval_shape(lambda: layout.zeros(batch=serve.batch, max_len=serve.max_len, dtype="float32"))
     prompts = jax.ShapeDtypeStruct((serve.batch, serve.prompt_len), jnp.int32)
 
     def call(params, prompts_BxP, cache):
@@ -95,9 +95,3 @@ def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules, *,
         raise ConfigError(f"{where}: {name}.cached_call returned {got} for prompts {list(shape)}; return "
                           "(logits [batch, length, vocab], the cache it was given, written)")  # fmt: skip
     return layout, out[0].shape[2]
-
-
-def new_cache(layout: CacheLayout, batch: int, max_len: int, dtype: str) -> KVCache:
-    """Returns an empty cache of ``layout``'s shape for ``batch`` sequences of ``max_len`` positions."""
-    return KVCache.zeros(layers=layout.layers, batch=batch, max_len=max_len, kv_heads=layout.kv_heads,
-                         head_dim=layout.head_dim, dtype=dtype)  # fmt: skip
