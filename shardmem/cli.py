@@ -460,14 +460,12 @@ def _generate(args) -> int:
         prompts = generation.read_prompts(args.prompt_file)
     eos = generation.parse_prompt_ids(args.eos, "--eos") if args.eos is not None else None
     config = _load(args)
-    notes = [generation.untrained_adapters_note(config)]
+    notes = [generation.weights_note(config, args.config)]
     if eos is None:
         eos = generation.checkpoint_eos(config)
         notes.append(generation.run_base_note(config, eos))
     generation.check_prompts(config, prompts, args.max_new_tokens, eos)  # Before anything is built.
-    for note in notes:
-        if note is not None:
-            print(note, file=sys.stderr)
+    notes = [note for note in notes if note is not None]  # Said with the first tokens, after any error.
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         ensure_cpu_devices(config.mesh.device_count())
     configure_local_memory(config)  # A GPU's allocator holds what plan --serve --target local budgets.
@@ -477,6 +475,8 @@ def _generate(args) -> int:
     stream = sys.stderr if args.json else sys.stdout  # With --json, stdout holds the JSON object alone.
 
     def show(step: int, tokens: list) -> None:
+        while notes:
+            print(notes.pop(0), file=sys.stderr, flush=True)
         print(" ".join("-" if t is None else str(t) for t in tokens), file=stream, flush=True)
 
     started = time.monotonic()

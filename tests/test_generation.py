@@ -292,10 +292,11 @@ def test_the_default_eos_of_a_fine_tuned_run_is_its_bases_and_without_the_base_g
     assert said in done.stderr and "is not there, so each prompt runs to --max-new-tokens" in done.stderr
 
 
-def test_generate_on_a_fine_tuning_config_says_its_weights_are_the_bases(tmp_path):
-    """generate on the config a LoRA run trained with read init_from's base, silently: the adapters it
-    trained are in the run, which init_from must name."""
-    from shardmem.run.generation import untrained_adapters_note
+def test_generate_says_when_its_weights_are_not_a_trained_runs(tmp_path):
+    """generate read init_from's base, or random weights, silently: on the config a LoRA run trained with
+    (its adapters are in the run, which init_from must name), on a run's own config.yaml (the run's
+    weights are never read from it), on a config that loads nothing."""
+    from shardmem.run.generation import weights_note
 
     config = hf.hf_config("llama")
     hf.save(tmp_path / "base", config, hf.random_tensors(config))
@@ -304,9 +305,9 @@ def test_generate_on_a_fine_tuning_config_says_its_weights_are_the_bases(tmp_pat
     (tmp_path / "run" / "config.yaml").write_text(plain.to_yaml())  # A run trained from it.
     lora = {"rank": 2, "targets": ["layers/wq"]}
 
-    def note(**finetune):
+    def note(path=None, **finetune):
         raw = {"name": "mine", "model": {"seq_len": 16}, "finetune": finetune}
-        return untrained_adapters_note(config_from_dict(raw))
+        return weights_note(config_from_dict(raw), path)
 
     said = note(init_from=str(tmp_path / "base"), lora=lora)
     assert said.startswith(f"note: the weights are finetune.init_from's ({tmp_path / 'base'}), without")
@@ -314,6 +315,18 @@ def test_generate_on_a_fine_tuning_config_says_its_weights_are_the_bases(tmp_pat
     assert note(init_from=str(tmp_path / "base")) is None  # Nothing fine-tuned: the checkpoint is the model.
     assert note(init_from=str(tmp_path / "run"), lora=lora) is None  # The run's merged model.
     assert note(init_from=str(tmp_path / "run" / "checkpoints"), lora=lora) is None
+    own = tmp_path / "run" / "config.yaml"
+    assert note(own, init_from=str(tmp_path / "base")) == (
+        f"note: {own} is run {tmp_path / 'run'}'s config, but the weights are finetune.init_from's "
+        f"({tmp_path / 'base'}), not the run's: to generate with what it trained, --set "
+        f"finetune.init_from={tmp_path / 'run'}"
+    )
+    random = config_from_dict({"name": "mine", "model": {"preset": "tiny"}})
+    tiny = weights_note(random, tmp_path / "mine.yaml")
+    assert tiny == (
+        "note: the weights are random (train.seed=0): nothing is loaded; to generate with a trained run, "
+        "--set finetune.init_from=RUN_DIR (e.g. runs/mine)"
+    )
 
 
 @pytest.mark.parametrize("args, message", [

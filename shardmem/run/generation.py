@@ -186,18 +186,28 @@ def _batch_shards(config) -> int:
     return math.prod(axes[axis] for axis in batch_axes)
 
 
-def untrained_adapters_note(config) -> str | None:
-    """A note for ``generate`` on a fine-tuning config whose ``init_from`` is not a shardmem run: the
-    serving program reads ``init_from``'s weights, the base; the config's adapters are trained by
-    ``train`` into its run, which ``init_from`` must name for them to be generated with. None otherwise."""
+def weights_note(config, config_path: str | Path | None = None) -> str | None:
+    """A note for ``generate`` whose weights are likely not the ones meant: the serving program loads
+    ``finetune.init_from``, else initialises from ``train.seed``; it never reads a run of the config
+    (``train`` writes the trained weights there, and ``init_from`` must name it). ``config_path`` is the
+    config file given, which may be a run's own ``config.yaml``. None where ``init_from`` names a run."""
     from shardmem.finetune.hf_config import run_folder
 
     finetune = config.finetune
-    if finetune.lora is None and not finetune.freeze:
-        return None
     if finetune.init_from is not None and run_folder(Path(finetune.init_from).expanduser()) is not None:
         return None
-    weights = f"finetune.init_from's ({finetune.init_from})" if finetune.init_from else "random (train.seed)"
+    weights = f"finetune.init_from's ({finetune.init_from})" if finetune.init_from else (
+        f"random (train.seed={config.train.seed})")  # fmt: skip
+    path = Path(config_path).expanduser() if config_path is not None else None
+    run = run_folder(path.parent) if path is not None and path.name == "config.yaml" else None
+    if run is not None:
+        return (f"note: {config_path} is run {run}'s config, but the weights are {weights}, not the run's: "
+                f"to generate with what it trained, --set finetune.init_from={run}")  # fmt: skip
+    if finetune.init_from is None:
+        return (f"note: the weights are {weights}: nothing is loaded; to generate with a trained run, "
+                f"--set finetune.init_from=RUN_DIR (e.g. runs/{config.name})")  # fmt: skip
+    if finetune.lora is None and not finetune.freeze:
+        return None  # A checkpoint to generate with as it is.
     return (
         f"note: the weights are {weights}, without the fine-tune: finetune.lora and freeze describe "
         f"training; to generate with a fine-tuned run, --set finetune.init_from=RUN_DIR (e.g. "
