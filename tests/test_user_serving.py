@@ -140,6 +140,18 @@ def test_plan_serve_of_the_example_for_h100s_reports_weights_cache_and_peak(caps
     assert data["time"]["output_tokens_per_second"] > 0
 
 
+def test_a_decode_step_for_gpus_reads_the_cache_where_it_lies(capsys):
+    # As matmuls, XLA's GPU compiler transposed the whole cache every step to put the KV heads (2 on
+    # the one device) before the positions: decode temporaries as large as the cache.
+    sets = ["mesh.axes={data: 1, fsdp: 1, tensor: 1}", "mesh.devices_per_host=1", "serve.batch=16",
+            "serve.max_len=2048"]  # fmt: skip
+    assert main(["plan", str(CONFIG), "--serve", "--target", "h100-sxm", "--json",
+                 *(arg for item in sets for arg in ("--set", item))]) == 0  # fmt: skip
+    figures = json.loads(capsys.readouterr().out)["per_device"]
+    assert figures["kv_cache"] == 2 * 16 * 2048 * 2 * 16 * 2 * 2  # 8 MiB: layers, batch, positions, ...
+    assert figures["decode_temp"] < figures["kv_cache"] / 4, figures
+
+
 def test_a_model_without_the_cached_call_is_refused_naming_what_to_add(capsys):
     config = load_config(CONFIG, ["mesh.axes={data: 1, fsdp: 1, tensor: 1}"])
     mesh = build_mesh(config.mesh.axes, jax.devices()[:1])
