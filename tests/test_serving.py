@@ -681,6 +681,27 @@ def test_tune_serve_plans_the_layouts_holding_the_least_first_and_compiles_none_
     assert result.compiles == 8 and result.found
 
 
+def test_tune_serve_plans_for_the_target_it_is_given_not_the_configs():
+    from shardmem.explore.tune import tune
+
+    # memory.target is an A100; every plan was compiled for it whatever --target said.
+    result = tune(config_from_dict(GPU_SERVE), "h100-sxm", search="serve", max_compiles=2)
+    assert result.report.target == "h100-sxm" and "H100" in result.target_label, result.target_label
+
+
+def test_tune_serve_skips_a_layout_whose_axes_do_not_divide_the_model_and_goes_on():
+    from shardmem.explore.tune import tune
+
+    # d_ff 255: tensor 2 divides the 2 KV heads but not the MLP, whose rule is tensor. It stopped the search.
+    odd = {**GPU_SERVE, "model": {"preset": "tiny", "d_ff": 255}}
+    result = tune(config_from_dict(odd), search="serve", max_compiles=4)
+    skipped = {t.candidate: t.reason for t in result.trials if t.how == "skipped"}
+    assert set(skipped) == {"tensor 2 x data 2, KV bfloat16", "tensor 2 x data 2, KV int8"}, skipped
+    reason = skipped["tensor 2 x data 2, KV int8"]
+    assert "mlp has size 255, which mesh.axes.tensor=2 does not divide" in reason, reason
+    assert result.found and result.compiles == 4
+
+
 def test_tune_serve_holds_each_kv_head_on_several_devices_where_more_tensor_devices_fit_and_writes_it(
     tmp_path, capsys
 ):

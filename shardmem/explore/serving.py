@@ -79,7 +79,7 @@ def tune_serving(planner: Planner, target: Target, objective: str | None) -> Tun
     for _, label, layout, replicas in queue:
         if planner.exhausted:
             break
-        row = _best_batch(planner, config, label, layout, replicas, objective)
+        row = _best_batch(planner, config, target, label, layout, replicas, objective)
         if row is None:
             break  # Out of compiles.
         budget_bytes = row.pop("budget_bytes")
@@ -120,8 +120,9 @@ def _queue(planner: Planner, target: Target, candidates: list[tuple[int, str]],
            layouts: dict[int, tuple[dict[str, int], tuple[str, ...]] | None],
            usable: int) -> list[tuple[int, str, tuple[str, ...], int]]:  # fmt: skip
     """The layouts to plan, each ``(bytes held per device, label, overrides, data replicas)``, fewest
-    bytes first; noting those skipped (``serve.batch`` does not split over their replicas) and pruned
-    (their weights and KV cache alone are over the ``usable`` bytes)."""
+    bytes first; noting those skipped (``serve.batch`` does not split over their replicas, or the
+    program cannot be built: a size their axes do not divide) and pruned (their weights and KV cache
+    alone are over the ``usable`` bytes)."""
     config, devices = planner.base, len(target.devices)
     queue = []
     for tensor, kv_dtype in candidates:
@@ -135,7 +136,11 @@ def _queue(planner: Planner, target: Target, candidates: list[tuple[int, str]],
             why = f"serve.batch={config.serve.batch} does not split over {replicas} data replicas"
             planner.note(label, layout, None, None, None, False, "skipped", why)
             continue
-        weights, cache = _held_bytes(config.replace(*layout), target)
+        try:
+            weights, cache = _held_bytes(config.replace(*layout), target)
+        except ConfigError as error:  # A size its axes do not divide (vocabulary, d_ff, batch rows).
+            planner.note(label, layout, None, None, None, False, "skipped", str(error))
+            continue
         if weights + cache > usable:
             why = (f"its weights ({format_bytes(weights)}) and KV cache ({format_bytes(cache)}) per device "
                    f"are over the {format_bytes(usable)} the device has for serving")  # fmt: skip
@@ -193,10 +198,10 @@ def _mesh(config, replicas: int, tensor_axes: dict[str, int]) -> str:
     return "mesh.axes={" + ", ".join(f"{axis}: {size}" for axis, size in axes.items()) + "}"
 
 
-def _best_batch(planner: Planner, config: Config, label: str, layout: tuple[str, ...], replicas: int,
-                objective: str) -> dict[str, Any] | None:  # fmt: skip
-    """Plans one layout: at the config's batch, and for throughput at the largest batch that fits.
-    Returns its row (None when the compile budget ran out first)."""
+def _best_batch(planner: Planner, config: Config, target: Target, label: str, layout: tuple[str, ...],
+                replicas: int, objective: str) -> dict[str, Any] | None:  # fmt: skip
+    """Plans one layout for ``target``: at the config's batch, and for throughput at the largest batch
+    that fits. Returns its row (None when the compile budget ran out first)."""
     plans: dict[int, ServingPlan] = {}
 
     def planned(batch: int) -> ServingPlan | None:
@@ -205,7 +210,7 @@ def _best_batch(planner: Planner, config: Config, label: str, layout: tuple[str,
                 return None
             overrides = (*layout, f"serve.batch={batch}")
             planner.progress(f"planning {label}, batch {batch}")
-            plans[batch] = plan_serving(config.replace(*overrides))
+            plans[batch] = plan_serving(config.replace(*overrides), target.name)  # Not memory.target.
             planner.compiles += 2
             p = plans[batch]
             why = f"{p.verdict}: {margin_text(p.margin_bytes)}"
