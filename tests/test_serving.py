@@ -55,15 +55,18 @@ def _tokens():
 
 def _cached_logits(program: ServingProgram, weights, tokens_BxT, lengths_B=LENGTHS) -> np.ndarray:
     """``[B, T - 1, V]``: at position t, the logits that predict token t + 1, from the prefill (t = the
-    prompt's last) and then from decode steps fed the sequence's own tokens; NaN before the prompt's end."""
-    prompts_BxP = np.where(np.arange(P_LEN) < lengths_B[:, None], tokens_BxT[:, :P_LEN], 0)
-    out = np.full((len(lengths_B), T - 1, 256), np.nan, np.float32)
+    prompt's last) and then from decode steps fed the sequence's own tokens; NaN before the prompt's end.
+    (Also tests/test_user_serving.py's, for a model of your own.)"""
+    length = tokens_BxT.shape[1]
+    prompts_BxP = np.where(np.arange(program.serving.prompt_len) < lengths_B[:, None],
+                           tokens_BxT[:, : program.serving.prompt_len], 0)  # fmt: skip
     logits_BxV, cache = program.prefill(weights, program.new_cache(), prompts_BxP, lengths_B)
+    out = np.full((len(lengths_B), length - 1, logits_BxV.shape[-1]), np.nan, np.float32)
     positions_B = lengths_B.copy()
     rows = np.arange(len(lengths_B))
     out[rows, positions_B - 1] = np.asarray(logits_BxV)
-    while positions_B.min() < T - 1:
-        step = np.minimum(positions_B, T - 2)  # Rows at the end redo their last position (cache room).
+    while positions_B.min() < length - 1:
+        step = np.minimum(positions_B, length - 2)  # Rows at the end redo their last position (cache room).
         logits_BxV, cache = program.decode(weights, cache, tokens_BxT[rows, step], step)
         out[rows, step] = np.asarray(logits_BxV)
         positions_B = step + 1

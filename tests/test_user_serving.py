@@ -15,6 +15,7 @@ from shardmem import CacheLayout, ConfigError, build_mesh, load_config
 from shardmem.cli import main
 from shardmem.program import ServingProgram, serving_program
 from shardmem.run.generation import generate
+from tests.test_serving import _cached_logits  # The prefill, then decode steps fed the sequence.
 
 pytestmark = pytest.mark.newest
 
@@ -37,28 +38,12 @@ def _tokens():
     return np.random.default_rng(0).integers(0, V, (B, T), dtype=np.int32)
 
 
-def _cached_logits(program: ServingProgram, weights, tokens_BxT) -> np.ndarray:
-    """``[B, T - 1, V]``: at position t, the logits that predict token t + 1, from the prefill (t = the
-    prompt's last) and then from decode steps fed the sequence's own tokens; NaN before the prompt's end."""
-    prompts_BxP = np.where(np.arange(P_LEN) < LENGTHS[:, None], tokens_BxT[:, :P_LEN], 0)
-    out = np.full((B, T - 1, V), np.nan, np.float32)
-    logits_BxV, cache = program.prefill(weights, program.new_cache(), prompts_BxP, LENGTHS)
-    positions_B, rows = LENGTHS.copy(), np.arange(B)
-    out[rows, positions_B - 1] = np.asarray(logits_BxV)
-    while positions_B.min() < T - 1:
-        step = np.minimum(positions_B, T - 2)  # Rows at the end redo their last position (cache room).
-        logits_BxV, cache = program.decode(weights, cache, tokens_BxT[rows, step], step)
-        out[rows, step] = np.asarray(logits_BxV)
-        positions_B = step + 1
-    return out
-
-
 @pytest.fixture(scope="module")
 def served():
     """The example on 8 devices (4 data replicas x tensor 2), its weights and teacher-forced logits."""
     program = _program()
     weights = program.init()
-    return program, weights, _cached_logits(program, weights, _tokens())
+    return program, weights, _cached_logits(program, weights, _tokens(), LENGTHS)
 
 
 def test_prefill_and_decode_give_the_models_own_forwards_logits_at_every_position(served):
@@ -82,7 +67,7 @@ def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(served):
     program, weights, cached = served
     int8 = _program("serve.kv_dtype=int8")
     assert int8.serving.cache.key_scales.shape == (2, B, T, 2)  # One scale per token and KV head.
-    quantized = _cached_logits(int8, weights, _tokens())
+    quantized = _cached_logits(int8, weights, _tokens(), LENGTHS)
     known = ~np.isnan(cached)
     error = np.abs(quantized[known] - cached[known])
     # Codes of 127 levels a side per head vector: logits within 3% of their largest magnitude, as the
@@ -99,7 +84,7 @@ def test_quantized_weights_serve_the_model_they_quantize():
     d = program.description
     model = nnx.merge(d.model.graphdef, d.finetune.assemble({}, weights))  # Dequantized, as served.
     full = np.asarray(jax.jit(lambda t: model(t))(_tokens()))[:, :-1]
-    cached = _cached_logits(program, weights, _tokens())
+    cached = _cached_logits(program, weights, _tokens(), LENGTHS)
     known = ~np.isnan(cached)
     np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
 
