@@ -1,18 +1,23 @@
 """Serving a model of your own (shardmem.program.user_serving, examples/cached_decoder.py): its cache-aware
 call's prefill and decode give its full forward's logits at every position, sharded, with a sliding window
-and an int8 cache within its tolerance; `shardmem generate` and `plan --serve` take its config; a model
-without the call is refused in one line naming what to add."""
+and an int8 cache within its tolerance, with every attention kernel its serving program resolves (flash
+prefill and the Pallas decode kernel on GPUs); `shardmem generate` and `plan --serve` take its config; a
+model without the call is refused in one line naming what to add."""
 
 import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from shardmem import CacheLayout, ConfigError, build_mesh, load_config
+from shardmem import CacheLayout, CacheSlot, ConfigError, build_mesh, load_config
 from shardmem.cli import main
+from shardmem.models.attention import AttentionKernel, causal_attention
+from shardmem.models.kv_cache import attending_with
+from shardmem.planning.memory import make_target, plan_program
 from shardmem.program import ServingProgram, serving_program
 from shardmem.run.generation import generate
 from tests.test_serving import _cached_logits  # The prefill, then decode steps fed the sequence.
@@ -26,12 +31,12 @@ LENGTHS = np.array([8, 3, 1, 5, 8, 2, 7, 4], np.int32)  # Prompts of every lengt
 WINDOW = 6  # Shorter than the prompts: the window masks in the prefill and in the decode steps.
 
 
-def _program(*overrides: str) -> ServingProgram:
+def _program(*overrides: str, attention: AttentionKernel | None = None) -> ServingProgram:
     config = load_config(CONFIG, [f"model.options.window={WINDOW}", "precision.compute=float32",
                                   "precision.params=float32", f"serve.batch={B}", f"serve.prompt_len={P_LEN}",
                                   f"serve.max_len={T}", "mesh.axes={data: 4, fsdp: 1, tensor: 2}",
                                   *overrides])  # fmt: skip
-    return serving_program(config, build_mesh(config.mesh.axes, jax.devices()))
+    return serving_program(config, build_mesh(config.mesh.axes, jax.devices()), attention=attention)
 
 
 def _tokens():
@@ -60,6 +65,26 @@ def test_prefill_and_decode_give_the_models_own_forwards_logits_at_every_positio
     assert known.sum() == (T - LENGTHS).sum() * V  # Every position from each prompt's end on.
     assert np.abs(full).max() > 1  # Logits of order 1: near-zero ones would meet any tolerance.
     # float32 throughout: only the order of the sums differs (the cache's attention is over max_len keys).
+    np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kernel, window", [
+    (AttentionKernel("chunked", chunk=4), WINDOW),  # Query blocks (CPU's choice for long prompts).
+    (AttentionKernel("pallas", interpret=True), "null"),  # A GPU's: flash prefill, the Pallas decode kernel.
+])  # fmt: skip
+def test_the_kernel_the_serving_program_resolves_gives_the_models_own_logits(served, kernel, window):
+    assert served[0].attention == AttentionKernel("chunked", chunk=512)  # CPU: auto's kernel.
+    program = _program(f"model.options.window={window}", attention=kernel)
+    assert program.attention == kernel  # CacheSlot.attend(None, ...) in the example attends with it.
+    weights = program.init()
+    prefill = str(program.prefill.trace(weights, program.new_cache(), _tokens()[:, :P_LEN], LENGTHS).jaxpr)
+    decode = str(program.decode.trace(weights, program.new_cache(), LENGTHS, LENGTHS).jaxpr)
+    pallas = kernel.name == "pallas"
+    assert ("name=mha" in prefill, "name=decode_attention" in decode) == (pallas, pallas)
+    model = nnx.merge(program.description.model.graphdef, weights)
+    full = np.asarray(jax.jit(lambda t: model(t))(_tokens()))[:, :-1]
+    cached = _cached_logits(program, weights, _tokens(), LENGTHS)
+    known = ~np.isnan(cached)
     np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
 
 
@@ -125,16 +150,50 @@ def test_plan_serve_of_the_example_for_h100s_reports_weights_cache_and_peak(caps
     assert data["time"]["output_tokens_per_second"] > 0
 
 
-def test_a_decode_step_for_gpus_reads_the_cache_where_it_lies(capsys):
-    # As matmuls, XLA's GPU compiler transposed the whole cache every step to put the KV heads (2 on
-    # the one device) before the positions: decode temporaries as large as the cache.
-    sets = ["mesh.axes={data: 1, fsdp: 1, tensor: 1}", "mesh.devices_per_host=1", "serve.batch=16",
-            "serve.max_len=2048"]  # fmt: skip
+def test_long_prompts_planned_for_gpus_attend_in_flash_kernels_without_their_scores(capsys):
+    sets = ["mesh.axes={data: 1, fsdp: 1, tensor: 1}", "mesh.devices_per_host=1", "serve.batch=2",
+            "serve.prompt_len=2048", "serve.max_len=2048"]  # fmt: skip
     assert main(["plan", str(CONFIG), "--serve", "--target", "h100-sxm", "--json",
                  *(arg for item in sets for arg in ("--set", item))]) == 0  # fmt: skip
-    figures = json.loads(capsys.readouterr().out)["per_device"]
-    assert figures["kv_cache"] == 2 * 16 * 2048 * 2 * 16 * 2 * 2  # 8 MiB: layers, batch, positions, ...
-    assert figures["decode_temp"] < figures["kv_cache"] / 4, figures
+    data = json.loads(capsys.readouterr().out)
+    assert data["prefill"]["attention"].startswith("pallas, standing in for cudnn")
+    # XLA's attention held the prompts' scores, 2 x 4 heads x 2,048 x 2,048 float32 (128 MiB): 129.4 MiB
+    # of prefill temporaries, 3 MiB in the flash kernel.
+    scores = 2 * 4 * 2048 * 2048 * 4
+    assert data["per_device"]["prefill_temp"] < scores / 16, data["per_device"]
+
+
+def test_prompts_the_flash_kernel_cannot_tile_attend_in_query_blocks():
+    # Pallas's flash kernel tiles blocks of 128 positions.
+    config = load_config(CONFIG, ["serve.prompt_len=200", "serve.max_len=256"])
+    mesh = build_mesh(config.mesh.axes, make_target(config, "h100-sxm").devices)
+    assert serving_program(config, mesh).attention == AttentionKernel("chunked", chunk=512)
+    config = load_config(CONFIG, ["serve.prompt_len=256", "serve.max_len=256"])
+    mesh = build_mesh(config.mesh.axes, make_target(config, "h100-sxm").devices)
+    assert serving_program(config, mesh).attention.stands_for == "cudnn"
+
+
+def test_a_layer_attending_in_float32_gets_xlas_attention_not_cudnns():
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 8, 2, 16)) for i in range(3))
+    cache = CacheLayout(layers=1, kv_heads=2, head_dim=16).zeros(batch=1, max_len=8, dtype="float32")
+    slot = CacheSlot(cache, 0, jnp.arange(8), prefill=True)
+    with attending_with(AttentionKernel("cudnn")):  # 16-bit inputs only (and no GPU here to run it).
+        ctx, _ = slot.attend(None, q, k, v)
+    np.testing.assert_allclose(ctx, causal_attention(q, k, v), atol=1e-6)
+
+
+def test_a_decode_step_for_gpus_in_xla_reads_the_cache_where_it_lies():
+    # As matmuls, XLA's GPU compiler transposed the whole cache every step to put the KV heads (2 on
+    # the one device) before the positions: decode temporaries as large as the cache. (XLA's attention,
+    # as an int8 cache runs it; a 16-bit one runs the Pallas decode kernel, above.)
+    config = load_config(CONFIG, ["mesh.axes={data: 1, fsdp: 1, tensor: 1}", "mesh.devices_per_host=1",
+                                  "serve.batch=16", "serve.max_len=2048"])  # fmt: skip
+    target = make_target(config, "h100-sxm")
+    mesh = build_mesh(config.mesh.axes, target.devices)
+    program = serving_program(config, mesh, attention=AttentionKernel("xla"))
+    report, _ = plan_program(program, target, function="decode")
+    kv_cache = 2 * 16 * 2048 * 2 * 16 * 2 * 2  # 8 MiB: layers, batch, positions, KV heads, head_dim, ...
+    assert report.per_device["temp"] < kv_cache / 4, report.per_device
 
 
 def test_a_model_without_the_cached_call_is_refused_naming_what_to_add(capsys):

@@ -23,7 +23,10 @@ positions lie past its length, and each is overwritten by decode before any quer
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +39,21 @@ KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
 CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 #: Logical axes of an int8 cache's scales: one per token and KV head.
 SCALE_AXES = CACHE_AXES[:-1]
+
+#: The kernel ``CacheSlot.attend(None, ...)`` attends with (:func:`attending_with`); None: XLA's.
+_serving_kernel: contextvars.ContextVar = contextvars.ContextVar("serving_kernel", default=None)
+
+
+@contextlib.contextmanager
+def attending_with(kernel) -> Iterator[None]:
+    """Makes ``CacheSlot.attend(None, ...)`` attend with ``kernel`` (an
+    :class:`~shardmem.models.attention.AttentionKernel`) while the context is open: the serving program
+    of a model of your own sets the kernel it resolved for the mesh's devices around ``cached_call``."""
+    token = _serving_kernel.set(kernel)
+    try:
+        yield
+    finally:
+        _serving_kernel.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,14 +175,20 @@ class CacheSlot:
     def attend(self, kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
         """Returns ``(ctx_BxLxHxK, cache)``: the step's attention, and the cache with the step's keys
         and values written. Prefill attends over the prompt with ``kernel`` (the training forward's
-        attention; None: XLA's, :func:`~shardmem.models.attention.causal_attention`, as a model of your
-        own passes it); decode over the cache, up to each sequence's position: on GPUs (a flash
-        ``kernel``) with the Pallas decode kernel over the stacked cache
-        (:mod:`shardmem.models.decode_attention`; an int8 cache keeps XLA's attention, which dequantizes
-        the layer's codes), else with XLA's."""
+        attention; None, as a model of your own passes it: the kernel its serving program resolved for the
+        mesh's devices, :func:`attending_with`, and outside one XLA's,
+        :func:`~shardmem.models.attention.causal_attention`); decode over the cache, up to each
+        sequence's position: on GPUs (a flash ``kernel``) with the Pallas decode kernel over the stacked
+        cache (:mod:`shardmem.models.decode_attention`; an int8 cache keeps XLA's attention, which
+        dequantizes the layer's codes), else with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a
+        layer that attends in float32 gets XLA's attention."""
         from shardmem.models import decode_attention
         from shardmem.models.attention import attend, causal_attention
 
+        kernel = _serving_kernel.get() if kernel is None else kernel
+        cudnn = kernel is not None and "cudnn" in (kernel.name, kernel.stands_for)
+        if cudnn and q_BxLxHxK.dtype.itemsize > 2:
+            kernel = None
         cache = self.cache.write(self.layer, self.positions, k_BxLxGxK, v_BxLxGxK)
         if self.prefill and kernel is None:
             length = q_BxLxHxK.shape[1]

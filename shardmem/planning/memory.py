@@ -309,8 +309,14 @@ def plan_program(
     warnings += _slow_compile_warnings(report) if program.description.training is not None else []
     warnings += tpu_notes(target, config.memory, report.per_device["peak"])
     warnings += precision_notes(target, config.precision.compute)
-    window = None if program.custom_model else config.model.sliding_window
-    window = window if window is not None and window < config.model.seq_len else None  # Else masks nothing.
+    serving = program.description.serving
+    if serving is not None:  # The cache's layers' window (a model of your own's too), over its positions.
+        window, length = serving.layout.window, serving.max_len
+    elif program.custom_model:
+        window, length = None, 0
+    else:
+        window, length = config.model.sliding_window, config.model.seq_len
+    window = window if window is not None and window < length else None  # Else masks nothing.
     attention = program.attention.describe(window) if program.attention else ""
     tensor_parallel = collective_matmul.describe(program.collective_matmuls, program.rules, program.mesh,
                                                  reference_model=not program.custom_model,

@@ -121,7 +121,9 @@ class Description:
     mesh: Mesh  # Auto axes (shardmem.parallel.mesh.auto_axes).
     rules: Rules
     model: Model
-    attention: AttentionKernel | None  # The reference model's kernel, resolved for the mesh's devices.
+    # The kernel resolved for the mesh's devices: the reference model's, or the one a model of your own
+    # attends with in serving (user_serving.attention); None for a model of your own otherwise.
+    attention: AttentionKernel | None
     precision: PrecisionConfig
     pipeline: Pipeline | None  # The layers' pipeline stages (None: no stage axis, or stage=1).
     context_shards: int  # Devices each sequence is split over (rules.seq); 1 without context parallelism.
@@ -231,6 +233,8 @@ def describe(
         if custom:  # Its cache-aware call says the cache's shape (and refuses a model without one).
             passed = model_factory is not None
             layout, vocab = user_serving.cache_layout(config, model, mesh, rules, passed=passed)
+            attention = user_serving.attention(config, mesh, layout, attention)
+            description = dataclasses.replace(description, attention=attention)
         else:
             m = config.model
             layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, m.sliding_window)

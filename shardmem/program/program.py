@@ -143,7 +143,8 @@ class Program(abc.ABC):
 
     @property
     def attention(self) -> AttentionKernel | None:
-        """The reference model's attention kernel (None for a model of your own)."""
+        """The attention kernel resolved for the mesh's devices: the reference model's, or the one a model
+        of your own attends with in serving (None for one in training: it attends as it says)."""
         return self.description.attention
 
     @property

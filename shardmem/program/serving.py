@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
 from shardmem.models.fused import Fused, fuse_layer, unfuse_layer
+from shardmem.models.kv_cache import attending_with
 from shardmem.parallel.rules import constrain
 from shardmem.program.description import Description, Serving, describe
 from shardmem.program.model import sharded
@@ -254,11 +255,12 @@ def _reference_functions(d: Description) -> tuple[Callable, Callable]:
 
 def _user_functions(d: Description) -> tuple[Callable, Callable]:
     """A model of your own's prefill and decode: its ``cached_call`` (:mod:`shardmem.program.user_serving`)
-    on its own parameter tree, the logits of each prompt's last real token."""
+    on its own parameter tree, attending with the description's kernel, the logits of each prompt's last
+    real token."""
     mesh, rules, finetune, graphdef = d.mesh, d.rules, d.finetune, d.model.graphdef
 
     def prefill(weights, cache, prompts_BxP, lengths_B):
-        with rules.activate(mesh):
+        with rules.activate(mesh), attending_with(d.attention):
             model = nnx.merge(graphdef, finetune.assemble({}, weights))
             positions_P = jnp.arange(prompts_BxP.shape[1])
             logits_BxPxV, cache = model.cached_call(prompts_BxP, cache, positions_P, prefill=True)
@@ -266,7 +268,7 @@ def _user_functions(d: Description) -> tuple[Callable, Callable]:
             return _logits(jnp.take_along_axis(logits_BxPxV, last_Bx1x1, axis=1)[:, 0]), cache
 
     def decode(weights, cache, tokens_B, positions_B):
-        with rules.activate(mesh):
+        with rules.activate(mesh), attending_with(d.attention):
             model = nnx.merge(graphdef, finetune.assemble({}, weights))
             logits_Bx1xV, cache = model.cached_call(tokens_B[:, None], cache, positions_B[:, None],
                                                     prefill=False)  # fmt: skip

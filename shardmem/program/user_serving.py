@@ -17,8 +17,10 @@ layout's shape, sharded by the rules (:data:`~shardmem.models.kv_cache.CACHE_AXE
 call. Inside an attention layer, ``slot.attend(None, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=...)``
 writes the step's keys and values and returns ``(ctx_BxLxHxK, cache)``: causal attention over the prompt
 in a prefill, over the cache up to each sequence's position in a decode step, with an int8 cache
-quantized and read back. The layer applies its own position embedding (rotary: at ``slot.positions``)
-before it. The serving program takes each prompt's logits at its last real token.
+quantized and read back. It attends with the kernel the reference model would run on the mesh's devices
+(:func:`attention`): on GPUs cuDNN's flash attention in a prefill (no ``L x L`` scores) and the Pallas
+decode kernel over the cache. The layer applies its own position embedding (rotary: at
+``slot.positions``) before it. The serving program takes each prompt's logits at its last real token.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ from jax.sharding import Mesh
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError
+from shardmem.models.attention import (
+    DEFAULT_CHUNK,
+    AttentionKernel,
+    device_class,
+    resolve_attention,
+    shared_memory_per_block,
+    sm_count,
+)
 from shardmem.models.kv_cache import CacheLayout, KVCache
 from shardmem.parallel.rules import Rules
 from shardmem.program.model import Model
@@ -95,3 +105,32 @@ def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules, *,
         raise ConfigError(f"{where}: {name}.cached_call returned {got} for prompts {list(shape)}; return "
                           "(logits [batch, length, vocab], the cache it was given, written)")  # fmt: skip
     return layout, out[0].shape[2]
+
+
+def attention(config: Config, mesh: Mesh, layout: CacheLayout,
+              requested: AttentionKernel | None) -> AttentionKernel:  # fmt: skip
+    """Returns the kernel the model's ``CacheSlot.attend(None, ...)`` attends with in the serving program:
+    ``requested`` (``describe``'s ``attention=``), checked as the reference model's is, or the one
+    ``model.attention=auto`` resolves for the mesh's devices in ``precision.compute``; where that flash
+    kernel cannot take the model's heads, prompts or window, query blocks (``chunked``: no ``L x L``
+    scores either), as the model has no ``model.attention`` to choose another with."""
+    prompt_len = config.serve.prompt_len
+
+    def checked(kernel: AttentionKernel) -> AttentionKernel:
+        kernel.check_length(prompt_len, "serve.prompt_len")
+        kernel.check_head_dim(layout.head_dim)
+        kernel.check_window(layout.window, prompt_len)
+        return kernel
+
+    if requested is not None:
+        return checked(requested)
+    devices = list(mesh.devices.flat)
+    kernel = resolve_attention(
+        "auto", chunk=None, where=device_class(devices), dtype=config.precision.compute,
+        window=layout.window is not None, shared_memory=shared_memory_per_block(devices),
+        sms=sm_count(devices),
+    )  # fmt: skip
+    try:
+        return checked(kernel)
+    except ConfigError:
+        return AttentionKernel("chunked", chunk=DEFAULT_CHUNK)
