@@ -89,12 +89,16 @@ class CachedDecoder(nnx.Module):
         return shardmem.CacheLayout(layers=len(self.blocks), kv_heads=self.kv_heads, head_dim=self.head_dim,
                                     window=self.window)  # fmt: skip
 
-    def cached_call(self, tokens_BxL, cache, positions, *, prefill):
+    def cached_call(self, tokens_BxL, cache, positions, *, prefill, logits_at=None):
         """The same forward with a KV cache: ``(logits_BxLxV, cache)``; positions ``[L]`` in a prefill,
-        ``[B, 1]`` in a decode step."""
+        ``[B, 1]`` in a decode step. A prefill's ``logits_at`` (``[B]``, each prompt's last token) keeps
+        those positions' logits only (``L`` = 1): the head's matmul and the logits of a long prompt's
+        every position are not computed."""
         x_BxLxD = self.embed[...][tokens_BxL]
         for layer, block in enumerate(self.blocks):
             x_BxLxD, cache = block(x_BxLxD, shardmem.CacheSlot(cache, layer, positions, prefill))
+        if logits_at is not None:
+            x_BxLxD = jnp.take_along_axis(x_BxLxD, logits_at[:, None, None], axis=1)
         return self.norm(x_BxLxD) @ self.head[...], cache
 
 

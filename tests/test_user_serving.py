@@ -88,6 +88,44 @@ def test_the_kernel_the_serving_program_resolves_gives_the_models_own_logits(ser
     np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
 
 
+def _every_positions_logits(program: ServingProgram):
+    """A factory of the program's model (the example's) whose call takes no ``logits_at``: its prefill
+    returns every prompt position's logits, of which the serving program takes each prompt's last."""
+    model = program.description.model
+    example = type(nnx.merge(model.graphdef, model.abstract_params))
+
+    class EveryPositionsLogits(example):
+        def cached_call(self, tokens_BxL, cache, positions, *, prefill):
+            return super().cached_call(tokens_BxL, cache, positions, prefill=prefill)
+
+    return lambda rngs: EveryPositionsLogits(rngs, **program.config.model.options)
+
+
+def test_a_call_with_logits_at_gives_the_last_tokens_logits_of_one_with_every_positions(served):
+    program, weights, cached = served
+    config = program.config
+    every = serving_program(config, program.mesh, model_factory=_every_positions_logits(program))
+    prompts_BxP = _tokens()[:, :P_LEN]
+    logits = [np.asarray(p.prefill(weights, p.new_cache(), prompts_BxP, LENGTHS)[0])
+              for p in (program, every)]  # fmt: skip
+    np.testing.assert_allclose(logits[0], logits[1], atol=2e-5, rtol=2e-5)
+
+
+def test_a_prefill_with_logits_at_holds_no_logits_of_every_prompt_position():
+    # A vocabulary of 4,096: every position's logits, 2 x 1,024 x 4,096 in bfloat16, are 16 MiB.
+    config = load_config(CONFIG, ["model.options.vocab=4096", "serve.batch=2", "serve.prompt_len=1024",
+                                  "serve.max_len=1024", "mesh.axes={data: 1, fsdp: 1, tensor: 1}",
+                                  "mesh.devices_per_host=1"])  # fmt: skip
+    target = make_target(config, "h100-sxm")
+    mesh = build_mesh(config.mesh.axes, target.devices)
+    program = serving_program(config, mesh)
+    every = serving_program(config, mesh, model_factory=_every_positions_logits(program))
+    temporaries = [plan_program(p, target, function="prefill")[0].per_device["temp"]
+                   for p in (program, every)]  # fmt: skip
+    logits = 2 * 1024 * 4096 * 2
+    assert temporaries[1] >= logits > 8 * temporaries[0], temporaries  # 16.2 MiB, 1.5 MiB with logits_at.
+
+
 def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(served):
     program, weights, cached = served
     int8 = _program("serve.kv_dtype=int8")
@@ -263,8 +301,15 @@ class LogitsOnly(Tied):
         return super().cached_call(tokens_BxL, cache, positions, prefill=prefill)[0]
 
 
+class IgnoresLogitsAt(Tied):
+    def cached_call(self, tokens_BxL, cache, positions, *, prefill, logits_at=None):
+        return super().cached_call(tokens_BxL, cache, positions, prefill=prefill)
+
+
 @pytest.mark.parametrize("model, message", [
     (LayoutAsDict, "LayoutAsDict.cache_layout() returned a dict; return shardmem.CacheLayout(layers=..., "),
+    (IgnoresLogitsAt, "IgnoresLogitsAt.cached_call returned logits [4, 16, 256] for prompts [4, 16]; return "
+                      "(logits [batch, 1 (its logits_at), vocab]"),
     (NoPrefillArgument, "NoPrefillArgument.cached_call cannot take (tokens_BxL, cache, positions, prefill="),
     (LogitsOnly, "LogitsOnly.cached_call returned [4, 16, 256] for prompts [4, 16]; return (logits [batch, "),
 ])  # fmt: skip

@@ -43,6 +43,7 @@ from shardmem.config import Config
 from shardmem.models.fused import Fused, fuse_layer, unfuse_layer
 from shardmem.models.kv_cache import attending_with
 from shardmem.parallel.rules import constrain
+from shardmem.program import user_serving
 from shardmem.program.description import Description, Serving, describe
 from shardmem.program.model import sharded
 from shardmem.program.program import Function, Program, loading
@@ -262,10 +263,11 @@ def _user_functions(d: Description) -> tuple[Callable, Callable]:
     def prefill(weights, cache, prompts_BxP, lengths_B):
         with rules.activate(mesh), attending_with(d.attention):
             model = nnx.merge(graphdef, finetune.assemble({}, weights))
-            positions_P = jnp.arange(prompts_BxP.shape[1])
-            logits_BxPxV, cache = model.cached_call(prompts_BxP, cache, positions_P, prefill=True)
-            last_Bx1x1 = (lengths_B - 1)[:, None, None]  # Each prompt's last token gives the next one.
-            return _logits(jnp.take_along_axis(logits_BxPxV, last_Bx1x1, axis=1)[:, 0]), cache
+            last_B = lengths_B - 1  # Each prompt's last token gives the next one.
+            logits_BxLxV, cache = user_serving.prefill_call(model, prompts_BxP, cache, last_B)
+            if logits_BxLxV.shape[1] > 1:  # Every position's (a call without logits_at).
+                logits_BxLxV = jnp.take_along_axis(logits_BxLxV, last_B[:, None, None], axis=1)
+            return _logits(logits_BxLxV[:, 0]), cache
 
     def decode(weights, cache, tokens_B, positions_B):
         with rules.activate(mesh), attending_with(d.attention):

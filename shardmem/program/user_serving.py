@@ -20,7 +20,10 @@ in a prefill, over the cache up to each sequence's position in a decode step, wi
 quantized and read back. It attends with the kernel the reference model would run on the mesh's devices
 (:func:`attention`): on GPUs cuDNN's flash attention in a prefill (no ``L x L`` scores) and the Pallas
 decode kernel over the cache. The layer applies its own position embedding (rotary: at
-``slot.positions``) before it. The serving program takes each prompt's logits at its last real token.
+``slot.positions``) before it. The serving program takes each prompt's logits at its last real token; a
+call that takes ``logits_at`` (as transformers' ``logits_to_keep``) is given, in a prefill, each prompt's
+last real token's index ``[B]`` and returns those positions' logits only (``[B, 1, V]``), where one
+without it computes every position's.
 """
 
 from __future__ import annotations
@@ -95,15 +98,18 @@ def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules, *,
     def call(params, prompts_BxP, cache):
         with rules.activate(mesh):
             merged = nnx.merge(model.graphdef, params)
-            return merged.cached_call(prompts_BxP, cache, jnp.arange(prompts_BxP.shape[1]), prefill=True)
+            return prefill_call(merged, prompts_BxP, cache, jnp.full(serve.batch, serve.prompt_len - 1))
 
     out = jax.eval_shape(call, model.abstract_params, prompts, cache)
-    shape = (serve.batch, serve.prompt_len)
+    length, what = (1, "1 (its logits_at)") if takes_logits_at(abstract) else (serve.prompt_len, "length")
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], KVCache)
-            and getattr(out[0], "ndim", 0) == 3 and out[0].shape[:2] == shape):  # fmt: skip
+            and getattr(out[0], "ndim", 0) == 3 and out[0].shape[:2] == (serve.batch, length)):  # fmt: skip
         got = jax.tree.map(lambda x: list(getattr(x, "shape", [])), out)
-        raise ConfigError(f"{where}: {name}.cached_call returned {got} for prompts {list(shape)}; return "
-                          "(logits [batch, length, vocab], the cache it was given, written)")  # fmt: skip
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], KVCache):  # The logits are off.
+            got = f"logits {got[0]}"
+        raise ConfigError(f"{where}: {name}.cached_call returned {got} for prompts "
+                          f"{[serve.batch, serve.prompt_len]}; return (logits [batch, {what}, vocab], the "
+                          "cache it was given, written)")  # fmt: skip
     return layout, out[0].shape[2]
 
 
@@ -134,3 +140,17 @@ def attention(config: Config, mesh: Mesh, layout: CacheLayout,
         return checked(kernel)
     except ConfigError:
         return AttentionKernel("chunked", chunk=DEFAULT_CHUNK)
+
+
+def takes_logits_at(model) -> bool:
+    """Whether the model's ``cached_call`` takes ``logits_at`` (see the module docstring)."""
+    return "logits_at" in inspect.signature(model.cached_call).parameters
+
+
+def prefill_call(model, prompts_BxP, cache, last_B) -> tuple[jax.Array, KVCache]:
+    """The model's ``cached_call`` on right-padded prompts: ``(logits_BxLxV, cache)``, ``L`` = 1 (the
+    positions ``last_B``, each prompt's last real token) where it takes ``logits_at``, else every position."""
+    positions_P = jnp.arange(prompts_BxP.shape[1])
+    if takes_logits_at(model):
+        return model.cached_call(prompts_BxP, cache, positions_P, prefill=True, logits_at=last_B)
+    return model.cached_call(prompts_BxP, cache, positions_P, prefill=True)
