@@ -454,12 +454,18 @@ def _generate(args) -> int:
 
     at_least("--max-new-tokens", args.max_new_tokens, 1, "generate at least 1 token")
     sampling = _sampling(args)
+    if args.tokenizer is not None and args.prompt is None:
+        raise ConfigError("--tokenizer only applies to text prompts (--prompt TEXT); token ids need none")
     if args.prompt_ids is not None:
         prompts = [generation.parse_prompt_ids(args.prompt_ids)]
-    else:
+    elif args.prompt_file is not None:
         prompts = generation.read_prompts(args.prompt_file)
     eos = generation.parse_prompt_ids(args.eos, "--eos") if args.eos is not None else None
     config = _load(args)
+    tokenizer = None
+    if args.prompt is not None:
+        tokenizer = generation.load_tokenizer(config, args.tokenizer)
+        prompts = [tokenizer.encode(text).ids for text in args.prompt]  # Its special tokens too (BOS).
     notes = [generation.weights_note(config, args.config)]
     if eos is None:
         eos = generation.checkpoint_eos(config)
@@ -474,10 +480,19 @@ def _generate(args) -> int:
     program = serving_program(config, build_mesh(config.mesh.axes, devices))
     stream = sys.stderr if args.json else sys.stdout  # With --json, stdout holds the JSON object alone.
 
+    texts = [generation.TextStream(tokenizer, prompt) for prompt in prompts] if tokenizer is not None else []
+    pieces: list[list[str]] = [[] for _ in texts]
+
     def show(step: int, tokens: list) -> None:
         while notes:
             print(notes.pop(0), file=sys.stderr, flush=True)
-        print(" ".join("-" if t is None else str(t) for t in tokens), file=stream, flush=True)
+        if not texts:
+            print(" ".join("-" if t is None else str(t) for t in tokens), file=stream, flush=True)
+            return
+        for text, made, token in zip(texts, pieces, tokens, strict=True):  # An EOS adds no text.
+            made.append(text.step(token) if token is not None and token not in eos else "")
+        if len(texts) == 1:  # One prompt's text as it comes; several prompts' each at the end.
+            print(pieces[0][-1], end="", file=stream, flush=True)
 
     started = time.monotonic()
     with _out_of_memory_named(program, devices):
@@ -486,8 +501,15 @@ def _generate(args) -> int:
                                      sampling=sampling, eos=eos, on_step=show)  # fmt: skip
     seconds = time.monotonic() - started
     made = sum(len(t) for t in result.tokens)
+    completions = ["".join(made) for made in pieces]
+    if len(texts) == 1:
+        print(file=stream, flush=True)  # The streamed text's line ends.
+    elif texts:
+        for i, completion in enumerate(completions):
+            print(f"[{i}] {completion}", file=stream, flush=True)
     if args.json:
-        print(json.dumps({**result.to_json(), "seconds": round(seconds, 3)}), flush=True)
+        text = {"text": completions} if texts else {}
+        print(json.dumps({**result.to_json(), **text, "seconds": round(seconds, 3)}), flush=True)
     plural = lambda n: "s" * (n != 1)  # noqa: E731
     print(f"generated {made} token{plural(made)} for {len(prompts)} prompt{plural(len(prompts))} in "
           f"{seconds:.1f} s (compiles included) on {len(devices)} {devices[0].platform} "
@@ -556,19 +578,27 @@ def _add_train_commands(commands) -> None:
 
     p = commands.add_parser(
         "generate",
-        help="generate tokens from prompts of token ids with the serving program (prefill, KV-cache decode)",
+        help="generate from prompts (text or token ids) with the serving program (prefill, KV-cache decode)",
         description="Builds the config's serving program (the serve section: batch, prompt_len, max_len, "
         "kv_dtype, quantize) on the devices there are, with random weights from train.seed or "
         "finetune.init_from's, prefills the prompts and decodes greedily or by sampling, printing one line "
-        "per step as the tokens come: each prompt's next token, '-' for a prompt that has drawn EOS. A "
-        "prompt is token ids (no tokenizer). Exit 2: config or usage error (a prompt longer than "
-        "serve.prompt_len, more prompts than serve.batch, too little serve.max_len, ...); 130: interrupted.",
+        "per step as the tokens come: each prompt's next token, '-' for a prompt that has drawn EOS. Text "
+        "prompts (--prompt) are encoded with the checkpoint's tokenizer.json and the new tokens printed as "
+        "text: one prompt's as they come, several prompts' each at the end. Exit 2: config or usage error "
+        "(a prompt longer than serve.prompt_len, more prompts than serve.batch, too little serve.max_len, "
+        "no tokenizer, ...); 130: interrupted.",
     )
     _config_args(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", metavar="IDS", help="one prompt's token ids, e.g. 1,2,3")
     prompt.add_argument("--prompt-file", metavar="PATH",
                         help="a file of prompts, one line of token ids each (1 2 3 or 1,2,3)")  # fmt: skip
+    prompt.add_argument("--prompt", metavar="TEXT", action="append",
+                        help="a prompt's text (repeat it for more prompts), encoded with the "
+                             "tokenizer")  # fmt: skip
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="with --prompt: a tokenizer.json or its folder (default: the one beside "
+                        "finetune.init_from's weights, a fine-tuned run's base's)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=16,
                    help="tokens to generate per prompt at most (default 16)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0,

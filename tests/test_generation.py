@@ -339,6 +339,9 @@ def test_generate_says_when_its_weights_are_not_a_trained_runs(tmp_path):
     (["--prompt-ids", "1", "--temperature", "1", "--seed", str(1 << 32)],
      "seed=4294967296 (--seed): use an integer from 0 to 4294967295"),  # jax.random.key's 32 bits
     (["--prompt-ids", "1", "--temperature", "inf"], "temperature=inf (--temperature): use 0 (greedy)"),
+    (["--prompt-ids", "1", "--tokenizer", "tok.json"], "--tokenizer only applies to text prompts (--prompt "),
+    (["--prompt", "hello"], "--prompt needs a tokenizer, and finetune.init_from names no checkpoint to take"),
+    (["--prompt", "hi", "--tokenizer", "no/"], "--prompt needs a tokenizer, and --tokenizer no/ has no"),
 ])  # fmt: skip
 def test_generate_errors_exit_2_with_one_line_before_anything_is_built(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -364,3 +367,50 @@ def test_generate_out_of_device_memory_names_the_cache_and_its_keys(capsys, monk
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     # A GPU's allocator would hold memory.usable_fraction, as plan --serve --target local budgets (not 75%).
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+
+
+def _tokenizer(vocab: int):
+    """A byte-pair tokenizer of exactly ``vocab`` entries (a checkpoint's vocabulary), SentencePiece's
+    word boundaries (``▁``, as Llama 2's) and a BOS it adds: trained on made-up words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    rng = np.random.default_rng(0)
+    letters = list("abcdefghijklmnopqrstuvwxyzé")
+    words = ["".join(rng.choice(letters, rng.integers(2, 8))) for _ in range(4000)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator([" ".join(words[i : i + 10]) for i in range(0, len(words), 10)], trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert tokenizer.get_vocab_size() == vocab
+    return tokenizer
+
+
+def test_text_prompts_are_encoded_and_the_new_tokens_printed_with_the_checkpoints_tokenizer(tmp_path, capsys):
+    checkpoint = tmp_path / "checkpoint"
+    config = hf.hf_config("llama", eos_token_id=2)
+    hf.save(checkpoint, config, hf.random_tensors(config))
+    tokenizer = _tokenizer(hf.V)
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    yaml_file = tmp_path / "generate.yaml"
+    yaml_file.write_text(yaml.safe_dump({"model": {"seq_len": 64}, "mesh": {"axes": {"data": -1}},
+                                         "precision": {"compute": "float32"},
+                                         "serve": {"batch": 8, "prompt_len": 16, "max_len": 32},
+                                         "finetune": {"init_from": str(checkpoint)}}))  # fmt: skip
+    texts = ["the lazy fox", "héllo"]
+    args = ["generate", str(yaml_file), "--max-new-tokens", "12"]
+    assert main([*args, *(a for text in texts for a in ("--prompt", text)), "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["prompts"] == [tokenizer.encode(text).ids for text in texts]  # With the BOS (1) first.
+    assert [p[0] for p in result["prompts"]] == [1, 1]
+    for prompt, new, text in zip(result["prompts"], result["tokens"], result["text"], strict=True):
+        # Decoded after its prompt: the text the whole sequence decodes to, past the prompt's.
+        whole, before = tokenizer.decode(prompt + new), tokenizer.decode(prompt)
+        assert whole.startswith(before) and text == whole[len(before) :] and text.strip()
+    assert f"[1] {result['text'][1]}" in err.splitlines()  # Several prompts: each at the end.
+    # Token ids give the same tokens; one text prompt streams its text on stdout, its line ended.
+    assert main([*args, "--prompt-ids", ",".join(map(str, result["prompts"][0])), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"][0] == result["tokens"][0]
+    assert main([*args, "--prompt", texts[0]]) == 0
+    assert capsys.readouterr().out == result["text"][0] + "\n"

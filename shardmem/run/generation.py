@@ -10,8 +10,9 @@ The prompts are one static batch of ``serve.batch`` rows (fewer are padded with 
 tokens are dropped), right-padded to ``serve.prompt_len``. Each step samples every sequence's next token
 (:mod:`shardmem.run.sampling`), hands it to ``on_step`` as it comes and decodes it into the KV cache at
 that sequence's own position; a sequence that draws one of the ``eos`` ids is finished, and the loop ends
-when every one is or after ``max_new_tokens``. Token ids only: no tokenizer is needed
-(:func:`checkpoint_eos` reads the ids a Hugging Face checkpoint ends with).
+when every one is or after ``max_new_tokens``. It takes token ids (:func:`checkpoint_eos` reads the ids a
+Hugging Face checkpoint ends with); ``shardmem generate --prompt TEXT`` encodes text, and decodes the new
+tokens, with the checkpoint's own tokenizer (:func:`load_tokenizer`, :class:`TextStream`).
 """
 
 from __future__ import annotations
@@ -224,10 +225,9 @@ def checkpoint_eos(config) -> tuple[int, ...]:
     (:func:`run_base_note` says so)."""
     from shardmem.finetune.hf_config import pretrained_model
 
-    base = run_base(config.finetune.init_from)
-    given = config.finetune.init_from if base is None else base[1]
-    if base is not None and not Path(given).expanduser().exists():
-        return ()  # The base is gone: run_base_note says generate goes on without an EOS.
+    given = _checkpoint(config)
+    if given is None or not Path(given).expanduser().exists():
+        return ()  # A base that is gone: run_base_note says generate goes on without an EOS.
     source = pretrained_model(given)
     if source is None or source.hf is None:
         return ()
@@ -240,6 +240,69 @@ def checkpoint_eos(config) -> tuple[int, ...]:
         eos = generation["eos_token_id"]
     ids = eos if isinstance(eos, list) else [eos]
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def _checkpoint(config) -> str | None:
+    """``finetune.init_from``, or for a run fine-tuned from a checkpoint, that checkpoint
+    (:func:`run_base`)."""
+    base = run_base(config.finetune.init_from)
+    return config.finetune.init_from if base is None else base[1]
+
+
+#: The file of a Hugging Face fast tokenizer (every checkpoint shardmem loads ships one).
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def load_tokenizer(config, given: str | Path | None = None):
+    """Returns the ``tokenizers.Tokenizer`` that ``shardmem generate --prompt`` encodes text with and
+    decodes the new tokens with: ``given`` (``--tokenizer``: a ``tokenizer.json``, or a folder that holds
+    one), else the one beside ``finetune.init_from``'s weights (a fine-tuned run's base's, as
+    :func:`checkpoint_eos` finds it). Raises ConfigError, naming where it looked and what to give."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # A dependency of shardmem's; only an environment without it gets here.
+        raise ConfigError("--prompt needs the tokenizers package: pip install tokenizers, or give token "
+                          "ids with --prompt-ids") from None  # fmt: skip
+    if given is not None:
+        path, where = Path(given).expanduser(), f"--tokenizer {given}"
+    else:
+        checkpoint = _checkpoint(config)
+        if checkpoint is None:
+            raise ConfigError("--prompt needs a tokenizer, and finetune.init_from names no checkpoint to "
+                              "take it from (the weights are random); give --tokenizer PATH (a "
+                              "tokenizer.json or its folder), or token ids with --prompt-ids")  # fmt: skip
+        path = Path(checkpoint).expanduser()
+        path = path if path.is_dir() else path.parent
+        where = f"finetune.init_from={checkpoint}"
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+        also = " (it has tokenizer.model: a slow tokenizer, not read here)" if (
+            file.parent / "tokenizer.model").is_file() else ""  # fmt: skip
+        raise ConfigError(f"--prompt needs a tokenizer, and {where} has no {file}{also}; give "
+                          "--tokenizer PATH (a tokenizer.json or its folder), or token ids with "
+                          "--prompt-ids")  # fmt: skip
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises its own exception type for a file it cannot parse.
+        raise ConfigError(f"{where}: {file} is not a tokenizer.json tokenizers can read ({e}); download it "
+                          "again, or give --tokenizer PATH") from None  # fmt: skip
+
+
+class TextStream:
+    """A prompt's new tokens as text, as they come: :meth:`step` returns what a token adds to the text of
+    the ``prompt`` (token ids) and the tokens before it (empty while a character's bytes are incomplete,
+    or for a special token), by ``tokenizers``' own incremental decoding. Decoded after its prompt, the
+    first new word keeps its space ("fox" + " jumps", not "foxjumps")."""
+
+    def __init__(self, tokenizer, prompt: Sequence[int]):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer, self.stream = tokenizer, DecodeStream(skip_special_tokens=True)
+        for token in prompt:
+            self.stream.step(tokenizer, token)
+
+    def step(self, token: int) -> str:
+        return self.stream.step(self.tokenizer, token) or ""
 
 
 #: Runs fine-tuned from runs: how many ``init_from`` links :func:`run_base` follows to a checkpoint.
