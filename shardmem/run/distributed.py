@@ -34,7 +34,7 @@ import jax
 
 from shardmem.errors import ConfigError
 
-__all__ = ["initialize", "detected_cluster", "launch"]
+__all__ = ["initialize", "start", "detected_cluster", "launch"]
 
 ENV_COORDINATOR = "SHARDMEM_COORDINATOR"
 ENV_NUM_PROCESSES = "SHARDMEM_NUM_PROCESSES"
@@ -136,6 +136,35 @@ def initialize(
             f"settings ({error}); set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and "
             f"{ENV_PROCESS_ID} explicitly."
         ) from error
+
+
+def start(
+    mesh_devices: int,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_devices: int | None = None,
+) -> None:
+    """Joins a multi-process run (:func:`initialize`) and starts JAX's backends, for a command that runs a
+    mesh of ``mesh_devices`` devices over all the processes (``train``, ``generate``); call it before
+    anything touches a JAX device.
+
+    Simulates ``local_devices`` CPU devices (or ``SHARDMEM_LOCAL_DEVICES``), by default as many as the
+    mesh needs split over the processes; the other arguments are :func:`initialize`'s. JAX's preemption
+    notifier, which a multi-process run installs, takes SIGTERM over: a command that does not stop by
+    itself on it sets its own handler after this.
+    """
+    from shardmem._quiet import native_stderr_silenced
+    from shardmem.planning.targets import ensure_cpu_devices
+
+    if local_devices is None and not os.environ.get(ENV_LOCAL_DEVICES):
+        processes = num_processes or os.environ.get(ENV_NUM_PROCESSES) or "1"
+        # A malformed count is reported by initialize() below; plan for one process meanwhile.
+        processes = max(int(processes), 1) if str(processes).isdigit() else 1
+        ensure_cpu_devices(-(-mesh_devices // processes))
+    initialize(coordinator, num_processes, process_id, local_devices)
+    with native_stderr_silenced():
+        jax.devices()  # Start the backends now, without the CUDA stub's expected complaint.
 
 
 def launch(

@@ -747,25 +747,17 @@ def start_runtime(
     """Prepares JAX for training ``config``; call it before anything touches a JAX device.
 
     Gives GPUs the memory the plan budgets (``XLA_PYTHON_CLIENT_MEM_FRACTION`` from
-    ``memory.usable_fraction``, unless already set), simulates ``local_devices`` CPU devices (by
-    default as many as the mesh needs, split over the processes) and joins a multi-process run
-    through :func:`shardmem.run.distributed.initialize` (flags, ``SHARDMEM_*`` variables or a detected
-    SLURM, Open MPI or Kubernetes job). From here on a SIGTERM no longer ends the process: the run
-    stops at its first step, saved, as it would later in training.
+    ``memory.usable_fraction``, unless already set), then :func:`shardmem.run.distributed.start`:
+    simulates ``local_devices`` CPU devices (by default as many as the mesh needs, split over the
+    processes) and joins a multi-process run (flags, ``SHARDMEM_*`` variables or a detected SLURM, Open
+    MPI or Kubernetes job). From here on a SIGTERM no longer ends the process: the run stops at its
+    first step, saved, as it would later in training.
     """
-    from shardmem._quiet import native_stderr_silenced
-    from shardmem.planning.targets import configure_local_memory, ensure_cpu_devices
+    from shardmem.planning.targets import configure_local_memory
     from shardmem.run import distributed
 
     configure_local_memory(config)
-    if local_devices is None and not os.environ.get(distributed.ENV_LOCAL_DEVICES):
-        processes = num_processes or os.environ.get(distributed.ENV_NUM_PROCESSES) or "1"
-        # A malformed count is reported by initialize() below; plan for one process meanwhile.
-        processes = max(int(processes), 1) if str(processes).isdigit() else 1
-        ensure_cpu_devices(math.ceil(config.mesh.device_count() / processes))
-    distributed.initialize(coordinator, num_processes, process_id, local_devices)
-    with native_stderr_silenced():
-        jax.devices()  # Start the backends now, without the CUDA stub's expected complaint.
+    distributed.start(config.mesh.device_count(), coordinator, num_processes, process_id, local_devices)
     if threading.current_thread() is threading.main_thread():
         # A scheduler may stop the job while it still compiles (SLURM's time-limit signal, a
         # preemption): then the run stops before its first step, saved, and exits 0 like later on.
