@@ -10,9 +10,12 @@ The prompts are one static batch of ``serve.batch`` rows (fewer are padded with 
 tokens are dropped), right-padded to ``serve.prompt_len``. Each step samples every sequence's next token
 (:mod:`shardmem.run.sampling`), hands it to ``on_step`` as it comes and decodes it into the KV cache at
 that sequence's own position; a sequence that draws one of the ``eos`` ids is finished, and the loop ends
-when every one is or after ``max_new_tokens``. It takes token ids (:func:`checkpoint_eos` reads the ids a
-Hugging Face checkpoint ends with); ``shardmem generate --prompt TEXT`` encodes text, and decodes the new
-tokens, with the checkpoint's own tokenizer (:func:`load_tokenizer`, :class:`TextStream`).
+when every one is or after ``max_new_tokens``. The mesh may span processes (``shardmem launch -- generate``,
+:func:`shardmem.run.distributed.start`): each one calls ``generate`` with the same prompts, puts its own
+devices' part of them, and reads every token back (they are gathered to each device), so all draw the
+same tokens. It takes token ids (:func:`checkpoint_eos` reads the ids a Hugging Face checkpoint ends
+with); ``shardmem generate --prompt TEXT`` encodes text, and decodes the new tokens, with the
+checkpoint's own tokenizer (:func:`load_tokenizer`, :class:`TextStream`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import yaml
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError
 from shardmem.program.serving import ServingProgram
@@ -102,16 +107,19 @@ def generate(
     for i, prompt in enumerate(prompts):
         prompts_BxP[i, : len(prompt)] = prompt
         lengths_B[i] = len(prompt)
-    choose = jax.jit(functools.partial(sample, sampling=sampling), out_shardings=serving.rows)
-    key = sampling.key()
+    # The tokens twice: as decode takes them, and replicated, which every process can read whole.
+    replicated = NamedSharding(serving.rows.mesh, P())
+    choose = jax.jit(functools.partial(_choose, sampling=sampling), in_shardings=(serving.logits, replicated),
+                     out_shardings=(serving.rows, replicated))  # fmt: skip
+    prompts_BxP, lengths_B = _global(prompts_BxP, serving.tokens), _global(lengths_B, serving.rows)
     logits_BxV, cache = program.prefill(weights, program.new_cache(), prompts_BxP, lengths_B)
-    positions_B = jax.device_put(lengths_B, serving.rows)
+    positions_B = lengths_B  # Each sequence's first new token goes at its prompt's length.
     new: list[list[int]] = [[] for _ in range(rows)]
     finished = [False] * rows
     step = 0
     while True:
-        tokens_B = choose(logits_BxV, jax.random.fold_in(key, step))
-        drawn = np.asarray(tokens_B)[:rows].tolist()
+        tokens_B, everywhere_B = choose(logits_BxV, _global(np.int32(step), replicated))
+        drawn = np.asarray(everywhere_B.addressable_data(0))[:rows].tolist()
         shown: list[int | None] = []
         for i, token in enumerate(drawn):
             shown.append(None if finished[i] else token)
@@ -126,6 +134,18 @@ def generate(
         logits_BxV, cache = program.decode(weights, cache, tokens_B, positions_B)
         positions_B = positions_B + 1
     return Generation([list(p) for p in prompts], new, finished, step)
+
+
+def _choose(logits_BxV, step, sampling: Sampling):
+    """Samples each sequence's next token with step ``step``'s key; returns it twice (two shardings)."""
+    tokens_B = sample(logits_BxV, jax.random.fold_in(sampling.key(), step), sampling=sampling)
+    return tokens_B, tokens_B
+
+
+def _global(values: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``values``, which every process holds the same of, as one array over the sharding's mesh: each
+    process puts its own devices' parts (the mesh may span processes, whose devices it cannot reach)."""
+    return jax.make_array_from_callback(values.shape, sharding, lambda index: values[index])
 
 
 def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = (), *,
