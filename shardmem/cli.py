@@ -381,21 +381,27 @@ def cmd_launch(args) -> int:
         raise ConfigError(f"launch -- {argv[0]!r}: not a shardmem command{did_you_mean(argv[0], names)}; "
                           f"give one of {one_of(names)}, e.g. shardmem launch --nproc 2 -- train "
                           "configs/tiny.yaml")  # fmt: skip
-    if argv[0] != "train":  # The others ignore the launcher's variables: N copies of one command.
-        raise ConfigError(f"launch -- {argv[0]}: only train joins the processes into one JAX run; each "
-                          f"process would run its own {argv[0]} alone, so run `shardmem {argv[0]} ...` "
-                          "without launch (it uses every device of this machine)")  # fmt: skip
-    for arg in argv[1:]:  # The launcher sets these; train's own would win.
+    if argv[0] not in _JOINED:  # The others ignore the launcher's variables: N copies of one command.
+        raise ConfigError(f"launch -- {argv[0]}: only train and generate join the processes into one "
+                          f"JAX run; each process would run its own {argv[0]} alone, so run "
+                          f"`shardmem {argv[0]} ...` without launch (it uses every device of this "
+                          "machine)")  # fmt: skip
+    for arg in argv[1:]:  # The launcher sets these; the command's own would win.
         name = arg.split("=", 1)[0]
         flag = next((f for f in _LAUNCHER_SETS if len(name) > 3 and f.startswith(name)), None)
         if flag is not None:
             raise ConfigError(f"{arg!r} after launch --: launch --nproc {args.nproc} gives each process "
                               f"its {flag} (the processes would wait for peers that never start); drop "
                               f"{flag}")  # fmt: skip
+    if argv[0] == "generate":  # Its mistakes are said once, here, not by each process.
+        _generation_inputs(build_parser().parse_args(argv))
     return launch(args.nproc, argv, devices_per_process=args.local_devices)
 
 
-#: The train flags that launch sets for each process it starts (argparse also takes their prefixes).
+#: The commands launch starts: each joins its processes into one JAX run (shardmem.run.distributed.start).
+_JOINED = ("train", "generate")
+#: The flags of train and generate that launch sets for each process it starts (argparse also takes their
+#: prefixes).
 _LAUNCHER_SETS = ("--coordinator", "--num-processes", "--process-id")
 
 
@@ -443,13 +449,9 @@ def _out_of_memory_named(program, devices):
         ) from None
 
 
-def _generate(args) -> int:
-    import jax
-
-    from shardmem._quiet import native_stderr_silenced
-    from shardmem.parallel.mesh import build_mesh
-    from shardmem.planning.targets import configure_local_memory, ensure_cpu_devices
-    from shardmem.program.serving import serving_program
+def _generation_inputs(args):
+    """What generate runs with, checked before anything is built: the sampling, the prompts, the EOS ids,
+    the config and the notes to print with the first tokens (``launch -- generate`` checks them too)."""
     from shardmem.run import generation
 
     at_least("--max-new-tokens", args.max_new_tokens, 1, "generate at least 1 token")
@@ -470,20 +472,36 @@ def _generate(args) -> int:
     if eos is None:
         eos = generation.checkpoint_eos(config)
         notes.append(generation.run_base_note(config, eos))
-    generation.check_prompts(config, prompts, args.max_new_tokens, eos)  # Before anything is built.
-    notes = [note for note in notes if note is not None]  # Said with the first tokens, after any error.
-    if os.environ.get("JAX_PLATFORMS") == "cpu":
-        ensure_cpu_devices(config.mesh.device_count())
+    generation.check_prompts(config, prompts, args.max_new_tokens, eos)
+    return sampling, prompts, eos, config, [note for note in notes if note is not None]
+
+
+def _generate(args) -> int:
+    import jax
+
+    from shardmem.parallel.mesh import build_mesh
+    from shardmem.planning.targets import configure_local_memory
+    from shardmem.program.serving import serving_program
+    from shardmem.run import distributed, generation
+
+    sampling, prompts, eos, config, notes = _generation_inputs(args)  # Before anything is built.
     configure_local_memory(config)  # A GPU's allocator holds what plan --serve --target local budgets.
-    with native_stderr_silenced():
-        devices = jax.devices()  # Start the backends without the CUDA stub's expected complaint.
+    # One process, or one of several (launch, a cluster's job) that together hold the mesh, as train does.
+    distributed.start(config.mesh.device_count(), args.coordinator, args.num_processes, args.process_id,
+                      args.local_devices)  # fmt: skip
+    if jax.process_count() > 1 and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Ends it, as alone; not JAX's preemption notifier.
+    devices = jax.devices()
     program = serving_program(config, build_mesh(config.mesh.axes, devices))
+    lead = jax.process_index() == 0  # Every process draws the same tokens; the first one prints them.
     stream = sys.stderr if args.json else sys.stdout  # With --json, stdout holds the JSON object alone.
 
     texts = [generation.TextStream(tokenizer, prompt) for prompt in prompts] if tokenizer is not None else []
     pieces: list[list[str]] = [[] for _ in texts]
 
     def show(step: int, tokens: list) -> None:
+        if not lead:
+            return
         while notes:
             print(notes.pop(0), file=sys.stderr, flush=True)
         if not texts:
@@ -500,6 +518,8 @@ def _generate(args) -> int:
         result = generation.generate(program, weights, prompts, max_new_tokens=args.max_new_tokens,
                                      sampling=sampling, eos=eos, on_step=show)  # fmt: skip
     seconds = time.monotonic() - started
+    if not lead:
+        return EXIT_OK
     made = sum(len(t) for t in result.tokens)
     completions = ["".join(made) for made in pieces]
     if len(texts) == 1:
@@ -511,10 +531,24 @@ def _generate(args) -> int:
         text = {"text": completions} if texts else {}
         print(json.dumps({**result.to_json(), **text, "seconds": round(seconds, 3)}), flush=True)
     plural = lambda n: "s" * (n != 1)  # noqa: E731
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     print(f"generated {made} token{plural(made)} for {len(prompts)} prompt{plural(len(prompts))} in "
           f"{seconds:.1f} s (compiles included) on {len(devices)} {devices[0].platform} "
-          f"device{plural(len(devices))}", file=sys.stderr)  # fmt: skip
+          f"device{plural(len(devices))}{processes}", file=sys.stderr)  # fmt: skip
     return EXIT_OK
+
+
+def _process_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that runs in one process or joins several into one JAX run (train, generate:
+    shardmem.run.distributed.start)."""
+    p.add_argument("--local-devices", type=int, metavar="N",
+                   help="simulated CPU devices per process (default: as many as the mesh needs)")  # fmt: skip
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-process: the coordinator of process 0 (or SHARDMEM_COORDINATOR)")  # fmt: skip
+    p.add_argument("--num-processes", type=int, metavar="N",
+                   help="multi-process: how many processes (or SHARDMEM_NUM_PROCESSES)")  # fmt: skip
+    p.add_argument("--process-id", type=int, metavar="I",
+                   help="multi-process: this process's index (or SHARDMEM_PROCESS_ID)")  # fmt: skip
 
 
 def _add_train_commands(commands) -> None:
@@ -531,14 +565,7 @@ def _add_train_commands(commands) -> None:
     _config_args(p)
     p.add_argument("--run-dir", help="where checkpoints and metrics go (default: runs/<config name>)")
     p.add_argument("--force", action="store_true", help="train even when the plan says it does not fit")
-    p.add_argument("--local-devices", type=int, metavar="N",
-                   help="simulated CPU devices per process (default: as many as the mesh needs)")  # fmt: skip
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="multi-process: the coordinator of process 0 (or SHARDMEM_COORDINATOR)")  # fmt: skip
-    p.add_argument("--num-processes", type=int, metavar="N",
-                   help="multi-process: how many processes (or SHARDMEM_NUM_PROCESSES)")  # fmt: skip
-    p.add_argument("--process-id", type=int, metavar="I",
-                   help="multi-process: this process's index (or SHARDMEM_PROCESS_ID)")  # fmt: skip
+    _process_args(p)
     p.set_defaults(run=cmd_train)
 
     p = commands.add_parser(
@@ -566,21 +593,24 @@ def _add_train_commands(commands) -> None:
 
     p = commands.add_parser(
         "launch",
-        help="run N local processes of train, e.g. launch --nproc 2 -- train CONFIG",
-        description="Starts N processes of `shardmem train ARGS...` on this machine, joined into one "
-        "JAX run over loopback, and prefixes their output with [i]. Signals are forwarded.",
+        help="run N local processes of train or generate, e.g. launch --nproc 2 -- train CONFIG",
+        description="Starts N processes of `shardmem train ARGS...` or `shardmem generate ARGS...` on this "
+        "machine, joined into one JAX run over loopback, and prefixes their output with [i] (generate's "
+        "tokens come from process 0 alone). Signals are forwarded.",
     )
     p.add_argument("--nproc", type=int, required=True, help="how many processes")
     p.add_argument("--local-devices", type=int, metavar="K", help="simulated CPU devices per process")
-    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- train ...",
-                   help="the train command each process runs")  # fmt: skip
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- train|generate ...",
+                   help="the train or generate command each process runs")  # fmt: skip
     p.set_defaults(run=cmd_launch)
 
     p = commands.add_parser(
         "generate",
         help="generate from prompts (text or token ids) with the serving program (prefill, KV-cache decode)",
         description="Builds the config's serving program (the serve section: batch, prompt_len, max_len, "
-        "kv_dtype, quantize) on the devices there are, with random weights from train.seed or "
+        "kv_dtype, quantize) on the devices there are (in several processes joined as train's are, e.g. "
+        "launch --nproc 2 -- generate CONFIG, on all of theirs, process 0 alone printing), with random "
+        "weights from train.seed or "
         "finetune.init_from's, prefills the prompts and decodes greedily or by sampling, printing one line "
         "per step as the tokens come: each prompt's next token, '-' for a prompt that has drawn EOS. Text "
         "prompts (--prompt) are encoded with the checkpoint's tokenizer.json and the new tokens printed as "
@@ -618,6 +648,7 @@ def _add_train_commands(commands) -> None:
                    "run's from the checkpoint it started from; else none)")  # fmt: skip
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout at the end (the steps on stderr)")  # fmt: skip
+    _process_args(p)
     p.set_defaults(run=cmd_generate)
 
 

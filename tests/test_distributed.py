@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -283,12 +284,59 @@ def test_launch_refuses_a_command_that_does_not_join_the_processes(capsys):
     # `launch --nproc 2 -- generate CONFIG` ran two generates, each alone on all 8 devices, each printing.
     from shardmem.cli import main
 
-    assert main(["launch", "--nproc", "2", "--", "generate", "configs/tiny.yaml", "--prompt-ids", "1"]) == 2
+    assert main(["launch", "--nproc", "2", "--", "plan", "configs/tiny.yaml"]) == 2
     assert capsys.readouterr().err == (
-        "shardmem: error: launch -- generate: only train joins the processes into one JAX run; each process "
-        "would run its own generate alone, so run `shardmem generate ...` without launch (it uses every "
+        "shardmem: error: launch -- plan: only train and generate join the processes into one JAX run; each "
+        "process would run its own plan alone, so run `shardmem plan ...` without launch (it uses every "
         "device of this machine)\n"
     )
+
+
+def test_launched_generate_says_a_mistake_once_before_starting_the_processes(capsys, monkeypatch):
+    from shardmem.cli import main
+    from shardmem.run import distributed as launcher
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("started the processes"))
+    argv = ["launch", "--nproc", "2", "--", "generate", "configs/tiny.yaml", "--prompt-ids", "1,x"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "shardmem: error: --prompt-ids: 'x' is not a token id; give integers such as 1,2,3\n"
+    )
+
+
+def test_launched_generate_draws_the_tokens_one_process_draws(clean_env, tmp_path):
+    # `launch --nproc 2 -- generate` was refused: serving ran in one process. Here the model is split over
+    # the two processes (tensor: 2, one device each), its weights loaded from a checkpoint by both, and
+    # the tokens are sampled: both draw the same ones as one process with the two devices, and only
+    # process 0 prints them.
+    import hf_reference as hf
+
+    checkpoint = hf.hf_config("llama")
+    hf.save(tmp_path / "base", checkpoint, hf.random_tensors(checkpoint))
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"model: {{seq_len: 64}}\nfinetune: {{init_from: {tmp_path / 'base'}}}\n"
+        "mesh: {axes: {data: 1, fsdp: 1, tensor: 2}}\nserve: {batch: 1, prompt_len: 8, max_len: 16}\n"
+    )
+    generate = ["generate", str(config), "--prompt-ids", "5,8,11", "--max-new-tokens", "4", "--temperature",
+                "1", "--seed", "7", "--json"]  # fmt: skip
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardmem", *argv], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+
+    alone = run(*generate, "--local-devices", "2")
+    assert alone.returncode == 0, alone.stderr
+    launched = run("launch", "--nproc", "2", "--local-devices", "1", "--", *generate)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    lines = launched.stdout.splitlines()
+    results = [json.loads(line[4:]) for line in lines if line.startswith("[0] {")]
+    expected = json.loads(alone.stdout)
+    assert len(results) == 1 and results[0]["tokens"] == expected["tokens"], launched.stdout
+    assert len(expected["tokens"][0]) == 4
+    assert not [line for line in lines if not line.startswith("[0] ")], launched.stdout  # Process 1 is quiet.
+    assert "on 2 cpu devices in 2 processes" in launched.stdout
 
 
 def test_launch_refuses_a_command_that_is_not_shardmems(capsys):
