@@ -339,6 +339,29 @@ def test_launched_generate_draws_the_tokens_one_process_draws(clean_env, tmp_pat
     assert "on 2 cpu devices in 2 processes" in launched.stdout
 
 
+def test_launched_generate_ends_on_sigterm(clean_env):
+    # JAX's preemption notifier, which jax.distributed installs, caught the SIGTERM the launcher forwards:
+    # the processes logged "SIGTERM caught" and generated on to the last token.
+    generate = ["generate", str(ROOT / "examples" / "cached_decoder.yaml"), "--set",
+                "mesh.axes={data: 1, fsdp: 1, tensor: 2}", "--set", "serve.max_len=2000", "--prompt-ids", "5",
+                "--max-new-tokens", "2000"]  # fmt: skip
+    launch = ["launch", "--nproc", "2", "--local-devices", "1", "--", *generate]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardmem", *launch], stdout=subprocess.PIPE, text=True
+    )
+    assert launcher.stdout is not None
+    tokens = 0
+    while tokens < 3:
+        line = launcher.stdout.readline()
+        assert line, "launcher ended before the first tokens"
+        tokens += line.startswith("[0] ") and line[4:].strip().isdigit()
+    launcher.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + signal.SIGTERM and time.monotonic() - started < 10, out[-2000:]
+    assert "generated" not in out
+
+
 def test_launch_refuses_a_command_that_is_not_shardmems(capsys):
     # `launch --nproc 2 -- trian CONFIG` started both processes, and each printed argparse's usage.
     from shardmem.cli import main
