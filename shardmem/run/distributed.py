@@ -1,8 +1,9 @@
 """Multi-process start-up: ``jax.distributed`` from flags, env vars or a detected cluster.
 
 Call :func:`initialize` first thing, before any JAX computation; it is a no-op for a single
-process. :func:`launch` runs N local processes that find each other over loopback, the way a
-cluster scheduler would start them on N hosts::
+process (:func:`start` calls it, then starts the backends, for ``train`` and ``generate``, which run a
+config's mesh over all the processes). :func:`launch` runs N local processes that find each other over
+loopback, the way a cluster scheduler would start them on N hosts::
 
     # in the program (python -m shardmem ...):
     shardmem.run.distributed.initialize()
