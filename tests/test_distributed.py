@@ -306,10 +306,10 @@ def test_launched_generate_says_a_mistake_once_before_starting_the_processes(cap
 
 
 def test_launched_generate_draws_the_tokens_one_process_draws(clean_env, tmp_path):
-    # `launch --nproc 2 -- generate` was refused: serving ran in one process. Here the model is split over
-    # the two processes (tensor: 2, one device each), its weights loaded from a checkpoint by both, and
-    # the tokens are sampled: both draw the same ones as one process with the two devices, and only
-    # process 0 prints them.
+    # `launch --nproc 2 -- generate` was refused: serving ran in one process. Here the weights and the
+    # batch are split over the two processes (fsdp: 2, one device each), the weights loaded from a
+    # checkpoint by both, and the tokens are sampled: both draw the same ones as one process with the two
+    # devices, and only process 0 prints them.
     import hf_reference as hf
 
     checkpoint = hf.hf_config("llama")
@@ -317,7 +317,7 @@ def test_launched_generate_draws_the_tokens_one_process_draws(clean_env, tmp_pat
     config = tmp_path / "serve.yaml"
     config.write_text(
         f"model: {{seq_len: 64}}\nfinetune: {{init_from: {tmp_path / 'base'}}}\n"
-        "mesh: {axes: {data: 1, fsdp: 1, tensor: 2}}\nserve: {batch: 1, prompt_len: 8, max_len: 16}\n"
+        "mesh: {axes: {data: 1, fsdp: 2, tensor: 1}}\nserve: {batch: 2, prompt_len: 8, max_len: 16}\n"
     )
     generate = ["generate", str(config), "--prompt-ids", "5,8,11", "--max-new-tokens", "4", "--temperature",
                 "1", "--seed", "7", "--json"]  # fmt: skip
