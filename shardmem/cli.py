@@ -450,8 +450,9 @@ def _out_of_memory_named(program, devices):
 
 
 def _generation_inputs(args):
-    """What generate runs with, checked before anything is built: the sampling, the prompts, the EOS ids,
-    the config and the notes to print with the first tokens (``launch -- generate`` checks them too)."""
+    """What generate runs with, checked before anything is built: the sampling, the prompts (token ids),
+    the EOS ids, the config, the notes to print with the first tokens and the tokenizer of text prompts
+    (None for token ids) (``launch -- generate`` checks them too)."""
     from shardmem.run import generation
 
     at_least("--max-new-tokens", args.max_new_tokens, 1, "generate at least 1 token")
@@ -473,7 +474,7 @@ def _generation_inputs(args):
         eos = generation.checkpoint_eos(config)
         notes.append(generation.run_base_note(config, eos))
     generation.check_prompts(config, prompts, args.max_new_tokens, eos)
-    return sampling, prompts, eos, config, [note for note in notes if note is not None]
+    return sampling, prompts, eos, config, [note for note in notes if note is not None], tokenizer
 
 
 def _generate(args) -> int:
@@ -484,7 +485,7 @@ def _generate(args) -> int:
     from shardmem.program.serving import serving_program
     from shardmem.run import distributed, generation
 
-    sampling, prompts, eos, config, notes = _generation_inputs(args)  # Before anything is built.
+    sampling, prompts, eos, config, notes, tokenizer = _generation_inputs(args)  # Before anything is built.
     configure_local_memory(config)  # A GPU's allocator holds what plan --serve --target local budgets.
     # One process, or one of several (launch, a cluster's job) that together hold the mesh, as train does.
     distributed.start(config.mesh.device_count(), args.coordinator, args.num_processes, args.process_id,
