@@ -181,6 +181,36 @@ def test_every_head_size_compiles_its_attention_deviceless_on_every_gpu_target(t
         grads.lower(*shapes).compile(compiler_options=codegen.deviceless_options(target, {}))
 
 
+@pytest.mark.parametrize("where, head_dim, window, expected", [
+    ("gpu", 128, False, AttentionKernel("cudnn")),
+    ("gpu", 256, False, AttentionKernel("pallas")),  # cuDNN takes up to 128 before Hopper.
+    ("gpu", 12, False, AttentionKernel("pallas")),  # Not a multiple of 8.
+    ("deviceless-gpu", 256, False, AttentionKernel("pallas")),  # What the GPU runs, not a stand-in.
+    ("deviceless-gpu", 256, True, AttentionKernel("chunked", 512)),  # Pallas's has no window.
+    ("deviceless-gpu", 320, False, AttentionKernel("chunked", 512)),
+    ("deviceless-gpu", 128, True, AttentionKernel("pallas", stands_for="cudnn")),
+])  # fmt: skip
+def test_heads_cudnn_does_not_take_get_the_kernel_that_runs_them(where, head_dim, window, expected):
+    options = dict(chunk=None, where=where, head_dim=head_dim, cudnn_heads=128, window=window)
+    assert resolve_attention("auto", **options) == expected
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.attention=cudnn with heads of 12: cuDNN's flash attention "
+        r"takes head dims that are multiples of 8, up to 128 on this GPU",
+    ):
+        resolve_attention("cudnn", chunk=None, where=where, head_dim=12, cudnn_heads=128)
+
+
+def test_cudnns_widest_head_follows_the_gpus_compute_capability():
+    from shardmem.models.attention import cudnn_max_head_dim
+    from shardmem.planning.targets import resolve_target
+
+    widest = {name: cudnn_max_head_dim(resolve_target(name, n_devices=1).devices)
+              for name in ("a100-80g", "rtx-4090", "h100-sxm", "b200")}  # fmt: skip
+    assert widest == {"a100-80g": 128, "rtx-4090": 128, "h100-sxm": 256, "b200": 256}
+    assert cudnn_max_head_dim(jax.devices("cpu")) is None
+
+
 @pytest.mark.parametrize(
     "shared_memory, head_dim, blocks",
     [
@@ -222,7 +252,11 @@ def test_a_plan_tiles_the_flash_kernel_for_its_target():
                                "precision": {"compute": "bfloat16"}})  # fmt: skip
     devices = resolve_target("a100-80g", n_devices=1).devices
     program = build_program(config, build_mesh(config.mesh.axes, devices))
-    assert program.attention == AttentionKernel("pallas", stands_for="cudnn", shared_memory=166912, sms=108)
+    # Heads of 192: wider than cuDNN takes before Hopper (128), so Pallas's kernel itself, not a stand-in.
+    assert program.attention == AttentionKernel("pallas", shared_memory=166912, sms=108)
+    devices = resolve_target("h100-sxm", n_devices=1).devices
+    program = build_program(config, build_mesh(config.mesh.axes, devices))
+    assert program.attention == AttentionKernel("pallas", stands_for="cudnn", shared_memory=232448, sms=132)
 
 
 # --- A sliding window (model.sliding_window, Mistral's) ----------------------------------------------------

@@ -201,14 +201,21 @@ def test_long_prompts_planned_for_gpus_attend_in_flash_kernels_without_their_sco
     assert data["per_device"]["prefill_temp"] < scores / 16, data["per_device"]
 
 
-def test_prompts_the_flash_kernel_cannot_tile_attend_in_query_blocks():
-    # Pallas's flash kernel tiles blocks of 128 positions.
-    config = load_config(CONFIG, ["serve.prompt_len=200", "serve.max_len=256"])
-    mesh = build_mesh(config.mesh.axes, make_target(config, "h100-sxm").devices)
-    assert serving_program(config, mesh).attention == AttentionKernel("chunked", chunk=512)
-    config = load_config(CONFIG, ["serve.prompt_len=256", "serve.max_len=256"])
-    mesh = build_mesh(config.mesh.axes, make_target(config, "h100-sxm").devices)
-    assert serving_program(config, mesh).attention.stands_for == "cudnn"
+def test_heads_cudnn_cannot_take_get_pallas_and_untiled_prompts_are_one_line(capsys):
+    def h100(*sets):
+        config = load_config(CONFIG, ["serve.prompt_len=256", "serve.max_len=256", *sets])
+        return serving_program(config, build_mesh(config.mesh.axes, make_target(config, "h100-sxm").devices))
+
+    assert h100().attention.stands_for == "cudnn"  # Heads of 16: cuDNN's, Pallas's standing in for it.
+    # Heads of 12 (not a multiple of 8): cuDNN refuses them on the GPU, so the plan and the run take
+    # Pallas's flash kernel itself.
+    narrow = "model.options={vocab: 256, width: 48, depth: 2, heads: 4, kv_heads: 2, hidden: 128}"
+    assert h100(narrow).attention == AttentionKernel("pallas", shared_memory=232448, sms=132)
+    with pytest.raises(ConfigError) as refused:  # Pallas's kernel tiles blocks of 128 positions.
+        h100("serve.prompt_len=200")
+    message = str(refused.value)
+    assert message.startswith("serve.prompt_len=200: the pallas (standing in for cudnn) flash kernel tiles")
+    assert message.endswith("(e.g. 128 or 256)")  # No model.attention: a model of your own has none.
 
 
 def test_a_layer_attending_in_float32_gets_xlas_attention_not_cudnns():

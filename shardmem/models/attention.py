@@ -55,6 +55,9 @@ _FLASH_STAGES = 2
 #: The widest head the flash kernels take: FlashAttention-2's and cuDNN's limit, and the widest whose
 #: backward blocks (the Pallas kernel's 32 x 32) fit every flash target's shared memory.
 MAX_FLASH_HEAD_DIM = 256
+#: The widest head cuDNN's flash attention takes before Hopper (compute capability 9.0), and from it;
+#: each a multiple of 8 (JAX's ``check_is_flash_attention``, which refuses others when it traces).
+CUDNN_MAX_HEAD_DIM = {"before hopper": 128, "hopper": 256}
 #: Where a model is built for: an attached NVIDIA GPU, one compiled deviceless, a GPU before Ampere
 #: (attached or deviceless), CPU devices or TPUs.
 DEVICE_CLASSES = ("gpu", "deviceless-gpu", "pre-ampere-gpu", "cpu", "tpu")
@@ -119,10 +122,11 @@ class AttentionKernel:
             "or chunked"
         )
 
-    def check_length(self, seq_len: int, key: str = "model.seq_len") -> None:
+    def check_length(self, seq_len: int, key: str = "model.seq_len",
+                     instead: str | None = "model.attention=chunked") -> None:  # fmt: skip
         """Raises ConfigError where the Pallas kernel cannot tile ``seq_len`` positions (with a context
         axis: each of the ``2 x context`` blocks :mod:`shardmem.parallel.context` gives it), naming the
-        config ``key`` that set them."""
+        config ``key`` that set them and the setting to use ``instead`` (None: none)."""
         if self.name != "pallas":
             return
         pieces = 2 * self.context if self.context > 1 else 1
@@ -137,7 +141,8 @@ class AttentionKernel:
             f"{key}={seq_len}: the {kernel} flash kernel tiles a sequence in blocks of "
             f"{PALLAS_BLOCK} positions, and {each} is neither at most one block nor a multiple of one; "
             f"use a {key.split('.')[-1]} that is a multiple of {step} "
-            f"(e.g. {' or '.join(str(x) for x in (below, above) if x)}), or model.attention=chunked"
+            f"(e.g. {' or '.join(str(x) for x in (below, above) if x)})"
+            + (f", or {instead}" if instead else "")
         )
 
     def check_head_dim(self, head_dim: int) -> None:
@@ -210,6 +215,17 @@ def _gpu_row(devices):
     return GPU_ROWS[name] if name else None
 
 
+def cudnn_max_head_dim(devices) -> int | None:
+    """Returns the widest head cuDNN's flash attention takes on ``devices``' GPU (attached or compiled
+    deviceless: :data:`CUDNN_MAX_HEAD_DIM` by its compute capability), or None for CPUs and TPUs."""
+    device = next(iter(devices))
+    capability = getattr(device, "compute_capability", None)
+    if device.platform in ("cpu", "tpu") or not capability:
+        return None
+    hopper = tuple(int(p) for p in str(capability).split(".")[:2]) >= (9, 0)
+    return CUDNN_MAX_HEAD_DIM["hopper" if hopper else "before hopper"]
+
+
 def device_class(devices) -> str:
     """Returns ``"gpu"`` (attached NVIDIA GPUs), ``"deviceless-gpu"`` (compile-only),
     ``"pre-ampere-gpu"`` (either, below compute capability 8.0: T4, V100), ``"cpu"`` or ``"tpu"``
@@ -237,6 +253,8 @@ def resolve_attention(
     window: bool = False,
     shared_memory: int | None = None,
     sms: int | None = None,
+    head_dim: int | None = None,
+    cudnn_heads: int | None = None,
 ) -> AttentionKernel:
     """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
     (one of :data:`DEVICE_CLASSES`) computing in ``dtype``, its sequences split over ``context`` devices,
@@ -245,7 +263,10 @@ def resolve_attention(
     to fill ``sms`` SMs (:func:`sm_count`). cuDNN's flash attention takes 16-bit inputs only, so
     ``auto`` in float32 is ``chunked`` everywhere; with ``context > 1`` the flash kernel is Pallas's, whose
     blocks :mod:`shardmem.parallel.context` merges by log-sum-exp (cuDNN's has no such form here), and with a
-    sliding ``window`` as well ``auto`` is ``chunked`` (Pallas's kernel has no window)."""
+    sliding ``window`` as well ``auto`` is ``chunked`` (Pallas's kernel has no window). Heads of
+    ``head_dim`` that cuDNN's flash attention does not take (a multiple of 8 up to ``cudnn_heads``,
+    :func:`cudnn_max_head_dim`) get Pallas's flash kernel itself from ``auto`` on a GPU, attached or
+    deviceless (``chunked`` with a ``window``, or past :data:`MAX_FLASH_HEAD_DIM`); ``cudnn`` is an error."""
     if requested not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attention={requested!r}: use {one_of(ATTENTION_CHOICES)}")
     if context > 1:
@@ -274,6 +295,18 @@ def resolve_attention(
             "(Ampere) or newer, and this one is older (T4, V100); use model.attention=auto or chunked "
             "(query blocks, no L x L scores)"
         )
+    if requested in ("auto", "cudnn") and where in ("gpu", "deviceless-gpu") and head_dim is not None:
+        limit = cudnn_heads or MAX_FLASH_HEAD_DIM
+        if head_dim % 8 or head_dim > limit:  # cuDNN refuses these heads when it traces.
+            if requested == "cudnn":
+                raise ConfigError(
+                    f"model.attention=cudnn with heads of {head_dim}: cuDNN's flash attention takes head "
+                    f"dims that are multiples of 8, up to {limit} on this GPU; use model.attention=auto "
+                    "(Pallas's flash kernel for these heads) or chunked"
+                )
+            if window or head_dim > MAX_FLASH_HEAD_DIM:
+                return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
+            return AttentionKernel("pallas", shared_memory=shared_memory, sms=sms)
     if requested in ("auto", "cudnn"):
         if where == "gpu":
             return AttentionKernel("cudnn", sms=sms)

@@ -33,6 +33,7 @@ from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.finetune.lora import project, value_of, weight
 from shardmem.models.attention import (
     AttentionKernel,
+    cudnn_max_head_dim,
     device_class,
     resolve_attention,
     shared_memory_per_block,
@@ -483,7 +484,8 @@ class Llama(nnx.Module):
             attention = resolve_attention(cfg.attention, chunk=cfg.attention_chunk,
                                           where=device_class(jax.devices()), dtype=compute_dtype,
                                           shared_memory=shared_memory_per_block(jax.devices()),
-                                          sms=sm_count(jax.devices()))  # fmt: skip
+                                          sms=sm_count(jax.devices()), head_dim=cfg.head_size,
+                                          cudnn_heads=cudnn_max_head_dim(jax.devices()))  # fmt: skip
         self.cfg = cfg
         self.attention = attention
         self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)

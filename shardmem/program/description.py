@@ -33,6 +33,7 @@ from shardmem.errors import ConfigError
 from shardmem.finetune import FineTune
 from shardmem.models.attention import (
     AttentionKernel,
+    cudnn_max_head_dim,
     device_class,
     resolve_attention,
     shared_memory_per_block,
@@ -172,7 +173,8 @@ def describe(
     returns a scalar loss or ``(loss, metrics)``. ``batch`` (or ``data.batch``) declares the batch, see
     :mod:`shardmem.program.batch`; the default is ``[train.global_batch, model.seq_len + 1]`` int32 tokens
     (``batch_shape`` changes its shape). ``attention`` overrides the reference model's kernel, resolved
-    by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`). A mesh with
+    by default for the mesh's devices (:func:`shardmem.models.attention.resolve_attention`), and a model of
+    your own's in serving (:func:`shardmem.program.user_serving.attention`). A mesh with
     Explicit or Manual axes (``jax.make_mesh``'s default) is planned with Auto axes, as :func:`build_mesh`
     makes them (:func:`shardmem.parallel.mesh.auto_axes`), so it builds the same program.
     ``training=False`` resolves the model alone, for a program that neither differentiates nor updates
@@ -198,7 +200,8 @@ def describe(
                                       where=device_class(mesh.devices.flat), dtype=config.precision.compute,
                                       context=context, window=config.model.sliding_window is not None,
                                       shared_memory=shared_memory_per_block(mesh.devices.flat),
-                                      sms=sm_count(mesh.devices.flat))  # fmt: skip
+                                      sms=sm_count(mesh.devices.flat), head_dim=config.model.head_size,
+                                      cudnn_heads=cudnn_max_head_dim(mesh.devices.flat))  # fmt: skip
     if attention is not None and not custom:
         length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
         length = config.serve.prompt_len if serving else length  # Prefill attends over the prompts.

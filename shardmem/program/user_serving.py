@@ -38,8 +38,8 @@ from jax.sharding import Mesh
 from shardmem.config import Config
 from shardmem.errors import ConfigError
 from shardmem.models.attention import (
-    DEFAULT_CHUNK,
     AttentionKernel,
+    cudnn_max_head_dim,
     device_class,
     resolve_attention,
     shared_memory_per_block,
@@ -117,29 +117,22 @@ def attention(config: Config, mesh: Mesh, layout: CacheLayout,
               requested: AttentionKernel | None) -> AttentionKernel:  # fmt: skip
     """Returns the kernel the model's ``CacheSlot.attend(None, ...)`` attends with in the serving program:
     ``requested`` (``describe``'s ``attention=``), checked as the reference model's is, or the one
-    ``model.attention=auto`` resolves for the mesh's devices in ``precision.compute``; where that flash
-    kernel cannot take the model's heads, prompts or window, query blocks (``chunked``: no ``L x L``
-    scores either), as the model has no ``model.attention`` to choose another with."""
+    ``model.attention=auto`` resolves for the mesh's devices in ``precision.compute`` and the model's
+    heads and window (cuDNN's flash attention on a GPU where it takes the heads, Pallas's where it does
+    not; query blocks on CPUs). Raises ConfigError where a Pallas kernel cannot tile the prompts (a
+    deviceless plan compiles one in cuDNN's place)."""
     prompt_len = config.serve.prompt_len
-
-    def checked(kernel: AttentionKernel) -> AttentionKernel:
-        kernel.check_length(prompt_len, "serve.prompt_len")
-        kernel.check_head_dim(layout.head_dim)
-        kernel.check_window(layout.window, prompt_len)
-        return kernel
-
-    if requested is not None:
-        return checked(requested)
-    devices = list(mesh.devices.flat)
-    kernel = resolve_attention(
-        "auto", chunk=None, where=device_class(devices), dtype=config.precision.compute,
-        window=layout.window is not None, shared_memory=shared_memory_per_block(devices),
-        sms=sm_count(devices),
-    )  # fmt: skip
-    try:
-        return checked(kernel)
-    except ConfigError:
-        return AttentionKernel("chunked", chunk=DEFAULT_CHUNK)
+    if requested is None:
+        devices = list(mesh.devices.flat)
+        requested = resolve_attention(
+            "auto", chunk=None, where=device_class(devices), dtype=config.precision.compute,
+            window=layout.window is not None, shared_memory=shared_memory_per_block(devices),
+            sms=sm_count(devices), head_dim=layout.head_dim, cudnn_heads=cudnn_max_head_dim(devices),
+        )  # fmt: skip
+    requested.check_length(prompt_len, "serve.prompt_len", instead=None)  # No model.attention to set.
+    requested.check_head_dim(layout.head_dim)
+    requested.check_window(layout.window, prompt_len)
+    return requested
 
 
 def takes_logits_at(model) -> bool:
