@@ -469,6 +469,10 @@ def _generation_inputs(args):
     if args.prompt is not None:
         tokenizer = generation.load_tokenizer(config, args.tokenizer)
         prompts = [tokenizer.encode(text).ids for text in args.prompt]  # Its special tokens too (BOS).
+        for text, ids in zip(args.prompt, prompts, strict=True):
+            if not ids:
+                raise ConfigError(f"--prompt {text!r} encodes to no tokens (its tokenizer adds no BOS); give "
+                                  "it some text")  # fmt: skip
     notes = [generation.weights_note(config, args.config)]
     if eos is None:
         eos = generation.checkpoint_eos(config)

@@ -341,7 +341,7 @@ def test_generate_says_when_its_weights_are_not_a_trained_runs(tmp_path):
     (["--prompt-ids", "1", "--temperature", "inf"], "temperature=inf (--temperature): use 0 (greedy)"),
     (["--prompt-ids", "1", "--tokenizer", "tok.json"], "--tokenizer only applies to text prompts (--prompt "),
     (["--prompt", "hello"], "--prompt needs a tokenizer, and finetune.init_from names no checkpoint to take"),
-    (["--prompt", "hi", "--tokenizer", "no/"], "--prompt needs a tokenizer, and --tokenizer no/ has no"),
+    (["--prompt", "hi", "--tokenizer", "no/"], "--prompt needs a tokenizer, and --tokenizer no/ is not"),
 ])  # fmt: skip
 def test_generate_errors_exit_2_with_one_line_before_anything_is_built(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -414,3 +414,55 @@ def test_text_prompts_are_encoded_and_the_new_tokens_printed_with_the_checkpoint
     assert json.loads(capsys.readouterr().out)["tokens"][0] == result["tokens"][0]
     assert main([*args, "--prompt", texts[0]]) == 0
     assert capsys.readouterr().out == result["text"][0] + "\n"
+
+
+def _byte_fallback_tokenizer():
+    """Llama 2's and Gemma's kind of tokenizer: SentencePiece's word boundaries (``▁``), and a character
+    outside the vocabulary as the tokens of its UTF-8 bytes (``<0xE6>``), fused back when decoded."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "a", "b", "▁a", "▁b", "ab", "▁ab"):
+        vocab[piece] = len(vocab)
+    merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    return tokenizer
+
+
+def test_text_streams_after_its_prompt_and_survives_byte_sequences_the_stream_cannot_follow():
+    from shardmem.run.generation import TextStream
+
+    tokenizer = _byte_fallback_tokenizer()
+    prompt = tokenizer.encode("ab a").ids
+    new = tokenizer.encode("b héllo 日本 ab", add_special_tokens=False).ids  # Bytes for é, 日 and 本.
+    stream = TextStream(tokenizer, prompt)
+    assert "".join(stream.step(token) for token in new) == " b héllo 日本 ab"
+    # Random tokens (a random model's): tokenizers' incremental decoding raises on some byte sequences
+    # ("Invalid prefix encountered"), and the stream goes on decoding the whole sequence instead.
+    rng = np.random.default_rng(0)
+    gave_up = 0
+    for _ in range(50):
+        stream = TextStream(tokenizer, prompt)
+        for token in rng.integers(0, tokenizer.get_vocab_size(), 30).tolist():
+            assert isinstance(stream.step(token), str)
+        gave_up += stream.stream is None
+    assert gave_up > 0
+
+
+def test_a_text_prompt_that_encodes_to_nothing_or_a_folder_without_a_tokenizer_is_one_line(tmp_path, capsys):
+    _byte_fallback_tokenizer().save(str(tmp_path / "tokenizer.json"))  # It adds no BOS.
+    args = ["generate", str(ROOT / "configs" / "tiny.yaml"), *SMALL]
+    assert main([*args, "--prompt", "", "--tokenizer", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt '' encodes to no tokens (its tokenizer adds no BOS); give it some text" in err
+    # Read (a file given as it is), its ids past the tiny model's 256: the prompt says so.
+    assert main([*args, "--prompt", "日", "--tokenizer", str(tmp_path / "tokenizer.json")]) == 2
+    assert "outside the model's vocabulary of model.vocab_size=256" in capsys.readouterr().err
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer.model").write_bytes(b"")
+    assert main([*args, "--prompt", "ab", "--tokenizer", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "(it has tokenizer.model: a slow tokenizer, not read here)" in err and len(err.splitlines()) == 1

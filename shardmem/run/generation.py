@@ -294,6 +294,10 @@ def load_tokenizer(config, given: str | Path | None = None):
         path = Path(checkpoint).expanduser()
         path = path if path.is_dir() else path.parent
         where = f"finetune.init_from={checkpoint}"
+    if not path.exists():
+        gone = "is not there" if given is not None else "is not there (a fine-tuned run's base checkpoint)"
+        raise ConfigError(f"--prompt needs a tokenizer, and {where} {gone}; give --tokenizer PATH (a "
+                          "tokenizer.json or its folder), or token ids with --prompt-ids")  # fmt: skip
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         also = " (it has tokenizer.model: a slow tokenizer, not read here)" if (
@@ -311,18 +315,42 @@ def load_tokenizer(config, given: str | Path | None = None):
 class TextStream:
     """A prompt's new tokens as text, as they come: :meth:`step` returns what a token adds to the text of
     the ``prompt`` (token ids) and the tokens before it (empty while a character's bytes are incomplete,
-    or for a special token), by ``tokenizers``' own incremental decoding. Decoded after its prompt, the
-    first new word keeps its space ("fox" + " jumps", not "foxjumps")."""
+    or for a special token). Decoded after its prompt, the first new word keeps its space ("fox" +
+    " jumps", not "foxjumps"). ``tokenizers``' incremental decoding does it, until it raises on a sequence
+    it cannot follow ("Invalid prefix encountered", byte-fallback tokens: vllm #17448); from then on each
+    step decodes the whole sequence and returns what it adds to the text so far."""
 
     def __init__(self, tokenizer, prompt: Sequence[int]):
         from tokenizers.decoders import DecodeStream
 
-        self.tokenizer, self.stream = tokenizer, DecodeStream(skip_special_tokens=True)
+        self.tokenizer, self.ids, self.prompt, self.text = tokenizer, list(prompt), len(prompt), ""
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.prompt_text: str | None = None  # Decoded once the stream gives up.
         for token in prompt:
-            self.stream.step(tokenizer, token)
+            self._streamed(token)
 
     def step(self, token: int) -> str:
-        return self.stream.step(self.tokenizer, token) or ""
+        self.ids.append(token)
+        piece = self._streamed(token)
+        if piece is None:
+            if self.prompt_text is None:
+                self.prompt_text = self.tokenizer.decode(self.ids[: self.prompt], skip_special_tokens=True)
+            whole = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            new = whole[len(self.prompt_text) :] if whole.startswith(self.prompt_text) else whole
+            complete = new.startswith(self.text) and not new.endswith("\ufffd")  # A character's bytes done.
+            piece = new[len(self.text) :] if complete else ""
+        self.text += piece
+        return piece
+
+    def _streamed(self, token: int) -> str | None:
+        """The stream's piece for ``token``, or None where it has given up."""
+        if self.stream is None:
+            return None
+        try:
+            return self.stream.step(self.tokenizer, token) or ""
+        except Exception:  # tokenizers raises a bare Exception for a prefix it cannot follow.
+            self.stream = None
+            return None
 
 
 #: Runs fine-tuned from runs: how many ``init_from`` links :func:`run_base` follows to a checkpoint.
