@@ -10,7 +10,8 @@ plan compiles JAX's Pallas Triton flash kernel in its place: the same O(L) memor
 output and its log-sum-exp kept for the backward), and the report says what it stands for. On TPUs
 (attached or deviceless) ``auto`` is query-chunked attention: the Pallas kernel here is the GPU's Triton one.
 So it is on GPUs before Ampere (T4, V100: compute capability below 8.0), for which neither flash kernel
-builds.
+builds. cuDNN takes heads that are a multiple of 8, up to 128 before Hopper and 256 from it: others get
+Pallas's flash kernel itself from ``auto``, on the GPU and in its deviceless plan alike.
 
 A sliding window (``model.sliding_window``, Mistral's: each position attends to the last ``window``
 positions, itself included, as ``transformers`` masks them) is a mask in ``xla``, a slice of the keys in
