@@ -1,7 +1,7 @@
 """Attention kernels as values: one parse (:func:`resolve_attention`), one lowering (:func:`attend`), one
 table of what each does (:data:`KERNELS`).
 
-    kernel = resolve_attention("auto", chunk=None, where=device_class(mesh.devices.flat))
+    kernel = resolve_for_devices("auto", mesh.devices.flat, head_dim=128)   # resolve_attention's parse
     ctx_BxLxHxK = attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)   # causal, G key/value heads
 
 ``model.attention: auto`` runs cuDNN flash attention on an attached NVIDIA GPU and query-chunked
@@ -329,6 +329,18 @@ def resolve_attention(
     if requested == "chunked":
         return AttentionKernel("chunked", chunk=chunk or DEFAULT_CHUNK)
     return AttentionKernel("xla")
+
+
+def resolve_for_devices(requested: str, devices, *, chunk: int | None = None, dtype="bfloat16",
+                        context: int = 1, window: bool = False,
+                        head_dim: int | None = None) -> AttentionKernel:  # fmt: skip
+    """:func:`resolve_attention` for a model built for ``devices``: their class, the shared memory one of
+    their thread blocks may take, their SMs and the widest head cuDNN takes on them."""
+    devices = list(devices)
+    return resolve_attention(requested, chunk=chunk, where=device_class(devices), dtype=dtype,
+                             context=context, window=window, shared_memory=shared_memory_per_block(devices),
+                             sms=sm_count(devices), head_dim=head_dim,
+                             cudnn_heads=cudnn_max_head_dim(devices))  # fmt: skip
 
 
 def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):

@@ -31,14 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.finetune.lora import project, value_of, weight
-from shardmem.models.attention import (
-    AttentionKernel,
-    cudnn_max_head_dim,
-    device_class,
-    resolve_attention,
-    shared_memory_per_block,
-    sm_count,
-)
+from shardmem.models.attention import AttentionKernel, resolve_for_devices
 from shardmem.models.fused import Fused
 from shardmem.models.kv_cache import CacheSlot, KVCache
 from shardmem.models.losses import cross_entropy, resolve_loss_chunk
@@ -481,11 +474,8 @@ class Llama(nnx.Module):
         collective_matmuls: bool = False,
     ):
         if attention is None:
-            attention = resolve_attention(cfg.attention, chunk=cfg.attention_chunk,
-                                          where=device_class(jax.devices()), dtype=compute_dtype,
-                                          shared_memory=shared_memory_per_block(jax.devices()),
-                                          sms=sm_count(jax.devices()), head_dim=cfg.head_size,
-                                          cudnn_heads=cudnn_max_head_dim(jax.devices()))  # fmt: skip
+            attention = resolve_for_devices(cfg.attention, jax.devices(), chunk=cfg.attention_chunk,
+                                            dtype=compute_dtype, head_dim=cfg.head_size)  # fmt: skip
         self.cfg = cfg
         self.attention = attention
         self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)

@@ -31,14 +31,7 @@ from jax.sharding import PartitionSpec as P
 from shardmem.config import Config, PrecisionConfig, RematConfig
 from shardmem.errors import ConfigError
 from shardmem.finetune import FineTune
-from shardmem.models.attention import (
-    AttentionKernel,
-    cudnn_max_head_dim,
-    device_class,
-    resolve_attention,
-    shared_memory_per_block,
-    sm_count,
-)
+from shardmem.models.attention import AttentionKernel, resolve_for_devices
 from shardmem.models.kv_cache import CacheLayout, KVCache
 from shardmem.models.llama import lora_input_dims
 from shardmem.parallel import collective_matmul
@@ -196,12 +189,10 @@ def describe(
         _check_serving(config, mesh, rules, context)
     pipeline = pipeline_for(config, mesh, custom, rules)
     if attention is None and not custom:
-        attention = resolve_attention(config.model.attention, chunk=config.model.attention_chunk,
-                                      where=device_class(mesh.devices.flat), dtype=config.precision.compute,
-                                      context=context, window=config.model.sliding_window is not None,
-                                      shared_memory=shared_memory_per_block(mesh.devices.flat),
-                                      sms=sm_count(mesh.devices.flat), head_dim=config.model.head_size,
-                                      cudnn_heads=cudnn_max_head_dim(mesh.devices.flat))  # fmt: skip
+        attention = resolve_for_devices(config.model.attention, mesh.devices.flat,
+                                        chunk=config.model.attention_chunk, dtype=config.precision.compute,
+                                        context=context, window=config.model.sliding_window is not None,
+                                        head_dim=config.model.head_size)  # fmt: skip
     if attention is not None and not custom:
         length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
         length = config.serve.prompt_len if serving else length  # Prefill attends over the prompts.

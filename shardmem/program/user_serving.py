@@ -37,14 +37,7 @@ from jax.sharding import Mesh
 
 from shardmem.config import Config
 from shardmem.errors import ConfigError
-from shardmem.models.attention import (
-    AttentionKernel,
-    cudnn_max_head_dim,
-    device_class,
-    resolve_attention,
-    shared_memory_per_block,
-    sm_count,
-)
+from shardmem.models.attention import AttentionKernel, resolve_for_devices
 from shardmem.models.kv_cache import CacheLayout, KVCache
 from shardmem.parallel.rules import Rules
 from shardmem.program.model import Model
@@ -123,12 +116,13 @@ def attention(config: Config, mesh: Mesh, layout: CacheLayout,
     deviceless plan compiles one in cuDNN's place)."""
     prompt_len = config.serve.prompt_len
     if requested is None:
-        devices = list(mesh.devices.flat)
-        requested = resolve_attention(
-            "auto", chunk=None, where=device_class(devices), dtype=config.precision.compute,
-            window=layout.window is not None, shared_memory=shared_memory_per_block(devices),
-            sms=sm_count(devices), head_dim=layout.head_dim, cudnn_heads=cudnn_max_head_dim(devices),
-        )  # fmt: skip
+        requested = resolve_for_devices(
+            "auto",
+            mesh.devices.flat,
+            dtype=config.precision.compute,
+            window=layout.window is not None,
+            head_dim=layout.head_dim,
+        )
     requested.check_length(prompt_len, "serve.prompt_len", instead=None)  # No model.attention to set.
     requested.check_head_dim(layout.head_dim)
     requested.check_window(layout.window, prompt_len)
