@@ -21,6 +21,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 from rich.console import Console
 
@@ -449,10 +450,19 @@ def _out_of_memory_named(program, devices):
         ) from None
 
 
-def _generation_inputs(args):
-    """What generate runs with, checked before anything is built: the sampling, the prompts (token ids),
-    the EOS ids, the config, the notes to print with the first tokens and the tokenizer of text prompts
-    (None for token ids) (``launch -- generate`` checks them too)."""
+class _GenerationInputs(NamedTuple):
+    """What generate runs with, checked before anything is built (``launch -- generate`` checks them too)."""
+
+    sampling: Any  # shardmem.run.sampling.Sampling
+    prompts: list[list[int]]  # Token ids (text prompts encoded).
+    eos: tuple[int, ...]
+    config: Any  # shardmem.config.Config
+    notes: list[str]  # Said with the first tokens.
+    tokenizer: Any  # tokenizers.Tokenizer of text prompts; None for token ids.
+
+
+def _generation_inputs(args) -> _GenerationInputs:
+    """Reads and checks generate's flags and config (see :class:`_GenerationInputs`)."""
     from shardmem.run import generation
 
     at_least("--max-new-tokens", args.max_new_tokens, 1, "generate at least 1 token")
@@ -478,7 +488,8 @@ def _generation_inputs(args):
         eos = generation.checkpoint_eos(config)
         notes.append(generation.run_base_note(config, eos))
     generation.check_prompts(config, prompts, args.max_new_tokens, eos)
-    return sampling, prompts, eos, config, [note for note in notes if note is not None], tokenizer
+    notes = [note for note in notes if note is not None]
+    return _GenerationInputs(sampling, prompts, eos, config, notes, tokenizer)
 
 
 def _generate(args) -> int:
