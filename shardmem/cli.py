@@ -467,8 +467,9 @@ def _generation_inputs(args) -> _GenerationInputs:
 
     at_least("--max-new-tokens", args.max_new_tokens, 1, "generate at least 1 token")
     sampling = _sampling(args)
-    if args.tokenizer is not None and args.prompt is None:
-        raise ConfigError("--tokenizer only applies to text prompts (--prompt TEXT); token ids need none")
+    for flag, value in (("--tokenizer", args.tokenizer), ("--chat", args.chat or None)):
+        if value is not None and args.prompt is None:
+            raise ConfigError(f"{flag} only applies to text prompts (--prompt TEXT); token ids need none")
     if args.prompt_ids is not None:
         prompts = [generation.parse_prompt_ids(args.prompt_ids)]
     elif args.prompt_file is not None:
@@ -477,8 +478,13 @@ def _generation_inputs(args) -> _GenerationInputs:
     config = _load(args)
     tokenizer = None
     if args.prompt is not None:
-        tokenizer = generation.load_tokenizer(config, args.tokenizer)
-        prompts = [tokenizer.encode(text).ids for text in args.prompt]  # Its special tokens too (BOS).
+        file = generation.tokenizer_file(config, args.tokenizer)
+        tokenizer = generation.load_tokenizer(file)
+        if args.chat:  # The template writes the special tokens.
+            chats = [generation.chat_text(file, text) for text in args.prompt]
+            prompts = [tokenizer.encode(chat, add_special_tokens=False).ids for chat in chats]
+        else:  # Its special tokens too (BOS), as transformers' tokenizer adds them.
+            prompts = [tokenizer.encode(text).ids for text in args.prompt]
         for text, ids in zip(args.prompt, prompts, strict=True):
             if not ids:
                 raise ConfigError(f"--prompt {text!r} encodes to no tokens (its tokenizer adds no BOS); give "
@@ -642,6 +648,10 @@ def _add_train_commands(commands) -> None:
     prompt.add_argument("--prompt", metavar="TEXT", action="append",
                         help="a prompt's text (repeat it for more prompts), encoded with the "
                              "tokenizer")  # fmt: skip
+    p.add_argument("--chat", action="store_true",
+                   help="with --prompt: each prompt as a user message in the checkpoint's chat template "
+                        "(tokenizer_config.json's), as transformers' apply_chat_template renders "
+                        "it")  # fmt: skip
     p.add_argument("--tokenizer", metavar="PATH",
                    help="with --prompt: a tokenizer.json or its folder (default: the one beside "
                         "finetune.init_from's weights, a fine-tuned run's base's)")  # fmt: skip

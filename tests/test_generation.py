@@ -340,6 +340,7 @@ def test_generate_says_when_its_weights_are_not_a_trained_runs(tmp_path):
      "seed=4294967296 (--seed): use an integer from 0 to 4294967295"),  # jax.random.key's 32 bits
     (["--prompt-ids", "1", "--temperature", "inf"], "temperature=inf (--temperature): use 0 (greedy)"),
     (["--prompt-ids", "1", "--tokenizer", "tok.json"], "--tokenizer only applies to text prompts (--prompt "),
+    (["--prompt-ids", "1", "--chat"], "--chat only applies to text prompts (--prompt TEXT); token ids need"),
     (["--prompt", "hello"], "--prompt needs a tokenizer, and finetune.init_from names no checkpoint to take"),
     (["--prompt", "hi", "--tokenizer", "no/"], "--prompt needs a tokenizer, and --tokenizer no/ is not"),
 ])  # fmt: skip
@@ -386,7 +387,9 @@ def _tokenizer(vocab: int):
     return tokenizer
 
 
-def test_text_prompts_are_encoded_and_the_new_tokens_printed_with_the_checkpoints_tokenizer(tmp_path, capsys):
+def _text_checkpoint(tmp_path: Path, prompt_len: int = 16):
+    """A random Llama checkpoint with a tokenizer.json of its vocabulary, and a config generating from it:
+    ``(config file, checkpoint folder, tokenizer)``."""
     checkpoint = tmp_path / "checkpoint"
     config = hf.hf_config("llama", eos_token_id=2)
     hf.save(checkpoint, config, hf.random_tensors(config))
@@ -395,8 +398,13 @@ def test_text_prompts_are_encoded_and_the_new_tokens_printed_with_the_checkpoint
     yaml_file = tmp_path / "generate.yaml"
     yaml_file.write_text(yaml.safe_dump({"model": {"seq_len": 64}, "mesh": {"axes": {"data": -1}},
                                          "precision": {"compute": "float32"},
-                                         "serve": {"batch": 8, "prompt_len": 16, "max_len": 32},
+                                         "serve": {"batch": 8, "prompt_len": prompt_len, "max_len": 64},
                                          "finetune": {"init_from": str(checkpoint)}}))  # fmt: skip
+    return yaml_file, checkpoint, tokenizer
+
+
+def test_text_prompts_are_encoded_and_the_new_tokens_printed_with_the_checkpoints_tokenizer(tmp_path, capsys):
+    yaml_file, _, tokenizer = _text_checkpoint(tmp_path)
     texts = ["the lazy fox", "héllo"]
     args = ["generate", str(yaml_file), "--max-new-tokens", "12"]
     assert main([*args, *(a for text in texts for a in ("--prompt", text)), "--json"]) == 0
@@ -466,3 +474,31 @@ def test_a_text_prompt_that_encodes_to_nothing_or_a_folder_without_a_tokenizer_i
     assert main([*args, "--prompt", "ab", "--tokenizer", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "(it has tokenizer.model: a slow tokenizer, not read here)" in err and len(err.splitlines()) == 1
+
+
+#: A chat template as instruct checkpoints ship it (Zephyr's shape): role headers, an EOS after each turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('no such role') }}{% endif %}{{ '<|' + message['role'] + '|>' + message['content'] "
+    "+ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def test_chat_prompts_are_rendered_as_transformers_apply_chat_template_renders_them(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    yaml_file, checkpoint, tokenizer = _text_checkpoint(tmp_path, prompt_len=48)
+    settings = {"chat_template": CHAT_TEMPLATE, "eos_token": "</s>",  # Llama 2's files write the BOS so:
+                "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False,
+                              "rstrip": False, "single_word": False}}  # fmt: skip
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(settings))
+    text = "the lazy fox"
+    assert main(["generate", str(yaml_file), "--prompt", text, "--chat", "--max-new-tokens", "2",
+                 "--json"]) == 0  # fmt: skip
+    prompt = json.loads(capsys.readouterr().out)["prompts"][0]
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(str(checkpoint))
+    expected = theirs.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    assert prompt == list(expected) and prompt.count(1) == 1  # One BOS: the template's, not another.
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert main(["generate", str(yaml_file), "--prompt", text, "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "--chat: " in err and "has no chat_template (a base model, not an instruct one?)" in err

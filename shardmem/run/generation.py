@@ -273,16 +273,11 @@ def _checkpoint(config) -> str | None:
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def load_tokenizer(config, given: str | Path | None = None):
-    """Returns the ``tokenizers.Tokenizer`` that ``shardmem generate --prompt`` encodes text with and
-    decodes the new tokens with: ``given`` (``--tokenizer``: a ``tokenizer.json``, or a folder that holds
-    one), else the one beside ``finetune.init_from``'s weights (a fine-tuned run's base's, as
-    :func:`checkpoint_eos` finds it). Raises ConfigError, naming where it looked and what to give."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # A dependency of shardmem's; only an environment without it gets here.
-        raise ConfigError("--prompt needs the tokenizers package: pip install tokenizers, or give token "
-                          "ids with --prompt-ids") from None  # fmt: skip
+def tokenizer_file(config, given: str | Path | None = None) -> Path:
+    """Returns the ``tokenizer.json`` that ``shardmem generate --prompt`` encodes text with and decodes the
+    new tokens with: ``given`` (``--tokenizer``: the file, or a folder that holds one), else the one beside
+    ``finetune.init_from``'s weights (a fine-tuned run's base's, as :func:`checkpoint_eos` finds it).
+    Raises ConfigError, naming where it looked and what to give."""
     if given is not None:
         path, where = Path(given).expanduser(), f"--tokenizer {given}"
     else:
@@ -305,11 +300,70 @@ def load_tokenizer(config, given: str | Path | None = None):
         raise ConfigError(f"--prompt needs a tokenizer, and {where} has no {file}{also}; give "
                           "--tokenizer PATH (a tokenizer.json or its folder), or token ids with "
                           "--prompt-ids")  # fmt: skip
+    return file
+
+
+def load_tokenizer(file: Path):
+    """Returns the ``tokenizers.Tokenizer`` of ``file`` (:func:`tokenizer_file`); raises ConfigError for
+    one it cannot read."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # A dependency of shardmem's; only an environment without it gets here.
+        raise ConfigError("--prompt needs the tokenizers package: pip install tokenizers, or give token "
+                          "ids with --prompt-ids") from None  # fmt: skip
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises its own exception type for a file it cannot parse.
-        raise ConfigError(f"{where}: {file} is not a tokenizer.json tokenizers can read ({e}); download it "
+        raise ConfigError(f"--prompt: {file} is not a tokenizer.json tokenizers can read ({e}); download it "
                           "again, or give --tokenizer PATH") from None  # fmt: skip
+
+
+#: Where a Hugging Face checkpoint keeps its chat template (``chat_template``) and special tokens.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def chat_text(file: Path, text: str) -> str:
+    """Returns ``text`` as one user message in the chat template beside the tokenizer ``file``
+    (``tokenizer_config.json``'s ``chat_template``, or its ``default`` among named ones), ready for the
+    assistant's answer: what transformers' ``apply_chat_template(messages, add_generation_prompt=True,
+    tokenize=False)`` renders, in the same sandboxed Jinja environment. Encode it without special tokens
+    (the template writes them). Raises ConfigError for a checkpoint without one."""
+    import datetime
+
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    where = file.parent / TOKENIZER_CONFIG
+    try:
+        settings = json.loads(where.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        settings = None
+    template = settings.get("chat_template") if isinstance(settings, dict) else None
+    if isinstance(template, list):  # Named templates: [{"name": "default", "template": ...}, ...].
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        raise ConfigError(f"--chat: {where} has no chat_template (a base model, not an instruct one?); "
+                          "drop --chat to give the prompt as it is")  # fmt: skip
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def token(name):  # A special token as tokenizer_config.json writes it: its text, or {"content": ...}.
+        value = settings.get(name)
+        return value.get("content") if isinstance(value, dict) else value
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])  # fmt: skip
+    environment.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    environment.globals.update(raise_exception=raise_exception,
+                               strftime_now=lambda f: datetime.datetime.now().strftime(f))  # fmt: skip
+    try:
+        return environment.from_string(template).render(
+            messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+            **{name: token(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")},
+        )  # fmt: skip
+    except TemplateError as e:
+        raise ConfigError(f"--chat: {where}'s chat_template did not render: {e}") from None
 
 
 class TextStream:
