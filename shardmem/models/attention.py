@@ -1,7 +1,7 @@
 """Attention kernels as values: one parse (:func:`resolve_attention`), one lowering (:func:`attend`), one
 table of what each does (:data:`KERNELS`).
 
-    kernel = resolve_for_devices("auto", mesh.devices.flat, head_dim=128)   # resolve_attention's parse
+    kernel = resolve_for_devices("auto", mesh.devices.flat, head_dim=128)   # for the mesh's GPUs, say
     ctx_BxLxHxK = attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)   # causal, G key/value heads
 
 ``model.attention: auto`` runs cuDNN flash attention on an attached NVIDIA GPU and query-chunked
