@@ -518,8 +518,8 @@ def _generate(args) -> int:
     lead = jax.process_index() == 0  # Every process draws the same tokens; the first one prints them.
     stream = sys.stderr if args.json else sys.stdout  # With --json, stdout holds the JSON object alone.
 
-    texts = [generation.TextStream(tokenizer, prompt) for prompt in prompts] if tokenizer is not None else []
-    pieces: list[list[str]] = [[] for _ in texts]
+    shown = tokenizer is not None and lead  # Text, printed by the first process.
+    texts = [generation.TextStream(tokenizer, prompt) for prompt in prompts] if shown else []
 
     def show(step: int, tokens: list) -> None:
         if not lead:
@@ -529,10 +529,10 @@ def _generate(args) -> int:
         if not texts:
             print(" ".join("-" if t is None else str(t) for t in tokens), file=stream, flush=True)
             return
-        for text, made, token in zip(texts, pieces, tokens, strict=True):  # An EOS adds no text.
-            made.append(text.step(token) if token is not None and token not in eos else "")
+        added = [text.step(token) if token is not None and token not in eos else ""  # An EOS adds no text.
+                 for text, token in zip(texts, tokens, strict=True)]  # fmt: skip
         if len(texts) == 1:  # One prompt's text as it comes; several prompts' each at the end.
-            print(pieces[0][-1], end="", file=stream, flush=True)
+            print(added[0], end="", file=stream, flush=True)
 
     started = time.monotonic()
     with _out_of_memory_named(program, devices):
@@ -543,7 +543,7 @@ def _generate(args) -> int:
     if not lead:
         return EXIT_OK
     made = sum(len(t) for t in result.tokens)
-    completions = ["".join(made) for made in pieces]
+    completions = [text.text for text in texts]
     if len(texts) == 1:
         print(file=stream, flush=True)  # The streamed text's line ends.
     elif texts:

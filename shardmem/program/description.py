@@ -228,12 +228,12 @@ def describe(
             passed = model_factory is not None
             layout, vocab = user_serving.cache_layout(config, model, mesh, rules, passed=passed)
             attention = user_serving.attention(config, mesh, layout, attention)
-            description = dataclasses.replace(description, attention=attention)
         else:
             m = config.model
             layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, m.sliding_window)
             vocab = m.vocab_size
-        return dataclasses.replace(description, serving=_serving(config, mesh, rules, layout, vocab))
+        return dataclasses.replace(description, attention=attention,
+                                   serving=_serving(config, mesh, rules, layout, vocab))  # fmt: skip
     if not training:
         return description
     training_part = _training(config, description, batch_tree, token, loss_fn)
