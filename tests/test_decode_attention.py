@@ -1,6 +1,7 @@
 """The Pallas decode-attention kernel (shardmem.models.decode_attention), in interpret mode on CPU: the
 same attention as XLA's over the cache, for grouped-query heads, each sequence at its own position, a
-sliding window and any number of parts; and, sharded by the rules, what a decode step's layer runs."""
+sliding window, any number of parts and an int8 cache's codes and scales; and, sharded by the rules, what
+a decode step's layer runs."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 from shardmem import build_mesh
 from shardmem.models.attention import AttentionKernel, causal_attention
 from shardmem.models.decode_attention import block_positions, decode_attention, splits_for
-from shardmem.models.kv_cache import CacheSlot, KVCache
+from shardmem.models.kv_cache import CacheSlot, KVCache, _quantize
 from shardmem.parallel.rules import Rules
 from shardmem.planning import hlo
 
@@ -40,6 +41,26 @@ def test_the_kernel_attends_as_xla_does_up_to_each_sequences_position(window, sp
     other = decode_attention(q_BxHxK, keys, values, jnp.int32(2), POSITIONS, window=window, splits=splits,
                              interpret=True)  # fmt: skip
     assert not np.allclose(other, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("window, splits", [(None, 1), (7, 4), (100, 16)])
+def test_an_int8_caches_codes_and_scales_are_read_as_they_are(window, splits):
+    # The kernel's scores and PV product on the codes, scaled in the kernel, equal XLA's attention over
+    # the cache dequantized (what an int8 cache's decode step ran before), within float32 rounding.
+    rng = np.random.default_rng(2)
+    (k_codes, k_scales), (v_codes, v_scales) = (_quantize(x) for x in _cache(rng))
+    q_BxHxK = jnp.asarray(rng.normal(size=(B, H, K)), jnp.float32)
+    ctx_BxHxK = decode_attention(q_BxHxK, k_codes, v_codes, jnp.int32(1), POSITIONS, window=window,
+                                 scales=(k_scales, v_scales), splits=splits, interpret=True)  # fmt: skip
+    keys, values = (codes[1] * scales[1][..., None] for codes, scales in ((k_codes, k_scales),
+                                                                         (v_codes, v_scales)))  # fmt: skip
+    expected = causal_attention(q_BxHxK[:, None], keys, values, q_positions=POSITIONS[:, None],
+                                k_positions=jnp.arange(T), window=window)[:, 0]  # fmt: skip
+    np.testing.assert_allclose(ctx_BxHxK, expected, atol=2e-6)
+    unscaled = decode_attention(q_BxHxK, k_codes, v_codes, jnp.int32(1), POSITIONS, window=window,
+                                scales=(jnp.ones_like(k_scales), v_scales), splits=splits,
+                                interpret=True)  # fmt: skip
+    assert not np.allclose(unscaled, expected, atol=1e-3)  # The keys' scales are applied.
 
 
 def test_the_parts_fill_the_gpus_sms_and_the_blocks_its_shared_memory():
@@ -83,3 +104,11 @@ def test_a_decode_steps_layer_runs_the_kernel_sharded_as_the_cache_is():
         np.testing.assert_array_equal(written.keys, expected_cache.keys)
         # The step's own key is attended: it was written before the kernel read the cache.
         np.testing.assert_array_equal(written.keys[2, np.arange(B), POSITIONS], k_Bx1xGxK[:, 0])
+    # An int8 cache runs the kernel too, on each device's share of its codes and their scales.
+    (k_codes, k_scales), (v_codes, v_scales) = _quantize(keys), _quantize(values)
+    cache = KVCache(k_codes, v_codes, k_scales, v_scales)
+    (ctx, written), kernels = layer(AttentionKernel("pallas", interpret=True, sms=8), None)
+    assert kernels["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=None)
+    (expected, expected_cache), _ = layer(AttentionKernel("xla"), None)
+    np.testing.assert_allclose(ctx, expected, atol=2e-6)
+    np.testing.assert_array_equal(written.value_scales, expected_cache.value_scales)

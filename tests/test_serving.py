@@ -161,6 +161,11 @@ def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(sharded):
     assert error.max() > 0  # Decoding did read the int8 codes.
     prefill = np.arange(T - 1)[None, :] == LENGTHS[:, None] - 1
     np.testing.assert_allclose(quantized[prefill], cached[prefill], atol=2e-5, rtol=2e-5)
+    # One sequence writes its codes and scales with an update in place (no scatter): the same logits.
+    one = _program({"data": 1}, batch=1, kv_dtype="int8")
+    alone = one.start_from(jax.device_get(stacked(weights)))
+    single = _cached_logits(one, alone, _tokens()[3:4], LENGTHS[3:4])
+    np.testing.assert_allclose(single, quantized[3:4], atol=2e-5, rtol=2e-5)
 
 
 def test_quantized_weights_serve_the_model_they_quantize():
@@ -365,12 +370,13 @@ def test_every_layer_runs_the_first_layers_kernels(monkeypatch):
             assert _with(op, deep_kernels) == _with(op, half_kernels)
 
 
-def _one_sequence(**model) -> tuple:
+def _one_sequence(kv_dtype: str | None = None, **model) -> tuple:
     """The decode step of one sequence, the tiny model on one A100: its plan, and its fused attention
     kernels as the step-time model reads them from its jaxpr."""
     config = config_from_dict({**GPU_SERVE, "mesh": {"axes": {"data": 1}},
                                "model": {"preset": "tiny", **model},
-                               "serve": {"batch": 1, "prompt_len": 32, "max_len": 128}})  # fmt: skip
+                               "serve": {"batch": 1, "prompt_len": 32, "max_len": 128,
+                                         "kv_dtype": kv_dtype}})  # fmt: skip
     target = memory.make_target(config, None)
     program = serving_program(config, build_mesh(config.mesh.axes, target.devices))
     return plan_serving(config), hlo.fused_attention_kernels(program.function("decode").trace().jaxpr)
@@ -450,15 +456,23 @@ def test_a_decode_step_attends_over_the_cache_with_one_kernel_a_layer_copying_no
     assert len(kernels) == 4  # One fusion a layer merges the parts.
 
 
-@pytest.mark.parametrize("window", [None, 48])
-def test_the_decode_kernel_is_costed_by_the_layers_keys_and_values_it_reads(one_sequence_plan, window):
-    plan, attention = one_sequence_plan if window is None else _one_sequence(sliding_window=window)
+@pytest.mark.parametrize("window, kv_dtype", [(None, None), (48, None), (None, "int8")])
+def test_the_decode_kernel_is_costed_by_the_layers_keys_and_values_it_reads(one_sequence_plan, window,
+                                                                            kv_dtype):  # fmt: skip
+    plan, attention = one_sequence_plan if window is kv_dtype is None else _one_sequence(
+        kv_dtype, sliding_window=window)  # fmt: skip
     module = plan.decode.module
     assert attention["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=window)
     kernels = cost._Kernels(module, cost.Hardware.of(_a100(1)), attention)
     calls = [ins for ins in module.computations[module.entry] if ins.opcode == "custom-call"]
+    assert len(calls) == 4  # One a layer, an int8 cache's too: its codes are not dequantized by XLA.
+    # One sequence's keys and values (an int8 cache's codes and scales too) are written by an update in
+    # place, not by a scatter behind a bounds check (its kernels compute a pred).
+    assert not [ins for ins in module.computations[module.entry] if ins.shape.startswith("pred")]
     read = 128 if window is None else window  # Positions of the layer's cache: all live in the plan.
-    layer = 2 * read * 2 * 16 * 2  # Its keys and values (2 KV heads of 16, bf16), not the stack of 4.
+    # Its keys and values (2 KV heads of 16; bf16, or int8 codes and an f32 scale a position and KV
+    # head), not the stack of 4.
+    layer = 2 * read * 2 * 16 * 2 if kv_dtype is None else 2 * read * 2 * (16 + 4)
     query = 4 * 16 * 2  # 4 heads of 16.
     parts = 2  # Two blocks of 64 positions: two parts, for 2 KV heads on 108 SMs.
     partials = parts * (4 * 16 + 4 + 4) * 4  # Each part's f32 output, running max and sum.

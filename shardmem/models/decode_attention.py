@@ -13,8 +13,11 @@ copy it out of the stack first (a custom call cannot fuse a dynamic slice), doub
 traffic. Each program holds the ``H // G`` query heads of one KV head (grouped-query attention without
 repeating a KV head) and reads only the blocks of its part that its sequence attends: positions up to
 the sequence's own, the last ``window`` of them with a sliding window. The parts fill the GPU at batch 1
-(batch x KV heads x splits >= its SMs, as flash-decoding splits the keys). On CPU it runs in Pallas's
-interpret mode (tests); generation on CPU keeps XLA's attention.
+(batch x KV heads x splits >= its SMs, as flash-decoding splits the keys). An int8 cache is read as its
+codes and their scales (one a position and KV head): each score is the query against a key's codes
+times the key's scale, each probability times its value's scale before the PV product: a byte a
+code read once, as the 16-bit cache is read. On CPU it runs in Pallas's interpret mode (tests);
+generation on CPU keeps XLA's attention.
 
 Learned from ``jax.experimental.pallas.ops.gpu.decode_attention`` (its ``gqa``), which does not fit as
 it is: it takes one layer's keys transposed to ``[B, G, T, K]`` (a copy of the layer, each step), and
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from shardmem.models.kv_cache import CACHE_AXES
 from shardmem.parallel import rules as _rules
 
 #: Triton's matrix products take blocks of at least 16 in every dimension: a KV head's queries are
@@ -49,37 +53,38 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 KERNEL_NAME = "decode_attention"
 
 
-def attend(kernel, q_BxLxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions_Bx1, *,
-           window: int | None = None):  # fmt: skip
-    """Returns the decode step's ``ctx_BxLxHxK`` (``L`` = 1) from :func:`decode_attention`, run on each
-    device's sequences and heads of the stacked cache as the rules shard it, or None where this kernel
-    cannot run it and XLA's attention must: heads narrower than Triton's blocks, or a cache split
-    otherwise than the queries (its positions over devices, or its KV heads not as the query heads)."""
-    if not supports(q_BxLxHxK.shape[-1], keys_NxBxTxGxK.shape[2]):
+def attend(kernel, q_BxLxHxK, cache, layer, positions_Bx1, *, window: int | None = None):
+    """Returns the decode step's ``ctx_BxLxHxK`` (``L`` = 1) from :func:`decode_attention` over the
+    stacked ``cache`` (a :class:`~shardmem.models.kv_cache.KVCache`, int8 or not), run on each device's
+    sequences and heads as the rules shard it, or None where this kernel cannot run it and XLA's
+    attention must: heads narrower than Triton's blocks, or a cache split otherwise than the queries (its
+    positions over devices, or its KV heads not as the query heads)."""
+    if not supports(q_BxLxHxK.shape[-1], cache.max_len):
         return None
 
-    def run(q_BxLxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions_Bx1):
+    def run(q_BxLxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions_Bx1, *scales):
         b, _, _, _ = q_BxLxHxK.shape  # This device's sequences and heads.
         _, _, length, g, _ = keys_NxBxTxGxK.shape
         ctx_BxHxK = decode_attention(q_BxLxHxK[:, 0], keys_NxBxTxGxK, values_NxBxTxGxK, layer,
-                                     positions_Bx1[:, 0], window=window,
+                                     positions_Bx1[:, 0], window=window, scales=scales,
                                      splits=splits_for(b, g, length, kernel.sms),
                                      shared_memory=kernel.shared_memory,
                                      interpret=kernel.interpret)  # fmt: skip
         return ctx_BxHxK[:, None]
 
-    arguments = (q_BxLxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions_Bx1)
+    scales = () if cache.key_scales is None else (cache.key_scales, cache.value_scales)
+    arguments = (q_BxLxHxK, cache.keys, cache.values, layer, positions_Bx1, *scales)
     active = _rules.active()
     if active is None:
         return run(*arguments)
     mesh, rules = active
     q_spec = _padded(rules.spec(("batch", None, "heads", None)), 4)
-    cache_spec = _padded(rules.spec(("layers", "batch", "cache_seq", "kv_heads", "head_dim")), 5)
+    cache_spec = _padded(rules.spec(CACHE_AXES), 5)
     split_alike = (q_spec[0], q_spec[2]) == (cache_spec[1], cache_spec[3])  # Sequences and KV heads.
     if not split_alike or any(cache_spec[axis] for axis in (0, 2, 4)):
         return None
-    sharded = _rules.shard_map(run, mesh, (q_spec, cache_spec, cache_spec, P(), P(q_spec[0])), q_spec)
-    return sharded(*arguments)
+    specs = (q_spec, cache_spec, cache_spec, P(), P(q_spec[0])) + (P(*cache_spec[:4]),) * len(scales)
+    return _rules.shard_map(run, mesh, specs, q_spec)(*arguments)
 
 
 def _padded(spec: P, ndim: int) -> P:
@@ -118,12 +123,14 @@ def splits_for(batch: int, kv_heads: int, max_len: int, sms: int | None) -> int:
 
 
 def decode_attention(q_BxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions_B, *,
-                     window: int | None = None, splits: int = 1, shared_memory: int | None = None,
-                     interpret: bool = False):  # fmt: skip
+                     window: int | None = None, scales=(), splits: int = 1,
+                     shared_memory: int | None = None, interpret: bool = False):  # fmt: skip
     """Returns ``ctx_BxHxK``: each sequence's query (one token, ``H`` heads) attending over layer
     ``layer``'s keys and values in the stacked cache, causally up to ``positions_B`` (its own position,
     included), with a ``window`` the last ``window`` positions; the positions split into ``splits``
-    parts (see the module docstring), read in blocks whose tiles fit ``shared_memory`` bytes."""
+    parts (see the module docstring), read in blocks whose tiles fit ``shared_memory`` bytes. An int8
+    cache's keys and values are its codes, ``scales`` their ``(key_scales, value_scales)``, each
+    ``[layers, B, T, G]`` (empty otherwise)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -134,9 +141,11 @@ def decode_attention(q_BxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions
     block_k = block_positions(length, k, keys_NxBxTxGxK.dtype.itemsize, shared_memory)
     part = -(-length // splits // block_k) * block_k  # Positions per part: whole blocks.
     splits = -(-length // part)
+    scales = tuple(scales)
     kernel = functools.partial(_kernel, scale=k**-0.5, block_k=block_k, part=part, group=group,
-                               window=window)  # fmt: skip
+                               window=window, quantized=bool(scales))  # fmt: skip
     whole = pl.BlockSpec(keys_NxBxTxGxK.shape, lambda i, j, s: (0,) * 5)  # Indexed inside the kernel.
+    whole_scales = pl.BlockSpec(keys_NxBxTxGxK.shape[:4], lambda i, j, s: (0,) * 4)
     o_SxBxGxRxK, m_SxBxGxR, l_SxBxGxR = pl.pallas_call(
         kernel,
         grid=(b, g, splits),
@@ -146,6 +155,7 @@ def decode_attention(q_BxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions
             whole,
             pl.BlockSpec((), lambda i, j, s: ()),
             pl.BlockSpec((None,), lambda i, j, s: (i,)),
+            *(whole_scales for _ in scales),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_h, k), lambda i, j, s: (s, i, j, 0, 0)),
@@ -162,7 +172,7 @@ def decode_attention(q_BxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions
         name=KERNEL_NAME,
         metadata={"window": str(window or 0)},  # What the cost model reads (planning/hlo.py).
     )(q_BxHxK.reshape(b, g, group, k), keys_NxBxTxGxK, values_NxBxTxGxK, jnp.asarray(layer, jnp.int32),
-      jnp.asarray(positions_B, jnp.int32))  # fmt: skip
+      jnp.asarray(positions_B, jnp.int32), *scales)  # fmt: skip
     return _merge(o_SxBxGxRxK, m_SxBxGxR, l_SxBxGxR).reshape(b, h, k).astype(q_BxHxK.dtype)
 
 
@@ -193,12 +203,15 @@ def _merge(o_SxBxGxRxK, m_SxBxGxR, l_SxBxGxR):
     return o_BxGxRxK / l_BxGxRxK
 
 
-def _kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, o_ref, m_ref, l_ref, *, scale, block_k, part, group,
-            window):  # fmt: skip
-    """One program: one sequence's queries of one KV head over one part of the positions."""
+def _kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, *refs, scale, block_k, part, group, window,
+            quantized):  # fmt: skip
+    """One program: one sequence's queries of one KV head over one part of the positions; ``quantized``:
+    the keys and values are int8 codes, and ``refs`` begin with their scales."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    (k_scales_ref, v_scales_ref), refs = (refs[:2], refs[2:]) if quantized else ((None, None), refs)
+    o_ref, m_ref, l_ref = refs
     sequence, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, position = layer_ref[()], position_ref[()]
     block_h, head_dim = q_ref.shape
@@ -213,15 +226,23 @@ def _kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, o_ref, m_ref, l_ref, *
         o, m, total = carry
         columns = index * block_k + jnp.arange(block_k)
         attended = (columns >= start) & (columns < end)
-        at = (layer, sequence, pl.ds(index * block_k, block_k), head, slice(None))
-        keys = plgpu.load(k_ref.at[at], mask=attended[:, None], other=0)
+        at = (layer, sequence, pl.ds(index * block_k, block_k), head)
+        keys = plgpu.load(k_ref.at[(*at, slice(None))], mask=attended[:, None], other=0)
+        if quantized:  # Codes of at most 127 are exact in 16 bits; the scales multiply the products.
+            keys = keys.astype(q.dtype)
+            key_scales = plgpu.load(k_scales_ref.at[at], mask=attended, other=0)
         scores = plgpu.dot(q, keys, trans_b=True).astype(jnp.float32) * scale
+        scores = scores * key_scales[None, :] if quantized else scores
         scores = jnp.where(attended[None, :], scores, _MASKED)
         m_next = jnp.maximum(m, scores.max(axis=-1))
         correction = jnp.exp(m - m_next)
         p = jnp.where(attended[None, :], jnp.exp(scores - m_next[:, None]), 0.0)
-        values = plgpu.load(v_ref.at[at], mask=attended[:, None], other=0)
-        o = correction[:, None] * o + plgpu.dot(p.astype(values.dtype), values).astype(jnp.float32)
+        values = plgpu.load(v_ref.at[(*at, slice(None))], mask=attended[:, None], other=0)
+        weights = p
+        if quantized:
+            values = values.astype(q.dtype)
+            weights = p * plgpu.load(v_scales_ref.at[at], mask=attended, other=0)[None, :]
+        o = correction[:, None] * o + plgpu.dot(weights.astype(values.dtype), values).astype(jnp.float32)
         return o, m_next, correction * total + p.sum(axis=-1)
 
     o = jnp.zeros((block_h, head_dim), jnp.float32)

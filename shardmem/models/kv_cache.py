@@ -122,12 +122,13 @@ class KVCache:
             if positions.ndim == 1:  # Prefill: positions 0 .. L-1, a block of the layer's stack.
                 start = (layer, 0, 0) + (0,) * (stack.ndim - 3)
                 updated[name] = jax.lax.dynamic_update_slice(stack, x[None], start)
-            elif x.shape[0] == 1 and self.key_scales is None:  # Decode, one sequence: at its position.
+            elif x.shape[0] == 1:  # Decode, one sequence: at its position.
                 # Not a scatter of one index: XLA rewrites that to this update behind a bounds check (a
                 # kernel for the check, one per array to select the old entry where out of bounds), three
                 # more kernels per layer than the update alone, which XLA fuses with what computes the
                 # token. Positions are never past the cache (run.generation checks max_len first). An int8
-                # cache keeps the scatter: XLA copied its codes whole once more per step with the update.
+                # cache's codes and scales too: on GPUs the decode kernel reads them in place. (Where XLA's
+                # attention reads the layer, on CPUs, XLA copies each stack whole every step, int8 or not.)
                 start = (layer, 0, positions[0, 0]) + (0,) * (stack.ndim - 3)
                 updated[name] = jax.lax.dynamic_update_slice(stack, x[None], start)
             else:  # Decode: one token at each sequence's own position.
@@ -179,8 +180,8 @@ class CacheSlot:
         mesh's devices, :func:`attending_with`, and outside one XLA's,
         :func:`~shardmem.models.attention.causal_attention`); decode over the cache, up to each
         sequence's position: on GPUs (a flash ``kernel``) with the Pallas decode kernel over the stacked
-        cache (:mod:`shardmem.models.decode_attention`; an int8 cache keeps XLA's attention, which
-        dequantizes the layer's codes), else with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a
+        cache (:mod:`shardmem.models.decode_attention`; an int8 cache's codes and scales as they are),
+        else with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a
         layer that attends in float32 gets XLA's attention."""
         from shardmem.models import decode_attention
         from shardmem.models.attention import attend, causal_attention
@@ -198,9 +199,9 @@ class CacheSlot:
             return attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window), cache
         window = window if window is not None and window < cache.max_len else None
         pallas = kernel is not None and kernel.decodes_in_pallas
-        if pallas and cache.key_scales is None:  # int8 codes: XLA dequantizes them.
-            ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, cache.keys, cache.values, self.layer,
-                                                  self.positions, window=window)  # fmt: skip
+        if pallas:
+            ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, cache, self.layer, self.positions,
+                                                  window=window)  # fmt: skip
             if ctx_BxLxHxK is not None:
                 return ctx_BxLxHxK, cache
         k_BxTxGxK, v_BxTxGxK = cache.read(self.layer, q_BxLxHxK.dtype)

@@ -564,9 +564,9 @@ class _Kernels:
 
     def decode_attention_bytes(self, ins: hlo.Instruction) -> int | None:
         """Bytes the decode kernel moves (:mod:`shardmem.models.decode_attention`), or None for any other
-        custom call: its operands but the stacked keys and values, of which it reads one layer's, each
-        sequence's positions up to the whole cache (the compiled step's context) or its window; and its
-        outputs, the parts' partial results."""
+        custom call: its operands but the stacked keys and values (and an int8 cache's scales), of which
+        it reads one layer's, each sequence's positions up to the whole cache (the compiled step's
+        context) or its window; and its outputs, the parts' partial results."""
         if ins.opcode != "custom-call" or len(ins.operands) < 3:
             return None
         kernel = hlo.attention_kernel(ins.op_name, self.attention)
@@ -575,8 +575,9 @@ class _Kernels:
             return None
         _, batch, max_len, kv_heads, head_dim = keys
         read = batch * hlo.decode_positions(kernel, max_len) * kv_heads * head_dim
-        layer = sum(read * hlo.shape_bytes(self.shape(o)) // math.prod(keys) for o in ins.operands[1:3])
-        others = [o for index, o in enumerate(ins.operands) if index not in (1, 2)]
+        stacked = [o for o in ins.operands[1:] if _dims(self.shape(o))[:4] == keys[:4]]  # By layer.
+        layer = sum(read * hlo.shape_bytes(self.shape(o)) // math.prod(keys) for o in stacked)
+        others = [o for o in ins.operands if o not in stacked]
         return hlo.shape_bytes(ins.shape) + layer + sum(hlo.shape_bytes(self.shape(o)) for o in others)
 
     def bytes(self, ins: hlo.Instruction) -> int:
