@@ -476,7 +476,7 @@ def _generation_inputs(args) -> _GenerationInputs:
         prompts = generation.read_prompts(args.prompt_file)
     eos = generation.parse_prompt_ids(args.eos, "--eos") if args.eos is not None else None
     config = _load(args)
-    tokenizer = None
+    tokenizer = file = None
     if args.prompt is not None:
         file = generation.tokenizer_file(config, args.tokenizer)
         tokenizer = generation.load_tokenizer(file)
@@ -493,7 +493,7 @@ def _generation_inputs(args) -> _GenerationInputs:
     if eos is None:
         eos = generation.checkpoint_eos(config)
         notes.append(generation.run_base_note(config, eos))
-    generation.check_prompts(config, prompts, args.max_new_tokens, eos)
+    generation.check_prompts(config, prompts, args.max_new_tokens, eos, tokenizer=file)
     notes = [note for note in notes if note is not None]
     return _GenerationInputs(sampling, prompts, eos, config, notes, tokenizer)
 

@@ -466,9 +466,13 @@ def test_a_text_prompt_that_encodes_to_nothing_or_a_folder_without_a_tokenizer_i
     assert main([*args, "--prompt", "", "--tokenizer", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--prompt '' encodes to no tokens (its tokenizer adds no BOS); give it some text" in err
-    # Read (a file given as it is), its ids past the tiny model's 256: the prompt says so.
-    assert main([*args, "--prompt", "日", "--tokenizer", str(tmp_path / "tokenizer.json")]) == 2
-    assert "outside the model's vocabulary of model.vocab_size=256" in capsys.readouterr().err
+    # Read (a file given as it is), its ids past the tiny model's 256 (its "▁" is 259): the prompt says so,
+    # naming the file.
+    file = tmp_path / "tokenizer.json"
+    assert main([*args, "--prompt", "日", "--tokenizer", str(file)]) == 2
+    assert (f"prompt 0 encodes with {file} to token id 259, outside the model's vocabulary of "
+            "model.vocab_size=256 (0 to 255): that tokenizer is another model's; give this model's with "
+            "--tokenizer PATH") in capsys.readouterr().err  # fmt: skip
     (tmp_path / "tokenizer.json").unlink()
     (tmp_path / "tokenizer.model").write_bytes(b"")
     assert main([*args, "--prompt", "ab", "--tokenizer", str(tmp_path)]) == 2
