@@ -45,7 +45,7 @@ adds its plans before the parts.
    ``step_time`` (its ``--json``), and MFU (model matmul FLOPs from the plan, without recomputation,
    / step time / the device's dense bf16 peak) beside the MFU the plan predicted.
 5. **Serving** (issue 42; skipped, saying why, where this shardmem's CLI has no ``generate``): for two
-   batch sizes (``SERVE_TRIALS``), ``shardmem plan CONFIG --serve --target <twin> --json`` on the CPUs in
+   batch sizes and an int8 KV cache (``SERVE_TRIALS``), ``shardmem plan CONFIG --serve --target <twin> --json`` on the CPUs in
    the background, and a fresh child (``--serve-child``) that compiles the prefill and the decode step,
    initialises the weights, times three prefills and every decode step until the KV cache is full, and
    reports ``peak_bytes_in_use`` with the cache: measured against the plan's time to first token, mean
@@ -295,13 +295,17 @@ CPU_TRAIN_RUN = Trial("train", "configs/tiny.yaml",
 # 1,024 tokens and 64 more positions, at two batch sizes. Planned deviceless on h200 (JAX 0.10.2, the
 # serving branch wt-s1 at 9462ecf): b8 peak 5.53 GiB (the prefill's; weights 3.50, KV cache 1.06), time
 # to first token 38.4 ms, decode step 1.63 ms mean; b32 11.60 GiB (KV cache 4.25), 152.6 ms, 2.55 ms.
+# The last at batch 32 with an int8 cache: the decode kernel's codes and scales (Triton's int8 loads) on
+# the GPU, and its step against the plan's.
 _SERVE = (*ONE_DEVICE, "model.n_layers=8", "serve.prompt_len=1024", "serve.max_len=1088")
-SERVE_TRIALS = tuple(Trial(f"serve-7bw-b{batch}", "configs/llama-7b.yaml", (*_SERVE, f"serve.batch={batch}"))
-                     for batch in (8, 32))  # fmt: skip
+SERVE_TRIALS = tuple(Trial(f"serve-7bw-b{batch}{kv}", "configs/llama-7b.yaml",
+                           (*_SERVE, f"serve.batch={batch}", *(("serve.kv_dtype=int8",) if kv else ())))
+                     for batch, kv in ((8, ""), (32, ""), (32, "-int8")))  # fmt: skip
 CPU_SERVE_TRIALS = tuple(
-    Trial(f"serve-tiny-b{batch}", "configs/tiny.yaml",
-          (*ONE_DEVICE, "serve.prompt_len=16", "serve.max_len=32", f"serve.batch={batch}"))
-    for batch in (2, 4)
+    Trial(f"serve-tiny-b{batch}{kv}", "configs/tiny.yaml",
+          (*ONE_DEVICE, "serve.prompt_len=16", "serve.max_len=32", f"serve.batch={batch}",
+           *(("serve.kv_dtype=int8",) if kv else ())))
+    for batch, kv in ((2, ""), (4, ""), (4, "-int8"))
 )  # fmt: skip
 # Greedy generation on the GPU against the CPU's: fp32 with fp32 matmuls (JAX_DEFAULT_MATMUL_PRECISION
 # highest: no TF32), where `model.attention=auto` is the chunked kernel on both, so that only the order of
