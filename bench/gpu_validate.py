@@ -45,12 +45,13 @@ adds its plans before the parts.
    ``step_time`` (its ``--json``), and MFU (model matmul FLOPs from the plan, without recomputation,
    / step time / the device's dense bf16 peak) beside the MFU the plan predicted.
 5. **Serving** (issue 42; skipped, saying why, where this shardmem's CLI has no ``generate``): for two
-   batch sizes and an int8 KV cache (``SERVE_TRIALS``), ``shardmem plan CONFIG --serve --target <twin> --json`` on the CPUs in
-   the background, and a fresh child (``--serve-child``) that compiles the prefill and the decode step,
-   initialises the weights, times three prefills and every decode step until the KV cache is full, and
-   reports ``peak_bytes_in_use`` with the cache: measured against the plan's time to first token, mean
-   decode step and peak. Then ``shardmem generate --json`` (greedy, fp32 matmuls) on the GPU
-   against the same command on CPU (run in the background from the start): the tokens must be equal.
+   batch sizes and an int8 KV cache (``SERVE_TRIALS``), ``shardmem plan CONFIG --serve --target <twin>
+   --json`` on the CPUs in the background, and a fresh child (``--serve-child``) that compiles the
+   prefill and the decode step, initialises the weights, times three prefills and every decode step
+   until the KV cache is full, and reports ``peak_bytes_in_use`` with the cache: measured against the
+   plan's time to first token, mean decode step and peak. Then ``shardmem generate --json`` (greedy,
+   fp32 matmuls) on the GPU against the same command on CPU (run in the background from the start): the
+   tokens must be equal.
 
 It writes ``gpu_validate.md`` and ``gpu_validate.json`` to ``--out`` after every piece (so a run cut short
 still leaves its results) and checks issue 33's bars: measured/predicted peak within 3% (median over the

@@ -1,10 +1,11 @@
 """Serving bench: shardmem's deviceless serving plan against published static-batch inference figures.
 
     python bench/serving_truth.py                  # every row on a100-80g, other published rows, the RTX 3090
-                                                   # KV check, 70B timing
+                                                   # KV check, 70B timing, the KV cache's dtypes
     python bench/serving_truth.py --only truth --json out.json
+    python bench/serving_truth.py --only kv        # Llama 2 7B's decode with an fp16 and an int8 cache
 
-Four checks (issue 39), nothing fitted to them: the times are the step-time model's
+Four checks (issue 39) and a comparison, nothing fitted to them: the times are the step-time model's
 (shardmem/planning/cost.py) on the targets' specs, the memory is the compiled programs'.
 
 1. ``truth``: every row of ``shared/reference/serving-truth.md`` (TensorRT-LLM's and lmdeploy's A100
@@ -34,6 +35,9 @@ Four checks (issue 39), nothing fitted to them: the times are the step-time mode
    first plan of a model generates its kernels; later ones reuse them from the kernel cache
    (``SHARDMEM_KERNEL_CACHE``; ``off`` or an empty folder times a first plan). ``kernels``: the same
    plan's kernels, launched and distinct (the distinct ones are what a first plan generates).
+5. ``kv``: Llama 2 7B on ``a100-80g`` at four static batches (``KV_SHAPES``), its KV cache in fp16 and in
+   int8: each plan's decode temporaries, first and last decode step against their HBM bounds, and output
+   tokens/s (no published figure: what storing the cache in int8 buys, as the plan predicts it).
 
 How the models map: GPT-J 6B becomes the reference Llama with its sizes (28 layers, hidden 4096, 16
 heads of 256, vocab 50,400), its GELU MLP of width 16,384 a SwiGLU MLP of width 10,944 (two thirds, the
@@ -118,13 +122,14 @@ OTHERS = [
 ]  # fmt: skip
 
 
-def _config(model: str, batch: int, prompt: int, max_len: int, target: str, dtype: str, tensor: int = 1):
+def _config(model: str, batch: int, prompt: int, max_len: int, target: str, dtype: str, tensor: int = 1,
+            kv_dtype: str | None = None):  # fmt: skip
     return config_from_dict({
         "name": f"{model}-b{batch}-{prompt}-{max_len}",
         "model": {**MODELS[model], "attention": "auto"},
         "mesh": {"axes": {"data": 1, "tensor": tensor}},
         "precision": {"params": dtype, "compute": dtype},
-        "serve": {"batch": batch, "prompt_len": prompt, "max_len": max_len},
+        "serve": {"batch": batch, "prompt_len": prompt, "max_len": max_len, "kv_dtype": kv_dtype},
         "memory": {"target": target},
     })  # fmt: skip
 
@@ -242,9 +247,33 @@ def kernels() -> dict:
             for f, r in (("prefill", plan.prefill), ("decode", plan.decode))}  # fmt: skip
 
 
+#: ``kv``'s static batches of Llama 2 7B: (batch, prompt length, positions per sequence).
+KV_SHAPES = ((1, 128, 2048), (8, 512, 2048), (32, 2048, 4096), (64, 128, 256))
+
+
+def kv_dtypes() -> dict:
+    """Llama 2 7B's decode on a100-80g with its KV cache in fp16 and in int8, at each of ``KV_SHAPES``."""
+    rows = []
+    for batch, prompt, max_len in KV_SHAPES:
+        for dtype in ("float16", "int8"):
+            plan = plan_serving(_config("llama-2-7b", batch, prompt, max_len, "a100-80g", "float16",
+                                        kv_dtype=dtype))  # fmt: skip
+            t = plan.time
+            first, last = t.contexts
+            rows.append({"batch": batch, "prompt_len": prompt, "max_len": max_len, "kv_dtype": dtype,
+                         "kv_cache_gib": plan.per_device["kv_cache"] / GIB,
+                         "decode_temp_mib": plan.per_device["decode_temp"] / 2**20,
+                         "first_decode": t.decode_seconds(first), "first_bound": t.bound_seconds(first),
+                         "last_decode": t.decode_seconds(last), "last_bound": t.bound_seconds(last),
+                         "tokens_per_second": t.output_tokens_per_second})  # fmt: skip
+            print(f"planned {batch} x {prompt} -> {max_len}, {dtype}", file=sys.stderr, flush=True)
+    return {"rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("truth", "others", "rtx3090", "speed", "kernels"), action="append")
+    parser.add_argument("--only", choices=("truth", "others", "rtx3090", "speed", "kernels", "kv"),
+                        action="append")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     results = {}
@@ -254,6 +283,7 @@ def main() -> None:
         ("rtx3090", rtx3090),
         ("speed", speed),
         ("kernels", kernels),
+        ("kv", kv_dtypes),
     )
     for name, check in checks:
         if args.only and name not in args.only:
@@ -282,6 +312,16 @@ def main() -> None:
                       f"{r['mean_decode'] * 1e3:.2f} ms | {r['decode_bound'] * 1e3:.2f} ms |")  # fmt: skip
             for figure, s in results[name]["summary"].items():
                 print(f"{figure}: median |error| {s['median_error']:.1%}, worst {s['worst_error']:.1%}")
+        elif name == "kv":
+            print("| batch x prompt -> positions | KV cache | its bytes | decode temporaries | first decode "
+                  "step / HBM bound | last / bound | output tokens/s |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|")
+            for r in results[name]["rows"]:
+                first, last = (f"{r[f'{end}_decode'] * 1e3:.2f} / {r[f'{end}_bound'] * 1e3:.2f} ms"
+                               for end in ("first", "last"))  # fmt: skip
+                print(f"| {r['batch']} x {r['prompt_len']} -> {r['max_len']} | {r['kv_dtype']} | "
+                      f"{r['kv_cache_gib']:.2f} GiB | {r['decode_temp_mib']:.1f} MiB | {first} | {last} | "
+                      f"{r['tokens_per_second']:,.0f} |")  # fmt: skip
         else:
             print(json.dumps({name: results[name]}, indent=2))
     if args.json:
