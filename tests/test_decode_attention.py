@@ -63,6 +63,25 @@ def test_an_int8_caches_codes_and_scales_are_read_as_they_are(window, splits):
     assert not np.allclose(unscaled, expected, atol=1e-3)  # The keys' scales are applied.
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_int8_caches_small_values_survive_16_bit_products(dtype):
+    # Queries in 16 bits take 16-bit products. Values of magnitude 1e-4 have scales near 2e-6, and a
+    # probability times one fell below float16's normal range, most of its bits lost (a mean relative
+    # error of 1.9% here); over the block's largest scale, 0.05% (bfloat16's own rounding: 0.17%).
+    rng = np.random.default_rng(3)
+    keys, values = _cache(rng)
+    (k_codes, k_scales), (v_codes, v_scales) = _quantize(keys), _quantize(values * 1e-4)
+    q_BxHxK = jnp.asarray(rng.normal(size=(B, H, K)), dtype)
+    ctx_BxHxK = decode_attention(q_BxHxK, k_codes, v_codes, jnp.int32(1), POSITIONS,
+                                 scales=(k_scales, v_scales), interpret=True)  # fmt: skip
+    dequantized = (codes[1] * scales[1][..., None] for codes, scales in ((k_codes, k_scales),
+                                                                        (v_codes, v_scales)))  # fmt: skip
+    expected = causal_attention(q_BxHxK[:, None].astype(jnp.float32), *dequantized,
+                                q_positions=POSITIONS[:, None], k_positions=jnp.arange(T))[:, 0]  # fmt: skip
+    error = np.abs(np.asarray(ctx_BxHxK, np.float32) - expected) / np.abs(expected).mean()
+    assert ctx_BxHxK.dtype == dtype and error.mean() < 3e-3, error.mean()
+
+
 def test_the_parts_fill_the_gpus_sms_and_the_blocks_its_shared_memory():
     assert splits_for(1, 32, 4096, sms=108) == 4  # Llama 2 7B at batch 1: 128 programs for 108 SMs.
     assert splits_for(1, 8, 4096, sms=132) == 32  # 8 KV heads: 256 programs, the most parts.
@@ -74,6 +93,10 @@ def test_the_parts_fill_the_gpus_sms_and_the_blocks_its_shared_memory():
     # than an RTX 3090's 99 KiB a block; 32 positions take 71 KiB.
     assert block_positions(4096, 256, 2, shared_memory=101_376) == 32
     assert block_positions(4096, 256, 2, shared_memory=166_912) == 64  # An A100's 163 KiB.
+    # An int8 cache's blocks take its scales too (8 bytes a position, in two stages): 64 positions of 256
+    # in 16 bits fit 140,000 bytes alone (139,264), not with their scales (140,288).
+    assert block_positions(4096, 256, 2, shared_memory=140_000) == 64
+    assert block_positions(4096, 256, 2, shared_memory=140_000, quantized=True) == 32
 
 
 def test_a_decode_steps_layer_runs_the_kernel_sharded_as_the_cache_is():
@@ -107,8 +130,10 @@ def test_a_decode_steps_layer_runs_the_kernel_sharded_as_the_cache_is():
     # An int8 cache runs the kernel too, on each device's share of its codes and their scales.
     (k_codes, k_scales), (v_codes, v_scales) = _quantize(keys), _quantize(values)
     cache = KVCache(k_codes, v_codes, k_scales, v_scales)
-    (ctx, written), kernels = layer(AttentionKernel("pallas", interpret=True, sms=8), None)
-    assert kernels["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=None)
-    (expected, expected_cache), _ = layer(AttentionKernel("xla"), None)
-    np.testing.assert_allclose(ctx, expected, atol=2e-6)
-    np.testing.assert_array_equal(written.value_scales, expected_cache.value_scales)
+    for window in (None, 7):
+        (ctx, written), kernels = layer(AttentionKernel("pallas", interpret=True, sms=8), window)
+        assert kernels["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=window)
+        (expected, expected_cache), _ = layer(AttentionKernel("xla"), window)
+        np.testing.assert_allclose(ctx, expected, atol=2e-6)
+        for name in ("keys", "values", "key_scales", "value_scales"):
+            np.testing.assert_array_equal(getattr(written, name), getattr(expected_cache, name))

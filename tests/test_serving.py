@@ -459,7 +459,7 @@ def test_a_decode_step_attends_over_the_cache_with_one_kernel_a_layer_copying_no
 @pytest.mark.parametrize("window, kv_dtype", [(None, None), (48, None), (None, "int8")])
 def test_the_decode_kernel_is_costed_by_the_layers_keys_and_values_it_reads(one_sequence_plan, window,
                                                                             kv_dtype):  # fmt: skip
-    plan, attention = one_sequence_plan if window is kv_dtype is None else _one_sequence(
+    plan, attention = one_sequence_plan if window is None and kv_dtype is None else _one_sequence(
         kv_dtype, sliding_window=window)  # fmt: skip
     module = plan.decode.module
     assert attention["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=window)

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from shardmem.models.kv_cache import CACHE_AXES
 from shardmem.parallel import rules as _rules
 
 #: Triton's matrix products take blocks of at least 16 in every dimension: a KV head's queries are
@@ -53,13 +52,14 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 KERNEL_NAME = "decode_attention"
 
 
-def attend(kernel, q_BxLxHxK, cache, layer, positions_Bx1, *, window: int | None = None):
-    """Returns the decode step's ``ctx_BxLxHxK`` (``L`` = 1) from :func:`decode_attention` over the
-    stacked ``cache`` (a :class:`~shardmem.models.kv_cache.KVCache`, int8 or not), run on each device's
-    sequences and heads as the rules shard it, or None where this kernel cannot run it and XLA's
-    attention must: heads narrower than Triton's blocks, or a cache split otherwise than the queries (its
-    positions over devices, or its KV heads not as the query heads)."""
-    if not supports(q_BxLxHxK.shape[-1], cache.max_len):
+def attend(kernel, q_BxLxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions_Bx1, *,
+           window: int | None = None, scales=()):  # fmt: skip
+    """Returns the decode step's ``ctx_BxLxHxK`` (``L`` = 1) from :func:`decode_attention`, run on each
+    device's sequences and heads of the stacked cache (an int8 cache's codes, and their ``scales``) as
+    the rules shard it, or None where this kernel cannot run it and XLA's attention must: heads narrower
+    than Triton's blocks, or a cache split otherwise than the queries (its positions over devices, or its
+    KV heads not as the query heads)."""
+    if not supports(q_BxLxHxK.shape[-1], keys_NxBxTxGxK.shape[2]):
         return None
 
     def run(q_BxLxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions_Bx1, *scales):
@@ -72,14 +72,13 @@ def attend(kernel, q_BxLxHxK, cache, layer, positions_Bx1, *, window: int | None
                                      interpret=kernel.interpret)  # fmt: skip
         return ctx_BxHxK[:, None]
 
-    scales = () if cache.key_scales is None else (cache.key_scales, cache.value_scales)
-    arguments = (q_BxLxHxK, cache.keys, cache.values, layer, positions_Bx1, *scales)
+    arguments = (q_BxLxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions_Bx1, *scales)
     active = _rules.active()
     if active is None:
         return run(*arguments)
     mesh, rules = active
     q_spec = _padded(rules.spec(("batch", None, "heads", None)), 4)
-    cache_spec = _padded(rules.spec(CACHE_AXES), 5)
+    cache_spec = _padded(rules.spec(("layers", "batch", "cache_seq", "kv_heads", "head_dim")), 5)
     split_alike = (q_spec[0], q_spec[2]) == (cache_spec[1], cache_spec[3])  # Sequences and KV heads.
     if not split_alike or any(cache_spec[axis] for axis in (0, 2, 4)):
         return None
@@ -98,13 +97,19 @@ def supports(head_dim: int, max_len: int) -> bool:
 
 
 def block_positions(max_len: int, head_dim: int = MIN_BLOCK, itemsize: int = 2,
-                    shared_memory: int | None = None) -> int:  # fmt: skip
+                    shared_memory: int | None = None, quantized: bool = False) -> int:  # fmt: skip
     """Positions one step of a program reads: :data:`BLOCK_K`, or the largest power of two within a
     shorter cache, halved until the tiles fit ``shared_memory`` bytes per thread block (Triton holds
     the queries' 16 rows and ``_STAGES`` blocks each of keys and values, as
-    :meth:`~shardmem.models.attention.AttentionKernel.flash_blocks` counts them)."""
+    :meth:`~shardmem.models.attention.AttentionKernel.flash_blocks` counts them, all of ``itemsize``
+    bytes: the queries'). An int8 cache's (``quantized``) are counted so too, as the 16-bit copies its
+    products take, and its blocks of float32 scales beside them."""
+    scales = 2 * _STAGES * 4 if quantized else 0  # Bytes a position: a key's and a value's scale.
+
+    def tiles(block: int) -> int:
+        return itemsize * head_dim * (MIN_BLOCK + 2 * _STAGES * block) + scales * block
+
     block = min(BLOCK_K, 1 << (max_len.bit_length() - 1))
-    tiles = lambda block: itemsize * head_dim * (MIN_BLOCK + 2 * _STAGES * block)  # noqa: E731
     while shared_memory and block > MIN_BLOCK and tiles(block) > shared_memory:
         block //= 2
     return block
@@ -138,14 +143,16 @@ def decode_attention(q_BxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions
     _, _, length, g, _ = keys_NxBxTxGxK.shape
     group = h // g
     block_h = max(MIN_BLOCK, 1 << (group - 1).bit_length())
-    block_k = block_positions(length, k, keys_NxBxTxGxK.dtype.itemsize, shared_memory)
+    scales = tuple(scales)
+    if len(scales) not in (0, 2):
+        raise ValueError(f"scales: the keys' and the values' (two arrays), or none; got {len(scales)}")
+    block_k = block_positions(length, k, q_BxHxK.dtype.itemsize, shared_memory, quantized=bool(scales))
     part = -(-length // splits // block_k) * block_k  # Positions per part: whole blocks.
     splits = -(-length // part)
-    scales = tuple(scales)
     kernel = functools.partial(_kernel, scale=k**-0.5, block_k=block_k, part=part, group=group,
                                window=window, quantized=bool(scales))  # fmt: skip
     whole = pl.BlockSpec(keys_NxBxTxGxK.shape, lambda i, j, s: (0,) * 5)  # Indexed inside the kernel.
-    whole_scales = pl.BlockSpec(keys_NxBxTxGxK.shape[:4], lambda i, j, s: (0,) * 4)
+    whole_scales = [pl.BlockSpec(x.shape, lambda i, j, s: (0,) * 4) for x in scales]
     o_SxBxGxRxK, m_SxBxGxR, l_SxBxGxR = pl.pallas_call(
         kernel,
         grid=(b, g, splits),
@@ -155,7 +162,7 @@ def decode_attention(q_BxHxK, keys_NxBxTxGxK, values_NxBxTxGxK, layer, positions
             whole,
             pl.BlockSpec((), lambda i, j, s: ()),
             pl.BlockSpec((None,), lambda i, j, s: (i,)),
-            *(whole_scales for _ in scales),
+            *whole_scales,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_h, k), lambda i, j, s: (s, i, j, 0, 0)),
@@ -210,8 +217,10 @@ def _kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, *refs, scale, block_k,
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    (k_scales_ref, v_scales_ref), refs = (refs[:2], refs[2:]) if quantized else ((None, None), refs)
-    o_ref, m_ref, l_ref = refs
+    if quantized:
+        k_scales_ref, v_scales_ref, o_ref, m_ref, l_ref = refs
+    else:
+        o_ref, m_ref, l_ref = refs
     sequence, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, position = layer_ref[()], position_ref[()]
     block_h, head_dim = q_ref.shape
@@ -230,19 +239,24 @@ def _kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, *refs, scale, block_k,
         keys = plgpu.load(k_ref.at[(*at, slice(None))], mask=attended[:, None], other=0)
         if quantized:  # Codes of at most 127 are exact in 16 bits; the scales multiply the products.
             keys = keys.astype(q.dtype)
-            key_scales = plgpu.load(k_scales_ref.at[at], mask=attended, other=0)
         scores = plgpu.dot(q, keys, trans_b=True).astype(jnp.float32) * scale
-        scores = scores * key_scales[None, :] if quantized else scores
+        if quantized:
+            scores = scores * plgpu.load(k_scales_ref.at[at], mask=attended, other=0)[None, :]
         scores = jnp.where(attended[None, :], scores, _MASKED)
         m_next = jnp.maximum(m, scores.max(axis=-1))
         correction = jnp.exp(m - m_next)
         p = jnp.where(attended[None, :], jnp.exp(scores - m_next[:, None]), 0.0)
         values = plgpu.load(v_ref.at[(*at, slice(None))], mask=attended[:, None], other=0)
-        weights = p
         if quantized:
-            values = values.astype(q.dtype)
-            weights = p * plgpu.load(v_scales_ref.at[at], mask=attended, other=0)[None, :]
-        o = correction[:, None] * o + plgpu.dot(weights.astype(values.dtype), values).astype(jnp.float32)
+            # Each probability times its value's scale, over the block's largest scale: in 16 bits, a
+            # probability times a scale of a small vector's (its magnitude / 127) would flush to zero.
+            value_scales = plgpu.load(v_scales_ref.at[at], mask=attended, other=0)
+            largest = jnp.maximum(value_scales.max(), jnp.float32(1e-30))
+            weights = p * (value_scales / largest)[None, :]
+            pv = plgpu.dot(weights.astype(q.dtype), values.astype(q.dtype)).astype(jnp.float32) * largest
+        else:
+            pv = plgpu.dot(p.astype(values.dtype), values).astype(jnp.float32)
+        o = correction[:, None] * o + pv
         return o, m_next, correction * total + p.sum(axis=-1)
 
     o = jnp.zeros((block_h, head_dim), jnp.float32)

@@ -181,8 +181,8 @@ class CacheSlot:
         :func:`~shardmem.models.attention.causal_attention`); decode over the cache, up to each
         sequence's position: on GPUs (a flash ``kernel``) with the Pallas decode kernel over the stacked
         cache (:mod:`shardmem.models.decode_attention`; an int8 cache's codes and scales as they are),
-        else with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a
-        layer that attends in float32 gets XLA's attention."""
+        else with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a layer that attends in float32
+        gets XLA's attention."""
         from shardmem.models import decode_attention
         from shardmem.models.attention import attend, causal_attention
 
@@ -200,8 +200,9 @@ class CacheSlot:
         window = window if window is not None and window < cache.max_len else None
         pallas = kernel is not None and kernel.decodes_in_pallas
         if pallas:
-            ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, cache, self.layer, self.positions,
-                                                  window=window)  # fmt: skip
+            scales = () if cache.key_scales is None else (cache.key_scales, cache.value_scales)
+            ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, cache.keys, cache.values, self.layer,
+                                                  self.positions, window=window, scales=scales)  # fmt: skip
             if ctx_BxLxHxK is not None:
                 return ctx_BxLxHxK, cache
         k_BxTxGxK, v_BxTxGxK = cache.read(self.layer, q_BxLxHxK.dtype)
