@@ -476,9 +476,10 @@ def _generation_inputs(args) -> _GenerationInputs:
         prompts = generation.read_prompts(args.prompt_file)
     eos = generation.parse_prompt_ids(args.eos, "--eos") if args.eos is not None else None
     config = _load(args)
-    tokenizer = file = None
+    tokenizer = source = None
     if args.prompt is not None:
         file = generation.tokenizer_file(config, args.tokenizer)
+        source = f"--tokenizer {str(file)!r}" if args.tokenizer else f"{str(file)!r} (finetune.init_from's)"
         tokenizer = generation.load_tokenizer(file)
         if args.chat:  # The template writes the special tokens.
             chats = [generation.chat_text(file, text) for text in args.prompt]
@@ -493,7 +494,7 @@ def _generation_inputs(args) -> _GenerationInputs:
     if eos is None:
         eos = generation.checkpoint_eos(config)
         notes.append(generation.run_base_note(config, eos))
-    generation.check_prompts(config, prompts, args.max_new_tokens, eos, tokenizer=file)
+    generation.check_prompts(config, prompts, args.max_new_tokens, eos, tokenizer=source)
     notes = [note for note in notes if note is not None]
     return _GenerationInputs(sampling, prompts, eos, config, notes, tokenizer)
 

@@ -470,9 +470,9 @@ def test_a_text_prompt_that_encodes_to_nothing_or_a_folder_without_a_tokenizer_i
     # naming the file.
     file = tmp_path / "tokenizer.json"
     assert main([*args, "--prompt", "日", "--tokenizer", str(file)]) == 2
-    assert (f"prompt 0 encodes with {file} to token id 259, outside the model's vocabulary of "
-            "model.vocab_size=256 (0 to 255): that tokenizer is another model's; give this model's with "
-            "--tokenizer PATH") in capsys.readouterr().err  # fmt: skip
+    assert (f"prompt 0 encodes with --tokenizer {str(file)!r} to token id 259, outside the model's "
+            "vocabulary of model.vocab_size=256 (0 to 255): the tokenizer is not this model's; give the "
+            "model's own with --tokenizer PATH") in capsys.readouterr().err  # fmt: skip
     (tmp_path / "tokenizer.json").unlink()
     (tmp_path / "tokenizer.model").write_bytes(b"")
     assert main([*args, "--prompt", "ab", "--tokenizer", str(tmp_path)]) == 2

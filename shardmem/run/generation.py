@@ -149,12 +149,13 @@ def _global(values: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = (), *,
-                  vocab: int | None = None, tokenizer: str | Path | None = None) -> None:  # fmt: skip
+                  vocab: int | None = None, tokenizer: str | None = None) -> None:  # fmt: skip
     """Raises ConfigError for prompts (and ``eos`` ids) the config's model and ``serve`` section cannot
     take, or a ``max_new_tokens`` the KV cache has no room for, naming the key to change: before anything
     is built. ``vocab``: the model's vocabulary (default: ``model.vocab_size``; a model of your own's is
-    known once its program is, ``program.serving.vocab``, and unchecked without it). ``tokenizer``: the
-    file text prompts were encoded with, named where their ids do not fit the model (another model's)."""
+    known once its program is, ``program.serving.vocab``, and unchecked without it). ``tokenizer``: which
+    tokenizer encoded text prompts (``--tokenizer 'x/tokenizer.json'``), named where their ids do not fit
+    the model."""
     serving = config.serve
     vocab = vocab if vocab is not None else getattr(config.model, "vocab_size", None)
     # The reference model's vocabulary is a key; a model of your own's is its logits' last axis.
@@ -180,8 +181,8 @@ def check_prompts(config, prompts, max_new_tokens: int, eos: Sequence[int] = (),
         bad = [t for t in prompt if vocab is not None and not 0 <= t < vocab]
         if bad and tokenizer is not None:
             raise ConfigError(f"prompt {i} encodes with {tokenizer} to token id {bad[0]}, outside the "
-                              f"model's vocabulary of {size} (0 to {vocab - 1}): that tokenizer is another "
-                              "model's; give this model's with --tokenizer PATH")  # fmt: skip
+                              f"model's vocabulary of {size} (0 to {vocab - 1}): the tokenizer is not this "
+                              "model's; give the model's own with --tokenizer PATH")  # fmt: skip
         if bad:
             raise ConfigError(f"prompt {i} has token id {bad[0]}, outside the model's vocabulary of "
                               f"{size} (0 to {vocab - 1})")  # fmt: skip
