@@ -138,6 +138,15 @@ def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(served):
     assert 0 < error.max() <= 0.03 * np.abs(cached[known]).max()
     prefill = np.arange(T - 1)[None, :] == LENGTHS[:, None] - 1
     np.testing.assert_allclose(quantized[prefill], cached[prefill], atol=2e-5, rtol=2e-5)
+    # A GPU's kernel decodes the codes and scales as they lie: the same logits as XLA's attention (no
+    # window: Pallas's flash prefill has none).
+    unwindowed = ("serve.kv_dtype=int8", "model.options.window=null")
+    pallas = _program(*unwindowed, attention=AttentionKernel("pallas", interpret=True))
+    assert "name=decode_attention" in str(pallas.decode.trace(weights, pallas.new_cache(), LENGTHS,
+                                                              LENGTHS).jaxpr)  # fmt: skip
+    np.testing.assert_allclose(_cached_logits(pallas, weights, _tokens(), LENGTHS)[known],
+                               _cached_logits(_program(*unwindowed), weights, _tokens(), LENGTHS)[known],
+                               atol=2e-5, rtol=2e-5)  # fmt: skip
 
 
 def test_quantized_weights_serve_the_model_they_quantize():
@@ -230,7 +239,7 @@ def test_a_layer_attending_in_float32_gets_xlas_attention_not_cudnns():
 def test_a_decode_step_for_gpus_in_xla_reads_the_cache_where_it_lies():
     # As matmuls, XLA's GPU compiler transposed the whole cache every step to put the KV heads (2 on
     # the one device) before the positions: decode temporaries as large as the cache. (XLA's attention,
-    # as an int8 cache runs it; a 16-bit one runs the Pallas decode kernel, above.)
+    # as heads narrower than 16 run it on GPUs; others run the Pallas decode kernel, above.)
     config = load_config(CONFIG, ["mesh.axes={data: 1, fsdp: 1, tensor: 1}", "mesh.devices_per_host=1",
                                   "serve.batch=16", "serve.max_len=2048"])  # fmt: skip
     target = make_target(config, "h100-sxm")
