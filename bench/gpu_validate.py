@@ -44,8 +44,8 @@ adds its plans before the parts.
 4. **Step time and MFU**, from the trials: the median measured step against the twin plan's predicted
    ``step_time`` (its ``--json``), and MFU (model matmul FLOPs from the plan, without recomputation,
    / step time / the device's dense bf16 peak) beside the MFU the plan predicted.
-5. **Serving** (issue 42; skipped, saying why, where this shardmem's CLI has no ``generate``): for Llama 2
-   7B's 128-token prompt at batch 1, two batch sizes and an int8 KV cache (``SERVE_TRIALS``), ``shardmem
+5. **Serving** (issue 42; skipped, saying why, where this shardmem's CLI has no ``generate``): for llama-7b
+   widths' 128-token prompt at batch 1, two batch sizes and an int8 KV cache (``SERVE_TRIALS``), ``shardmem
    plan CONFIG --serve --target <twin> --json`` on the CPUs in the background, and a fresh child
    (``--serve-child``) that compiles the prefill and the decode step, initialises the weights, times three
    prefills and every decode step until the KV cache is full, and reports ``peak_bytes_in_use`` with the
@@ -297,15 +297,16 @@ CPU_TRAIN_RUN = Trial("train", "configs/tiny.yaml",
 # serving branch wt-s1 at 9462ecf): b8 peak 5.53 GiB (the prefill's; weights 3.50, KV cache 1.06), time
 # to first token 38.4 ms, decode step 1.63 ms mean; b32 11.60 GiB (KV cache 4.25), 152.6 ms, 2.55 ms.
 # The last at batch 32 with an int8 cache: the decode kernel's codes and scales (Triton's int8 loads) on
-# the GPU, and its step against the plan's. First, Llama 2 7B whole in bf16 (32 layers) at batch 1 with a
-# prompt of 128: the shape of serving-truth.md's first-token rows that the plan predicts fast (issue 39;
-# 9.6 ms planned for an A100 against 16 and 22 ms published), its prefill timed on this GPU against the
-# plan for it: what the plan misses of a short prompt's GEMMs, or what the engines added.
+# the GPU, and its step against the plan's. First, llama-7b widths in bf16 at batch 1 with a prompt of
+# 128: the GEMMs of serving-truth.md's first-token rows that the plan predicts fast (issue 39; Llama 2
+# 7B's 32 layers: 9.6 ms planned for an A100 against 16 and 22 ms published), on 8 layers to compile in
+# the serving part's time; its prefill timed on this GPU against the plan for it: what the plan misses
+# of a short prompt's GEMMs, or what the engines added.
 _SERVE = (*ONE_DEVICE, "model.n_layers=8", "serve.prompt_len=1024", "serve.max_len=1088")
-_SHORT_PROMPT = (*ONE_DEVICE, "precision.params=bfloat16", "serve.batch=1", "serve.prompt_len=128",
-                 "serve.max_len=160")  # fmt: skip
+_SHORT_PROMPT = (*ONE_DEVICE, "model.n_layers=8", "precision.params=bfloat16", "serve.batch=1",
+                 "serve.prompt_len=128", "serve.max_len=160")  # fmt: skip
 SERVE_TRIALS = (
-    Trial("serve-7b-b1-p128", "configs/llama-7b.yaml", _SHORT_PROMPT),
+    Trial("serve-7bw-b1-p128", "configs/llama-7b.yaml", _SHORT_PROMPT),
     *(Trial(f"serve-7bw-b{batch}{kv}", "configs/llama-7b.yaml",
             (*_SERVE, f"serve.batch={batch}", *(("serve.kv_dtype=int8",) if kv else ())))
       for batch, kv in ((8, ""), (32, ""), (32, "-int8"))),

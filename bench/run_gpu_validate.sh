@@ -21,7 +21,8 @@
 #   llama-7b widths first: remat none and offload, LoRA, QLoRA, cuDNN's sliding window, the other
 #   policies; then issue 5's trials, then issue 10's), each planned for the GPU and run, while the
 #   deviceless twin plans run on the CPUs beside them; then serving (skipped where the CLI has no
-#   `generate`): prefill and decode at two batch sizes against `plan --serve`, and `generate` on the GPU
+#   `generate`): prefill and decode of a 128-token prompt at batch 1, at two larger batches and with an int8
+#   cache, against `plan --serve`, and `generate` on the GPU
 #   against the CPU's tokens. `--autotune-off` adds a local plan without autotuning per trial; `--autotune-results` a
 #   deviceless twin plan that loads the GPU's autotune results (issue 14). Results go to $OUT
 #   (gpu_validate.md: the tables and bars to paste into BENCHMARKS.md; gpu_validate.json;

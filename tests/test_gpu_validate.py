@@ -482,8 +482,8 @@ def test_issue42_trials_and_their_cpu_twins():
     assert [t.name for t in gv.GPU_TRIALS][:5] == ["7bw-today-none", "7bw-today-offload", "7bw-today-lora",
                                                    "7bw-today-qlora", "7bw-today-window"]  # fmt: skip
     assert len(gv.SERVE_TRIALS) == len(gv.CPU_SERVE_TRIALS) == 4
-    short = gv.SERVE_TRIALS[0]  # First: serving-truth.md's first-token shape, the whole model.
-    assert short.name == "serve-7b-b1-p128" and "model.n_layers=8" not in short.overrides
+    short = gv.SERVE_TRIALS[0]  # First: serving-truth.md's first-token shape.
+    assert short.name == "serve-7bw-b1-p128"
     assert {"serve.batch=1", "serve.prompt_len=128", "precision.params=bfloat16"} <= set(short.overrides)
     assert [t.name for t in gv.SERVE_TRIALS if "serve.kv_dtype=int8" in t.overrides] == ["serve-7bw-b32-int8"]
     assert gv.GENERATE_RUN.name == gv.CPU_GENERATE_RUN.name == "generate"
