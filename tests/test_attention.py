@@ -57,6 +57,40 @@ def test_kernels_match_xla_in_bf16_with_grouped_query_heads(kernel):
         assert jnp.abs(a - b).max() <= 0.05 * jnp.abs(b).max()
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)], ids=["grouped", "mha"])
+def test_pallas_matches_xla_in_float32_forward_and_gradients(heads, kv_heads):
+    q, k, v = _qkv(heads=heads, kv_heads=kv_heads)
+    kernel = AttentionKernel("pallas", interpret=True)
+    assert jnp.allclose(attend(kernel, q, k, v), causal_attention(q, k, v), atol=1e-5)
+    ours, theirs = _grads(lambda *a: attend(kernel, *a), q, k, v), _grads(causal_attention, q, k, v)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.shape == b.shape and jnp.allclose(a, b, atol=1e-4)
+
+
+def test_pallas_reads_grouped_keys_and_values_without_a_copy_per_query_head():
+    """As cuDNN does: the kernels take the 2 key/value heads, and the backward pass keeps them, not 4
+    copies (the saved residuals: queries, keys, values, output, log-sum-exp)."""
+    from shardmem.planning.hlo import _sub_jaxprs
+
+    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = _qkv(jnp.bfloat16, heads=4, kv_heads=2)
+    kernel = AttentionKernel("pallas", interpret=True)
+    _, backward = jax.vjp(lambda *a: attend(kernel, *a), q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+    saved = sorted(x.shape for x in jax.tree.leaves(backward))
+    assert saved == [(2, 4, 64), (2, 64, 2, 16), (2, 64, 2, 16), (2, 64, 4, 16), (2, 64, 4, 16)]
+
+    def kernels(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn.params["name"], [x.aval.shape for x in eqn.invars]
+            for sub in _sub_jaxprs(eqn.params):
+                yield from kernels(getattr(sub, "jaxpr", sub))
+
+    differentiated = jax.make_jaxpr(lambda *a: _grads(lambda *b: attend(kernel, *b), *a))
+    called = dict(kernels(differentiated(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK).jaxpr))
+    assert called["mha_forward"][1:3] == [(2, 64, 2, 16)] * 2
+    assert called["mha_backward"][1:3] == [(2, 64, 2, 16)] * 2
+
+
 @pytest.mark.parametrize(
     "requested, where, expected",
     [

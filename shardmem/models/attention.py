@@ -7,11 +7,12 @@ table of what each does (:data:`KERNELS`).
 ``model.attention: auto`` runs cuDNN flash attention on an attached NVIDIA GPU and query-chunked
 attention on CPU. cuDNN kernels cannot be compiled without a GPU ("cuDNN not found"), so a deviceless GPU
 plan compiles JAX's Pallas Triton flash kernel in its place: the same O(L) memory (no L x L scores, the
-output and its log-sum-exp kept for the backward), and the report says what it stands for. On TPUs
-(attached or deviceless) ``auto`` is query-chunked attention: the Pallas kernel here is the GPU's Triton one.
-So it is on GPUs before Ampere (T4, V100: compute capability below 8.0), for which neither flash kernel
-builds. cuDNN takes heads that are a multiple of 8, up to 128 before Hopper and 256 from it: others get
-Pallas's flash kernel itself from ``auto``, on the GPU and in its deviceless plan alike.
+output and its log-sum-exp kept for the backward; grouped-query keys and values read and kept as they are,
+not copied to every query head: :mod:`shardmem.models.grouped_flash`), and the report says what it stands
+for. On TPUs (attached or deviceless) ``auto`` is query-chunked attention: the Pallas kernel here is the
+GPU's Triton one. So it is on GPUs before Ampere (T4, V100: compute capability below 8.0), for which
+neither flash kernel builds. cuDNN takes heads that are a multiple of 8, up to 128 before Hopper and 256
+from it: others get Pallas's flash kernel itself from ``auto``, on the GPU and in its deviceless plan alike.
 
 A sliding window (``model.sliding_window``, Mistral's: each position attends to the last ``window``
 positions, itself included, as ``transformers`` masks them) is a mask in ``xla``, a slice of the keys in
@@ -31,14 +32,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardmem.errors import ConfigError, one_of
+from shardmem.models import grouped_flash
 from shardmem.parallel import rules as _rules
 
 #: What each kernel does, and where it runs.
 KERNELS = {
     "cudnn": "cuDNN flash attention (jax.nn.dot_product_attention, implementation='cudnn'): no L x L "
     "scores; attached NVIDIA GPUs only",
-    "pallas": "JAX's Pallas Triton flash attention (jax.experimental.pallas.ops.gpu.attention.mha): no "
-    "L x L scores; NVIDIA GPUs, deviceless too (interpret mode on CPU, for tests)",
+    "pallas": "JAX's Pallas Triton flash attention (jax.experimental.pallas.ops.gpu.attention's kernels, "
+    "reading grouped-query keys and values as they are: shardmem.models.grouped_flash): no L x L scores; "
+    "NVIDIA GPUs, deviceless too (interpret mode on CPU, for tests)",
     "chunked": "blocks of model.attention_chunk queries, each recomputed in the backward pass: "
     "L x chunk scores for one extra QK/PV product",
     "xla": "plain softmax attention: fp32 L x L scores per head",
@@ -378,18 +381,12 @@ def _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
 
 
 def _pallas_attention(attention: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # Loads Triton support.
-
-    (_, length, h, k), g = q_BxLxHxK.shape, k_BxLxGxK.shape[2]
-    blocks = attention.flash_blocks(k, length, q_BxLxHxK.dtype.itemsize)
-
-    def kernel(q, key, value):
-        if g != h:  # The kernel has no grouped-query mode: each query head gets its KV head's copy.
-            key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))
-        return pallas_attention.mha(q, key, value, None, sm_scale=k**-0.5, causal=True, block_sizes=blocks,
-                                    interpret=attention.interpret)  # fmt: skip
-
-    return _per_shard(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+    """JAX's Pallas flash kernels on each device's heads, reading grouped key/value heads as they are
+    (:mod:`shardmem.models.grouped_flash`), as cuDNN does: no copy of the keys and values per query head."""
+    length, k = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
+    fn = functools.partial(grouped_flash.causal_attention, interpret=attention.interpret,
+                           blocks=attention.flash_blocks(k, length, q_BxLxHxK.dtype.itemsize))  # fmt: skip
+    return _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 
 def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions=None, k_positions=None,

@@ -1,19 +1,24 @@
 """JAX's Pallas Triton flash-attention kernels on grouped-query heads, with no copy of the keys and values.
 
+    ctx_BxTxHxK = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, blocks=blocks, interpret=False)
+
     out_BxTxHxK, lse_BxHxT = forward(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, causal=True, scale=k**-0.5,
                                      blocks=blocks, interpret=False)
     delta_BxHxT = delta(out_BxTxHxK, d_out_BxTxHxK, blocks=blocks, interpret=False)
     dq, dk, dv = backward(q, k, v, lse, delta_BxHxT, d_out, causal=True, scale=..., blocks=..., interpret=...)
 
 ``jax.experimental.pallas.ops.gpu.attention.mha`` takes as many key/value heads as query heads, so a
-grouped-query model (Llama 3: 32 query heads, 8 key/value heads) had to repeat each key/value head to its
-``H / G`` query heads before every call: a query-sized copy of the keys and one of the values per call, and
-in the backward pass a copy of each and a float32 sum of the per-query-head gradients. cuDNN and
-FlashAttention-2 read the grouped keys and values as they are. These calls run the same kernel bodies
-(``mha_forward_kernel``, ``mha_backward_kernel``: the same code, tiles and FLOPs) under block specs that
-read key/value head ``h // (H / G)`` for query head ``h``. The backward kernel writes one key and value
-gradient per query head (as FlashAttention-2's backward does for grouped heads), summed over each group
-here in float32.
+grouped-query model (Llama 3: 32 query heads, 8 key/value heads) would have to repeat each key/value head
+to its ``H / G`` query heads before every call: a query-sized copy of the keys and one of the values, which
+``mha`` then saves for its backward pass (``H / G`` times the grouped bytes), and in the backward pass a
+sum of the per-query-head gradients. cuDNN and FlashAttention-2 read the grouped keys and values as they
+are. These calls run the same kernel bodies (``mha_forward_kernel``, ``mha_backward_kernel``: the same
+code, tiles and FLOPs, and the kernel names the step-time model reads) under block specs that read
+key/value head ``h // (H / G)`` for query head ``h``. The backward kernel writes one key and value gradient
+per query head (as FlashAttention-2's backward does for grouped heads), summed over each group here in
+float32. :func:`causal_attention` is the whole differentiable attention (the ``pallas`` kernel and the
+deviceless stand-in for cuDNN, :mod:`shardmem.models.attention`); :mod:`shardmem.parallel.context` runs
+the three pieces on the blocks of a split sequence.
 """
 
 from __future__ import annotations
@@ -124,3 +129,33 @@ def backward(q_BxTxHxK, k_BxMxGxK, v_BxMxGxK, lse_BxHxT, delta_BxHxT, d_out_BxTx
         return d_BxMxHxK.astype(jnp.float32).reshape(batch, keys, kv_heads, group, head_dim).sum(3)
 
     return dq.astype(jnp.float32), grouped(dk_BxMxHxK), grouped(dv_BxMxHxK)
+
+
+def causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, *, blocks, interpret: bool):
+    """Returns causal flash attention ``[B, T, H, K]`` of grouped-query heads, differentiable: the
+    kernels of :func:`forward`, :func:`delta` and :func:`backward` in one ``custom_vjp``, as JAX's ``mha``
+    holds its own, saving for the backward the grouped keys and values (not ``H / G`` copies of them),
+    the queries, the output and its log-sum-exp."""
+    return _causal(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, blocks, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _causal(q, k, v, blocks, interpret):
+    return _causal_forward(q, k, v, blocks, interpret)[0]
+
+
+def _causal_forward(q, k, v, blocks, interpret):
+    out, lse = forward(q, k, v, causal=True, scale=q.shape[3] ** -0.5, blocks=blocks, interpret=interpret)
+    return out, (q, k, v, out, lse)
+
+
+def _causal_backward(blocks, interpret, residuals, d_out):
+    q, k, v, out, lse = residuals
+    d_out = d_out.astype(q.dtype)
+    rows = delta(out, d_out, blocks=blocks, interpret=interpret)
+    dq, dk, dv = backward(q, k, v, lse, rows, d_out, causal=True, scale=q.shape[3] ** -0.5, blocks=blocks,
+                          interpret=interpret)  # fmt: skip
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_causal.defvjp(_causal_forward, _causal_backward)
