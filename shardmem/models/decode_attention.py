@@ -15,9 +15,10 @@ repeating a KV head) and reads only the blocks of its part that its sequence att
 the sequence's own, the last ``window`` of them with a sliding window. The parts fill the GPU at batch 1
 (batch x KV heads x splits >= its SMs, as flash-decoding splits the keys). An int8 cache is read as its
 codes and their scales (one a position and KV head): each score is the query against a key's codes
-times the key's scale, each probability times its value's scale before the PV product: a byte a
-code read once, as the 16-bit cache is read. On CPU it runs in Pallas's interpret mode (tests);
-generation on CPU keeps XLA's attention.
+times the key's scale, each probability times its value's scale (over the block's largest, so that
+16-bit products keep a small vector's) before the PV product: a byte a code read once, as the 16-bit
+cache is read. On CPU it runs in Pallas's interpret mode (tests); generation on CPU keeps XLA's
+attention.
 
 Learned from ``jax.experimental.pallas.ops.gpu.decode_attention`` (its ``gqa``), which does not fit as
 it is: it takes one layer's keys transposed to ``[B, G, T, K]`` (a copy of the layer, each step), and
