@@ -2,15 +2,15 @@
 
 transformers' PyTorch models make random tiny checkpoints with each feature (Llama 3.1/3.2 rope scaling,
 linear, dynamic and YaRN scalings, Mistral's sliding window, tied and untied heads, a sharded folder with an
-index and a stray consolidated file, Gemma) with their own ``save_pretrained``, and their logits; shardmem
-loads each folder knowing only ``seq_len`` (the rest from config.json) and compares its float32 logits.
-Then shardmem exports a LoRA fine-tune of one of them, merged and as adapters, and transformers (and PEFT,
-where installed) load those folders as they are. And each checkpoint generates: transformers' greedy
-``generate`` with its KV cache (each prompt alone, and both together, left-padded) records every step's
-logits, and shardmem's serving program (prefill, then decode steps fed transformers' tokens) is compared
-step by step; the dynamic RoPE case's prompts and generations pass its ``max_position_embeddings``, where
-transformers' cache keeps each key as it was rotated. Three steps, two Pythons (PyTorch is not in
-shardmem's environment):
+index and a stray consolidated file, Gemma, Qwen3's head norms) with their own ``save_pretrained``, and their
+logits; shardmem loads each folder knowing only ``seq_len`` (the rest from config.json) and compares its
+float32 logits. Then shardmem exports a LoRA fine-tune of one of them, merged and as adapters, and
+transformers (and PEFT, where installed) load those folders as they are. And each checkpoint generates:
+transformers' greedy ``generate`` with its KV cache (each prompt alone, and both together, left-padded)
+records every step's logits, and shardmem's serving program (prefill, then decode steps fed transformers'
+tokens) is compared step by step; the dynamic RoPE case's prompts and generations pass its
+``max_position_embeddings``, where transformers' cache keeps each key as it was rotated. Three steps, two
+Pythons (PyTorch is not in shardmem's environment):
 
     /work/venv-torch/bin/python bench/checkpoint_features.py make OUT     # torch: checkpoints and logits
     PYTHONPATH=. .venv/bin/python bench/checkpoint_features.py check OUT  # shardmem: load, compare, export
@@ -50,6 +50,10 @@ CASES = {
                                                                          "attention_chunk": 16}),
     "sharded + index + stray file": ("LlamaConfig", dict(), {}),
     "gemma": ("GemmaConfig", dict(head_dim=32, hidden_activation="gelu_pytorch_tanh"), {}),
+    "qwen3 head norms": ("Qwen3Config", dict(head_dim=32), {}),  # Heads wider than hidden / heads (16).
+    "qwen3 tied + window": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True,
+                                               use_sliding_window=True, sliding_window=16,
+                                               max_window_layers=0), {"attention": "xla"}),
 }  # fmt: skip
 
 

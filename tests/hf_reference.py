@@ -1,7 +1,7 @@
 """Hugging Face checkpoints made here, and the forward pass ``transformers`` runs on them, ported to numpy
 float64 from its PyTorch models (``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
-``modeling_gemma.py``, ``modeling_rope_utils.py``, ``masking_utils.py`` of transformers 4.57): the
-independent reference shardmem's logits are compared with, written without shardmem's code.
+``modeling_qwen3.py``, ``modeling_gemma.py``, ``modeling_rope_utils.py``, ``masking_utils.py`` of transformers
+4.57): the independent reference shardmem's logits are compared with, written without shardmem's code.
 
     config = hf_config("llama", rope_scaling={"rope_type": "llama3", ...})   # a config.json
     tensors = random_tensors(config, seed=0)                                 # HF names, [out, in]
@@ -30,6 +30,8 @@ def hf_config(model_type: str = "llama", **options) -> dict:
         config |= {"head_dim": 32, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}
     if model_type == "mistral":
         config["sliding_window"] = None
+    if model_type == "qwen3":  # Qwen3's heads are wider than hidden / heads, as Qwen3-0.6B's (128 > 64).
+        config["head_dim"] = 24
     return config | options
 
 
@@ -64,6 +66,8 @@ def random_tensors(config: dict, seed: int = 0) -> dict:
         if config["model_type"] == "qwen2":
             for n, width in (("q", heads * k), ("k", groups * k), ("v", groups * k)):
                 tensors[f"{p}self_attn.{n}_proj.bias"] = w(width)
+        if config["model_type"] == "qwen3":  # A scale over a head's width for the queries, one for the keys.
+            tensors |= {f"{p}self_attn.q_norm.weight": 1 + w(k), f"{p}self_attn.k_norm.weight": 1 + w(k)}
     return tensors
 
 
@@ -220,7 +224,7 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
     q_idx, kv_idx = np.arange(T - S, T)[:, None], np.arange(T)[None, :]
     allowed = (kv_idx <= q_idx) & mask[:, None, None, :]
     window = config.get("sliding_window") if config["model_type"] == "mistral" else None
-    if config["model_type"] == "qwen2" and config.get("use_sliding_window"):
+    if config["model_type"] in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         window = config["sliding_window"]  # Every layer's, in these tests (max_window_layers 0).
     if window is not None:
         allowed = allowed & (kv_idx > q_idx - window)  # masking_utils.sliding_window_overlay
@@ -235,6 +239,8 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
                     for n in "qkv")  # fmt: skip
         q = q.reshape(B, S, heads, k).transpose(0, 2, 1, 3)
         kk, v = (a.reshape(B, S, groups, k).transpose(0, 2, 1, 3) for a in (kk, v))
+        if config["model_type"] == "qwen3":  # Each head normed over its width, before RoPE.
+            q, kk = norm(q, t[p + "self_attn.q_norm.weight"]), norm(kk, t[p + "self_attn.k_norm.weight"])
         q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
         if cache is not None:  # The keys as rotated when they were computed.
             if len(cache) == i:

@@ -82,8 +82,9 @@ def _numpy_greedy(config: dict, tensors: dict) -> list[list[int]]:
     ("mistral", {"sliding_window": 4}),  # Shorter than most of these sequences: the window is active.
     pytest.param("gemma", {}, marks=pytest.mark.slow),
     pytest.param("qwen2", {}, marks=pytest.mark.slow),
+    pytest.param("qwen3", {}, marks=pytest.mark.slow),
 ])  # fmt: skip
-def test_greedy_output_equals_transformers_forward_with_a_sliding_window_gemma_and_qwen2(
+def test_greedy_output_equals_transformers_forward_with_a_sliding_window_gemma_and_qwens(
     model_type, options, tmp_path
 ):
     config = hf.hf_config(model_type, **options)

@@ -200,6 +200,27 @@ def test_a_qwen2_window_on_every_layer_gives_transformers_logits(tmp_path):
     _assert_matches(got, config, tensors, {**config, "use_sliding_window": False})
 
 
+@pytest.mark.newest
+@pytest.mark.parametrize("options, axes", [
+    ({}, {"data": 1}),
+    ({"tie_word_embeddings": True}, {"fsdp": 2, "tensor": 2}),  # The head norms' scales replicated.
+    ({"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}, {"data": 1}),
+])  # fmt: skip
+def test_a_qwen3_checkpoint_norms_each_query_and_key_head_as_transformers_does(tmp_path, options, axes):
+    config, tensors = _checkpoint(tmp_path, "qwen3", **options)  # Was refused: model_type 'qwen3'.
+    program, state, got = _logits(_config(tmp_path, axes=axes))
+    # Without the head norms: the same weights as a Llama of Qwen3's wider heads.
+    _assert_matches(got, config, tensors, {**config, "model_type": "llama"})
+    assert program.config.model.head_size == 24 and program.config.model.qk_norm
+    assert state["params"]["layers"]["q_norm"]["scale"].shape == (hf.L, 24)
+    assert sum(x.size for x in jax.tree.leaves(state["params"])) == program.config.model.param_count()
+
+
+def test_a_qwen3_config_json_without_head_dim_has_transformers_default_of_128():
+    config = {k: v for k, v in hf.hf_config("qwen3").items() if k != "head_dim"}
+    assert model_fields(config, "x")["head_dim"] == 128  # Not hidden_size / heads (16), as Qwen2's.
+
+
 def test_a_window_refuses_the_pallas_kernel_where_it_would_run(tmp_path):
     _checkpoint(tmp_path, "mistral", sliding_window=5)
     with pytest.raises(ConfigError) as error:
@@ -226,7 +247,10 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
     ({"model_type": "phi3"}, "model_type 'phi3'"),
     ({"attention_bias": True}, "attention_bias: true"),  # Llama's q, k, v and o projections read it,
     ({"mlp_bias": True}, "mlp_bias: true"),  # and its MLP's this one;
-    ({"model_type": "gemma", "attention_bias": True}, "attention_bias: true"),  # Gemma's attention too.
+    ({"model_type": "gemma", "attention_bias": True}, "attention_bias: true"),  # Gemma's attention too,
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias: true"),  # Qwen3's o_proj too.
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     "a sliding window on 1 of its 2 layers"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0]}},
      "rope_scaling short_factor"),
@@ -333,7 +357,8 @@ def test_seq_len_is_the_one_key_a_pretrained_model_needs(tmp_path):
 @pytest.mark.parametrize("model_type, options", [
     ("llama", {"rope_scaling": LLAMA3}), ("mistral", {"sliding_window": 5}),
     ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
-    ("gemma", {}),
+    ("gemma", {}), ("qwen3", {}), ("qwen3", {"use_sliding_window": True, "sliding_window": 5,
+                                             "max_window_layers": 0}),
     # Not the type's usual activation: an export that wrote silu (Gemma: gelu_pytorch_tanh) gave other logits.
     ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
     ("gemma", {"hidden_act": "silu", "hidden_activation": "silu"}),

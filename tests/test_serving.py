@@ -23,10 +23,11 @@ from shardmem.program.serving import stacked
 pytestmark = pytest.mark.newest
 
 # Every feature the cached forward must carry over from the training one, in one tiny model: grouped-query
-# attention (4 heads, 2 KV heads), a sliding window shorter than the prompts, Qwen2's qkv biases, Gemma's
-# norm offset, embedding scale, tied head and GeGLU.
-MODEL = {"preset": "tiny", "n_layers": 2, "sliding_window": 6, "qkv_bias": True, "norm_offset": 1.0,
-         "scale_embeddings": True, "tie_embeddings": True, "mlp_activation": "gelu_tanh"}  # fmt: skip
+# attention (4 heads, 2 KV heads), a sliding window shorter than the prompts, Qwen2's qkv biases, Qwen3's
+# head norms, Gemma's norm offset, embedding scale, tied head and GeGLU.
+MODEL = {"preset": "tiny", "n_layers": 2, "sliding_window": 6, "qkv_bias": True, "qk_norm": True,
+         "norm_offset": 1.0, "scale_embeddings": True, "tie_embeddings": True,
+         "mlp_activation": "gelu_tanh"}  # fmt: skip
 B, P_LEN, T = 8, 8, 16
 LENGTHS = np.array([8, 3, 1, 5, 8, 2, 7, 4], np.int32)  # Prompts of every length in one batch.
 

@@ -229,6 +229,30 @@ def test_a_qwen2_checkpoint_with_qkv_biases_loads_with_the_same_logits(tmp_path)
                                tensors["model.layers.1.self_attn.k_proj.bias"], atol=1e-7)  # fmt: skip
 
 
+def test_a_qwen3_checkpoint_trains_adapters_and_exports_its_head_norms_and_config(tmp_path):
+    config = hf.hf_config("qwen3", tie_word_embeddings=True)
+    tensors = hf.random_tensors(config, seed=7)
+    hf.save(tmp_path / "qwen3", config, tensors, shards=2)
+    shardmem_config = config_from_dict({
+        "model": {"seq_len": 16}, "mesh": {"axes": {"fsdp": 2, "tensor": 2}},
+        "precision": {"compute": "float32"}, "train": {"global_batch": 8},
+        "finetune": {"init_from": str(tmp_path / "qwen3"), "base_dtype": "float32",
+                     "lora": {"rank": 2, "targets": ["layers/wq", "layers/wk"]}},
+    })  # fmt: skip
+    program = build_program(shardmem_config, build_mesh(shardmem_config.mesh.axes, jax.devices()[:4]))
+    state = program.init()
+    assert "q_norm" in state["frozen"]["layers"]  # Not adapted, not trained: frozen as the norms are.
+    exported = tmp_path / "out"
+    written = load_file(str(export_safetensors(program, state, exported, dtype=jnp.float32)))
+    assert set(written) == set(tensors)  # B is zero: the checkpoint's own tensors, the head norms' too.
+    for name in ("model.layers.1.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"):
+        np.testing.assert_allclose(written[name], tensors[name], atol=1e-7)
+    again = json.loads((exported / "config.json").read_text())
+    assert again["model_type"] == "qwen3" and again["head_dim"] == 24
+    reloaded = config_from_dict({"model": {"seq_len": 16}, "finetune": {"init_from": str(exported)}})
+    assert reloaded.model == program.config.model
+
+
 def test_an_orbax_checkpoint_of_a_run_loads_its_parameters_into_a_lora_program(tmp_path):
     from shardmem.run.checkpoint import Checkpointer
 

@@ -30,13 +30,13 @@ from shardmem.models.rope import ROPE_TYPES
 
 #: config.json's model_type -> the transformers class its weights are written for.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "gemma": "GemmaForCausalLM"}  # fmt: skip
+               "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}  # fmt: skip
 #: The model keys a checkpoint decides; the rest (seq_len, the attention kernel, chunks, the experts'
 #: capacity and loss weight) are the training run's.
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
                      "rope_theta", "rope_scaling", "sliding_window", "norm_eps", "norm_offset",
-                     "scale_embeddings", "mlp_activation", "qkv_bias", "tie_embeddings", "n_experts",
-                     "experts_per_token")  # fmt: skip
+                     "scale_embeddings", "mlp_activation", "qkv_bias", "qk_norm", "tie_embeddings",
+                     "n_experts", "experts_per_token")  # fmt: skip
 # transformers' defaults for keys a config.json may leave out, by model type (num_key_value_heads:
 # Llama's is num_attention_heads, as every type's null is; max_position_embeddings: dynamic and yarn's).
 _DEFAULTS = {
@@ -46,6 +46,8 @@ _DEFAULTS = {
                 "sliding_window": 4096, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32},
     "qwen2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
               "num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "qwen3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": 128,
+              "num_key_value_heads": 32, "max_position_embeddings": 32768},
     "gemma": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh",
               "head_dim": 256, "num_key_value_heads": 16, "max_position_embeddings": 8192},
 }  # fmt: skip
@@ -54,9 +56,9 @@ _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.ml
 #: The bias flags each type's forward reads (transformers 4.57): Llama's attention projections take
 #: attention_bias and its MLP's mlp_bias; Gemma's attention takes attention_bias, its MLP has no bias;
 #: Mistral builds every projection without one, and Qwen2 its q, k and v with one (qkv_bias), whatever
-#: config.json says.
+#: config.json says; Qwen3's attention_bias puts one on q, k, v and o.
 _BIAS_FLAGS = {"llama": ("attention_bias", "mlp_bias"), "gemma": ("attention_bias",), "mistral": (),
-               "qwen2": ()}  # fmt: skip
+               "qwen2": (), "qwen3": ("attention_bias",)}  # fmt: skip
 _ROPE_KEYS = {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings",
               "beta_fast", "beta_slow", "attention_factor", "truncate"}  # fmt: skip
@@ -164,7 +166,7 @@ def model_fields(hf: dict, where: str) -> dict:
         "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": scaling,
         "sliding_window": _sliding_window(hf, kind, where, refuse), "norm_eps": float(get("rms_norm_eps")),
         "norm_offset": 1.0 if gemma else 0.0, "scale_embeddings": gemma,
-        "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2",
+        "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3",
         "tie_embeddings": bool(get("tie_word_embeddings")), "n_experts": 0,
     }  # fmt: skip
 
@@ -276,15 +278,15 @@ def _no_positions(where: str) -> ConfigError:
 
 
 def _sliding_window(hf: dict, kind: str, where: str, refuse) -> int | None:
-    """Mistral's window, or Qwen2's where it covers every layer (transformers: layer i slides from
-    ``max_window_layers`` on, or as ``layer_types`` says, with ``sliding_window`` when
+    """Mistral's window, or Qwen2's or Qwen3's where it covers every layer (transformers: layer i slides
+    from ``max_window_layers`` on, or as ``layer_types`` says, with ``sliding_window`` when
     ``use_sliding_window``; a null window is none)."""
     if kind == "mistral":
         window = hf.get("sliding_window", 4096)
         if window == 0:
             raise _no_positions(where)
         return window
-    if kind != "qwen2":
+    if kind not in ("qwen2", "qwen3"):
         return None
     layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
@@ -354,7 +356,7 @@ def to_hf(model, base: dict | None, dtype: str) -> dict | None:
         out["dtype"] = dtype
     if kind == "mistral":
         out["sliding_window"] = model.sliding_window
-    elif kind == "qwen2":
+    elif kind in ("qwen2", "qwen3"):
         out.update(use_sliding_window=model.sliding_window is not None, max_window_layers=0,
                    sliding_window=model.sliding_window, layer_types=None)  # fmt: skip
     # The model's own activation (a Llama of gelu_pytorch_tanh, a Gemma of silu), not the type's usual one.
@@ -371,10 +373,12 @@ def _model_type(model) -> str | None:
     if model.n_experts or model.mlp_activation not in _HF_ACTIVATIONS:
         return None
     if (model.norm_offset, model.scale_embeddings) == (1.0, True):
-        plain = not model.qkv_bias and model.sliding_window is None and model.rope_scaling is None
-        return "gemma" if plain else None
+        plain = model.sliding_window is None and model.rope_scaling is None
+        return "gemma" if plain and not (model.qkv_bias or model.qk_norm) else None
     if (model.norm_offset, model.scale_embeddings) != (0.0, False):
         return None
-    if model.qkv_bias:
-        return "qwen2"
+    if model.qkv_bias and model.qk_norm:
+        return None
+    if model.qkv_bias or model.qk_norm:
+        return "qwen2" if model.qkv_bias else "qwen3"
     return "mistral" if model.sliding_window is not None else "llama"

@@ -5,13 +5,13 @@ checked against the model from their headers, then read straight into their shar
     params = load_safetensors("Llama-3.2-1B/", program)   # the model's parameters, sharded as planned
     state = program.start_from(params)                      # split, quantized, adapters, optimizer
 
-The reference model reads the Llama layout that Llama, Mistral, Gemma (with the model's
-``norm_offset``, ``scale_embeddings`` and ``mlp_activation`` set as Gemma's) and Qwen2 (``qkv_bias``)
-checkpoints share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]``
-and transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own
-parameter paths with ``.`` for ``/`` (what :func:`~shardmem.finetune.export.export_safetensors` writes
-for it), in its own layout. For the reference model, files whose metadata says ``format: flax``
-(transformers' Flax ``save_pretrained``) are read in that layout: ``kernel`` matrices ``[in, out]`` and
+The reference model reads the Llama layout that Llama, Mistral, Gemma (with the model's ``norm_offset``,
+``scale_embeddings`` and ``mlp_activation`` set as Gemma's), Qwen2 (``qkv_bias``) and Qwen3 (``qk_norm``)
+checkpoints share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]`` and
+transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own parameter
+paths with ``.`` for ``/`` (what :func:`~shardmem.finetune.export.export_safetensors` writes for it), in its
+own layout. For the reference model, files whose metadata says ``format: flax`` (transformers' Flax
+``save_pretrained``) are read in that layout: ``kernel`` matrices ``[in, out]`` and
 ``model.embed_tokens.embedding``. Which files hold which tensors (an index, a stray consolidated file) is
 :mod:`shardmem.finetune.safetensors_files`'s; the architecture in a folder's ``config.json``,
 :mod:`shardmem.finetune.hf_config`'s.
@@ -47,6 +47,8 @@ _LAYER_NAMES = {
     "bq": ("self_attn.q_proj.bias", "flat"),  # Qwen2's [heads x head_dim] biases, stored flat.
     "bk": ("self_attn.k_proj.bias", "flat"),
     "bv": ("self_attn.v_proj.bias", "flat"),
+    "q_norm/scale": ("self_attn.q_norm.weight", False),  # Qwen3's, over a head's width.
+    "k_norm/scale": ("self_attn.k_norm.weight", False),
     "attn_norm/scale": ("input_layernorm.weight", False),
     "mlp_norm/scale": ("post_attention_layernorm.weight", False),
 }

@@ -78,6 +78,7 @@ class ModelConfig:
     scale_embeddings: bool = False  # Multiply the input embeddings by sqrt(d_model) (Gemma).
     mlp_activation: str = "silu"  # The gated MLP's: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU).
     qkv_bias: bool = False  # Biases on the query, key and value projections (Qwen2).
+    qk_norm: bool = False  # RMSNorm of each query and key head, before RoPE (Qwen3).
     tie_embeddings: bool = False  # The output head reuses the input embedding.
     attention: str = "auto"  # A kernel of shardmem.models.attention.ATTENTION_CHOICES.
     attention_chunk: int | None = None  # Query block of the `chunked` kernel (None: 512).
@@ -103,7 +104,8 @@ class ModelConfig:
         if self.n_experts:
             mlp = self.n_experts * mlp + d * self.n_experts  # Experts and the router.
         biases = (h + 2 * kv) * k if self.qkv_bias else 0
-        layer = attention + biases + mlp + 2 * d
+        head_norms = 2 * k if self.qk_norm else 0
+        layer = attention + biases + head_norms + mlp + 2 * d
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embeddings + d
 
@@ -266,8 +268,9 @@ def _gathered_projections(project, h_BxLxD, names):
 
 
 class Block(nnx.Module):
-    """One decoder layer: pre-norm grouped-query attention, then a pre-norm SwiGLU MLP (or, with
-    ``n_experts``, a mixture of SwiGLU experts). ``collective_matmuls``: under sequence parallelism,
+    """One decoder layer: pre-norm grouped-query attention (with ``qk_norm``, each query and key head
+    RMS-normed before RoPE), then a pre-norm SwiGLU MLP (or, with ``n_experts``, a mixture of SwiGLU
+    experts). ``collective_matmuls``: under sequence parallelism,
     the tensor-parallel projections run as collective matmuls
     (:mod:`shardmem.parallel.collective_matmul`)."""
 
@@ -293,6 +296,9 @@ class Block(nnx.Module):
             self.bq = bias(("heads", "head_dim"), (h, k))
             self.bk = bias(("kv_heads", "head_dim"), (kv, k))
             self.bv = bias(("kv_heads", "head_dim"), (kv, k))
+        if cfg.qk_norm:  # One scale over a head's width, shared by the heads.
+            self.q_norm = RMSNorm(k, cfg.norm_eps, **norm)
+            self.k_norm = RMSNorm(k, cfg.norm_eps, **norm)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps, **norm)
         if cfg.n_experts:
             self.moe = MoEFeedForward(d, f, cfg.n_experts, rngs=rngs, experts_per_token=cfg.experts_per_token,
@@ -420,6 +426,8 @@ class Block(nnx.Module):
                 q_BxLxHxK = q_BxLxHxK + weight(value_of(self.bq), self.compute_dtype)
                 k_BxLxGxK = k_BxLxGxK + weight(value_of(self.bk), self.compute_dtype)
                 v_BxLxGxK = v_BxLxGxK + weight(value_of(self.bv), self.compute_dtype)
+            if cfg.qk_norm:
+                q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
             # A decode step's unrolled layers share the rotary tables (a prefill's kept them in its
             # rotations: apart, XLA kept more of the prompt's temporaries live, 1.5 GiB at 29,000 tokens).
             shared = cache is not None and not cache.prefill
