@@ -6,10 +6,10 @@ plan against its run, in one run.
     python bench/gpu_validate.py --cpu              # the same pipeline on CPU with tiny models (a dry run)
     python bench/gpu_validate.py --only 1b-none --steps 3
 
-Five pieces, run one after another on the GPU (each in fresh processes, so that the driver itself never
-starts a GPU client and holds no device memory), in this order, in four timed parts, each with its share
+Six pieces, run one after another on the GPU (each in fresh processes, so that the driver itself never
+starts a GPU client and holds no device memory), in this order, in five timed parts, each with its share
 of ``--deadline`` (:data:`PART_BUDGETS`; the default deadline, 510 s, is their sum): gradients 90 s,
-train 60 s, trials 210 s (piece 4, step time and MFU, comes from them), serving 150 s. A part's
+train 60 s, trials 180 s (piece 4, step time and MFU, comes from them), GEMMs 30 s, serving 150 s. A part's
 deadline is the sum of the budgets up to its own: no child of a part starts or runs past it (each child's
 time-out is the part's time left), so one hang costs only its part, and what a part leaves unused goes
 to the next. With the probe, the imports and nvidia-smi the whole run stays inside the device tool's
@@ -44,7 +44,11 @@ adds its plans before the parts.
 4. **Step time and MFU**, from the trials: the median measured step against the twin plan's predicted
    ``step_time`` (its ``--json``), and MFU (model matmul FLOPs from the plan, without recomputation,
    / step time / the device's dense bf16 peak) beside the MFU the plan predicted.
-5. **Serving** (issue 42; skipped, saying why, where this shardmem's CLI has no ``generate``): for llama-7b
+5. **GEMMs** (issue 39; ``GEMM_SHAPES``): a child (``--gemm-child``) times llama-7b's layer GEMMs, each
+   over 8 weights of its own, at the rows of decode steps and of short and long prompts' prefills, one
+   jitted call per row count, against the step-time model's cost of the program XLA compiled there for
+   this GPU's spec: what the model gives a GEMM of 128 rows, whose prefills it plans fast, measured alone.
+6. **Serving** (issue 42; skipped, saying why, where this shardmem's CLI has no ``generate``): for llama-7b
    widths' 128-token prompt at batch 1, two batch sizes and an int8 KV cache (``SERVE_TRIALS``), ``shardmem
    plan CONFIG --serve --target <twin> --json`` on the CPUs in the background, and a fresh child
    (``--serve-child``) that compiles the prefill and the decode step, initialises the weights, times three
@@ -110,7 +114,7 @@ OOM_MARKERS = ("resource_exhausted", "out of memory", "out_of_memory")
 VERDICT_KINDS = ("local", "twin")  # Plans whose verdicts the bars judge.
 #: Seconds of the GPU round per part, in the order they run (the default ``--deadline`` is their sum:
 #: with the probe, the imports and nvidia-smi, the run stays inside the device tool's 600 s command).
-PART_BUDGETS = {"gradients": 90, "train": 60, "trials": 210, "serving": 150}
+PART_BUDGETS = {"gradients": 90, "train": 60, "trials": 180, "gemm": 30, "serving": 150}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +334,18 @@ CPU_GENERATE_RUN = Trial("generate", "configs/tiny.yaml",
                           "serve.max_len=32"))  # fmt: skip
 GENERATE_PROMPTS = ((1, 30, 46, 27, 65, 31), (1, 45, 49, 17, 170, 29, 43, 172, 97))  # In every vocabulary.
 GENERATE_TOKENS = 16
+# The GEMMs of a llama-7b layer (K -> N: the fused q/k/v projection, o, the fused gate and up, down) at the
+# rows of decode steps (1, 16), of short prompts' prefills (128, 256) and of a long one's (2048), each shape
+# over GEMM_LAYERS weights of its own, as a model's layers stream theirs from HBM (one weight run again and
+# again would come from L2): measured on the GPU against the step-time model's cost of the program XLA
+# compiled there. Issue 39: short prompts' times to first token are planned at 0.60-0.71 of TensorRT-LLM's
+# on an A100 and long ones' at 0.83-0.96; published cuBLAS timings put A100 GEMMs of 128 rows at 1.25-1.5x
+# what the model gives them (BENCHMARKS.md, "What a short prompt's prefill misses").
+GEMM_SHAPES = ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096))
+GEMM_ROWS = (1, 16, 128, 256, 2048)
+GEMM_LAYERS = 8
+CPU_GEMM_SHAPES = ((64, 192), (192, 64))
+CPU_GEMM_ROWS = (1, 128)
 
 
 # --- driver -------------------------------------------------------------------------------------------
@@ -612,6 +628,13 @@ def serving_figures(report: dict) -> dict:
     }
 
 
+def run_gemm(cpu: bool, env: dict[str, str], timeout: float) -> dict:
+    """Times the GEMMs (:data:`GEMM_SHAPES`) in a fresh process; returns its JSON line (or why there is
+    none)."""
+    argv = [sys.executable, __file__, "--gemm-child", *(["--cpu"] if cpu else [])]
+    return _child_result(argv, env, timeout)
+
+
 def run_serving_child(trial: Trial, env: dict[str, str], timeout: float) -> dict:
     """Runs ``trial``'s prefill and decode in a fresh process; returns its JSON line (or why there is
     none)."""
@@ -780,6 +803,31 @@ def _every_bar(name: str, errors: dict[str, float | None], tolerance: float) -> 
     within = all(e is not None and abs(e) <= tolerance for e in errors.values())
     detail = ", ".join(f"{trial} {_pct(e)}" for trial, e in errors.items())
     return {"bar": name, "result": "PASS" if within else "FAIL", "detail": detail}
+
+
+def _gemm_table(gemm: dict | None) -> list[str]:
+    """The GEMMs' measured time against the step-time model's, per row count, as markdown."""
+    if not gemm:
+        return []
+    if gemm.get("status") != "ok":
+        return ["", f"GEMMs: {gemm.get('status')} ({gemm.get('message', '')[-300:]})."]
+    ms = lambda seconds: f"{seconds * 1e3:.3g}"  # noqa: E731
+    lines = ["", f"GEMMs {gemm.get('shapes')} (K x N; on a GPU, llama-7b's layer), each over {GEMM_LAYERS} "
+             f"weights of its own, one jitted call per row count on {gemm.get('device_kind')}; predicted: "
+             f"the step-time model for this device on the program compiled here. A call's dispatch alone: "
+             f"{gemm.get('dispatch_s', 0) * 1e6:.0f} us.", "",
+             "| rows | measured ms | predicted ms | predicted / measured "
+             "| compute / memory-bound / launch ms | TFLOP/s | weight GB/s | kernels |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in gemm["rows"]:
+        kernels = ", ".join(f"{kind} {n}" for kind, n in row["kernels"].items() if n) or "-"
+        lines.append(
+            f"| {row['rows']} | {ms(row['measured_s'])} | {ms(row['predicted_s'])} "
+            f"| {row['predicted_over_measured']:.2f} "
+            f"| {ms(row['compute_s'])} / {ms(row['memory_bound_s'])} / {ms(row['launch_s'])} "
+            f"| {row['tflops']:.1f} | {row['weight_gbs']:,.0f} | {kernels} |"
+        )
+    return lines
 
 
 def _serving_table(serving: dict | None) -> list[str]:
@@ -1013,9 +1061,10 @@ def _kernel(description: str | None) -> str:
 
 
 def markdown(meta: dict, rows: list[dict], bars: list[dict], grads: list[dict] | None = None,
-             train: dict | None = None, serving: dict | None = None) -> str:  # fmt: skip
-    """The results as markdown tables (peaks, step times, gradients, the train run, serving), the bars
-    below."""
+             train: dict | None = None, serving: dict | None = None,
+             gemm: dict | None = None) -> str:  # fmt: skip
+    """The results as markdown tables (peaks, step times, gradients, the train run, the GEMMs,
+    serving), the bars below."""
     twin = meta["twin"]
     lines = [
         f"{meta['label']}. Device: {meta['device_kind']} ({meta['platform']}), JAX {meta['jax']}, "
@@ -1083,6 +1132,7 @@ def markdown(meta: dict, rows: list[dict], bars: list[dict], grads: list[dict] |
                   f"| {train.get('log_line') or 'n/a'} "
                   f"| {_ratio(train.get('live_over_planned'))} | {_ratio(train.get('peak_over_planned'))} "
                   f"| {_ms(train.get('step_s'))} | {_ratio(train.get('mfu'))} |"]  # fmt: skip
+    lines += _gemm_table(gemm)
     lines += _serving_table(serving)
     lines += ["", "| bar | result | detail |", "|---|---|---|"]
     lines += [f"| {b['bar']} | {b['result']} | {b['detail']} |" for b in bars]
@@ -1163,12 +1213,12 @@ def _ratio(x) -> str:
 
 def write_outputs(out_dir: Path, meta: dict, rows: list[dict], bars: list[dict],
                   grads: list[dict] | None = None, train: dict | None = None,
-                  serving: dict | None = None) -> None:  # fmt: skip
+                  serving: dict | None = None, gemm: dict | None = None) -> None:  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "rows": rows, "grads": grads or [], "train": train, "serving": serving,
-               "bars": bars, "reference_mfu": reference_mfu(rows)}  # fmt: skip
+               "gemm": gemm, "bars": bars, "reference_mfu": reference_mfu(rows)}  # fmt: skip
     (out_dir / "gpu_validate.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    (out_dir / "gpu_validate.md").write_text(markdown(meta, rows, bars, grads, train, serving))
+    (out_dir / "gpu_validate.md").write_text(markdown(meta, rows, bars, grads, train, serving, gemm))
 
 
 def driver(args) -> int:
@@ -1194,7 +1244,7 @@ def driver(args) -> int:
     serve_trials = CPU_SERVE_TRIALS if args.cpu else SERVE_TRIALS
     generate_run = CPU_GENERATE_RUN if args.cpu else GENERATE_RUN
     if args.only:
-        names = {t.name for t in (*trials, *checks, train_run, *serve_trials, generate_run)}
+        names = {t.name for t in (*trials, *checks, train_run, *serve_trials, generate_run)} | {"gemm"}
         unknown = set(args.only) - names
         if unknown:
             print(
@@ -1253,6 +1303,7 @@ def driver(args) -> int:
     grads: list[dict] = []
     train: dict | None = None
     serving: dict | None = None
+    gemm: dict | None = None
 
     def record_plan(name, kind, plan):
         plans[name][kind] = plan
@@ -1269,7 +1320,7 @@ def driver(args) -> int:
         rows, served = current_rows(), serving_so_far or serving
         bars = check_bars(rows if trials else None, measurable=on_gpu, grads=grads if checks else None,
                           train=train, serving=served)  # fmt: skip
-        write_outputs(out_dir, meta, rows, bars, grads, train, served)
+        write_outputs(out_dir, meta, rows, bars, grads, train, served, gemm)
         return bars
 
     twin_env = {**env, "JAX_PLATFORMS": "cpu"}
@@ -1356,6 +1407,16 @@ def driver(args) -> int:
         for name, future in loaded.items():
             record_plan(name, "twin-autotuned", waited(future, time_left("trials"), twin))
 
+        if not args.only or "gemm" in args.only:
+            timeout = min(args.child_timeout, time_left("gemm"))
+            gemm = deadline_passed("gemm") or run_gemm(args.cpu, env, timeout)
+            for row in gemm.get("rows", ()):
+                log(f"gemm {row['rows']} rows: measured {row['measured_s'] * 1e3:.3g} ms, predicted "
+                    f"{row['predicted_s'] * 1e3:.3g} ms")  # fmt: skip
+            if gemm["status"] != "ok":
+                log(f"gemm: {gemm['status']}, {gemm.get('message', '')[-300:]}")
+            write()
+
         if pending is not None:
             serving = run_serving(pending, env, args.child_timeout, lambda: time_left("serving"), log, write)
         for future in (*twins.values(), *loaded.values()):
@@ -1364,7 +1425,7 @@ def driver(args) -> int:
     meta["total_s"] = round(time.perf_counter() - started, 1)
     bars = write()
     rows = current_rows()
-    print(markdown(meta, rows, bars, grads, train, serving))
+    print(markdown(meta, rows, bars, grads, train, serving, gemm))
     for bar in bars:
         print(f"{bar['result']}: {bar['bar']} ({bar['detail']})")
     if not on_gpu:  # A dry run passes when every piece ran and every plan was made.
@@ -1373,7 +1434,8 @@ def driver(args) -> int:
         trained = train_run is None or (train or {}).get("status") == "ok"
         graded = all(b["result"] == "PASS" for b in bars if b["bar"].startswith("offloaded"))
         served = serving is None or serving["status"] == "skipped" or serving_ran(serving)
-        return 0 if ran and planned and trained and graded and served else 1
+        timed = gemm is None or gemm["status"] == "ok"
+        return 0 if ran and planned and trained and graded and served and timed else 1
     return 0 if all(b["result"] in ("PASS", "N/A") for b in bars) else 1  # N/A: a part skipped, saying why.
 
 
@@ -1541,6 +1603,78 @@ def serve_child(config_path: str, overrides: list[str], repeats: int = 3) -> int
                       message=f"{type(e).__name__}: {str(e)[:1500]}")  # fmt: skip
     print(RESULT_MARK + json.dumps(result), flush=True)
     return 0 if result["status"] == "ok" else 1
+
+
+def gemm_child(cpu: bool, repeats: int = 20) -> int:
+    """Times the GEMMs of :data:`GEMM_SHAPES` at each row count of :data:`GEMM_ROWS`, every shape over
+    :data:`GEMM_LAYERS` weights of its own, in one jitted call per row count (the products independent, as a
+    layer's projections are), and costs the program XLA compiled here by the step-time model for the attached
+    GPU's spec (``--target local``'s; on CPU, this machine's rates: plumbing only); prints one JSON line with
+    a row per count: the median of ``repeats`` calls, the prediction and its parts, and the GEMM kernels XLA
+    chose."""
+    result: dict = {"status": "ok", "rows": []}
+    stage = "setup"
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        from shardmem.planning import cost, hlo
+        from shardmem.planning.targets import resolve_target
+
+        shapes, counts = (CPU_GEMM_SHAPES, CPU_GEMM_ROWS) if cpu else (GEMM_SHAPES, GEMM_ROWS)
+        hardware = cost.Hardware.of(resolve_target("local", n_devices=1)) or cost.Hardware.host(1)
+        result.update(device_kind=jax.devices()[0].device_kind, shapes=[list(s) for s in shapes])
+        key = iter(jax.random.split(jax.random.key(0), len(shapes) * (GEMM_LAYERS + len(counts))))
+        weights = [[jax.random.normal(next(key), shape, jnp.bfloat16) for _ in range(GEMM_LAYERS)]
+                   for shape in shapes]  # fmt: skip
+        gemms = jax.jit(lambda xs, weights: [x @ w for x, stack in zip(xs, weights, strict=True)
+                                             for w in stack])  # fmt: skip
+        touch = jax.jit(lambda x: x + 1)
+        jax.block_until_ready(touch(jnp.ones(8)))
+        result["dispatch_s"] = _median_seconds(repeats, touch, jnp.ones(8))
+        for rows in counts:
+            stage = f"compile {rows} rows"
+            xs = [jax.random.normal(next(key), (rows, k), jnp.bfloat16) for k, _ in shapes]
+            compiled = gemms.lower(xs, weights).compile()
+            text = compiled.as_text()
+            estimate = cost.estimate_step_time(hlo.parse_module(text), hardware, [0])
+            stage = f"run {rows} rows"
+            jax.block_until_ready(compiled(xs, weights))  # Warm: the first launch of each kernel.
+            measured = _median_seconds(repeats, compiled, xs, weights)
+            products = GEMM_LAYERS * sum(k * n for k, n in shapes)
+            result["rows"].append({
+                "rows": rows, "measured_s": measured, "predicted_s": estimate.seconds,
+                "predicted_over_measured": estimate.seconds / measured, "compute_s": estimate.compute,
+                "memory_bound_s": estimate.memory_bound, "launch_s": estimate.launch,
+                "tflops": 2 * rows * products / measured / 1e12, "weight_gbs": 2 * products / measured / 1e9,
+                "kernels": gemm_kernels(text),
+            })  # fmt: skip
+    except Exception as e:  # Report every failure as data.
+        result.update(status="oom" if is_oom(str(e)) else "error", stage=stage,
+                      message=f"{type(e).__name__}: {str(e)[:1500]}")  # fmt: skip
+    print(RESULT_MARK + json.dumps(result), flush=True)
+    return 0 if result["status"] == "ok" else 1
+
+
+def _median_seconds(repeats: int, function, *args) -> float:
+    """The median wall time of ``repeats`` calls of ``function(*args)``, each until its outputs are
+    ready."""
+    import jax
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(function(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gemm_kernels(hlo_text: str) -> dict[str, int]:
+    """How many GEMMs of a compiled program are cuBLAS calls, XLA's Triton GEMM fusions (one dot inside
+    each), and other dots (XLA's own, as on CPU)."""
+    triton = len(re.findall(r'"kind":"__triton[a-z_]*gemm', hlo_text))
+    return {"cublas": len(re.findall(r'custom_call_target="__cublas', hlo_text)), "triton": triton,
+            "dot": len(re.findall(r"= \S+ dot\(", hlo_text)) - triton}  # fmt: skip
 
 
 def grads_child(config_path: str, overrides: list[str], policy: str, tolerance: float,
@@ -1713,6 +1847,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--grads", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gemm-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", default="offload", help=argparse.SUPPRESS)
     parser.add_argument("--tolerance", type=float, default=1e-4, help=argparse.SUPPRESS)
     parser.add_argument("--matmul-precision", help=argparse.SUPPRESS)
@@ -1732,6 +1867,8 @@ def main(argv: list[str] | None = None) -> int:
         return child(args.config, args.overrides, args.steps, local_plan=not args.twin_only)
     if args.serve_child:
         return serve_child(args.config, args.overrides)
+    if args.gemm_child:
+        return gemm_child(args.cpu)
     if args.grads:
         return grads_child(
             args.config, args.overrides, args.policy, args.tolerance, args.matmul_precision, args.floor_policy

@@ -203,7 +203,7 @@ def test_issue10_trials_cover_flash_attention_and_the_chunked_loss():
 
 # One CPU dry run for the tests of what it ran (one probe and one process: dry runs are slow on 2 cores).
 DRY_RUN = ("tiny-pallas", "tiny-loss-chunked", "tiny-today-qlora", "tiny-today-window", "serve-tiny-b2",
-           "generate")  # fmt: skip
+           "generate", "gemm")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -580,3 +580,37 @@ def test_serving_figures_read_plan_serve_json():
     figures = gv.serving_figures(report)
     assert figures["peak_bytes"] == 60 and figures["ttft_s"] == 0.1 and figures["decode_s_mean"] == 0.002
     assert figures["attention"] == "cudnn" and figures["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_times_the_gemms_and_costs_what_was_compiled(dry_run):
+    proc, payload, table = dry_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gemm = payload["gemm"]
+    assert gemm["status"] == "ok" and gemm["device_kind"] == "cpu", gemm
+    assert [row["rows"] for row in gemm["rows"]] == list(gv.CPU_GEMM_ROWS)
+    for row in gemm["rows"]:
+        assert row["measured_s"] > 0 and row["predicted_s"] > row["compute_s"] > 0
+        assert row["kernels"]["dot"] == len(gv.CPU_GEMM_SHAPES) * gv.GEMM_LAYERS  # None fused away.
+    assert "each over 8 weights of its own" in table and "| 128 | " in table
+
+
+def test_gemm_kernels_counts_cublas_calls_and_triton_fusions():
+    text = """
+  %a = (bf16[128,4096]{1,0}, s8[0]{0}) custom-call(%p0, %p1), custom_call_target="__cublas$gemm"
+  %b = bf16[128,4096]{1,0} fusion(%p0, %p2), kind=kCustom, calls=%f,
+      backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %c = bf16[1,4096]{1,0} dot(%p3, %p4), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %d = bf16[128,4096]{1,0} dot(%q0, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+"""  # %d: the Triton fusion's own dot, in its computation.
+    assert gv.gemm_kernels(text) == {"cublas": 1, "triton": 1, "dot": 1}
+    table = "\n".join(gv._gemm_table({"status": "ok", "device_kind": "NVIDIA H200", "shapes": [[4096, 4096]],
+                                        "dispatch_s": 1e-5, "rows": [{
+        "rows": 128, "measured_s": 2e-3, "predicted_s": 1.5e-3, "predicted_over_measured": 0.75,
+        "compute_s": 1.2e-3, "memory_bound_s": 0.2e-3, "launch_s": 0.1e-3, "tflops": 300.0,
+        "weight_gbs": 2000.0, "kernels": {"cublas": 8, "triton": 0, "dot": 0}}]}))  # fmt: skip
+    assert "| 128 | 2 | 1.5 | 0.75 | 1.2 / 0.2 / 0.1 | 300.0 | 2,000 | cublas 8 |" in table
+    assert gv._gemm_table({"status": "timeout", "message": "no result within 30 s"}) == [
+        "",
+        "GEMMs: timeout (no result within 30 s).",
+    ]
