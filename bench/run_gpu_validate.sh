@@ -14,13 +14,15 @@
 #   source tree (PYTHONPATH), so nothing needs installing when the imports work.
 # - Wheels carried in .whl/ (see /work/.library/device/README.md), if any, are installed first into
 #   /tmp/site: the way to bring a missing or too old package to a machine without a registry.
-# - About 9 minutes (--deadline, 510 s, shared by four parts, each with its own deadline so that one hang
-#   costs only its part: gradients 90 s, train 60 s, trials 210 s, serving 150 s; see gpu_validate.py):
+# - About 9 minutes (--deadline, 510 s, shared by five parts, each with its own deadline so that one hang
+#   costs only its part: gradients 90 s, train 60 s, trials 180 s, GEMMs 30 s, serving 150 s; see
+#   gpu_validate.py):
 #   a probe; the offload gradient checks (fp32 and today's bf16 program, none vs offload on the GPU); a
 #   short `shardmem train` run (its live-memory line); then one fresh child per trial (today's program on
 #   llama-7b widths first: remat none and offload, LoRA, QLoRA, cuDNN's sliding window, the other
 #   policies; then issue 5's trials, then issue 10's), each planned for the GPU and run, while the
-#   deviceless twin plans run on the CPUs beside them; then serving (skipped where the CLI has no
+#   deviceless twin plans run on the CPUs beside them; then llama-7b's layer GEMMs at decode and prefill
+#   rows against the step-time model (issue 39's short prompts); then serving (skipped where the CLI has no
 #   `generate`): prefill and decode of a 128-token prompt at batch 1, at two larger batches and with an int8
 #   cache, against `plan --serve`, and `generate` on the GPU
 #   against the CPU's tokens. `--autotune-off` adds a local plan without autotuning per trial; `--autotune-results` a
