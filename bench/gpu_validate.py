@@ -9,7 +9,7 @@ plan against its run, in one run.
 Six pieces, run one after another on the GPU (each in fresh processes, so that the driver itself never
 starts a GPU client and holds no device memory), in this order, in five timed parts, each with its share
 of ``--deadline`` (:data:`PART_BUDGETS`; the default deadline, 510 s, is their sum): gradients 90 s,
-train 60 s, trials 180 s (piece 4, step time and MFU, comes from them), GEMMs 30 s, serving 150 s. A part's
+train 60 s, trials 165 s (piece 4, step time and MFU, comes from them), GEMMs 45 s, serving 150 s. A part's
 deadline is the sum of the budgets up to its own: no child of a part starts or runs past it (each child's
 time-out is the part's time left), so one hang costs only its part, and what a part leaves unused goes
 to the next. With the probe, the imports and nvidia-smi the whole run stays inside the device tool's
@@ -114,7 +114,7 @@ OOM_MARKERS = ("resource_exhausted", "out of memory", "out_of_memory")
 VERDICT_KINDS = ("local", "twin")  # Plans whose verdicts the bars judge.
 #: Seconds of the GPU round per part, in the order they run (the default ``--deadline`` is their sum:
 #: with the probe, the imports and nvidia-smi, the run stays inside the device tool's 600 s command).
-PART_BUDGETS = {"gradients": 90, "train": 60, "trials": 180, "gemm": 30, "serving": 150}
+PART_BUDGETS = {"gradients": 90, "train": 60, "trials": 165, "gemm": 45, "serving": 150}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,17 +335,18 @@ CPU_GENERATE_RUN = Trial("generate", "configs/tiny.yaml",
 GENERATE_PROMPTS = ((1, 30, 46, 27, 65, 31), (1, 45, 49, 17, 170, 29, 43, 172, 97))  # In every vocabulary.
 GENERATE_TOKENS = 16
 # The GEMMs of a llama-7b layer (K -> N: the fused q/k/v projection, o, the fused gate and up, down) at the
-# rows of decode steps (1, 16), of short prompts' prefills (128, 256) and of a long one's (2048), each shape
-# over GEMM_LAYERS weights of its own, as a model's layers stream theirs from HBM (one weight run again and
-# again would come from L2): measured on the GPU against the step-time model's cost of the program XLA
+# rows of short prompts' prefills (128, 256), of a long one's (2048) and of decode steps (1, 16), 128 first,
+# each shape over GEMM_LAYERS weights and inputs of its own, as a model's layers stream theirs from HBM (one
+# weight run again and again would come from L2; one input shared by several weights lets XLA merge their
+# dots into one wider GEMM): measured on the GPU against the step-time model's cost of the program XLA
 # compiled there. Issue 39: short prompts' times to first token are planned at 0.60-0.71 of TensorRT-LLM's
 # on an A100 and long ones' at 0.83-0.96; published cuBLAS timings put A100 GEMMs of 128 rows at 1.25-1.5x
 # what the model gives them (BENCHMARKS.md, "What a short prompt's prefill misses").
 GEMM_SHAPES = ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096))
-GEMM_ROWS = (1, 16, 128, 256, 2048)
+GEMM_ROWS = (128, 2048, 1, 256, 16)
 GEMM_LAYERS = 8
 CPU_GEMM_SHAPES = ((64, 192), (192, 64))
-CPU_GEMM_ROWS = (1, 128)
+CPU_GEMM_ROWS = (128, 1)
 
 
 # --- driver -------------------------------------------------------------------------------------------
@@ -809,13 +810,15 @@ def _gemm_table(gemm: dict | None) -> list[str]:
     """The GEMMs' measured time against the step-time model's, per row count, as markdown."""
     if not gemm:
         return []
-    if gemm.get("status") != "ok":
+    if gemm.get("status") not in ("ok", "partial"):
         return ["", f"GEMMs: {gemm.get('status')} ({gemm.get('message', '')[-300:]})."]
     ms = lambda seconds: f"{seconds * 1e3:.3g}"  # noqa: E731
     lines = ["", f"GEMMs {gemm.get('shapes')} (K x N; on a GPU, llama-7b's layer), each over {GEMM_LAYERS} "
-             f"weights of its own, one jitted call per row count on {gemm.get('device_kind')}; predicted: "
-             f"the step-time model for this device on the program compiled here. A call's dispatch alone: "
-             f"{gemm.get('dispatch_s', 0) * 1e6:.0f} us.", "",
+             f"weights and inputs of its own, one jitted call per row count on {gemm.get('device_kind')}; "
+             f"predicted: the step-time model for this device on the program compiled here. A call's "
+             f"dispatch alone: {gemm.get('dispatch_s', 0) * 1e6:.0f} us."
+             + (" Partial: the part's time ran out after these rows." if gemm["status"] == "partial" else ""),
+             "",
              "| rows | measured ms | predicted ms | predicted / measured "
              "| compute / memory-bound / launch ms | TFLOP/s | weight GB/s | kernels |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -1275,7 +1278,8 @@ def driver(args) -> int:
     out_dir = Path(args.out)
     log = lambda text: print(f"[{time.perf_counter() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
     log(f"{device['device_kind']} ({device['platform']}), twin {twin}: {len(checks)} gradient checks, "
-        f"{'a' if train_run else 'no'} train run, {len(trials)} trials, {len(serve_trials)} serving trials"
+        f"{'a' if train_run else 'no'} train run, {len(trials)} trials, "
+        f"{'GEMMs, ' if not args.only or 'gemm' in args.only else ''}{len(serve_trials)} serving trials"
         f"{' and generate' if generate_run else ''} -> {out_dir}")  # fmt: skip
     ends = part_deadlines(args.deadline)
 
@@ -1413,7 +1417,7 @@ def driver(args) -> int:
             for row in gemm.get("rows", ()):
                 log(f"gemm {row['rows']} rows: measured {row['measured_s'] * 1e3:.3g} ms, predicted "
                     f"{row['predicted_s'] * 1e3:.3g} ms")  # fmt: skip
-            if gemm["status"] != "ok":
+            if gemm["status"] != "ok":  # "partial": the part's time ran out after the rows shown.
                 log(f"gemm: {gemm['status']}, {gemm.get('message', '')[-300:]}")
             write()
 
@@ -1607,11 +1611,11 @@ def serve_child(config_path: str, overrides: list[str], repeats: int = 3) -> int
 
 def gemm_child(cpu: bool, repeats: int = 20) -> int:
     """Times the GEMMs of :data:`GEMM_SHAPES` at each row count of :data:`GEMM_ROWS`, every shape over
-    :data:`GEMM_LAYERS` weights of its own, in one jitted call per row count (the products independent, as a
-    layer's projections are), and costs the program XLA compiled here by the step-time model for the attached
-    GPU's spec (``--target local``'s; on CPU, this machine's rates: plumbing only); prints one JSON line with
-    a row per count: the median of ``repeats`` calls, the prediction and its parts, and the GEMM kernels XLA
-    chose."""
+    :data:`GEMM_LAYERS` weights of its own, each with an input of its own, in one jitted call per row count
+    (the products independent, as a layer's projections are), and costs the program XLA compiled here by the
+    step-time model for the attached GPU's spec (``--target local``'s; on CPU, this machine's rates: plumbing
+    only). Prints a JSON line after each count (status ``partial`` until the last): the median of ``repeats``
+    calls, the prediction and its parts, and the GEMM kernels XLA chose."""
     result: dict = {"status": "ok", "rows": []}
     stage = "setup"
     try:
@@ -1622,19 +1626,22 @@ def gemm_child(cpu: bool, repeats: int = 20) -> int:
         from shardmem.planning.targets import resolve_target
 
         shapes, counts = (CPU_GEMM_SHAPES, CPU_GEMM_ROWS) if cpu else (GEMM_SHAPES, GEMM_ROWS)
-        hardware = cost.Hardware.of(resolve_target("local", n_devices=1)) or cost.Hardware.host(1)
         result.update(device_kind=jax.devices()[0].device_kind, shapes=[list(s) for s in shapes])
-        key = iter(jax.random.split(jax.random.key(0), len(shapes) * (GEMM_LAYERS + len(counts))))
+        hardware = cost.Hardware.of(resolve_target("local", n_devices=1))
+        hardware = hardware or (cost.Hardware.host(1) if cpu else None)
+        if hardware is None:
+            raise ValueError(f"no target models {result['device_kind']!r}: nothing to predict with")
+        key = iter(jax.random.split(jax.random.key(0), len(shapes) * GEMM_LAYERS * (1 + len(counts))))
         weights = [[jax.random.normal(next(key), shape, jnp.bfloat16) for _ in range(GEMM_LAYERS)]
                    for shape in shapes]  # fmt: skip
-        gemms = jax.jit(lambda xs, weights: [x @ w for x, stack in zip(xs, weights, strict=True)
-                                             for w in stack])  # fmt: skip
+        gemms = jax.jit(gemm_products)
         touch = jax.jit(lambda x: x + 1)
         jax.block_until_ready(touch(jnp.ones(8)))
         result["dispatch_s"] = _median_seconds(repeats, touch, jnp.ones(8))
         for rows in counts:
             stage = f"compile {rows} rows"
-            xs = [jax.random.normal(next(key), (rows, k), jnp.bfloat16) for k, _ in shapes]
+            xs = [[jax.random.normal(next(key), (rows, k), jnp.bfloat16) for _ in range(GEMM_LAYERS)]
+                  for k, _ in shapes]  # fmt: skip
             compiled = gemms.lower(xs, weights).compile()
             text = compiled.as_text()
             estimate = cost.estimate_step_time(hlo.parse_module(text), hardware, [0])
@@ -1649,11 +1656,21 @@ def gemm_child(cpu: bool, repeats: int = 20) -> int:
                 "tflops": 2 * rows * products / measured / 1e12, "weight_gbs": 2 * products / measured / 1e9,
                 "kernels": gemm_kernels(text),
             })  # fmt: skip
+            # So far, in case the part's time runs out before the last count (the driver reads the last).
+            print(RESULT_MARK + json.dumps({**result, "status": "partial"}), flush=True)
     except Exception as e:  # Report every failure as data.
         result.update(status="oom" if is_oom(str(e)) else "error", stage=stage,
                       message=f"{type(e).__name__}: {str(e)[:1500]}")  # fmt: skip
     print(RESULT_MARK + json.dumps(result), flush=True)
     return 0 if result["status"] == "ok" else 1
+
+
+def gemm_products(xs, weights):
+    """Every input times its weight (``xs`` and ``weights`` by shape, then by layer). Each product has an
+    input of its own: dots that share one, XLA's GPU compiler merges into a wider GEMM (``DotMerger``)."""
+    return [
+        x @ w for inputs, stack in zip(xs, weights, strict=True) for x, w in zip(inputs, stack, strict=True)
+    ]
 
 
 def _median_seconds(repeats: int, function, *args) -> float:

@@ -15,7 +15,7 @@
 # - Wheels carried in .whl/ (see /work/.library/device/README.md), if any, are installed first into
 #   /tmp/site: the way to bring a missing or too old package to a machine without a registry.
 # - About 9 minutes (--deadline, 510 s, shared by five parts, each with its own deadline so that one hang
-#   costs only its part: gradients 90 s, train 60 s, trials 180 s, GEMMs 30 s, serving 150 s; see
+#   costs only its part: gradients 90 s, train 60 s, trials 165 s, GEMMs 45 s, serving 150 s; see
 #   gpu_validate.py):
 #   a probe; the offload gradient checks (fp32 and today's bf16 program, none vs offload on the GPU); a
 #   short `shardmem train` run (its live-memory line); then one fresh child per trial (today's program on

@@ -592,7 +592,7 @@ def test_cpu_dry_run_times_the_gemms_and_costs_what_was_compiled(dry_run):
     for row in gemm["rows"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > row["compute_s"] > 0
         assert row["kernels"]["dot"] == len(gv.CPU_GEMM_SHAPES) * gv.GEMM_LAYERS  # None fused away.
-    assert "each over 8 weights of its own" in table and "| 128 | " in table
+    assert "each over 8 weights and inputs of its own" in table and "| 128 | " in table
 
 
 def test_gemm_kernels_counts_cublas_calls_and_triton_fusions():
@@ -610,7 +610,28 @@ def test_gemm_kernels_counts_cublas_calls_and_triton_fusions():
         "compute_s": 1.2e-3, "memory_bound_s": 0.2e-3, "launch_s": 0.1e-3, "tflops": 300.0,
         "weight_gbs": 2000.0, "kernels": {"cublas": 8, "triton": 0, "dot": 0}}]}))  # fmt: skip
     assert "| 128 | 2 | 1.5 | 0.75 | 1.2 / 0.2 / 0.1 | 300.0 | 2,000 | cublas 8 |" in table
+    partial = gv._gemm_table({"status": "partial", "device_kind": "NVIDIA H200", "shapes": [[4096, 4096]],
+                              "rows": []})  # fmt: skip
+    assert "Partial: the part's time ran out after these rows." in partial[1]
     assert gv._gemm_table({"status": "timeout", "message": "no result within 30 s"}) == [
         "",
         "GEMMs: timeout (no result within 30 s).",
     ]
+
+
+@pytest.mark.slow
+def test_the_gemm_program_is_one_gpu_gemm_per_weight_none_merged():
+    # Compiled deviceless for an H100: with one input per shape, XLA merged a shape's 8 dots into one.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from shardmem.planning.targets import resolve_target
+
+    device = resolve_target("h100-sxm", n_devices=1).devices[0]
+    spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(device))  # noqa: E731
+    weights = [[spec(shape) for _ in range(gv.GEMM_LAYERS)] for shape in gv.GEMM_SHAPES]
+    xs = [[spec((128, k)) for _ in range(gv.GEMM_LAYERS)] for k, _ in gv.GEMM_SHAPES]
+    text = jax.jit(gv.gemm_products).lower(xs, weights).compile().as_text()
+    kernels = gv.gemm_kernels(text)
+    assert kernels["cublas"] + kernels["triton"] + kernels["dot"] == len(gv.GEMM_SHAPES) * gv.GEMM_LAYERS
