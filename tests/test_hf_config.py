@@ -371,3 +371,13 @@ def test_the_config_json_an_export_writes_reads_back_as_the_same_model(model_typ
         assert written["torch_dtype"] == "bfloat16" and written["model_type"] == model_type
         again = config_from_dict({"model": {**model_fields(written, "x"), "seq_len": 16}}).model
         assert again == model
+
+
+def test_a_model_no_transformers_type_runs_writes_no_config_json():
+    # Qwen2's q/k/v biases with Qwen3's head norms, or Gemma's norms with either: no type's forward.
+    for options in (
+        {"qkv_bias": True, "qk_norm": True},
+        {"norm_offset": 1.0, "scale_embeddings": True, "qk_norm": True},
+    ):
+        model = config_from_dict({"model": {"preset": "tiny", **options}}).model
+        assert to_hf(model, None, "bfloat16") is None

@@ -377,8 +377,8 @@ def _model_type(model) -> str | None:
         return "gemma" if plain and not (model.qkv_bias or model.qk_norm) else None
     if (model.norm_offset, model.scale_embeddings) != (0.0, False):
         return None
-    if model.qkv_bias and model.qk_norm:
-        return None
-    if model.qkv_bias or model.qk_norm:
-        return "qwen2" if model.qkv_bias else "qwen3"
+    if model.qkv_bias:  # Qwen2's; no transformers type has both.
+        return None if model.qk_norm else "qwen2"
+    if model.qk_norm:
+        return "qwen3"
     return "mistral" if model.sliding_window is not None else "llama"
