@@ -185,6 +185,22 @@ def test_the_plan_says_the_host_memory_a_load_holds_and_plans_before_the_downloa
     assert any(w.startswith(unchecked) for w in report.warnings)
 
 
+def test_a_folder_of_only_its_config_json_plans_with_a_warning_and_does_not_train(tmp_path):
+    from shardmem.finetune.weights import check_init_from
+    from shardmem.planning import memory
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))  # Downloaded as far as its config.json.
+    program = _program(tmp_path, {"fsdp": 8})
+    report, _ = memory.plan_program(program, memory.make_target(program.config, "cpu"))  # Was an error.
+    said = f"finetune.init_from={str(tmp_path)!r} has its config.json but no weights yet: the plan is of"
+    assert any(w.startswith(said) for w in report.warnings), report.warnings
+    with pytest.raises(ConfigError, match="has a config.json but no .safetensors file; download the model's"):
+        check_init_from(program)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "a.safetensors"}}))
+    with pytest.raises(ConfigError, match="a.safetensors"):  # A download cut short stays an error.
+        check_init_from(program, planning=True)
+
+
 GEMMA = {**MODEL, "head_dim": 32, "tie_embeddings": True, "norm_offset": 1.0, "scale_embeddings": True,
          "mlp_activation": "gelu_tanh"}  # fmt: skip
 

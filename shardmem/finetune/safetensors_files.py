@@ -72,6 +72,10 @@ class SafetensorsCheckpoint:
                 raise ConfigError(f"finetune.init_from={where!r}: the shardmem run at {str(run)!r} has no "
                                   "checkpoint saved yet; train it first (shardmem train CONFIG --run-dir "
                                   f"{run}), or give a Hugging Face model's folder")  # fmt: skip
+            if folder.is_dir() and (folder / "config.json").is_file():  # Downloaded as far as its config.
+                raise ConfigError(f"finetune.init_from={where!r} has a config.json but no .safetensors "
+                                  "file; download the model's weights into it too (its *.safetensors "
+                                  "files)")  # fmt: skip
             raise ConfigError(f"finetune.init_from={where!r}: no .safetensors file there; give a file or a "
                               "folder of them (a Hugging Face model's folder)")  # fmt: skip
         tensors: dict[str, TensorHeader] = {}

@@ -32,7 +32,7 @@ import numpy as np
 
 from shardmem.errors import ConfigError, did_you_mean
 from shardmem.finetune.lora import weight
-from shardmem.finetune.safetensors_files import FLOAT_DTYPES, SafetensorsCheckpoint, safetensors_files
+from shardmem.finetune.safetensors_files import FLOAT_DTYPES, INDEX, SafetensorsCheckpoint, safetensors_files
 from shardmem.finetune.spec import _flat, _name, _put
 
 # Reference parameter (after the layers axis) -> Hugging Face name, and whether it is an [out, in] matrix.
@@ -136,7 +136,8 @@ def check_init_from(program, *, planning: bool = False) -> list[str]:
     each tensor's name, dtype and shape from the safetensors headers (a shardmem run: its checkpoint's
     metadata), and, unless ``planning``, that an ``lm_head`` beside tied embeddings is a copy of the
     embedding (the one check that reads data). A path that is not there is an error, or with
-    ``planning`` a warning (a plan may come before the download); returns the plan's warnings."""
+    ``planning`` a warning (a plan may come before the download), as is a Hugging Face folder that holds
+    its ``config.json`` and no weights yet; returns the plan's warnings."""
     given = program.config.finetune.init_from
     if given is None:
         return []
@@ -149,12 +150,23 @@ def check_init_from(program, *, planning: bool = False) -> list[str]:
     if _is_orbax_run(path):
         _check_orbax(path, given, program)
         return []
+    if planning and _config_only(path):
+        return [f"finetune.init_from={given!r} has its config.json but no weights yet: the plan is of the "
+                "architecture it declares, unchecked against the weights (train checks them before "
+                "compiling)"]  # fmt: skip
     abstract = _as_stored(program)
     full_shapes = {p: leaf.shape for p, leaf in _flat(abstract).items()}
     checkpoint = SafetensorsCheckpoint.open(path, given)
     layout = _layout(program, full_shapes, flax=not program.custom_model and checkpoint.flax)
     _check(layout, full_shapes, checkpoint, values=not planning)
     return []
+
+
+def _config_only(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face folder downloaded as far as its ``config.json``: no safetensors
+    file and no index (a folder with an index and missing files is a download cut short: an error)."""
+    return (path.is_dir() and (path / "config.json").is_file() and not safetensors_files(path)
+            and not (path / INDEX).is_file())  # fmt: skip
 
 
 def _resolved(path: str | Path) -> Path:
