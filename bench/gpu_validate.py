@@ -1638,6 +1638,7 @@ def gemm_child(cpu: bool, repeats: int = 20) -> int:
         touch = jax.jit(lambda x: x + 1)
         jax.block_until_ready(touch(jnp.ones(8)))
         result["dispatch_s"] = _median_seconds(repeats, touch, jnp.ones(8))
+        products = GEMM_LAYERS * sum(k * n for k, n in shapes)  # Multiply-adds per row.
         for rows in counts:
             stage = f"compile {rows} rows"
             xs = [[jax.random.normal(next(key), (rows, k), jnp.bfloat16) for _ in range(GEMM_LAYERS)]
@@ -1648,7 +1649,6 @@ def gemm_child(cpu: bool, repeats: int = 20) -> int:
             stage = f"run {rows} rows"
             jax.block_until_ready(compiled(xs, weights))  # Warm: the first launch of each kernel.
             measured = _median_seconds(repeats, compiled, xs, weights)
-            products = GEMM_LAYERS * sum(k * n for k, n in shapes)
             result["rows"].append({
                 "rows": rows, "measured_s": measured, "predicted_s": estimate.seconds,
                 "predicted_over_measured": estimate.seconds / measured, "compute_s": estimate.compute,

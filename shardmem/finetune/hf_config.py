@@ -59,6 +59,9 @@ _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.ml
 #: config.json says; Qwen3's attention_bias puts one on q, k, v and o.
 _BIAS_FLAGS = {"llama": ("attention_bias", "mlp_bias"), "gemma": ("attention_bias",), "mistral": (),
                "qwen2": (), "qwen3": ("attention_bias",)}  # fmt: skip
+#: The types whose layers slide as Qwen2's do: from ``max_window_layers`` on, or as ``layer_types`` says,
+#: when ``use_sliding_window``.
+_QWEN_WINDOWS = ("qwen2", "qwen3")
 _ROPE_KEYS = {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings",
               "beta_fast", "beta_slow", "attention_factor", "truncate"}  # fmt: skip
@@ -286,7 +289,7 @@ def _sliding_window(hf: dict, kind: str, where: str, refuse) -> int | None:
         if window == 0:
             raise _no_positions(where)
         return window
-    if kind not in ("qwen2", "qwen3"):
+    if kind not in _QWEN_WINDOWS:
         return None
     layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
@@ -356,7 +359,7 @@ def to_hf(model, base: dict | None, dtype: str) -> dict | None:
         out["dtype"] = dtype
     if kind == "mistral":
         out["sliding_window"] = model.sliding_window
-    elif kind in ("qwen2", "qwen3"):
+    elif kind in _QWEN_WINDOWS:
         out.update(use_sliding_window=model.sliding_window is not None, max_window_layers=0,
                    sliding_window=model.sliding_window, layer_types=None)  # fmt: skip
     # The model's own activation (a Llama of gelu_pytorch_tanh, a Gemma of silu), not the type's usual one.
