@@ -402,6 +402,8 @@ class Config:
         """Returns plain data that :func:`config_from_dict` turns back into an equal Config."""
         data = dataclasses.asdict(self)
         data.pop("folder")
+        if isinstance(data["model"].get("sliding_layers"), tuple):  # YAML has lists.
+            data["model"]["sliding_layers"] = list(data["model"]["sliding_layers"])
         # Rates carry their unit (a bare number is refused as ambiguous): 5e10 -> "50GB/s".
         data["interconnect"] = {k: _rate_text(v) if k in _RATE_KEYS and v is not None else v
                                 for k, v in data["interconnect"].items()}  # fmt: skip
@@ -765,6 +767,11 @@ def _convert(hint, value: Any, key: str):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}={value!r}: expected a list")
         return list(value)
+    if origin is tuple:  # tuple[T, ...]: a list in YAML.
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        item = typing.get_args(hint)[0]
+        return tuple(_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
     if hint is Any:
         return value
     if hint == Bytes:
@@ -1059,6 +1066,20 @@ def _validate_batch(batch: Mapping[str, Any], key: str = "data.batch") -> None:
             )
 
 
+def check_window_layers(m: ModelConfig, length: int, key: str) -> None:
+    """Raises ConfigError naming ``key`` when sequences of ``length`` are longer than a window that
+    slides on some layers only (``model.sliding_layers``): the layers are one scanned stack, which runs
+    such a window exactly only where it masks nothing."""
+    if m.sliding_layers is None or m.sliding_window is None or length <= m.sliding_window:
+        return
+    raise ConfigError(
+        f"{key}={length} with model.sliding_window={m.sliding_window} on {len(m.sliding_layers)} of the "
+        f"model's {m.n_layers} layers (model.sliding_layers): the reference model runs a window on some "
+        "layers only for sequences no longer than the window, where it masks nothing (so every layer "
+        f"attends to the whole sequence, exactly as the model does); set {key} to at most {m.sliding_window}"
+    )
+
+
 def _validate_model(m: ModelConfig) -> None:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len"):
         _positive(f"model.{name}", getattr(m, name))
@@ -1070,6 +1091,20 @@ def _validate_model(m: ModelConfig) -> None:
         m.rope_scaling.validate()
     if m.sliding_window is not None:
         _positive("model.sliding_window", m.sliding_window)
+    if m.sliding_layers is not None:
+        if m.sliding_window is None:
+            raise ConfigError(f"model.sliding_layers={list(m.sliding_layers)} without model.sliding_window: "
+                              "give the window those layers slide with, or leave model.sliding_layers "
+                              "out")  # fmt: skip
+        wrong = [i for i in m.sliding_layers if not 0 <= i < m.n_layers]
+        if wrong or len(set(m.sliding_layers)) != len(m.sliding_layers):
+            what = f"{wrong[0]} is not" if wrong else "a layer is listed twice, where each is"
+            raise ConfigError(f"model.sliding_layers: {what} a layer of the model's {m.n_layers} (0 to "
+                              f"{m.n_layers - 1}); list each sliding layer once, or leave the key out for a "
+                              "window on every layer")  # fmt: skip
+    for name in ("attention_scale", "attention_softcap", "logit_softcap"):
+        if getattr(m, name) is not None:
+            _positive(f"model.{name}", getattr(m, name))
     if m.n_heads % m.n_kv_heads:
         divisors = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]
         raise ConfigError(

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints made here, and the forward pass ``transformers`` runs on them, ported to numpy
 float64 from its PyTorch models (``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
-``modeling_qwen3.py``, ``modeling_gemma.py``, ``modeling_rope_utils.py``, ``masking_utils.py`` of transformers
-4.57): the independent reference shardmem's logits are compared with, written without shardmem's code.
+``modeling_qwen3.py``, ``modeling_gemma.py``, ``modeling_gemma2.py``, ``modeling_rope_utils.py``,
+``masking_utils.py`` of transformers 4.57): the independent reference shardmem's logits are compared with,
+written without shardmem's code.
 
     config = hf_config("llama", rope_scaling={"rope_type": "llama3", ...})   # a config.json
     tensors = random_tensors(config, seed=0)                                 # HF names, [out, in]
@@ -28,6 +29,10 @@ def hf_config(model_type: str = "llama", **options) -> dict:
               "torch_dtype": "float32"}  # fmt: skip
     if model_type == "gemma":
         config |= {"head_dim": 32, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}
+    if model_type == "gemma2":  # Caps small enough to bite on random weights; a scale not 1 / sqrt(head).
+        config |= {"head_dim": 32, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+                   "query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.5,
+                   "final_logit_softcapping": 1.5, "sliding_window": 64}  # fmt: skip
     if model_type == "mistral":
         config["sliding_window"] = None
     if model_type == "qwen3":  # Qwen3's heads are wider than hidden / heads, as Qwen3-0.6B's (128 > 64).
@@ -37,6 +42,15 @@ def hf_config(model_type: str = "llama", **options) -> dict:
 
 def head_dim(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def sliding_layers(config: dict) -> list[bool]:
+    """Which of Gemma 2's layers slide: as ``layer_types`` says, else the first and every other one."""
+    layers = range(config["num_hidden_layers"])
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in layers
+    ]
+    return [kind == "sliding_attention" for kind in kinds]
 
 
 def random_tensors(config: dict, seed: int = 0) -> dict:
@@ -49,7 +63,7 @@ def random_tensors(config: dict, seed: int = 0) -> dict:
         config["num_attention_heads"],
         config["num_key_value_heads"],
     )
-    gemma = config["model_type"] == "gemma"
+    gemma = config["model_type"] in ("gemma", "gemma2")
     norm = (lambda: w(d)) if gemma else (lambda: 1 + w(d))  # Gemma's scales multiply as 1 + weight.
     tensors = {"model.embed_tokens.weight": w(config["vocab_size"], d), "model.norm.weight": norm()}
     if not config["tie_word_embeddings"]:
@@ -66,6 +80,9 @@ def random_tensors(config: dict, seed: int = 0) -> dict:
         if config["model_type"] == "qwen2":
             for n, width in (("q", heads * k), ("k", groups * k), ("v", groups * k)):
                 tensors[f"{p}self_attn.{n}_proj.bias"] = w(width)
+        if config["model_type"] == "gemma2":  # Four norms a layer (post_attention_layernorm: attention's).
+            tensors |= {p + "pre_feedforward_layernorm.weight": norm(),
+                        p + "post_feedforward_layernorm.weight": norm()}  # fmt: skip
         if config["model_type"] == "qwen3":  # A scale over a head's width for the queries, one for the keys.
             tensors |= {f"{p}self_attn.q_norm.weight": 1 + w(k), f"{p}self_attn.k_norm.weight": 1 + w(k)}
     return tensors
@@ -202,7 +219,7 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
     (a list of each layer's, extended in place; None: no cache); ``mask`` ``[B, T]``: which of the
     cache's and these tokens are not padding."""
     t = {k: v.astype(np.float64) for k, v in tensors.items()}
-    gemma = config["model_type"] == "gemma"
+    gemma, gemma2 = config["model_type"] in ("gemma", "gemma2"), config["model_type"] == "gemma2"
     heads, groups, k = config["num_attention_heads"], config["num_key_value_heads"], head_dim(config)
     eps = config["rms_norm_eps"]
 
@@ -228,7 +245,16 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
         window = config["sliding_window"]  # Every layer's, in these tests (max_window_layers 0).
     if window is not None:
         allowed = allowed & (kv_idx > q_idx - window)  # masking_utils.sliding_window_overlay
-    bias = np.where(allowed, 0.0, np.finfo(np.float64).min)  # A padding query sees nothing: finite.
+    full = np.where(allowed, 0.0, np.finfo(np.float64).min)  # A padding query sees nothing: finite.
+    sliding = full  # Gemma 2's layers alternate: a window on the first and every other one after it.
+    if gemma2:
+        near = allowed & (kv_idx > q_idx - config["sliding_window"])
+        sliding = np.where(near, 0.0, np.finfo(np.float64).min)
+    scale = config.get("query_pre_attn_scalar", k) ** -0.5 if gemma2 else k**-0.5
+
+    def cap(x, key):  # Gemma 2's soft caps: cap * tanh(x / cap).
+        return np.tanh(x / config[key]) * config[key] if gemma2 and config.get(key) else x
+
     x = t["model.embed_tokens.weight"][tokens]
     if gemma:
         x = x * np.sqrt(config["hidden_size"])
@@ -248,15 +274,20 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
             kk, v = (np.concatenate([old, new], 2) for old, new in zip(cache[i], (kk, v), strict=True))
             cache[i] = (kk, v)
         kk, v = np.repeat(kk, heads // groups, axis=1), np.repeat(v, heads // groups, axis=1)
-        scores = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(k) + bias
+        slides = gemma2 and sliding_layers(config)[i]
+        scores = cap(q @ kk.transpose(0, 1, 3, 2) * scale, "attn_logit_softcapping")
+        scores = scores + (sliding if slides else full)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        x = (
-            x
-            + (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, heads * k) @ t[p + "self_attn.o_proj.weight"].T
-        )
-        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        out = (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, heads * k) @ t[p + "self_attn.o_proj.weight"].T
+        if gemma2:
+            x = x + norm(out, t[p + "post_attention_layernorm.weight"])
+            h = norm(x, t[p + "pre_feedforward_layernorm.weight"])
+        else:
+            x = x + out
+            h = norm(x, t[p + "post_attention_layernorm.weight"])
         gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
-        x = x + (act(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+        mlp = (act(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+        x = x + (norm(mlp, t[p + "post_feedforward_layernorm.weight"]) if gemma2 else mlp)
     head = t["model.embed_tokens.weight"] if config["tie_word_embeddings"] else t["lm_head.weight"]
-    return norm(x, t["model.norm.weight"]) @ head.T
+    return cap(norm(x, t["model.norm.weight"]) @ head.T, "final_logit_softcapping")

@@ -316,6 +316,37 @@ def test_a_window_attends_as_jax_local_window_and_its_gradients(kernel):
         assert jnp.abs(a - b).max() < 1e-4
 
 
+@pytest.mark.parametrize("kernel", [AttentionKernel("xla"), AttentionKernel("chunked", chunk=16)])
+def test_soft_capped_scores_attend_as_gemma_2_caps_them_and_their_gradients(kernel):
+    """Gemma 2's cap (model.attention_softcap) on the scaled scores, before the mask: cap * tanh(s / cap)."""
+    q, k, v = _qkv()
+    q = q * 4  # Scores well past the cap.
+
+    def reference(q, k, v):
+        scores = jnp.einsum("blhk,bmhk->bhlm", q, jnp.repeat(k, 2, axis=2)) / 4.0
+        scores = jnp.tanh(scores / 2.0) * 2.0
+        causal = jnp.tril(jnp.ones((64, 64), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        return jnp.einsum("bhlm,bmhk->blhk", probs, jnp.repeat(v, 2, axis=2))
+
+    out = attend(kernel, q, k, v, softcap=2.0)
+    assert jnp.abs(out - reference(q, k, v)).max() < 1e-5
+    assert jnp.abs(attend(kernel, q, k, v) - out).max() > 0.1  # The cap changes the output.
+    ours = _grads(lambda *a: attend(kernel, *a, softcap=2.0), q, k, v)
+    for a, b in zip(ours, _grads(reference, q, k, v), strict=True):
+        assert jnp.abs(a - b).max() < 1e-4
+
+
+@pytest.mark.parametrize("where", ["gpu", "deviceless-gpu", "cpu", "tpu"])
+def test_soft_capped_scores_resolve_auto_to_chunked_and_refuse_the_flash_kernels(where):
+    assert resolve_attention("auto", chunk=None, where=where, softcap=True).name == "chunked"
+    for requested in ("cudnn", "pallas"):
+        with pytest.raises(ConfigError, match=f"model.attention={requested} with model.attention_softcap"):
+            resolve_attention(requested, chunk=None, where=where, softcap=True)
+    with pytest.raises(ValueError, match="no soft-capped scores"):
+        attend(AttentionKernel("pallas", interpret=True), *_qkv(), softcap=2.0)
+
+
 @pytest.mark.newest
 def test_pallas_has_no_window_but_stands_in_for_cudnn_with_one():
     q, k, v = _qkv()

@@ -3,6 +3,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shardmem.config import Config, config_from_dict, load_config
 from shardmem.errors import ConfigError
@@ -281,3 +282,23 @@ def test_a_key_given_twice_is_an_error_naming_it_and_both_lines(tmp_path):
     )
     config = load_config(path)
     assert config.rules == {"embed": "fsdp", "heads": "tensor"} and len(config.param_rules["x"]) == 2
+
+
+def test_a_window_on_some_layers_round_trips_through_yaml_and_its_mistakes_name_the_key():
+    config = config_from_dict({"model": {"preset": "tiny", "sliding_window": 8, "sliding_layers": [0, 2]}})
+    assert config.model.sliding_layers == (0, 2)  # A tuple: the model's config is hashed.
+    again = config_from_dict(yaml.safe_load(config.to_yaml()))
+    assert again == config
+    for layers, words in (
+        ([0, 4], "model.sliding_layers: 4 is not a layer of the model's 4 (0 to 3)"),
+        ([1, 1], "a layer is listed twice"),
+        (["a"], "model.sliding_layers[0]='a'"),
+    ):
+        with pytest.raises(
+            ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+        ):
+            config_from_dict({"model": {"preset": "tiny", "sliding_window": 8, "sliding_layers": layers}})
+    with pytest.raises(ConfigError, match="model.sliding_layers=.0. without model.sliding_window"):
+        config_from_dict({"model": {"preset": "tiny", "sliding_layers": [0]}})
+    with pytest.raises(ConfigError, match="model.attention_softcap=0.0: must be positive"):
+        config_from_dict({"model": {"preset": "tiny", "attention_softcap": 0}})

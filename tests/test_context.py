@@ -5,6 +5,7 @@ config errors."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -89,6 +90,36 @@ def test_each_kernel_on_a_split_sequence_matches_one_device_with_its_gradients(k
 
     got = split(q, k, v)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS[:2], ids=lambda k: k.name)
+def test_soft_capped_scores_on_a_split_sequence_match_one_device_with_their_gradients(kernel):
+    """Gemma 2's cap (model.attention_softcap) over context 4: each block of queries caps its scores."""
+    q, k, v = _qkv(jnp.float32)
+    q, weight = q * 4, jax.random.normal(jax.random.key(3), q.shape)  # Scores past the cap.
+
+    def loss(attend, q, k, v):
+        return (attend(q, k, v) * weight).sum()
+
+    want = jax.value_and_grad(lambda *a: loss(partial(causal_attention, softcap=1.0), *a), (0, 1, 2))(q, k, v)
+    mesh = build_mesh({"data": 2, "context": 4}, jax.devices())
+    rules = Rules.from_config({"heads": None, "kv_heads": None}, mesh.axis_names)
+
+    @jax.jit
+    def split(q, k, v):
+        with rules.activate(mesh):
+
+            def attend(q, k, v):
+                q, k, v = (constrain(context.to_zigzag(x, 4), ("batch", "seq")) for x in (q, k, v))
+                return context.from_zigzag(context.attend(kernel, q, k, v, softcap=1.0), 4)
+
+            return jax.value_and_grad(lambda *a: loss(attend, *a), argnums=(0, 1, 2))(q, k, v)
+
+    got = split(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert abs(float(loss(causal_attention, q, k, v)) - float(want[0])) > 1  # The cap changes the loss.
     for a, b in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 

@@ -83,6 +83,7 @@ def _numpy_greedy(config: dict, tensors: dict) -> list[list[int]]:
     pytest.param("gemma", {}, marks=pytest.mark.slow),
     pytest.param("qwen2", {}, marks=pytest.mark.slow),
     pytest.param("qwen3", {}, marks=pytest.mark.slow),
+    pytest.param("gemma2", {}, marks=pytest.mark.slow),  # Its caps, scale and four norms a layer.
 ])  # fmt: skip
 def test_greedy_output_equals_transformers_forward_with_a_sliding_window_gemma_and_qwens(
     model_type, options, tmp_path

@@ -221,6 +221,71 @@ def test_a_qwen3_config_json_without_head_dim_has_transformers_default_of_128():
     assert model_fields(config, "x")["head_dim"] == 128  # Not hidden_size / heads (16), as Qwen2's.
 
 
+#: Gemma 2 read without its caps, as a Gemma: the logits differ by far more than the tolerance.
+GEMMA2_CAPS = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("options, axes, sliding", [
+    ({}, {"data": 1}, (0,)),  # transformers' layers: the first slides, the second attends to all.
+    ({}, {"fsdp": 2, "tensor": 2}, (0,)),
+    ({"query_pre_attn_scalar": 32, "layer_types": ["full_attention", "sliding_attention"]},
+     {"data": 1}, (1,)),
+])  # fmt: skip
+def test_a_gemma2_checkpoint_gives_transformers_logits(tmp_path, options, axes, sliding):
+    # Was refused (model_type 'gemma2'): four norms a layer, the scores scaled by query_pre_attn_scalar and
+    # capped, the logits capped, a window on every other layer (the sequences here no longer than it).
+    config, tensors = _checkpoint(tmp_path, "gemma2", **options)
+    program, state, got = _logits(_config(tmp_path, axes=axes))
+    _assert_matches(got, config, tensors, {**config, **GEMMA2_CAPS})
+    model = program.config.model
+    assert model.post_norms and model.sliding_layers == sliding and model.sliding_window == 64
+    assert (model.attention_scale is None) == ("query_pre_attn_scalar" in options)  # 32 is the head's width.
+    assert program.attention.name == "chunked"  # The flash kernels have no cap.
+    assert sum(x.size for x in jax.tree.leaves(state["params"])) == model.param_count()
+
+
+def test_gemma2s_defaults_and_null_caps_are_transformers(tmp_path):
+    config = {k: v for k, v in hf.hf_config("gemma2").items()
+              if k not in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                           "sliding_window")}  # fmt: skip
+    fields = model_fields(config, "x")
+    assert (fields["attention_softcap"], fields["logit_softcap"]) == (50.0, 30.0)
+    assert fields["sliding_window"] == 4096
+    assert fields["attention_scale"] == 256**-0.5  # query_pre_attn_scalar 256, heads of 32.
+    fields = model_fields({**config, **GEMMA2_CAPS}, "x")  # A null cap is none, not the default.
+    assert (fields["attention_softcap"], fields["logit_softcap"]) == (None, None)
+
+
+def test_a_window_on_some_layers_is_refused_past_its_length_naming_the_key(tmp_path):
+    # Gemma 2's every other layer (or Qwen2's from max_window_layers): the scanned layers run one window.
+    _checkpoint(tmp_path, "gemma2", sliding_window=8)
+    with pytest.raises(ConfigError) as error:
+        _logits(_config(tmp_path))  # seq_len 16
+    message = str(error.value)
+    assert message.startswith("model.seq_len=16 with model.sliding_window=8 on 1 of the model's 2 layers")
+    assert "set model.seq_len to at most 8" in message and "\n" not in message
+    from shardmem.program import serving_program
+
+    serving = _config(tmp_path, {"seq_len": 8}, serve={"batch": 8, "prompt_len": 4, "max_len": 12})
+    with pytest.raises(ConfigError, match="^serve.max_len=12 with model.sliding_window=8 .* at most 8$"):
+        serving_program(serving, build_mesh(serving.mesh.axes, jax.devices()[:1]))
+    config, tensors = _checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=16,
+                                  max_window_layers=1)  # fmt: skip  # Was refused: 1 of its 2 layers.
+    program, _, got = _logits(_config(tmp_path))
+    assert program.config.model.sliding_layers == (1,)
+    _assert_matches(got, config, tensors)
+
+
+def test_soft_capped_scores_refuse_the_flash_kernels_naming_the_key(tmp_path):
+    _checkpoint(tmp_path, "gemma2")
+    with pytest.raises(ConfigError) as error:
+        _logits(_config(tmp_path, {"attention": "pallas"}))
+    message = str(error.value)
+    assert message.startswith("model.attention=pallas with model.attention_softcap set")
+    assert "\n" not in message
+
+
 def test_a_window_refuses_the_pallas_kernel_where_it_would_run(tmp_path):
     _checkpoint(tmp_path, "mistral", sliding_window=5)
     with pytest.raises(ConfigError) as error:
@@ -249,8 +314,8 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
     ({"mlp_bias": True}, "mlp_bias: true"),  # and its MLP's this one;
     ({"model_type": "gemma", "attention_bias": True}, "attention_bias: true"),  # Gemma's attention too,
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias: true"),  # Qwen3's o_proj too.
-    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-     "a sliding window on 1 of its 2 layers"),
+    ({"model_type": "gemma2", "attention_bias": True}, "attention_bias: true"),
+    ({"model_type": "gemma2", "sliding_window": None}, "sliding_attention layers but no sliding window"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0]}},
      "rope_scaling short_factor"),
@@ -258,8 +323,6 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
     ({"hidden_act": "gelu"}, "the activation 'gelu'"),
     ({"model_type": "gemma", "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"},
      "hidden_act 'gelu' and hidden_activation 'gelu_pytorch_tanh'"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-     "a sliding window on 1 of its 2 layers"),
     # transformers' forward raises: sliding layers without a window, or a list for other layers.
     ({"model_type": "qwen2", "use_sliding_window": False, "layer_types": ["sliding_attention"] * 2},
      "layer_types with sliding_attention layers but no sliding window (use_sliding_window false"),
@@ -362,6 +425,9 @@ def test_seq_len_is_the_one_key_a_pretrained_model_needs(tmp_path):
     # Not the type's usual activation: an export that wrote silu (Gemma: gelu_pytorch_tanh) gave other logits.
     ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
     ("gemma", {"hidden_act": "silu", "hidden_activation": "silu"}),
+    ("gemma2", {}), ("gemma2", {"query_pre_attn_scalar": 144, "attn_logit_softcapping": None}),
+    ("gemma2", {"layer_types": ["sliding_attention"] * 2}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
 ])  # fmt: skip
 def test_the_config_json_an_export_writes_reads_back_as_the_same_model(model_type, options):
     config = hf.hf_config(model_type, **options)

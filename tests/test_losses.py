@@ -105,3 +105,25 @@ def test_chunked_loss_lowers_the_planned_temporaries():
         })  # fmt: skip
         temps[loss_chunk] = plan(config, count_remat_overhead=False).per_device["temp"]
     assert temps[None] - temps[1024] >= 2 * 256 * 8192 * 4
+
+
+def test_soft_capped_logits_give_the_chunked_loss_and_gradients_of_the_whole_one():
+    # Gemma 2's final cap (model.logit_softcap): the chunked loss's hand-written backward takes its slope.
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], (2, 64, 16)) * 3
+    head = jax.random.normal(keys[1], (16, 300))
+    targets = jax.random.randint(keys[2], (2, 64), 0, 300)
+
+    def whole(hidden, head):
+        logits = jnp.tanh((hidden @ head) / 5.0) * 5.0
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def chunked(hidden, head):  # 300 entries in chunks of 16: padded with entries the cap must skip.
+        return chunked_cross_entropy(hidden, head, targets, chunk=16, softcap=5.0)
+
+    assert chunked(hidden, head) == pytest.approx(float(whole(hidden, head)), rel=1e-6)
+    assert float(chunked_cross_entropy(hidden, head, targets, chunk=16)) > float(whole(hidden, head)) + 1
+    for a, b in zip(
+        jax.grad(chunked, (0, 1))(hidden, head), jax.grad(whole, (0, 1))(hidden, head), strict=True
+    ):
+        assert jnp.allclose(a, b, atol=1e-6)

@@ -673,3 +673,17 @@ def test_stage_range_errors_name_the_key_the_value_and_the_fix():
     with pytest.raises(ConfigError, match=r"layer 2 \(slot 0\) has 'none' but layer 0 \(slot 0 of an earlier "
                        r"chunk\) has 'minimal'"):  # fmt: skip
         pipeline.check(3, config.remat_plan())
+
+
+def test_1f1b_trains_gemma_2s_layers_and_capped_logits_as_one_device():
+    # Gemma 2's four norms a layer, scale and caps of the scores, and cap of the logits in the last stage's
+    # loss (Llama.pipelined_loss): the same training as without a pipeline.
+    gemma2 = ["model.post_norms=true", "model.attention_scale=0.5", "model.attention_softcap=1.0",
+              "model.logit_softcap=2.0", "model.norm_offset=1.0", "model.scale_embeddings=true"]  # fmt: skip
+    runs = []
+    for axes, devices, schedule in (({"data": 1}, jax.devices()[:1], None),
+                                    ({"stage": 4, "data": 2}, jax.devices(), "1f1b")):  # fmt: skip
+        config = _config(axes, micro_batches=8 if schedule else 1, schedule=schedule).replace(*gemma2)
+        runs.append(trained(build_program(config, build_mesh(config.mesh.axes, devices))))
+    (_, losses, params), one_device = runs[1], runs[0]
+    assert_same_training(losses, params, one_device)

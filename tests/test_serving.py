@@ -24,10 +24,12 @@ pytestmark = pytest.mark.newest
 
 # Every feature the cached forward must carry over from the training one, in one tiny model: grouped-query
 # attention (4 heads, 2 KV heads), a sliding window shorter than the prompts, Qwen2's qkv biases, Qwen3's
-# head norms, Gemma's norm offset, embedding scale, tied head and GeGLU.
+# head norms, Gemma's norm offset, embedding scale, tied head and GeGLU, Gemma 2's four norms a layer, its
+# scale of the scores and its caps of the scores and the logits (low enough to bite).
 MODEL = {"preset": "tiny", "n_layers": 2, "sliding_window": 6, "qkv_bias": True, "qk_norm": True,
          "norm_offset": 1.0, "scale_embeddings": True, "tie_embeddings": True,
-         "mlp_activation": "gelu_tanh"}  # fmt: skip
+         "mlp_activation": "gelu_tanh", "post_norms": True, "attention_scale": 0.5, "attention_softcap": 1.0,
+         "logit_softcap": 2.0}  # fmt: skip
 B, P_LEN, T = 8, 8, 16
 LENGTHS = np.array([8, 3, 1, 5, 8, 2, 7, 4], np.int32)  # Prompts of every length in one batch.
 
@@ -558,6 +560,26 @@ def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys
     assert not plan_serving(with_memory_fraction(over, FRACTION)).fits  # One more pair of sequences: over.
     longer = config_from_dict({**GPU_SERVE, "serve": {**GPU_SERVE["serve"], "max_len": room.max_len + 1}})
     assert not plan_serving(with_memory_fraction(longer, FRACTION)).fits  # One more position: over.
+
+
+def test_a_window_on_some_layers_bounds_the_context_the_plan_offers_and_the_search_tries(tmp_path, capsys):
+    import yaml
+
+    # Gemma 2's window on every other layer: the model runs sequences of at most the window (256 here),
+    # where the cache has room for about 5,900 positions a sequence.
+    model = {"preset": "tiny", "sliding_window": 256, "sliding_layers": [0, 2]}
+    config = with_memory_fraction(config_from_dict({**GPU_SERVE, "model": model}), FRACTION)
+    closed = plan_serving(config).capacity
+    assert (closed.max_len, closed.longest) == (256, 256) and closed.tokens // 2 > 1000
+    room = search_capacity(config).capacity  # Would compile serve.max_len=256 past it and be refused.
+    assert room.verified and (room.max_len, room.longest) == (256, 256)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(GPU_SERVE))
+    assert main(["plan", str(path), "--serve", "--memory-fraction", str(FRACTION), "--set",
+                 "model.sliding_window=256", "--set", "model.sliding_layers=[0, 2]"]) == 0  # fmt: skip
+    assert "serve.max_len=256 at serve.batch=4 (the longest the model runs: model.sliding_window" in " ".join(
+        capsys.readouterr().out.split()
+    )
 
 
 def test_plan_serve_prints_json_with_times_and_room_and_draws_the_peak_functions_timeline(tmp_path, capsys):

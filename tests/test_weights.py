@@ -245,26 +245,33 @@ def test_a_qwen2_checkpoint_with_qkv_biases_loads_with_the_same_logits(tmp_path)
                                tensors["model.layers.1.self_attn.k_proj.bias"], atol=1e-7)  # fmt: skip
 
 
-def test_a_qwen3_checkpoint_trains_adapters_and_exports_its_head_norms_and_config(tmp_path):
-    config = hf.hf_config("qwen3", tie_word_embeddings=True)
+@pytest.mark.parametrize("model_type, norm, names", [
+    ("qwen3", "q_norm", ("model.layers.1.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight")),
+    # Gemma 2's post_attention_layernorm norms attention's output, where the others' norms the MLP's input.
+    ("gemma2", "post_mlp_norm", ("model.layers.1.post_attention_layernorm.weight",
+                                 "model.layers.0.pre_feedforward_layernorm.weight",
+                                 "model.layers.1.post_feedforward_layernorm.weight")),
+])  # fmt: skip
+def test_a_checkpoint_trains_adapters_and_exports_its_own_norms_and_config(tmp_path, model_type, norm, names):
+    config = hf.hf_config(model_type, tie_word_embeddings=True)
     tensors = hf.random_tensors(config, seed=7)
-    hf.save(tmp_path / "qwen3", config, tensors, shards=2)
+    hf.save(tmp_path / model_type, config, tensors, shards=2)
     shardmem_config = config_from_dict({
         "model": {"seq_len": 16}, "mesh": {"axes": {"fsdp": 2, "tensor": 2}},
         "precision": {"compute": "float32"}, "train": {"global_batch": 8},
-        "finetune": {"init_from": str(tmp_path / "qwen3"), "base_dtype": "float32",
+        "finetune": {"init_from": str(tmp_path / model_type), "base_dtype": "float32",
                      "lora": {"rank": 2, "targets": ["layers/wq", "layers/wk"]}},
     })  # fmt: skip
     program = build_program(shardmem_config, build_mesh(shardmem_config.mesh.axes, jax.devices()[:4]))
     state = program.init()
-    assert "q_norm" in state["frozen"]["layers"]  # Not adapted, not trained: frozen as the norms are.
+    assert norm in state["frozen"]["layers"]  # Not adapted, not trained: frozen as the norms are.
     exported = tmp_path / "out"
     written = load_file(str(export_safetensors(program, state, exported, dtype=jnp.float32)))
-    assert set(written) == set(tensors)  # B is zero: the checkpoint's own tensors, the head norms' too.
-    for name in ("model.layers.1.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"):
+    assert set(written) == set(tensors)  # B is zero: the checkpoint's own tensors, its norms' too.
+    for name in names:
         np.testing.assert_allclose(written[name], tensors[name], atol=1e-7)
     again = json.loads((exported / "config.json").read_text())
-    assert again["model_type"] == "qwen3" and again["head_dim"] == 24
+    assert again["model_type"] == model_type and again["head_dim"] == hf.head_dim(config)
     reloaded = config_from_dict({"model": {"seq_len": 16}, "finetune": {"init_from": str(exported)}})
     assert reloaded.model == program.config.model
 

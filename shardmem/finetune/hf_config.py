@@ -11,7 +11,9 @@ from there, and refuses one it writes (or its preset does) that says otherwise, 
 values. ``config.json`` is read as ``transformers`` reads it, for the model types the reference model
 implements (:data:`MODEL_TYPES`); an option that would change the forward pass and that the reference
 model does not have (a bias on the output projection, a partial rotary embedding, a quantized
-checkpoint, a sliding window on some layers only, ...) is refused in one line, never dropped.
+checkpoint, ...) is refused in one line, never dropped. A window on some layers only (Gemma 2's every
+other layer) is ``sliding_layers``: such a model runs sequences no longer than the window
+(:func:`shardmem.config.check_window_layers`).
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ from shardmem.models.rope import ROPE_TYPES
 
 #: config.json's model_type -> the transformers class its weights are written for.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}  # fmt: skip
+               "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+               "gemma2": "Gemma2ForCausalLM"}  # fmt: skip
 #: The model keys a checkpoint decides; the rest (seq_len, the attention kernel, chunks, the experts'
 #: capacity and loss weight) are the training run's.
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
-                     "rope_theta", "rope_scaling", "sliding_window", "norm_eps", "norm_offset",
-                     "scale_embeddings", "mlp_activation", "qkv_bias", "qk_norm", "tie_embeddings",
-                     "n_experts", "experts_per_token")  # fmt: skip
+                     "rope_theta", "rope_scaling", "sliding_window", "sliding_layers", "norm_eps",
+                     "norm_offset", "scale_embeddings", "mlp_activation", "qkv_bias", "qk_norm",
+                     "post_norms", "attention_scale", "attention_softcap", "logit_softcap",
+                     "tie_embeddings", "n_experts", "experts_per_token")  # fmt: skip
 # transformers' defaults for keys a config.json may leave out, by model type (num_key_value_heads:
 # Llama's is num_attention_heads, as every type's null is; max_position_embeddings: dynamic and yarn's).
 _DEFAULTS = {
@@ -50,6 +54,10 @@ _DEFAULTS = {
               "num_key_value_heads": 32, "max_position_embeddings": 32768},
     "gemma": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh",
               "head_dim": 256, "num_key_value_heads": 16, "max_position_embeddings": 8192},
+    "gemma2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+               "head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 8192,
+               "sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
 }  # fmt: skip
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.mlp_activation -> hidden_act.
@@ -58,7 +66,7 @@ _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.ml
 #: Mistral builds every projection without one, and Qwen2 its q, k and v with one (qkv_bias), whatever
 #: config.json says; Qwen3's attention_bias puts one on q, k, v and o.
 _BIAS_FLAGS = {"llama": ("attention_bias", "mlp_bias"), "gemma": ("attention_bias",), "mistral": (),
-               "qwen2": (), "qwen3": ("attention_bias",)}  # fmt: skip
+               "qwen2": (), "qwen3": ("attention_bias",), "gemma2": ("attention_bias",)}  # fmt: skip
 #: The types whose layers slide as Qwen2's do: from ``max_window_layers`` on, or as ``layer_types`` says,
 #: when ``use_sliding_window``.
 _QWEN_WINDOWS = ("qwen2", "qwen3")
@@ -145,6 +153,8 @@ def model_fields(hf: dict, where: str) -> dict:
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         refuse(f"partial_rotary_factor {hf['partial_rotary_factor']}")
     activation = get("hidden_act")  # Llama's, Mistral's and Qwen2's: hidden_activation is no key of theirs.
+    if kind == "gemma2":  # Its forward reads hidden_activation alone.
+        activation = get("hidden_activation")
     if kind == "gemma" and hf.get("hidden_activation"):
         # transformers' PyTorch Gemma runs hidden_act (its default where config.json has none); its Flax
         # Gemma, hidden_activation: where they differ, which the model was trained with is not known.
@@ -161,17 +171,29 @@ def model_fields(hf: dict, where: str) -> dict:
     head_dim = get("head_dim") or hf["hidden_size"] // heads
     kv_heads = hf.get("num_key_value_heads", _DEFAULTS[kind].get("num_key_value_heads")) or heads
     scaling = _rope_scaling(hf, where, get("max_position_embeddings"), refuse)
-    gemma = kind == "gemma"
-    return {
+    gemma, gemma2 = kind in ("gemma", "gemma2"), kind == "gemma2"
+    window, sliding_layers = _sliding_window(hf, kind, where, refuse)
+    fields = {
         "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
         "n_heads": heads, "n_kv_heads": kv_heads,
         "d_ff": hf["intermediate_size"], "head_dim": head_dim,
         "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": scaling,
-        "sliding_window": _sliding_window(hf, kind, where, refuse), "norm_eps": float(get("rms_norm_eps")),
+        "sliding_window": window, "sliding_layers": sliding_layers, "norm_eps": float(get("rms_norm_eps")),
         "norm_offset": 1.0 if gemma else 0.0, "scale_embeddings": gemma,
         "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3",
         "tie_embeddings": bool(get("tie_word_embeddings")), "n_experts": 0,
     }  # fmt: skip
+    if gemma2:  # Its four norms a layer, its scale of the scores, and its caps (a null cap is none).
+        scalar = get("query_pre_attn_scalar")
+
+        def cap(key: str) -> float | None:
+            value = hf[key] if key in hf else _DEFAULTS[kind][key]
+            return None if value is None else float(value)
+
+        fields |= {"post_norms": True, "attention_softcap": cap("attn_logit_softcapping"),
+                   "attention_scale": None if scalar == head_dim else float(scalar) ** -0.5,
+                   "logit_softcap": cap("final_logit_softcapping")}  # fmt: skip
+    return fields
 
 
 #: The sizes a config.json must give (transformers' names), and those it may.
@@ -186,7 +208,8 @@ _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 #: Other keys read, each checked where given: a quoted value would otherwise load as another model
 #: (``bool("false")`` ties the embeddings). Qwen2's window keys may be 0.
 _COUNTS = ("sliding_window", "max_window_layers")
-_NUMBERS = ("rope_theta", "rms_norm_eps")
+_NUMBERS = ("rope_theta", "rms_norm_eps", "query_pre_attn_scalar")
+_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma 2's: null is no cap.
 _FLAGS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
 
 
@@ -199,6 +222,7 @@ _TYPES = (
     ((*_REQUIRED_SIZES, *_OPTIONAL_SIZES), "a positive integer", lambda v: _integer(v) and v > 0),
     (_COUNTS, "an integer of 0 or more", lambda v: _integer(v) and v >= 0),
     (_NUMBERS, "a positive number", lambda v: (_integer(v) or isinstance(v, float)) and v > 0),
+    (_CAPS, "a positive number or null", lambda v: (_integer(v) or isinstance(v, float)) and v > 0),
     (_FLAGS, "true or false", lambda v: isinstance(v, bool)),
 )
 
@@ -280,37 +304,43 @@ def _no_positions(where: str) -> ConfigError:
                        "config.json (null: no window)")  # fmt: skip
 
 
-def _sliding_window(hf: dict, kind: str, where: str, refuse) -> int | None:
-    """Mistral's window, or Qwen2's or Qwen3's where it covers every layer (transformers: layer i slides
-    from ``max_window_layers`` on, or as ``layer_types`` says, with ``sliding_window`` when
-    ``use_sliding_window``; a null window is none)."""
+def _sliding_window(hf: dict, kind: str, where: str, refuse) -> tuple[int | None, tuple[int, ...] | None]:
+    """``(window, sliding_layers)``: Mistral's window (every layer's), or Qwen2's, Qwen3's or Gemma 2's
+    with the layers it slides on where it is not every layer (transformers: Qwen's layer i slides from
+    ``max_window_layers`` on with ``sliding_window`` when ``use_sliding_window``, Gemma 2's every other
+    one from the first, unless ``layer_types`` says which; a null window is none)."""
     if kind == "mistral":
         window = hf.get("sliding_window", 4096)
         if window == 0:
             raise _no_positions(where)
-        return window
-    if kind not in _QWEN_WINDOWS:
-        return None
+        return window, None
+    if kind not in (*_QWEN_WINDOWS, "gemma2"):
+        return None, None
     layers = hf["num_hidden_layers"]
-    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
-    first = hf.get("max_window_layers", 28)  # The first layer that slides.
-    kinds = hf.get("layer_types") or [
-        "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)
-    ]
+    if kind == "gemma2":
+        window = hf.get("sliding_window", 4096)
+        kinds = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+        ]
+    else:
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+        first = hf.get("max_window_layers", 28)  # The first layer that slides.
+        kinds = hf.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(layers)
+        ]
     if len(kinds) != layers:  # transformers' config raises.
         refuse(f"layer_types of {len(kinds)} layers for its {layers}")
-    if all(k == "full_attention" for k in kinds):
-        return None
+    sliding = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+    if not sliding:
+        return None, None
     if window is None:  # transformers' forward raises: its sliding layers have no window.
         refuse(f"layer_types with sliding_attention layers but no sliding window (use_sliding_window "
                f"{json.dumps(hf.get('use_sliding_window'))}, sliding_window "
                f"{json.dumps(hf.get('sliding_window'))})")  # fmt: skip
     if window == 0:
         raise _no_positions(where)
-    if all(k == "sliding_attention" for k in kinds):
-        return window
-    refuse(f"a sliding window on {kinds.count('sliding_attention')} of its {layers} layers")
-    return None
+    return window, (None if len(sliding) == layers else sliding)
 
 
 def disagreements(written, declared, keys, where: str) -> None:
@@ -361,25 +391,45 @@ def to_hf(model, base: dict | None, dtype: str) -> dict | None:
         out["sliding_window"] = model.sliding_window
     elif kind in _QWEN_WINDOWS:
         out.update(use_sliding_window=model.sliding_window is not None, max_window_layers=0,
-                   sliding_window=model.sliding_window, layer_types=None)  # fmt: skip
+                   sliding_window=model.sliding_window, layer_types=_layer_types(model))  # fmt: skip
+    elif kind == "gemma2":
+        scalar = model.head_size if model.attention_scale is None else round(model.attention_scale**-2, 6)
+        out.update(sliding_window=model.sliding_window, layer_types=_layer_types(model),
+                   query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                   attn_logit_softcapping=model.attention_softcap,
+                   final_logit_softcapping=model.logit_softcap)  # fmt: skip
     # The model's own activation (a Llama of gelu_pytorch_tanh, a Gemma of silu), not the type's usual one.
     activation = _HF_ACTIVATIONS[model.mlp_activation]
-    if kind == "gemma":
+    if kind in ("gemma", "gemma2"):
         out.update(hidden_act=activation, hidden_activation=activation)
     else:
         out["hidden_act"] = activation
     return out
 
 
+def _layer_types(model) -> list[str] | None:
+    """``layer_types``: which layers slide (``model.sliding_layers``, or every one); None without a window."""
+    if model.sliding_window is None:
+        return None
+    sliding = set(range(model.n_layers) if model.sliding_layers is None else model.sliding_layers)
+    return ["sliding_attention" if i in sliding else "full_attention" for i in range(model.n_layers)]
+
+
 def _model_type(model) -> str | None:
     """The transformers model type whose forward is the reference model's with these options."""
     if model.n_experts or model.mlp_activation not in _HF_ACTIVATIONS:
         return None
+    gemma2 = (model.post_norms, model.attention_scale, model.attention_softcap, model.logit_softcap)
     if (model.norm_offset, model.scale_embeddings) == (1.0, True):
-        plain = model.sliding_window is None and model.rope_scaling is None
-        return "gemma" if plain and not (model.qkv_bias or model.qk_norm) else None
-    if (model.norm_offset, model.scale_embeddings) != (0.0, False):
+        if model.rope_scaling is not None or model.qkv_bias or model.qk_norm:
+            return None
+        if model.post_norms:
+            return "gemma2" if model.sliding_window is not None else None
+        return "gemma" if model.sliding_window is None and not any(gemma2) else None
+    if (model.norm_offset, model.scale_embeddings) != (0.0, False) or any(gemma2):
         return None
+    if model.sliding_layers is not None and not model.qkv_bias and not model.qk_norm:
+        return None  # Mistral slides every layer.
     if model.qkv_bias:  # Qwen2's; no transformers type has both.
         return None if model.qk_norm else "qwen2"
     if model.qk_norm:

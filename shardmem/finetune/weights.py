@@ -6,15 +6,15 @@ checked against the model from their headers, then read straight into their shar
     state = program.start_from(params)                      # split, quantized, adapters, optimizer
 
 The reference model reads the Llama layout that Llama, Mistral, Gemma (with the model's ``norm_offset``,
-``scale_embeddings`` and ``mlp_activation`` set as Gemma's), Qwen2 (``qkv_bias``) and Qwen3 (``qk_norm``)
-checkpoints share (``model.layers.{i}.self_attn.q_proj.weight`` ...): each matrix is stored ``[out, in]`` and
-transposed into the model's ``[in..., out...]``. A model of your own reads tensors named by its own parameter
-paths with ``.`` for ``/`` (what :func:`~shardmem.finetune.export.export_safetensors` writes for it), in its
-own layout. For the reference model, files whose metadata says ``format: flax`` (transformers' Flax
-``save_pretrained``) are read in that layout: ``kernel`` matrices ``[in, out]`` and
-``model.embed_tokens.embedding``. Which files hold which tensors (an index, a stray consolidated file) is
-:mod:`shardmem.finetune.safetensors_files`'s; the architecture in a folder's ``config.json``,
-:mod:`shardmem.finetune.hf_config`'s.
+``scale_embeddings`` and ``mlp_activation`` set as Gemma's; Gemma 2 with ``post_norms`` too), Qwen2
+(``qkv_bias``) and Qwen3 (``qk_norm``) checkpoints share (``model.layers.{i}.self_attn.q_proj.weight`` ...):
+each matrix is stored ``[out, in]`` and transposed into the model's ``[in..., out...]``. A model of your own
+reads tensors named by its own parameter paths with ``.`` for ``/`` (what
+:func:`~shardmem.finetune.export.export_safetensors` writes for it), in its own layout. For the reference
+model, files whose metadata says ``format: flax`` (transformers' Flax ``save_pretrained``) are read in that
+layout: ``kernel`` matrices ``[in, out]`` and ``model.embed_tokens.embedding``. Which files hold which tensors
+(an index, a stray consolidated file) is :mod:`shardmem.finetune.safetensors_files`'s; the architecture in a
+folder's ``config.json``, :mod:`shardmem.finetune.hf_config`'s.
 
 Every array is made by :func:`jax.make_array_from_callback`: each device's callback reads only its own
 block of each layer's tensor through safetensors' lazy ``safe_open`` slices, so neither the model nor one
@@ -51,6 +51,12 @@ _LAYER_NAMES = {
     "k_norm/scale": ("self_attn.k_norm.weight", False),
     "attn_norm/scale": ("input_layernorm.weight", False),
     "mlp_norm/scale": ("post_attention_layernorm.weight", False),
+}
+# Gemma 2's four norms a layer (model.post_norms): its post_attention_layernorm norms attention's output.
+_POST_NORM_NAMES = {
+    "mlp_norm/scale": ("pre_feedforward_layernorm.weight", False),
+    "post_attn_norm/scale": ("post_attention_layernorm.weight", False),
+    "post_mlp_norm/scale": ("post_feedforward_layernorm.weight", False),
 }
 _TOP_NAMES = {
     "embedding": ("model.embed_tokens.weight", False),
@@ -104,10 +110,11 @@ def _layout(program, full_shapes: dict, flax: bool = False) -> dict:
     from shardmem.models.llama import lora_input_dims
 
     n_layers = program.config.model.n_layers
+    layer_names = _LAYER_NAMES | (_POST_NORM_NAMES if program.config.model.post_norms else {})
     for path in full_shapes:
         name = _name(path)
         if name.startswith("layers/"):
-            hf, matrix = _LAYER_NAMES.get(name.removeprefix("layers/"), (None, False))
+            hf, matrix = layer_names.get(name.removeprefix("layers/"), (None, False))
             if hf is None:
                 raise ConfigError(
                     f"finetune.init_from: the reference model's {name} has no Hugging Face Llama tensor: "

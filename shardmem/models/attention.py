@@ -95,10 +95,13 @@ class AttentionKernel:
         Pallas, or Pallas standing in for cuDNN), in interpret mode where Pallas's is (CPU)."""
         return self.name in ("cudnn", "pallas")
 
-    def describe(self, window: int | None = None) -> str:
+    def describe(self, window: int | None = None, softcap: float | None = None) -> str:
         """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``, saying how a
-        sliding ``window`` (``model.sliding_window``) is attended."""
+        sliding ``window`` (``model.sliding_window``) is attended, and why a model whose scores are
+        soft-capped (``softcap``) runs no flash kernel."""
         text = self.name + (f" (blocks of {self.chunk} queries)" if self.name == "chunked" else "")
+        if softcap is not None:
+            text += f"; scores soft-capped at {softcap:g}, which neither flash kernel does"
         if window is not None:
             text += f"; sliding window of {window}"
             if self.name == "pallas":  # Only a stand-in gets here (check_window).
@@ -259,6 +262,7 @@ def resolve_attention(
     sms: int | None = None,
     head_dim: int | None = None,
     cudnn_heads: int | None = None,
+    softcap: bool = False,
 ) -> AttentionKernel:
     """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
     (one of :data:`DEVICE_CLASSES`) computing in ``dtype``, its sequences split over ``context`` devices,
@@ -270,9 +274,20 @@ def resolve_attention(
     sliding ``window`` as well ``auto`` is ``chunked`` (Pallas's kernel has no window). Heads of
     ``head_dim`` that cuDNN's flash attention does not take (a multiple of 8 up to ``cudnn_heads``,
     :func:`cudnn_max_head_dim`) get Pallas's flash kernel itself from ``auto`` on a GPU, attached or
-    deviceless (``chunked`` with a ``window``, or past :data:`MAX_FLASH_HEAD_DIM`); ``cudnn`` is an error."""
+    deviceless (``chunked`` with a ``window``, or past :data:`MAX_FLASH_HEAD_DIM`); ``cudnn`` is an error.
+    Soft-capped scores (``softcap``, Gemma 2's) are in neither flash kernel: ``auto`` is ``chunked`` for
+    them, wherever the model runs, and ``cudnn`` or ``pallas`` an error."""
     if requested not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attention={requested!r}: use {one_of(ATTENTION_CHOICES)}")
+    if softcap:
+        if requested in ("cudnn", "pallas"):
+            raise ConfigError(
+                f"model.attention={requested} with model.attention_softcap set: neither flash kernel "
+                "(cuDNN's, Pallas's) caps the scores, and without the cap the model's logits are wrong; "
+                "use model.attention=auto or chunked (query blocks, no L x L scores) or xla"
+            )
+        if requested == "auto":
+            requested = "chunked"
     if context > 1:
         if requested == "cudnn":
             raise ConfigError(
@@ -335,24 +350,30 @@ def resolve_attention(
 
 
 def resolve_for_devices(requested: str, devices, *, chunk: int | None = None, dtype="bfloat16",
-                        context: int = 1, window: bool = False,
-                        head_dim: int | None = None) -> AttentionKernel:  # fmt: skip
+                        context: int = 1, window: bool = False, head_dim: int | None = None,
+                        softcap: bool = False) -> AttentionKernel:  # fmt: skip
     """:func:`resolve_attention` for a model built for ``devices``: their class, the shared memory one of
     their thread blocks may take, their SMs and the widest head cuDNN takes on them."""
     devices = list(devices)
     return resolve_attention(requested, chunk=chunk, where=device_class(devices), dtype=dtype,
                              context=context, window=window, shared_memory=shared_memory_per_block(devices),
                              sms=sm_count(devices), head_dim=head_dim,
-                             cudnn_heads=cudnn_max_head_dim(devices))  # fmt: skip
+                             cudnn_heads=cudnn_max_head_dim(devices), softcap=softcap)  # fmt: skip
 
 
-def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
+def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None,
+           softcap: float | None = None):  # fmt: skip
     """Causal attention of ``kernel``; each of the G key/value heads serves H // G query heads; with a
-    ``window``, each position attends to the last ``window`` positions, itself included."""
+    ``window``, each position attends to the last ``window`` positions, itself included; with a
+    ``softcap``, each score is ``softcap * tanh(score / softcap)`` (``xla`` and ``chunked`` only:
+    :func:`resolve_attention` gives no other for it)."""
     length = q_BxLxHxK.shape[1]
     window = window if window is not None and window < length else None  # A longer window masks nothing.
+    if softcap is not None and kernel.name not in ("xla", "chunked"):
+        raise ValueError(f"attention kernel {kernel.name!r} has no soft-capped scores; use chunked or xla")
     if kernel.name == "chunked" and kernel.chunk and kernel.chunk < length and length % kernel.chunk == 0:
-        return chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, chunk=kernel.chunk, window=window)
+        return chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, chunk=kernel.chunk, window=window,
+                                        softcap=softcap)  # fmt: skip
     if kernel.name == "cudnn":
         # Its window counts the positions before the query: the query's own is the last of ours.
         local = None if window is None else (window - 1, 0)
@@ -362,7 +383,7 @@ def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: 
     if kernel.name == "pallas":
         kernel.check_window(window, length)  # Runs causally over the whole sequence only as a stand-in.
         return _pallas_attention(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
-    return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window)
+    return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap)
 
 
 def _per_shard(fn, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
@@ -390,16 +411,16 @@ def _pallas_attention(attention: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGx
 
 
 def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions=None, k_positions=None,
-                     window: int | None = None):  # fmt: skip
+                     window: int | None = None, softcap: float | None = None):  # fmt: skip
     """Causal softmax attention with fp32 scores (kernel ``xla``). Query i sits at position
     ``q_offset + i`` of the keys, or at ``q_positions[i]`` against keys at ``k_positions`` when given
     (a permuted sequence: :mod:`shardmem.parallel.context`; ``q_positions`` ``[B, L]``: each sequence's
     own, as a KV cache's decode has them); with a ``window``, it attends to keys fewer than ``window``
-    positions before it."""
+    positions before it; with a ``softcap``, its scores are ``softcap * tanh(score / softcap)``."""
     b, length, h, k = q_BxLxHxK.shape
     g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
-    scores_BxGxRxLxM = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK)
+    scores_BxGxRxLxM = soft_capped(jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK), softcap)
     if q_positions is None:
         rows_LxM = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
         cols_LxM = jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
@@ -416,7 +437,16 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions
     return ctx_BxLxGxRxK.reshape(b, length, h, k)
 
 
-def chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int, window: int | None = None):
+def soft_capped(scores, softcap: float | None):
+    """``softcap * tanh(scores / softcap)`` in float32 (Gemma 2's attention logits); the scores as they
+    are when ``softcap`` is None."""
+    if softcap is None:
+        return scores
+    return jnp.tanh(scores.astype(jnp.float32) / softcap) * softcap
+
+
+def chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int, window: int | None = None,
+                             softcap: float | None = None):  # fmt: skip
     """The same attention, one block of ``chunk`` queries at a time, each block rematerialized in the
     backward pass: score memory falls from L x L to chunk x L per head, for one extra QK/PV product
     (memory-efficient attention, Rabe & Staats 2021); with a ``window``, to chunk x (chunk + window - 1):
@@ -430,14 +460,16 @@ def chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int, win
     def block(args):
         q_BxCxHxK, index = args
         if reach == length:
-            return causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=index * chunk, window=window)
+            return causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=index * chunk, window=window,
+                                    softcap=softcap)  # fmt: skip
         first = jnp.maximum(index * chunk + chunk - reach, 0)  # The block's keys end with its last query.
         k_BxMxGxK, v_BxMxGxK = (
             jax.lax.dynamic_slice_in_dim(x, first, reach, axis=1) for x in (k_BxLxGxK, v_BxLxGxK)
         )
         q_positions_C = index * chunk + jnp.arange(chunk)
         return causal_attention(q_BxCxHxK, k_BxMxGxK, v_BxMxGxK, q_positions=q_positions_C,
-                                k_positions=first + jnp.arange(reach), window=window)  # fmt: skip
+                                k_positions=first + jnp.arange(reach), window=window,
+                                softcap=softcap)  # fmt: skip
 
     ctx_NxBxCxHxK = jax.lax.map(block, (q_NxBxCxHxK, jnp.arange(blocks)))
     return ctx_NxBxCxHxK.swapaxes(0, 1).reshape(b, length, h, k)

@@ -173,7 +173,8 @@ class CacheSlot:
     prefill: bool
     rope_length: jax.Array | None = None
 
-    def attend(self, kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
+    def attend(self, kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None,
+               softcap: float | None = None):  # fmt: skip
         """Returns ``(ctx_BxLxHxK, cache)``: the step's attention, and the cache with the step's keys
         and values written. Prefill attends over the prompt with ``kernel`` (the training forward's
         attention; None, as a model of your own passes it: the kernel its serving program resolved for the
@@ -182,21 +183,24 @@ class CacheSlot:
         sequence's position: on GPUs (a flash ``kernel``) with the Pallas decode kernel over the stacked
         cache (:mod:`shardmem.models.decode_attention`; an int8 cache's codes and scales as they are),
         else with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a layer that attends in float32
-        gets XLA's attention."""
+        gets XLA's attention, and so does one whose scores are soft-capped (``softcap``: Gemma 2's), which
+        the flash kernels do not do."""
         from shardmem.models import decode_attention
         from shardmem.models.attention import attend, causal_attention
 
         kernel = _serving_kernel.get() if kernel is None else kernel
         cudnn = kernel is not None and "cudnn" in (kernel.name, kernel.stands_for)
-        if cudnn and q_BxLxHxK.dtype.itemsize > 2:
+        if (cudnn and q_BxLxHxK.dtype.itemsize > 2) or (
+            softcap is not None and kernel is not None and kernel.name not in ("xla", "chunked")
+        ):
             kernel = None
         cache = self.cache.write(self.layer, self.positions, k_BxLxGxK, v_BxLxGxK)
         if self.prefill and kernel is None:
             length = q_BxLxHxK.shape[1]
             window = window if window is not None and window < length else None
-            return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window), cache
+            return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap), cache
         if self.prefill:
-            return attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window), cache
+            return attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap), cache
         window = window if window is not None and window < cache.max_len else None
         pallas = kernel is not None and kernel.decodes_in_pallas
         if pallas:
@@ -206,10 +210,11 @@ class CacheSlot:
             if ctx_BxLxHxK is not None:
                 return ctx_BxLxHxK, cache
         k_BxTxGxK, v_BxTxGxK = cache.read(self.layer, q_BxLxHxK.dtype)
-        return _over_the_cache(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, self.positions, window), cache
+        return _over_the_cache(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, self.positions, window, softcap), cache
 
 
-def _over_the_cache(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int | None):
+def _over_the_cache(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int | None,
+                    softcap: float | None = None):  # fmt: skip
     """A decode step's attention over a layer's cache in XLA: each query (at ``positions``, its
     sequence's own) over the keys up to it (the last ``window``), as multiply-and-sum reductions in
     float32 over the keys and values as the cache lays them out. As matmuls, XLA's GPU compiler wanted
@@ -218,11 +223,13 @@ def _over_the_cache(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int 
     an H100, a model of your own at 64 x 8,192 positions, 2 layers of 2 KV heads: 132.5 MiB of decode
     temporaries, 9 MiB as reductions; with one KV head a device, as reductions XLA may still write one
     layer's products out, as the matmuls wrote their copies: 4.5 MiB either way at 8 x 4,096)."""
+    from shardmem.models.attention import soft_capped
+
     b, length, h, k = q_BxLxHxK.shape
     g = k_BxTxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k).astype(jnp.float32) * (k**-0.5)
     keys_Bx1xTxGx1xK = k_BxTxGxK[:, None, :, :, None, :].astype(jnp.float32)
-    scores_BxLxTxGxR = jnp.sum(q_BxLxGxRxK[:, :, None] * keys_Bx1xTxGx1xK, axis=-1)
+    scores_BxLxTxGxR = soft_capped(jnp.sum(q_BxLxGxRxK[:, :, None] * keys_Bx1xTxGx1xK, axis=-1), softcap)
     columns_T = jnp.arange(k_BxTxGxK.shape[1])
     seen_BxLxT = columns_T <= positions_BxL[..., None]
     if window is not None:

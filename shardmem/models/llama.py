@@ -34,7 +34,7 @@ from shardmem.finetune.lora import project, value_of, weight
 from shardmem.models.attention import AttentionKernel, resolve_for_devices
 from shardmem.models.fused import Fused
 from shardmem.models.kv_cache import CacheSlot, KVCache
-from shardmem.models.losses import cross_entropy, resolve_loss_chunk
+from shardmem.models.losses import cross_entropy, resolve_loss_chunk, softcap
 from shardmem.models.moe import MoEFeedForward
 from shardmem.models.rope import RopeScaling, rope
 from shardmem.parallel import collective_matmul, context
@@ -73,12 +73,20 @@ class ModelConfig:
     # dynamic or yarn, factor, ...} (models/rope.py; None: none).
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # Each position attends to this many, itself included (Mistral's).
+    # The layers the window applies to (None: every layer). Where it is some layers only (Gemma 2's every
+    # other one), sequences are at most the window long: every layer then attends to the whole sequence.
+    sliding_layers: tuple[int, ...] | None = None
     norm_eps: float = 1e-5  # Epsilon of RMSNorm.
     norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + scale (Gemma: 1, scales stored near 0).
     scale_embeddings: bool = False  # Multiply the input embeddings by sqrt(d_model) (Gemma).
     mlp_activation: str = "silu"  # The gated MLP's: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU).
     qkv_bias: bool = False  # Biases on the query, key and value projections (Qwen2).
     qk_norm: bool = False  # RMSNorm of each query and key head, before RoPE (Qwen3).
+    post_norms: bool = False  # RMSNorm of attention's and the MLP's outputs before they are added (Gemma 2).
+    # Scores scaled by this rather than 1 / sqrt(head_size) (Gemma 2: query_pre_attn_scalar ** -0.5).
+    attention_scale: float | None = None
+    attention_softcap: float | None = None  # Scores capped as cap * tanh(score / cap) (Gemma 2: 50).
+    logit_softcap: float | None = None  # The output logits capped the same way (Gemma 2: 30).
     tie_embeddings: bool = False  # The output head reuses the input embedding.
     attention: str = "auto"  # A kernel of shardmem.models.attention.ATTENTION_CHOICES.
     attention_chunk: int | None = None  # Query block of the `chunked` kernel (None: 512).
@@ -96,6 +104,13 @@ class ModelConfig:
         """Width of one attention head: ``head_dim``, or ``d_model // n_heads`` when unset."""
         return self.head_dim or self.d_model // self.n_heads
 
+    @property
+    def layer_window(self) -> int | None:
+        """The sliding window every layer attends with: ``sliding_window``, or None where it slides on
+        some layers only (``sliding_layers``), whose sequences are no longer than the window
+        (:func:`shardmem.config.check_window_layers`), so that no layer's window masks a key."""
+        return self.sliding_window if self.sliding_layers is None else None
+
     def param_count(self) -> int:
         """Returns the exact number of parameters, from the architecture alone."""
         d, h, kv, k = self.d_model, self.n_heads, self.n_kv_heads, self.head_size
@@ -105,7 +120,7 @@ class ModelConfig:
             mlp = self.n_experts * mlp + d * self.n_experts  # Experts and the router.
         biases = (h + 2 * kv) * k if self.qkv_bias else 0
         head_norms = 2 * k if self.qk_norm else 0
-        layer = attention + biases + head_norms + mlp + 2 * d
+        layer = attention + biases + head_norms + mlp + (4 if self.post_norms else 2) * d
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embeddings + d
 
@@ -300,6 +315,9 @@ class Block(nnx.Module):
             self.q_norm = RMSNorm(k, cfg.norm_eps, **norm)
             self.k_norm = RMSNorm(k, cfg.norm_eps, **norm)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps, **norm)
+        if cfg.post_norms:  # Of what attention and the MLP add to the residual stream (Gemma 2's).
+            self.post_attn_norm = RMSNorm(d, cfg.norm_eps, **norm)
+            self.post_mlp_norm = RMSNorm(d, cfg.norm_eps, **norm)
         if cfg.n_experts:
             self.moe = MoEFeedForward(d, f, cfg.n_experts, rngs=rngs, experts_per_token=cfg.experts_per_token,
                                       capacity_factor=cfg.capacity_factor,
@@ -433,24 +451,27 @@ class Block(nnx.Module):
             shared = cache is not None and not cache.prefill
             q_BxLxHxK = rope(q_BxLxHxK, positions, cfg.rope_theta, cfg.rope_scaling, length, shared=shared)
             k_BxLxGxK = rope(k_BxLxGxK, positions, cfg.rope_theta, cfg.rope_scaling, length, shared=shared)
+            if cfg.attention_scale is not None:  # The kernels scale by 1 / sqrt(head_size): the rest here.
+                scale = cfg.attention_scale * math.sqrt(cfg.head_size)
+                q_BxLxHxK = q_BxLxHxK * jnp.asarray(scale, q_BxLxHxK.dtype)
+            how = dict(window=cfg.layer_window, softcap=cfg.attention_softcap)
             if cache is None:
-                ctx_BxLxHxK = context.attend(
-                    self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=cfg.sliding_window
-                )
+                ctx_BxLxHxK = context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, **how)
             else:
-                ctx_BxLxHxK, written = cache.attend(
-                    self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=cfg.sliding_window
-                )
+                ctx_BxLxHxK, written = cache.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, **how)
             ctx_BxLxHxK = _whole_seq(ctx_BxLxHxK, _HEADS)
             ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, "attn_context")
             # Summed over the tensor-parallel heads: an all-reduce, or a reduce-scatter onto the residual
             # stream's share of the sequence with sequence parallelism.
             out_BxLxD = self._scattered_projection("blhk,hkd->bld", ctx_BxLxHxK, self.wo, _WO, _HEADS)
             out_BxLxD = checkpoint_name(out_BxLxD, "out_proj")
+            if cfg.post_norms:
+                out_BxLxD = self.post_attn_norm(out_BxLxD)
             x_BxLxD = x_BxLxD + out_BxLxD
 
         with jax.named_scope("mlp"):
-            x_BxLxD = x_BxLxD + self._feed_forward(x_BxLxD, fused.get("w_gate_up"))
+            mlp_BxLxD = self._feed_forward(x_BxLxD, fused.get("w_gate_up"))
+            x_BxLxD = x_BxLxD + (self.post_mlp_norm(mlp_BxLxD) if cfg.post_norms else mlp_BxLxD)
         return x_BxLxD if cache is None else (x_BxLxD, written)
 
     def _feed_forward(self, x_BxLxD, fused: Fused | None = None):
@@ -483,10 +504,12 @@ class Llama(nnx.Module):
     ):
         if attention is None:
             attention = resolve_for_devices(cfg.attention, jax.devices(), chunk=cfg.attention_chunk,
-                                            dtype=compute_dtype, head_dim=cfg.head_size)  # fmt: skip
+                                            dtype=compute_dtype, head_dim=cfg.head_size,
+                                            softcap=cfg.attention_softcap is not None)  # fmt: skip
         self.cfg = cfg
         self.attention = attention
         self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)
+        self.logit_softcap = cfg.logit_softcap  # The loss caps the logits it computes in chunks as well.
         self.remat = remat or LayerPlan.uniform(cfg.n_layers)
         self.pipeline = pipeline  # Runs the layer stack in pipeline stages (shardmem.parallel.pipeline).
         self.compute_dtype = compute_dtype
@@ -507,8 +530,9 @@ class Llama(nnx.Module):
             )
 
     def __call__(self, tokens_BxL):
-        """Returns the logits: :meth:`hidden_states` times :meth:`unembedding`."""
-        logits_BxLxV = self.hidden_states(tokens_BxL) @ self.unembedding()
+        """Returns the logits: :meth:`hidden_states` times :meth:`unembedding` (soft-capped as
+        ``model.logit_softcap`` says)."""
+        logits_BxLxV = softcap(self.hidden_states(tokens_BxL) @ self.unembedding(), self.cfg.logit_softcap)
         return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
 
     def hidden_states(self, tokens_BxL):
@@ -610,7 +634,8 @@ class Llama(nnx.Module):
             h_bxLxD = _rms_norm(x_bxLxD, params["norm"], cfg.norm_eps, dtype, cfg.norm_offset)
             h_bxLxD = _whole_seq(_split_seq(h_bxLxD), ("batch", "seq", None))
             head_DxV = params["head"].astype(dtype)
-            return cross_entropy(h_bxLxD, head_DxV.T if cfg.tie_embeddings else head_DxV, targets_bxL, chunk)
+            head_DxV = head_DxV.T if cfg.tie_embeddings else head_DxV
+            return cross_entropy(h_bxLxD, head_DxV, targets_bxL, chunk, softcap=cfg.logit_softcap)
 
         head_params = {"norm": self.final_norm.scale[...],
                        "head": self.embedding[...] if cfg.tie_embeddings else self.lm_head[...]}  # fmt: skip

@@ -60,7 +60,8 @@ def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
         return model.pipelined_loss(inputs_BxL, targets_BxL)
     chunk = getattr(model, "loss_chunk", None)
     if chunk and hasattr(model, "hidden_states"):
-        return cross_entropy(model.hidden_states(inputs_BxL), model.unembedding(), targets_BxL, chunk)
+        return cross_entropy(model.hidden_states(inputs_BxL), model.unembedding(), targets_BxL, chunk,
+                             softcap=getattr(model, "logit_softcap", None))  # fmt: skip
     logits_BxLxV = model(inputs_BxL)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
         logits_BxLxV.astype(jnp.float32), targets_BxL
@@ -68,13 +69,25 @@ def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
     return losses_BxL.mean()
 
 
-def cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk: int | None) -> jax.Array:
+def softcap(logits, cap: float | None):
+    """``cap * tanh(logits / cap)``: logits kept within +-``cap`` (Gemma 2's); as they are when None."""
+    if cap is None:
+        return logits
+    return (jnp.tanh(logits / cap) * cap).astype(logits.dtype)
+
+
+_softcap = softcap  # Beside the keyword arguments of the same name.
+
+
+def cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk: int | None, *,
+                  softcap: float | None = None) -> jax.Array:  # fmt: skip
     """Mean cross-entropy of ``softmax(hidden @ head)`` against ``targets``: over ``chunk`` vocabulary
-    entries at a time when ``chunk`` is smaller than the vocabulary, else from the whole logits."""
+    entries at a time when ``chunk`` is smaller than the vocabulary, else from the whole logits; the
+    logits soft-capped at ``softcap`` (:func:`softcap`) when given."""
     if chunk and chunk < head_DxV.shape[1]:
-        return chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk=chunk)
+        return chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk=chunk, softcap=softcap)
     logits_BxLxV = constrain(hidden_BxLxD @ head_DxV, ("batch", "seq", "vocab"))
-    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+    logits_BxLxV = _softcap(logits_BxLxV.astype(jnp.float32), softcap)
     # The target's logit as a masked sum, as the chunked loss takes it (optax gathers it: over a vocabulary
     # split across devices inside the 1F1B pipeline's shard_map, XLA's partitioner aborts on that gather).
     hit_BxLxV = targets_BxL[..., None] == jnp.arange(logits_BxLxV.shape[-1])
@@ -82,9 +95,11 @@ def cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk: int | None) -> jax
     return (jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_BxL).mean()
 
 
-def chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int) -> jax.Array:
+def chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int,
+                          softcap: float | None = None) -> jax.Array:  # fmt: skip
     """Mean cross-entropy of ``softmax(hidden @ head)`` against ``targets``, over ``chunk`` vocabulary
-    entries at a time, forward and backward (see the module docstring)."""
+    entries at a time, forward and backward (see the module docstring); the logits soft-capped at
+    ``softcap`` when given."""
     b, length, _ = hidden_BxLxD.shape
     vocab = head_DxV.shape[1]
     n_chunks = _chunks(vocab, chunk)
@@ -95,30 +110,31 @@ def chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, *, chunk: int) ->
     # Row v of the head goes to chunk v % N, at index v // N: the chunks are interleaved.
     head_CxNxD = head_VxD.reshape(padded // n_chunks, n_chunks, -1)
     with jax.named_scope("loss"):
-        total = _chunked_loss_sum(hidden_BxLxD, head_CxNxD, targets_BxL, vocab)
+        total = _chunked_loss_sum(hidden_BxLxD, head_CxNxD, targets_BxL, vocab, softcap)
     return total / (b * length)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_loss_sum(hidden_BxLxD, head_CxNxD, targets_BxL, vocab):
-    return _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_loss_sum(hidden_BxLxD, head_CxNxD, targets_BxL, vocab, cap):
+    return _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab, cap)[0]
 
 
-def _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab):
-    """Logits (fp32) of chunk ``j`` of the vocabulary; padding entries are -inf."""
+def _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab, cap):
+    """Logits (fp32, soft-capped at ``cap`` when given) of chunk ``j`` of the vocabulary; padding entries
+    are -inf."""
     rows_CxD = constrain(head_CxNxD[:, j], ("vocab", "embed"))
     logits_BxLxC = constrain(jnp.einsum("bld,cd->blc", hidden_BxLxD, rows_CxD), ("batch", "seq", "vocab"))
     ids_C = jnp.arange(head_CxNxD.shape[0]) * head_CxNxD.shape[1] + j
-    return jnp.where(ids_C < vocab, logits_BxLxC.astype(jnp.float32), -jnp.inf)
+    return jnp.where(ids_C < vocab, _softcap(logits_BxLxC.astype(jnp.float32), cap), -jnp.inf)
 
 
-def _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab):
+def _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab, cap):
     n_chunks = head_CxNxD.shape[1]
     row_BxL, chunk_BxL = targets_BxL // n_chunks, targets_BxL % n_chunks
 
     def body(carry, j):
         max_BxL, sum_BxL, target_BxL = carry
-        logits_BxLxC = _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab)
+        logits_BxLxC = _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab, cap)
         new_max_BxL = jnp.maximum(max_BxL, logits_BxLxC.max(axis=-1))
         sum_BxL = sum_BxL * jnp.exp(max_BxL - new_max_BxL) + jnp.exp(
             logits_BxLxC - new_max_BxL[..., None]
@@ -139,17 +155,21 @@ def _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab):
     return (lse_BxL - target_BxL).sum(), (hidden_BxLxD, head_CxNxD, targets_BxL, lse_BxL)
 
 
-def _backward(vocab, residuals, grad):
+def _backward(vocab, cap, residuals, grad):
     hidden_BxLxD, head_CxNxD, targets_BxL, lse_BxL = residuals
     n_chunks = head_CxNxD.shape[1]
     row_BxL, chunk_BxL = targets_BxL // n_chunks, targets_BxL % n_chunks
     dtype = hidden_BxLxD.dtype
 
     def body(dhidden_BxLxD, j):
-        logits_BxLxC = _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab)
+        logits_BxLxC = _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab, cap)
         probs_BxLxC = jnp.exp(logits_BxLxC - lse_BxL[..., None])
         target_BxLxC = (row_BxL[..., None] == jnp.arange(probs_BxLxC.shape[-1])) & (chunk_BxL == j)[..., None]
-        dlogits_BxLxC = ((probs_BxLxC - target_BxLxC) * grad).astype(dtype)
+        dlogits_BxLxC = (probs_BxLxC - target_BxLxC) * grad
+        if cap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh(x / cap) ** 2; padding: 0.
+            capped_BxLxC = jnp.where(jnp.isfinite(logits_BxLxC), logits_BxLxC / cap, 0.0)
+            dlogits_BxLxC = dlogits_BxLxC * (1 - capped_BxLxC * capped_BxLxC)
+        dlogits_BxLxC = dlogits_BxLxC.astype(dtype)
         rows_CxD = constrain(head_CxNxD[:, j], ("vocab", "embed"))
         dhidden_BxLxD = dhidden_BxLxD + jnp.einsum(
             "blc,cd->bld", dlogits_BxLxC, rows_CxD, preferred_element_type=jnp.float32
@@ -163,7 +183,7 @@ def _backward(vocab, residuals, grad):
     return dhidden_BxLxD.astype(dtype), dhead_CxNxD, None
 
 
-_chunked_loss_sum.defvjp(lambda h, w, t, vocab: _forward(h, w, t, vocab), _backward)
+_chunked_loss_sum.defvjp(lambda h, w, t, vocab, cap: _forward(h, w, t, vocab, cap), _backward)
 
 
 def _chunks(vocab: int, chunk: int) -> int:

@@ -123,24 +123,28 @@ def positions(length: int, shards: int):
     return to_zigzag(np.arange(length, dtype=np.int32), shards, axis=0)
 
 
-def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None):
+def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None,
+           softcap: float | None = None):  # fmt: skip
     """Causal attention of ``kernel`` (a :class:`~shardmem.models.attention.AttentionKernel`) on
     zigzag-ordered, sequence-sharded ``q``, ``k``, ``v`` (each position attending to the last ``window``
-    positions, when given); plain :func:`~shardmem.models.attention.attend` when the sequence is not split."""
+    positions, when given; scores soft-capped at ``softcap``, in ``xla`` and ``chunked``); plain
+    :func:`~shardmem.models.attention.attend` when the sequence is not split."""
     from shardmem.models import attention  # The kernels' module imports the rules, as this one does.
 
     n = shards()
     if n == 1:
-        return attention.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window)
+        return attention.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap)
     length = q_BxLxHxK.shape[1]
     window = window if window is not None and window < length else None  # A longer window masks nothing.
+    if softcap is not None and kernel.name not in ("xla", "chunked"):
+        raise ValueError(f"attention kernel {kernel.name!r} has no soft-capped scores; use chunked or xla")
     if kernel.name == "pallas":
         kernel.check_window(window, length)  # Its blocks have no window: only as a deviceless stand-in.
         return flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, kernel=kernel)
     if kernel.name not in ("xla", "chunked"):
         raise ValueError(f"attention kernel {kernel.name!r} has no context-parallel form; use pallas")
     if split_by_hand():
-        return _attend_by_hand(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window)
+        return _attend_by_hand(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window, softcap)
     # The all-gather over context: keys and values whole along the sequence, still split by heads.
     k_BxLxGxK = _rules.constrain(k_BxLxGxK, ("batch", None, "kv_heads", None))
     v_BxLxGxK = _rules.constrain(v_BxLxGxK, ("batch", None, "kv_heads", None))
@@ -149,15 +153,17 @@ def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None
     chunk = kernel.chunk if kernel.name == "chunked" else None
     if not chunk or chunk >= local:
         return attention.causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=positions_L,
-                                          k_positions=positions_L, window=window)  # fmt: skip
+                                          k_positions=positions_L, window=window,
+                                          softcap=softcap)  # fmt: skip
     chunk = max(c for c in range(1, chunk + 1) if local % c == 0)
-    return _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n, chunk, window)
+    return _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n, chunk, window, softcap)
 
 
-def _attend_by_hand(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window: int | None = None):
+def _attend_by_hand(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window: int | None = None,
+                    softcap: float | None = None):  # fmt: skip
     """``xla`` and ``chunked`` on this device's own chunks of a sequence split by hand: the keys and values
     all-gathered over the ``seq`` axes (their gradients reduce-scattered back in the backward pass); a
-    ``window`` masks them as in :func:`attend`."""
+    ``window`` masks them and a ``softcap`` caps their scores as in :func:`attend`."""
     from shardmem.models.attention import causal_attention
 
     n, local = shards(), q_BxLxHxK.shape[1]
@@ -167,7 +173,7 @@ def _attend_by_hand(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window: int | None 
     chunk = kernel.chunk if kernel.name == "chunked" else None
     if not chunk or chunk >= local:
         return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=q_positions,
-                                k_positions=k_positions, window=window)  # fmt: skip
+                                k_positions=k_positions, window=window, softcap=softcap)  # fmt: skip
     chunk = max(c for c in range(1, chunk + 1) if local % c == 0)
     b, _, h, k = q_BxLxHxK.shape
     q_NxBxCxHxK = q_BxLxHxK.reshape(b, local // chunk, chunk, h, k).swapaxes(0, 1)
@@ -176,13 +182,14 @@ def _attend_by_hand(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window: int | None 
     def block(args):
         q_BxCxHxK, q_positions_C = args
         return causal_attention(q_BxCxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=q_positions_C,
-                                k_positions=k_positions, window=window)  # fmt: skip
+                                k_positions=k_positions, window=window, softcap=softcap)  # fmt: skip
 
     ctx_NxBxCxHxK = jax.lax.map(block, (q_NxBxCxHxK, q_positions.reshape(-1, chunk)))
     return ctx_NxBxCxHxK.swapaxes(0, 1).reshape(b, local, h, k)
 
 
-def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int, window: int | None = None):
+def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int, window: int | None = None,
+             softcap: float | None = None):  # fmt: skip
     """``chunked`` on a split sequence: step ``j`` takes block ``j`` of every device's own queries, so each
     device scores ``chunk`` queries against the gathered keys at a time (a ``window`` masks them, the zigzag
     order leaving no contiguous range of keys to slice)."""
@@ -198,7 +205,7 @@ def _chunked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_L, n: int, chunk: int, w
         q_BxCxTxHxK, q_positions = args
         q_BxTxHxK = _rules.constrain(q_BxCxTxHxK.reshape(b, n * chunk, h, k), ("batch", "seq", "heads", None))
         ctx = causal_attention(q_BxTxHxK, k_BxLxGxK, v_BxLxGxK, q_positions=q_positions,
-                               k_positions=positions_L, window=window)  # fmt: skip
+                               k_positions=positions_L, window=window, softcap=softcap)  # fmt: skip
         return ctx.reshape(b, n, chunk, h, k)
 
     ctx_NxBxCxTxHxK = jax.lax.map(block, (q_NxBxCxTxHxK, pos_NxCT))

@@ -315,9 +315,10 @@ def plan_program(
     elif program.custom_model:
         window, length = None, 0
     else:
-        window, length = config.model.sliding_window, config.model.seq_len
+        window, length = config.model.layer_window, config.model.seq_len
     window = window if window is not None and window < length else None  # Else masks nothing.
-    attention = program.attention.describe(window) if program.attention else ""
+    softcap = None if program.custom_model else config.model.attention_softcap
+    attention = program.attention.describe(window, softcap) if program.attention else ""
     tensor_parallel = collective_matmul.describe(program.collective_matmuls, program.rules, program.mesh,
                                                  reference_model=not program.custom_model,
                                                  pipelined=program.pipeline is not None)  # fmt: skip

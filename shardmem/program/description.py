@@ -28,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem.config import Config, PrecisionConfig, RematConfig
+from shardmem.config import Config, PrecisionConfig, RematConfig, check_window_layers
 from shardmem.errors import ConfigError
 from shardmem.finetune import FineTune
 from shardmem.models.attention import AttentionKernel, resolve_for_devices
@@ -191,14 +191,19 @@ def describe(
     if attention is None and not custom:
         attention = resolve_for_devices(config.model.attention, mesh.devices.flat,
                                         chunk=config.model.attention_chunk, dtype=config.precision.compute,
-                                        context=context, window=config.model.sliding_window is not None,
-                                        head_dim=config.model.head_size)  # fmt: skip
+                                        context=context, window=config.model.layer_window is not None,
+                                        head_dim=config.model.head_size,
+                                        softcap=config.model.attention_softcap is not None)  # fmt: skip
     if attention is not None and not custom:
         length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
         length = config.serve.prompt_len if serving else length  # Prefill attends over the prompts.
         attention.check_length(length, "serve.prompt_len" if serving else "model.seq_len")
         attention.check_head_dim(config.model.head_size)
-        attention.check_window(config.model.sliding_window, length)
+        attention.check_window(config.model.layer_window, length)
+        if serving:  # Decode steps reach the cache's last position.
+            check_window_layers(config.model, config.serve.max_len, "serve.max_len")
+        else:
+            check_window_layers(config.model, length, "model.seq_len")
     # Training's overlap of sequence parallelism's collectives; a decode step's single token per sequence
     # has nothing to chunk, so serving runs the plain projections whatever the key says.
     collective = not serving and collective_matmul.resolve(config.overlap.tensor_parallel, rules, mesh,
@@ -230,7 +235,7 @@ def describe(
             attention = user_serving.attention(config, mesh, layout, attention)
         else:
             m = config.model
-            layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, m.sliding_window)
+            layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, m.layer_window)
             vocab = m.vocab_size
         return dataclasses.replace(description, attention=attention,
                                    serving=_serving(config, mesh, rules, layout, vocab))  # fmt: skip

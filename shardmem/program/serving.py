@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from shardmem.config import Config
 from shardmem.models.fused import Fused, fuse_layer, unfuse_layer
 from shardmem.models.kv_cache import attending_with
+from shardmem.models.losses import softcap
 from shardmem.parallel.rules import constrain
 from shardmem.program import user_serving
 from shardmem.program.description import Description, Serving, describe
@@ -204,8 +205,9 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
     )  # fmt: skip
 
 
-def _logits(logits_BxV):
-    return constrain(logits_BxV, ("batch", "vocab")).astype(jnp.float32)
+def _logits(logits_BxV, cap: float | None = None):
+    """The step's logits in float32, soft-capped at ``cap`` (``model.logit_softcap``) when given."""
+    return softcap(constrain(logits_BxV, ("batch", "vocab")).astype(jnp.float32), cap)
 
 
 def _reference_functions(d: Description) -> tuple[Callable, Callable]:
@@ -240,7 +242,7 @@ def _reference_functions(d: Description) -> tuple[Callable, Callable]:
                                                         rope_length=longest)  # fmt: skip
             last_Bx1x1 = (lengths_B - 1)[:, None, None]  # Each prompt's last token gives the next one.
             h_BxD = jnp.take_along_axis(h_BxPxD, last_Bx1x1, axis=1)[:, 0]
-            return _logits(h_BxD @ model.unembedding()), cache
+            return _logits(h_BxD @ model.unembedding(), m.logit_softcap), cache
 
     def decode(weights, cache, tokens_B, positions_B):
         with rules.activate(mesh):
@@ -249,7 +251,7 @@ def _reference_functions(d: Description) -> tuple[Callable, Callable]:
             h_Bx1xD, cache = model.cached_hidden_states(
                 tokens_B[:, None], cache, positions_B[:, None], layers, prefill=False, rope_length=longest
             )
-            return _logits(h_Bx1xD[:, 0] @ model.unembedding()), cache
+            return _logits(h_Bx1xD[:, 0] @ model.unembedding(), m.logit_softcap), cache
 
     return prefill, decode
 
