@@ -2,13 +2,15 @@
 
 transformers' PyTorch models make random tiny checkpoints with each feature (Llama 3.1/3.2 rope scaling,
 linear, dynamic and YaRN scalings, Mistral's sliding window, tied and untied heads, a sharded folder with an
-index and a stray consolidated file, Gemma, Qwen3's head norms) with their own ``save_pretrained``, and their
-logits; shardmem loads each folder knowing only ``seq_len`` (the rest from config.json) and compares its
-float32 logits. Then shardmem exports a LoRA fine-tune of one of them, merged and as adapters, and
-transformers (and PEFT, where installed) load those folders as they are. And each checkpoint generates:
-transformers' greedy ``generate`` with its KV cache (each prompt alone, and both together, left-padded)
-records every step's logits, and shardmem's serving program (prefill, then decode steps fed transformers'
-tokens) is compared step by step; the dynamic RoPE case's prompts and generations pass its
+index and a stray consolidated file, Gemma, Qwen3's head norms, Gemma 2's caps, scale, four norms a layer and
+window on every other layer) with their own ``save_pretrained``, and their logits (each model's eager
+attention, its definition: transformers' SDPA attention drops Gemma 2's cap of the scores); shardmem loads
+each folder knowing only ``seq_len`` (the rest from config.json) and compares its float32 logits. Then
+shardmem exports a LoRA fine-tune of the Llama 3.1 one, merged and as adapters, and one of the Gemma 2 one,
+merged, and transformers (and PEFT, where installed) load those folders as they are. And each checkpoint
+generates: transformers' greedy ``generate`` with its KV cache (each prompt alone, and both together,
+left-padded) records every step's logits, and shardmem's serving program (prefill, then decode steps fed
+transformers' tokens) is compared step by step; the dynamic RoPE case's prompts and generations pass its
 ``max_position_embeddings``, where transformers' cache keeps each key as it was rotated. Three steps, two
 Pythons (PyTorch is not in shardmem's environment):
 
@@ -54,7 +56,13 @@ CASES = {
     "qwen3 tied + window": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True,
                                                use_sliding_window=True, sliding_window=16,
                                                max_window_layers=0), {"attention": "xla"}),
+    # Caps that bite on these weights, a scale not 1 / sqrt(head_dim); a window as long as the sequences.
+    "gemma2": ("Gemma2Config", dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=5.0, sliding_window=SEQ), {}),
+    "gemma2 defaults, window 16": ("Gemma2Config", dict(head_dim=32, sliding_window=16), {}),  # Refused.
 }  # fmt: skip
+#: Models whose norms multiply by 1 + their weights.
+ONE_PLUS = ("GemmaConfig", "Gemma2Config")
 
 
 # Generation: two prompts (40 and 29 tokens) and 24 new tokens each, past the dynamic case's 32 positions.
@@ -72,11 +80,12 @@ def make(out: Path) -> None:
             continue  # The xla case's checkpoint.
         torch.manual_seed(i)
         config = getattr(transformers, config_class)(**{**COMMON, **options})
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()  # fmt: skip
         with torch.no_grad():
             for parameter in model.parameters():  # Weights of 0.1: logits of order 1 to 10.
                 parameter.normal_(0, 0.1)
-            if config_class != "GemmaConfig":  # Gemma multiplies by 1 + its norms' weights.
+            if config_class not in ONE_PLUS:  # Gemma multiplies by 1 + its norms' weights.
                 for module_name, parameter in model.named_parameters():
                     if "norm" in module_name:
                         parameter.add_(1.0)
@@ -104,7 +113,9 @@ def _generate_in_transformers(folder: Path) -> None:
 
     runs = {f"alone{i}": [prompt] for i, prompt in enumerate(PROMPTS)} | {"together": list(PROMPTS)}
     for run, prompts in runs.items():
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         model.generation_config.eos_token_id = None  # Every sequence runs NEW_TOKENS steps.
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -130,11 +141,11 @@ def check(out: Path) -> None:
             config = config_from_dict({"model": {"seq_len": SEQ, **model}, "mesh": {"axes": {"data": 1}},
                                        "precision": {"compute": "float32"}, "train": {"global_batch": 2},
                                        "finetune": {"init_from": str(folder)}})  # fmt: skip
+            program = build_program(config, build_mesh({"data": 1}, jax.devices()[:1]))
         except ConfigError as e:  # Refused with a reason: never loaded with wrong logits.
             rows.append({"case": name, "refused": str(e)})
             print(f"{name:32s} refused: {str(e).replace(str(folder / 'config.json'), 'config.json')}")
             continue
-        program = build_program(config, build_mesh({"data": 1}, jax.devices()[:1]))
         params = program.init()["params"]
 
         @jax.jit
@@ -207,8 +218,8 @@ def _first(flags) -> int | None:
 
 
 def _export(out: Path) -> None:
-    """A LoRA fine-tune of the Llama 3.1 case (its B non-zero), exported merged and as PEFT adapters, with
-    shardmem's own merged logits for reload to compare with."""
+    """LoRA fine-tunes (their B non-zero) of the Llama 3.1 case, exported merged and as PEFT adapters, and
+    of the Gemma 2 case, merged, with shardmem's own logits of each for reload to compare with."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -216,53 +227,66 @@ def _export(out: Path) -> None:
     from shardmem import build_mesh, build_program, config_from_dict
     from shardmem.finetune.export import export_safetensors
 
-    base = out / _slug("llama3.1 rope scaling")
-    lora = {"rank": 4, "alpha": 8, "targets": ["layers/wq", "layers/wv", "embedding", "lm_head"]}
-    finetune = {"init_from": str(base), "base_dtype": "float32", "lora": lora}
-    config = config_from_dict({"model": {"seq_len": SEQ}, "mesh": {"axes": {"data": 1}},
-                               "precision": {"compute": "float32"}, "train": {"global_batch": 2},
-                               "finetune": finetune})  # fmt: skip
-    program = build_program(config, build_mesh({"data": 1}, jax.devices()[:1]))
-    state = program.init()
-    for i, path in enumerate((("layers", "wq"), ("layers", "wv"), ("embedding",), ("lm_head",))):
-        adapters = state["params"]
-        for key in path:
-            adapters = adapters[key]
-        b = adapters["lora_b"]
-        adapters["lora_b"] = 0.05 * jax.random.normal(jax.random.key(i), b.shape, b.dtype)
+    for case, targets, adapters_too in (
+        ("llama3.1 rope scaling", ["layers/wq", "layers/wv", "embedding", "lm_head"], True),
+        ("gemma2", ["layers/wq", "layers/wv", "layers/w_down"], False),
+    ):
+        lora = {"rank": 4, "alpha": 8, "targets": targets}
+        finetune = {"init_from": str(out / _slug(case)), "base_dtype": "float32", "lora": lora}
+        config = config_from_dict({"model": {"seq_len": SEQ}, "mesh": {"axes": {"data": 1}},
+                                   "precision": {"compute": "float32"}, "train": {"global_batch": 2},
+                                   "finetune": finetune})  # fmt: skip
+        program = build_program(config, build_mesh({"data": 1}, jax.devices()[:1]))
+        state = program.init()
+        for i, target in enumerate(targets):
+            adapted = state["params"]
+            for key in target.split("/"):
+                adapted = adapted[key]
+            b = adapted["lora_b"]
+            adapted["lora_b"] = 0.05 * jax.random.normal(jax.random.key(i), b.shape, b.dtype)
 
-    @jax.jit
-    def forward(trainable, frozen, tokens):
-        with program.rules.activate(program.mesh):
-            return nnx.merge(program.graphdef, program.finetune.assemble(trainable, frozen))(tokens)
+        @jax.jit
+        def forward(trainable, frozen, tokens, program=program):
+            with program.rules.activate(program.mesh):
+                return nnx.merge(program.graphdef, program.finetune.assemble(trainable, frozen))(tokens)
 
-    np.save(
-        out / "lora_logits.npy",
-        np.asarray(forward(state["params"], state["frozen"], TOKENS.astype(np.int32))),
-    )
-    export_safetensors(program, state, out / "exported-merged", dtype=jnp.float32, force=True)
-    export_safetensors(
-        program, state, out / "exported-adapters", dtype=jnp.float32, adapters_only=True, force=True
-    )
-    print(f"exported to {out / 'exported-merged'} and {out / 'exported-adapters'}")
+        name = _export_name(case)
+        logits = forward(state["params"], state["frozen"], TOKENS.astype(np.int32))
+        np.save(out / f"{name}-logits.npy", np.asarray(logits))
+        export_safetensors(program, state, out / f"{name}-merged", dtype=jnp.float32, force=True)
+        if adapters_too:
+            export_safetensors(
+                program, state, out / f"{name}-adapters", dtype=jnp.float32, adapters_only=True, force=True
+            )
+        print(f"exported {case} to {out / f'{name}-merged'}" + (" and -adapters" if adapters_too else ""))
+
+
+def _export_name(case: str) -> str:
+    return "exported" if case.startswith("llama") else f"exported-{_slug(case)}"
 
 
 def reload(out: Path) -> None:
     import torch
     import transformers
 
-    expected = np.load(out / "lora_logits.npy")
     tokens = torch.tensor(TOKENS)
-    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "exported-merged", dtype=torch.float32)
-    with torch.no_grad():
-        got = merged(tokens).logits.numpy()
-    print(f"merged export in transformers: max error {np.abs(got - expected).max():.2e} (|logit| <= "
-          f"{np.abs(expected).max():.2f})")  # fmt: skip
+    for case in ("llama3.1 rope scaling", "gemma2"):
+        name = _export_name(case)
+        expected = np.load(out / f"{name}-logits.npy")
+        merged, info = transformers.AutoModelForCausalLM.from_pretrained(
+            out / f"{name}-merged", dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+        )
+        with torch.no_grad():
+            got = merged.eval()(tokens).logits.numpy()
+        print(f"{case} merged export in transformers ({type(merged).__name__}, missing keys "
+              f"{info['missing_keys']}, unexpected {info['unexpected_keys']}): max error "
+              f"{np.abs(got - expected).max():.2e} (|logit| <= {np.abs(expected).max():.2f})")  # fmt: skip
     try:
         from peft import AutoPeftModelForCausalLM
     except ImportError:
         print("peft is not installed: adapters not checked")
         return
+    expected = np.load(out / "exported-logits.npy")
     adapted = AutoPeftModelForCausalLM.from_pretrained(out / "exported-adapters", dtype=torch.float32)
     with torch.no_grad():
         got = adapted(tokens).logits.numpy()
