@@ -1070,7 +1070,7 @@ def check_window_layers(m: ModelConfig, length: int, key: str) -> None:
     """Raises ConfigError naming ``key`` when sequences of ``length`` are longer than a window that
     slides on some layers only (``model.sliding_layers``): the layers are one scanned stack, which runs
     such a window exactly only where it masks nothing."""
-    if m.sliding_layers is None or m.sliding_window is None or length <= m.sliding_window:
+    if not m.windows_vary or length <= m.sliding_window:
         return
     raise ConfigError(
         f"{key}={length} with model.sliding_window={m.sliding_window} on {len(m.sliding_layers)} of the "

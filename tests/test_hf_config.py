@@ -315,7 +315,8 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
     ({"model_type": "gemma", "attention_bias": True}, "attention_bias: true"),  # Gemma's attention too,
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias: true"),  # Qwen3's o_proj too.
     ({"model_type": "gemma2", "attention_bias": True}, "attention_bias: true"),
-    ({"model_type": "gemma2", "sliding_window": None}, "sliding_attention layers but no sliding window"),
+    ({"model_type": "gemma2", "sliding_window": None}, "sliding_window null, with which transformers'"),
+    ({"model_type": "gemma2", "layer_types": ["sliding_attention", "bogus"]}, 'layer_types with "bogus"'),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0]}},
      "rope_scaling short_factor"),
@@ -427,6 +428,7 @@ def test_seq_len_is_the_one_key_a_pretrained_model_needs(tmp_path):
     ("gemma", {"hidden_act": "silu", "hidden_activation": "silu"}),
     ("gemma2", {}), ("gemma2", {"query_pre_attn_scalar": 144, "attn_logit_softcapping": None}),
     ("gemma2", {"layer_types": ["sliding_attention"] * 2}),
+    ("gemma2", {"layer_types": ["full_attention"] * 2}),  # Its window kept: transformers' Gemma 2 needs one.
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
 ])  # fmt: skip
 def test_the_config_json_an_export_writes_reads_back_as_the_same_model(model_type, options):

@@ -562,7 +562,9 @@ def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys
     assert not plan_serving(with_memory_fraction(longer, FRACTION)).fits  # One more position: over.
 
 
-def test_a_window_on_some_layers_bounds_the_context_the_plan_offers_and_the_search_tries(tmp_path, capsys):
+def test_a_window_on_some_layers_bounds_the_context_the_plan_offers_and_the_search_tries(
+    tmp_path, capsys, monkeypatch
+):
     import yaml
 
     # Gemma 2's window on every other layer: the model runs sequences of at most the window (256 here),
@@ -571,8 +573,17 @@ def test_a_window_on_some_layers_bounds_the_context_the_plan_offers_and_the_sear
     config = with_memory_fraction(config_from_dict({**GPU_SERVE, "model": model}), FRACTION)
     closed = plan_serving(config).capacity
     assert (closed.max_len, closed.longest) == (256, 256) and closed.tokens // 2 > 1000
-    room = search_capacity(config).capacity  # Would compile serve.max_len=256 past it and be refused.
+    room = search_capacity(config).capacity  # Unbounded, it compiled serve.max_len past 256: refused.
     assert room.verified and (room.max_len, room.longest) == (256, 256)
+    from shardmem.planning import serving
+
+    lengths = []
+    planned = serving._plan
+    monkeypatch.setattr(serving, "_plan", lambda program, *a, **k: lengths.append(program.serving.max_len)
+                        or planned(program, *a, **k))  # fmt: skip
+    at_the_window = config.replace("serve.max_len=256")
+    assert search_capacity(at_the_window).capacity.max_len == 256
+    assert set(lengths) == {256}  # It fits at the longest the model runs: no other length compiled.
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(GPU_SERVE))
     assert main(["plan", str(path), "--serve", "--memory-fraction", str(FRACTION), "--set",

@@ -331,9 +331,15 @@ def _sliding_window(hf: dict, kind: str, where: str, refuse) -> tuple[int | None
         ]
     if len(kinds) != layers:  # transformers' config raises.
         refuse(f"layer_types of {len(kinds)} layers for its {layers}")
+    other = next((k for k in kinds if k not in ("sliding_attention", "full_attention")), None)
+    if other is not None:  # transformers' config raises, or its mask has none of that kind.
+        refuse(f"layer_types with {json.dumps(other)} (the reference model's: sliding_attention, "
+               "full_attention)")  # fmt: skip
     sliding = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
-    if not sliding:
-        return None, None
+    if kind == "gemma2" and window is None:  # Its forward builds the sliding mask whatever the layers.
+        refuse("sliding_window null, with which transformers' Gemma 2 cannot build its sliding mask")
+    if not sliding:  # Gemma 2's window kept, on no layer: its export writes it back.
+        return (window, ()) if kind == "gemma2" else (None, None)
     if window is None:  # transformers' forward raises: its sliding layers have no window.
         refuse(f"layer_types with sliding_attention layers but no sliding window (use_sliding_window "
                f"{json.dumps(hf.get('use_sliding_window'))}, sliding_window "

@@ -3,6 +3,7 @@
     model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
     logits_BxLxV = model(tokens_BxL)
     h_BxLxD, head_DxV = model.hidden_states(tokens_BxL), model.unembedding()   # for a chunked loss
+    # (whose logits losses.softcap caps at model.logit_softcap, as the model's own loss does)
     h_BxLxD, cache = model.cached_hidden_states(prompts_BxL, cache, positions_L, prefill=True)  # serving
 
 Every parameter carries logical axis names (``embed``, ``heads``, ``mlp``, ...) that the config's rules map
@@ -73,8 +74,8 @@ class ModelConfig:
     # dynamic or yarn, factor, ...} (models/rope.py; None: none).
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # Each position attends to this many, itself included (Mistral's).
-    # The layers the window applies to (None: every layer). Where it is some layers only (Gemma 2's every
-    # other one), sequences are at most the window long: every layer then attends to the whole sequence.
+    # The layers the window applies to (None: every layer; empty: none). Where it is some layers only
+    # (Gemma 2's every other one), sequences are at most the window long: every layer attends to all of it.
     sliding_layers: tuple[int, ...] | None = None
     norm_eps: float = 1e-5  # Epsilon of RMSNorm.
     norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + scale (Gemma: 1, scales stored near 0).
@@ -105,11 +106,19 @@ class ModelConfig:
         return self.head_dim or self.d_model // self.n_heads
 
     @property
+    def windows_vary(self) -> bool:
+        """Whether the window slides on some layers and not on others (``sliding_layers``)."""
+        layers = self.sliding_layers
+        return self.sliding_window is not None and layers is not None and 0 < len(set(layers)) < self.n_layers
+
+    @property
     def layer_window(self) -> int | None:
-        """The sliding window every layer attends with: ``sliding_window``, or None where it slides on
-        some layers only (``sliding_layers``), whose sequences are no longer than the window
-        (:func:`shardmem.config.check_window_layers`), so that no layer's window masks a key."""
-        return self.sliding_window if self.sliding_layers is None else None
+        """The sliding window every layer attends with: ``sliding_window`` where it slides on every layer;
+        None where it slides on none, or on some layers only (:attr:`windows_vary`): such a model's
+        sequences are no longer than the window (:func:`shardmem.config.check_window_layers`), so that no
+        layer's window masks a key."""
+        every = self.sliding_layers is None or len(set(self.sliding_layers)) == self.n_layers
+        return self.sliding_window if every else None
 
     def param_count(self) -> int:
         """Returns the exact number of parameters, from the architecture alone."""
@@ -451,9 +460,9 @@ class Block(nnx.Module):
             shared = cache is not None and not cache.prefill
             q_BxLxHxK = rope(q_BxLxHxK, positions, cfg.rope_theta, cfg.rope_scaling, length, shared=shared)
             k_BxLxGxK = rope(k_BxLxGxK, positions, cfg.rope_theta, cfg.rope_scaling, length, shared=shared)
-            if cfg.attention_scale is not None:  # The kernels scale by 1 / sqrt(head_size): the rest here.
-                scale = cfg.attention_scale * math.sqrt(cfg.head_size)
-                q_BxLxHxK = q_BxLxHxK * jnp.asarray(scale, q_BxLxHxK.dtype)
+            if cfg.attention_scale is not None:  # The kernels scale by 1 / sqrt(head_size): the rest here,
+                scale = cfg.attention_scale * math.sqrt(cfg.head_size)  # in float32 (in bf16, 144 / 128's
+                q_BxLxHxK = (q_BxLxHxK.astype(jnp.float32) * scale).astype(q_BxLxHxK.dtype)  # is 0.15% low).
             how = dict(window=cfg.layer_window, softcap=cfg.attention_softcap)
             if cache is None:
                 ctx_BxLxHxK = context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, **how)

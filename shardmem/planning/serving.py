@@ -311,7 +311,7 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
 def _longest(program: ServingProgram) -> int | None:
     """The longest ``serve.max_len`` the model runs: its window where it slides on some layers only."""
     m = program.config.model
-    return m.sliding_window if getattr(m, "sliding_layers", None) is not None else None
+    return m.sliding_window if getattr(m, "windows_vary", False) else None
 
 
 def _margined(report: MemoryReport, name: str) -> MemoryReport:
@@ -381,6 +381,9 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
         ("batch", s.batch, shards, shards, None),
         ("max_len", s.max_len, 1, s.prompt_len, longest),  # No longer than the model runs.
     ):
+        if most is not None and start >= most and plan.fits:
+            found[key] = start  # The longest the model runs fits: nothing longer to try.
+            continue
         second = 2 * start if most is None or 2 * start <= most else max(most, least)
         second = second if second != start else max(start // 2, least)
         points = [(start, plan)] + ([(second, compiled(key, second))] if second != start else [])
