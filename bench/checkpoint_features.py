@@ -59,7 +59,7 @@ CASES = {
     # Caps that bite on these weights, a scale not 1 / sqrt(head_dim); a window as long as the sequences.
     "gemma2": ("Gemma2Config", dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                                     final_logit_softcapping=5.0, sliding_window=SEQ), {}),
-    "gemma2 defaults, window 16": ("Gemma2Config", dict(head_dim=32, sliding_window=16), {}),  # Refused.
+    "gemma2 defaults, window 16": ("Gemma2Config", dict(head_dim=32, sliding_window=16), {}),  # Active.
 }  # fmt: skip
 #: Models whose norms multiply by 1 + their weights.
 ONE_PLUS = ("GemmaConfig", "Gemma2Config")

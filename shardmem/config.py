@@ -402,8 +402,9 @@ class Config:
         """Returns plain data that :func:`config_from_dict` turns back into an equal Config."""
         data = dataclasses.asdict(self)
         data.pop("folder")
-        if isinstance(data["model"].get("sliding_layers"), tuple):  # YAML has lists.
-            data["model"]["sliding_layers"] = list(data["model"]["sliding_layers"])
+        model = data["model"]  # None where the model is passed as a factory.
+        if isinstance(model, dict) and isinstance(model.get("sliding_layers"), tuple):  # YAML has lists.
+            model["sliding_layers"] = list(model["sliding_layers"])
         # Rates carry their unit (a bare number is refused as ambiguous): 5e10 -> "50GB/s".
         data["interconnect"] = {k: _rate_text(v) if k in _RATE_KEYS and v is not None else v
                                 for k, v in data["interconnect"].items()}  # fmt: skip
@@ -1066,17 +1067,17 @@ def _validate_batch(batch: Mapping[str, Any], key: str = "data.batch") -> None:
             )
 
 
-def check_window_layers(m: ModelConfig, length: int, key: str) -> None:
-    """Raises ConfigError naming ``key`` when sequences of ``length`` are longer than a window that
-    slides on some layers only (``model.sliding_layers``): the layers are one scanned stack, which runs
-    such a window exactly only where it masks nothing."""
-    if not m.windows_vary or length <= m.sliding_window:
+def check_window_layers(m: ModelConfig, length: int, stages: int) -> None:
+    """Raises ConfigError when sequences of ``length`` are longer than a window that slides on some layers
+    only (``model.sliding_layers``) and the layers run in ``stages`` pipeline stages: a layer picks its
+    window by its index in the stack, which a stage's layers do not have."""
+    if not m.windows_vary or length <= m.sliding_window or stages == 1:
         return
     raise ConfigError(
-        f"{key}={length} with model.sliding_window={m.sliding_window} on {len(m.sliding_layers)} of the "
-        f"model's {m.n_layers} layers (model.sliding_layers): the reference model runs a window on some "
-        "layers only for sequences no longer than the window, where it masks nothing (so every layer "
-        f"attends to the whole sequence, exactly as the model does); set {key} to at most {m.sliding_window}"
+        f"mesh.axes.stage={stages} with model.sliding_window={m.sliding_window} on {len(m.sliding_layers)} "
+        f"of the model's {m.n_layers} layers (model.sliding_layers) and sequences of {length}: a pipeline "
+        "stage's layers do not know which of them slide; set mesh.axes.stage=1, or model.seq_len to at most "
+        f"{m.sliding_window} (where no layer's window masks anything)"
     )
 
 

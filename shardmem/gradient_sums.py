@@ -112,8 +112,9 @@ class LayerSums:
     scans: int = 0  # How many scans carried them.
 
     def scan(self, step: Callable, x, params, rest, first: int):
-        """Returns ``jax.lax.scan(step, x, (params, rest))`` (``params`` a slice of the stack from layer
-        ``first``) with each layer's parameters attached to their slice of the sums (:func:`_layer_of`)."""
+        """Returns ``jax.lax.scan(step, x, ((params, rest), index))`` (``params`` a slice of the stack from
+        layer ``first``, ``index`` each layer's in the stack) with each layer's parameters attached to their
+        slice of the sums (:func:`_layer_of`)."""
         check_pairs(self.sums, params)
         treedef, n = jax.tree.structure(params), jax.tree.leaves(params)[0].shape[0]
 
@@ -122,7 +123,7 @@ class LayerSums:
             (params, rest), index = layer
             pairs = [_layer_of(s, w, index, self.scale)
                      for s, w in zip(sums, jax.tree.leaves(params), strict=True)]  # fmt: skip
-            y, new_rest = step(x, (jax.tree.unflatten(treedef, [w for _, w in pairs]), rest))
+            y, new_rest = step(x, ((jax.tree.unflatten(treedef, [w for _, w in pairs]), rest), index))
             return (y, [s for s, _ in pairs]), new_rest
 
         sums = jax.tree.leaves(self.sums)

@@ -369,6 +369,17 @@ _LAYER_POLICY: contextvars.ContextVar[RematPolicy | None] = contextvars.ContextV
 )
 
 
+_LAYER_INDEX: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "shardmem_layer_index", default=None
+)
+
+
+def layer_index() -> jax.Array | None:
+    """The index in the whole stack of the layer :func:`remat_scan` is tracing (a traced int32), where it
+    was asked for (``indexed``); None otherwise (outside a scan, or in a pipeline stage's)."""
+    return _LAYER_INDEX.get()
+
+
 def layer_saves(names: Sequence[str]) -> bool:
     """Whether the layer :func:`remat_scan` is tracing keeps the outputs tagged ``names`` (projections)
     for its backward pass rather than recomputing them: with no remat, ``dots`` policies, or a policy
@@ -379,7 +390,7 @@ def layer_saves(names: Sequence[str]) -> bool:
     return policy.saves == "names" and set(names) <= set(policy.save + policy.offload)
 
 
-def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None):
+def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=None, indexed: bool = False):
     """Runs stacked layers (an ``nnx.vmap``-created module with a leading ``layers`` axis) over ``x``.
 
     Each run of layers that shares a policy is one ``jax.lax.scan`` of a ``jax.checkpoint``-ed body, so
@@ -391,7 +402,9 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
     layers where it is False: they run, but pass their input through, so their parameters get zero
     gradients (a pipeline stage's padded layer slots). Inside a loss differentiated into gradient sums
     (:func:`shardmem.gradient_sums.value_and_grad_into`) each layer's weight gradient is added to its
-    slice of the sums as the backward pass makes it.
+    slice of the sums as the backward pass makes it. ``indexed``: the stack is the model's whole one, and
+    each layer may read its index in it (:func:`layer_index`: a model whose layers differ by index, such as
+    a window on some layers only).
     """
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
     n_layers = jax.tree.leaves(params)[0].shape[0]
@@ -402,11 +415,12 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
     summing = gradient_sums.layer_sums()
 
     def body(carry, layer, policy):
+        layer, index = layer
         layer, keep = layer if mask is not None else (layer, None)
         if prepare is not None:
             layer = (prepare(layer[0]), layer[1])
         module = nnx.merge(graphdef, *layer)
-        y = _run_layer(module, carry, policy)
+        y = _run_layer(module, carry, policy, index if indexed else None)
         if keep is not None:
             y = jax.numpy.where(keep, y, carry)
         return y, (nnx.split(module, nnx.Param, ...)[2] if mutable else None)
@@ -423,8 +437,8 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
         step = jax.checkpoint(step, policy=policy.lower(), prevent_cse=False) if policy.remats else step
         with jax.named_scope(_segment_scope(start, stop)):
             if summing is None:
-                x, new_rest = jax.lax.scan(step, x, segment)
-            else:
+                x, new_rest = jax.lax.scan(step, x, (segment, start + jax.numpy.arange(stop - start)))
+            else:  # Its scan carries each layer's index beside it.
                 x, new_rest = summing.scan(step, x, *segment, first=start)
         updates.append(new_rest)
     if mutable:
@@ -432,12 +446,13 @@ def remat_scan(layers: nnx.Module, x, plan: LayerPlan, *, prepare=None, mask=Non
     return x
 
 
-def _run_layer(module: nnx.Module, x, policy: RematPolicy):
-    token = _LAYER_POLICY.set(policy)
+def _run_layer(module: nnx.Module, x, policy: RematPolicy, index=None):
+    token, indexing = _LAYER_POLICY.set(policy), _LAYER_INDEX.set(index)
     try:
         return module(x)
     finally:
         _LAYER_POLICY.reset(token)
+        _LAYER_INDEX.reset(indexing)
 
 
 def _segment_scope(start: int, stop: int) -> str:

@@ -44,13 +44,20 @@ def head_dim(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
-def sliding_layers(config: dict) -> list[bool]:
-    """Which of Gemma 2's layers slide: as ``layer_types`` says, else the first and every other one."""
-    layers = range(config["num_hidden_layers"])
-    kinds = config.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in layers
-    ]
-    return [kind == "sliding_attention" for kind in kinds]
+def window_of(config: dict) -> tuple[int | None, list[bool]]:
+    """The sliding window and which layers it slides on: Mistral's every layer; Qwen2's and Qwen3's with
+    ``use_sliding_window``, from ``max_window_layers`` on; Gemma 2's the first and every other one; either
+    as ``layer_types`` says where given."""
+    kind, layers = config["model_type"], range(config["num_hidden_layers"])
+    window = config.get("sliding_window") if kind in ("mistral", "gemma2") else None
+    if kind in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        window = config.get("sliding_window")
+    default = {"gemma2": [(i + 1) % 2 == 1 for i in layers],
+               "qwen2": [i >= config.get("max_window_layers", 28) for i in layers]}  # fmt: skip
+    slides = default.get(kind.replace("qwen3", "qwen2"), [True for _ in layers])
+    if config.get("layer_types") and kind != "mistral":
+        slides = [t == "sliding_attention" for t in config["layer_types"]]
+    return window, slides
 
 
 def random_tensors(config: dict, seed: int = 0) -> dict:
@@ -240,16 +247,11 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
     cos, sin = rotary(positions)
     q_idx, kv_idx = np.arange(T - S, T)[:, None], np.arange(T)[None, :]
     allowed = (kv_idx <= q_idx) & mask[:, None, None, :]
-    window = config.get("sliding_window") if config["model_type"] == "mistral" else None
-    if config["model_type"] in ("qwen2", "qwen3") and config.get("use_sliding_window"):
-        window = config["sliding_window"]  # Every layer's, in these tests (max_window_layers 0).
-    if window is not None:
-        allowed = allowed & (kv_idx > q_idx - window)  # masking_utils.sliding_window_overlay
     full = np.where(allowed, 0.0, np.finfo(np.float64).min)  # A padding query sees nothing: finite.
-    sliding = full  # Gemma 2's layers alternate: a window on the first and every other one after it.
-    if gemma2:
-        near = allowed & (kv_idx > q_idx - config["sliding_window"])
-        sliding = np.where(near, 0.0, np.finfo(np.float64).min)
+    window, slides = window_of(config)
+    sliding = full
+    if window is not None:  # masking_utils.sliding_window_overlay
+        sliding = np.where(allowed & (kv_idx > q_idx - window), 0.0, np.finfo(np.float64).min)
     scale = config.get("query_pre_attn_scalar", k) ** -0.5 if gemma2 else k**-0.5
 
     def cap(x, key):  # Gemma 2's soft caps: cap * tanh(x / cap).
@@ -274,9 +276,8 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
             kk, v = (np.concatenate([old, new], 2) for old, new in zip(cache[i], (kk, v), strict=True))
             cache[i] = (kk, v)
         kk, v = np.repeat(kk, heads // groups, axis=1), np.repeat(v, heads // groups, axis=1)
-        slides = gemma2 and sliding_layers(config)[i]
         scores = cap(q @ kk.transpose(0, 1, 3, 2) * scale, "attn_logit_softcapping")
-        scores = scores + (sliding if slides else full)
+        scores = scores + (sliding if slides[i] else full)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out = (probs @ v).transpose(0, 2, 1, 3).reshape(B, S, heads * k) @ t[p + "self_attn.o_proj.weight"].T

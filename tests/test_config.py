@@ -298,6 +298,7 @@ def test_a_window_on_some_layers_round_trips_through_yaml_and_its_mistakes_name_
             ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
         ):
             config_from_dict({"model": {"preset": "tiny", "sliding_window": 8, "sliding_layers": layers}})
+    assert config_from_dict({}).replace("train.steps=3").model is None  # No model section: a factory's.
     every = config.replace("model.sliding_layers=[0, 1, 2, 3]").model  # Every layer: the window applies.
     assert every.layer_window == 8 and not every.windows_vary and config.model.windows_vary
     assert config.replace("model.sliding_layers=[]").model.layer_window is None  # None: no window.

@@ -84,6 +84,7 @@ def _numpy_greedy(config: dict, tensors: dict) -> list[list[int]]:
     pytest.param("qwen2", {}, marks=pytest.mark.slow),
     pytest.param("qwen3", {}, marks=pytest.mark.slow),
     pytest.param("gemma2", {}, marks=pytest.mark.slow),  # Its caps, scale and four norms a layer.
+    ("gemma2", {"sliding_window": 4}),  # A window on the first layer only, active: each layer picks its own.
 ])  # fmt: skip
 def test_greedy_output_equals_transformers_forward_with_a_sliding_window_gemma_and_qwens(
     model_type, options, tmp_path

@@ -228,18 +228,19 @@ GEMMA2_CAPS = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
 @pytest.mark.newest
 @pytest.mark.parametrize("options, axes, sliding", [
     ({}, {"data": 1}, (0,)),  # transformers' layers: the first slides, the second attends to all.
-    ({}, {"fsdp": 2, "tensor": 2}, (0,)),
+    ({"sliding_window": 5}, {"fsdp": 2, "tensor": 2}, (0,)),  # The window active, on the first layer.
     ({"query_pre_attn_scalar": 32, "layer_types": ["full_attention", "sliding_attention"]},
      {"data": 1}, (1,)),
 ])  # fmt: skip
 def test_a_gemma2_checkpoint_gives_transformers_logits(tmp_path, options, axes, sliding):
     # Was refused (model_type 'gemma2'): four norms a layer, the scores scaled by query_pre_attn_scalar and
-    # capped, the logits capped, a window on every other layer (the sequences here no longer than it).
+    # capped, the logits capped, a window on every other layer.
     config, tensors = _checkpoint(tmp_path, "gemma2", **options)
     program, state, got = _logits(_config(tmp_path, axes=axes))
     _assert_matches(got, config, tensors, {**config, **GEMMA2_CAPS})
     model = program.config.model
-    assert model.post_norms and model.sliding_layers == sliding and model.sliding_window == 64
+    assert model.post_norms and model.sliding_layers == sliding
+    assert model.sliding_window == options.get("sliding_window", 64)
     assert (model.attention_scale is None) == ("query_pre_attn_scalar" in options)  # 32 is the head's width.
     assert program.attention.name == "chunked"  # The flash kernels have no cap.
     assert sum(x.size for x in jax.tree.leaves(state["params"])) == model.param_count()
@@ -257,24 +258,33 @@ def test_gemma2s_defaults_and_null_caps_are_transformers(tmp_path):
     assert (fields["attention_softcap"], fields["logit_softcap"]) == (None, None)
 
 
-def test_a_window_on_some_layers_is_refused_past_its_length_naming_the_key(tmp_path):
-    # Gemma 2's every other layer (or Qwen2's from max_window_layers): the scanned layers run one window.
-    _checkpoint(tmp_path, "gemma2", sliding_window=8)
-    with pytest.raises(ConfigError) as error:
-        _logits(_config(tmp_path))  # seq_len 16
-    message = str(error.value)
-    assert message.startswith("model.seq_len=16 with model.sliding_window=8 on 1 of the model's 2 layers")
-    assert "set model.seq_len to at most 8" in message and "\n" not in message
-    from shardmem.program import serving_program
+@pytest.mark.newest
+@pytest.mark.parametrize("model_type, options, axes, sliding", [
+    ("gemma2", {"sliding_window": 5}, {"data": 1}, (0,)),  # Its window on the first layer, not the second.
+    ("gemma2", {"sliding_window": 5}, {"data": 2, "context": 2}, (0,)),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}, {"data": 1}, (1,)),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 5,  # Was refused: 1 of its 2 layers.
+               "layer_types": ["sliding_attention", "full_attention"]}, {"fsdp": 2}, (0,)),
+])  # fmt: skip
+def test_a_window_on_some_layers_only_gives_transformers_logits(tmp_path, model_type, options, axes, sliding):
+    # Each layer of the one scanned stack picks its own window by its index (Block._window).
+    config, tensors = _checkpoint(tmp_path, model_type, **options)
+    program, _, got = _logits(_config(tmp_path, axes=axes))
+    assert program.config.model.sliding_layers == sliding and program.attention.name == "chunked"
+    every = {**config, "layer_types": ["sliding_attention"] * 2, "max_window_layers": 0}
+    _assert_matches(got, config, tensors, every)  # A window on every layer gives other logits.
 
-    serving = _config(tmp_path, {"seq_len": 8}, serve={"batch": 8, "prompt_len": 4, "max_len": 12})
-    with pytest.raises(ConfigError, match="^serve.max_len=12 with model.sliding_window=8 .* at most 8$"):
-        serving_program(serving, build_mesh(serving.mesh.axes, jax.devices()[:1]))
-    config, tensors = _checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=16,
-                                  max_window_layers=1)  # fmt: skip  # Was refused: 1 of its 2 layers.
-    program, _, got = _logits(_config(tmp_path))
-    assert program.config.model.sliding_layers == (1,)
-    _assert_matches(got, config, tensors)
+
+def test_a_window_on_some_layers_only_in_pipeline_stages_is_refused_naming_the_keys(tmp_path):
+    _checkpoint(tmp_path, "gemma2", sliding_window=8)
+    pipelined = dict(axes={"stage": 2}, pipeline={"schedule": "1f1b"},
+                     train={"global_batch": 8, "micro_batches": 2})  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        _logits(_config(tmp_path, **pipelined))  # seq_len 16
+    message = str(error.value)
+    assert message.startswith("mesh.axes.stage=2 with model.sliding_window=8 on 1 of the model's 2 layers")
+    assert "set mesh.axes.stage=1, or model.seq_len to at most 8" in message and "\n" not in message
+    _logits(_config(tmp_path, {"seq_len": 8}, **pipelined), TOKENS[:, :8])  # No window masks a key.
 
 
 def test_soft_capped_scores_refuse_the_flash_kernels_naming_the_key(tmp_path):

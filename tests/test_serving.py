@@ -2,6 +2,8 @@
 cache give the training forward's logits at every position, sharded as on one device, with an int8 cache
 within its stated tolerance and quantized weights; and its plan (shardmem.planning.serving)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -562,35 +564,19 @@ def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys
     assert not plan_serving(with_memory_fraction(longer, FRACTION)).fits  # One more position: over.
 
 
-def test_a_window_on_some_layers_bounds_the_context_the_plan_offers_and_the_search_tries(
-    tmp_path, capsys, monkeypatch
-):
-    import yaml
-
-    # Gemma 2's window on every other layer: the model runs sequences of at most the window (256 here),
-    # where the cache has room for about 5,900 positions a sequence.
-    model = {"preset": "tiny", "sliding_window": 256, "sliding_layers": [0, 2]}
-    config = with_memory_fraction(config_from_dict({**GPU_SERVE, "model": model}), FRACTION)
-    closed = plan_serving(config).capacity
-    assert (closed.max_len, closed.longest) == (256, 256) and closed.tokens // 2 > 1000
-    room = search_capacity(config).capacity  # Unbounded, it compiled serve.max_len past 256: refused.
-    assert room.verified and (room.max_len, room.longest) == (256, 256)
-    from shardmem.planning import serving
-
-    lengths = []
-    planned = serving._plan
-    monkeypatch.setattr(serving, "_plan", lambda program, *a, **k: lengths.append(program.serving.max_len)
-                        or planned(program, *a, **k))  # fmt: skip
-    at_the_window = config.replace("serve.max_len=256")
-    assert search_capacity(at_the_window).capacity.max_len == 256
-    assert set(lengths) == {256}  # It fits at the longest the model runs: no other length compiled.
-    path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(GPU_SERVE))
-    assert main(["plan", str(path), "--serve", "--memory-fraction", str(FRACTION), "--set",
-                 "model.sliding_window=256", "--set", "model.sliding_layers=[0, 2]"]) == 0  # fmt: skip
-    assert "serve.max_len=256 at serve.batch=4 (the longest the model runs: model.sliding_window" in " ".join(
-        capsys.readouterr().out.split()
-    )
+def test_a_window_on_some_layers_only_decodes_to_the_full_forwards_logits():
+    # Gemma 2's way: the window (6, shorter than the prompts and the cache) on the second layer only, which
+    # picks it by its index in the cache (a traced one: every layer runs the same function).
+    serve = {"batch": B, "prompt_len": P_LEN, "max_len": T}
+    config = config_from_dict({"model": {**MODEL, "sliding_layers": [1]}, "mesh": {"axes": {"data": 2}},
+                               "precision": {"compute": "float32"}, "serve": serve})  # fmt: skip
+    program = serving_program(config, build_mesh(config.mesh.axes, jax.devices()[:2]))
+    weights = _weights(program)
+    cached, full = _cached_logits(program, weights, _tokens()), _full_logits(program, weights, _tokens())
+    known = ~np.isnan(cached)
+    np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
+    every = dataclasses.replace(program.description.config.model, sliding_layers=None)
+    assert every.layer_window == 6 and program.description.config.model.layer_window is None
 
 
 def test_plan_serve_prints_json_with_times_and_room_and_draws_the_peak_functions_timeline(tmp_path, capsys):

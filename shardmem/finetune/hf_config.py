@@ -12,8 +12,7 @@ values. ``config.json`` is read as ``transformers`` reads it, for the model type
 implements (:data:`MODEL_TYPES`); an option that would change the forward pass and that the reference
 model does not have (a bias on the output projection, a partial rotary embedding, a quantized
 checkpoint, ...) is refused in one line, never dropped. A window on some layers only (Gemma 2's every
-other layer) is ``sliding_layers``: such a model runs sequences no longer than the window
-(:func:`shardmem.config.check_window_layers`).
+other layer) is ``sliding_layers``: each layer picks its own window by its index in the stack.
 """
 
 from __future__ import annotations

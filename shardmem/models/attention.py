@@ -263,6 +263,7 @@ def resolve_attention(
     head_dim: int | None = None,
     cudnn_heads: int | None = None,
     softcap: bool = False,
+    layer_windows: bool = False,
 ) -> AttentionKernel:
     """Parses ``model.attention`` (and ``model.attention_chunk``) for a model built for ``where``
     (one of :data:`DEVICE_CLASSES`) computing in ``dtype``, its sequences split over ``context`` devices,
@@ -275,11 +276,18 @@ def resolve_attention(
     ``head_dim`` that cuDNN's flash attention does not take (a multiple of 8 up to ``cudnn_heads``,
     :func:`cudnn_max_head_dim`) get Pallas's flash kernel itself from ``auto`` on a GPU, attached or
     deviceless (``chunked`` with a ``window``, or past :data:`MAX_FLASH_HEAD_DIM`); ``cudnn`` is an error.
-    Soft-capped scores (``softcap``, Gemma 2's) are in neither flash kernel: ``auto`` is ``chunked`` for
-    them, wherever the model runs, and ``cudnn`` or ``pallas`` an error."""
+    Soft-capped scores (``softcap``, Gemma 2's) are in neither flash kernel, nor is a window each layer
+    picks for itself (``layer_windows``: one on some layers only, shorter than the sequences): ``auto`` is
+    ``chunked`` for them, wherever the model runs, and ``cudnn`` or ``pallas`` an error."""
     if requested not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attention={requested!r}: use {one_of(ATTENTION_CHOICES)}")
-    if softcap:
+    if layer_windows and requested in ("cudnn", "pallas"):
+        raise ConfigError(
+            f"model.attention={requested} with model.sliding_layers (a window on some layers only, shorter "
+            "than the sequences): the flash kernels take one window for every layer; use "
+            "model.attention=auto or chunked (query blocks, no L x L scores) or xla"
+        )
+    if softcap or layer_windows:
         if requested in ("cudnn", "pallas"):
             raise ConfigError(
                 f"model.attention={requested} with model.attention_softcap set: neither flash kernel "
@@ -351,14 +359,24 @@ def resolve_attention(
 
 def resolve_for_devices(requested: str, devices, *, chunk: int | None = None, dtype="bfloat16",
                         context: int = 1, window: bool = False, head_dim: int | None = None,
-                        softcap: bool = False) -> AttentionKernel:  # fmt: skip
+                        softcap: bool = False, layer_windows: bool = False) -> AttentionKernel:  # fmt: skip
     """:func:`resolve_attention` for a model built for ``devices``: their class, the shared memory one of
     their thread blocks may take, their SMs and the widest head cuDNN takes on them."""
     devices = list(devices)
     return resolve_attention(requested, chunk=chunk, where=device_class(devices), dtype=dtype,
                              context=context, window=window, shared_memory=shared_memory_per_block(devices),
                              sms=sm_count(devices), head_dim=head_dim,
-                             cudnn_heads=cudnn_max_head_dim(devices), softcap=softcap)  # fmt: skip
+                             cudnn_heads=cudnn_max_head_dim(devices), softcap=softcap,
+                             layer_windows=layer_windows)  # fmt: skip
+
+
+def masking(window, length: int):
+    """The ``window`` if it may hide one of ``length`` keys from a query: a static one shorter than them,
+    or a traced one (a layer's own, where the window slides on some layers only: ``xla`` and ``chunked``
+    take it); None for none, or one as long as the keys."""
+    if window is None or not isinstance(window, int):
+        return window
+    return window if window < length else None
 
 
 def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None,
@@ -368,9 +386,11 @@ def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: 
     ``softcap``, each score is ``softcap * tanh(score / softcap)`` (``xla`` and ``chunked`` only:
     :func:`resolve_attention` gives no other for it)."""
     length = q_BxLxHxK.shape[1]
-    window = window if window is not None and window < length else None  # A longer window masks nothing.
+    window = masking(window, length)
     if softcap is not None and kernel.name not in ("xla", "chunked"):
         raise ValueError(f"attention kernel {kernel.name!r} has no soft-capped scores; use chunked or xla")
+    if window is not None and not isinstance(window, int) and kernel.name not in ("xla", "chunked"):
+        raise ValueError(f"attention kernel {kernel.name!r} takes a static window only; use chunked or xla")
     if kernel.name == "chunked" and kernel.chunk and kernel.chunk < length and length % kernel.chunk == 0:
         return chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, chunk=kernel.chunk, window=window,
                                         softcap=softcap)  # fmt: skip
@@ -415,8 +435,9 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions
     """Causal softmax attention with fp32 scores (kernel ``xla``). Query i sits at position
     ``q_offset + i`` of the keys, or at ``q_positions[i]`` against keys at ``k_positions`` when given
     (a permuted sequence: :mod:`shardmem.parallel.context`; ``q_positions`` ``[B, L]``: each sequence's
-    own, as a KV cache's decode has them); with a ``window``, it attends to keys fewer than ``window``
-    positions before it; with a ``softcap``, its scores are ``softcap * tanh(score / softcap)``."""
+    own, as a KV cache's decode has them); with a ``window`` (static, or traced: a layer's own), it
+    attends to keys fewer than ``window`` positions before it; with a ``softcap``, its scores are
+    ``softcap * tanh(score / softcap)``."""
     b, length, h, k = q_BxLxHxK.shape
     g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
@@ -454,7 +475,8 @@ def chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int, win
     b, length, h, k = q_BxLxHxK.shape
     blocks = length // chunk
     q_NxBxCxHxK = q_BxLxHxK.reshape(b, blocks, chunk, h, k).swapaxes(0, 1)
-    reach = length if window is None else min(length, chunk + window - 1)  # Keys one block can see.
+    # Keys one block can see; a traced window's (one of a layer's own) are all of them.
+    reach = min(length, chunk + window - 1) if isinstance(window, int) else length
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def block(args):

@@ -186,7 +186,7 @@ class CacheSlot:
         gets XLA's attention, and so does one whose scores are soft-capped (``softcap``: Gemma 2's), which
         the flash kernels do not do."""
         from shardmem.models import decode_attention
-        from shardmem.models.attention import attend, causal_attention
+        from shardmem.models.attention import attend, causal_attention, masking
 
         kernel = _serving_kernel.get() if kernel is None else kernel
         cudnn = kernel is not None and "cudnn" in (kernel.name, kernel.stands_for)
@@ -196,13 +196,13 @@ class CacheSlot:
             kernel = None
         cache = self.cache.write(self.layer, self.positions, k_BxLxGxK, v_BxLxGxK)
         if self.prefill and kernel is None:
-            length = q_BxLxHxK.shape[1]
-            window = window if window is not None and window < length else None
+            window = masking(window, q_BxLxHxK.shape[1])
             return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap), cache
         if self.prefill:
             return attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap), cache
-        window = window if window is not None and window < cache.max_len else None
-        pallas = kernel is not None and kernel.decodes_in_pallas
+        window = masking(window, cache.max_len)
+        # A layer's own window (traced: the window slides on some layers) is XLA's attention's.
+        pallas = kernel is not None and kernel.decodes_in_pallas and isinstance(window, int | None)
         if pallas:
             scales = () if cache.key_scales is None else (cache.key_scales, cache.value_scales)
             ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, cache.keys, cache.values, self.layer,

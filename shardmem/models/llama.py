@@ -41,7 +41,7 @@ from shardmem.models.rope import RopeScaling, rope
 from shardmem.parallel import collective_matmul, context
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.parallel.rules import activation_spec, constrain, manual_axes, sequence_parallel, spec_axes
-from shardmem.remat import LayerPlan, layer_saves, remat_scan
+from shardmem.remat import LayerPlan, layer_index, layer_saves, remat_scan
 
 #: The intermediates a layer tags for remat policies, in the order they are computed.
 CHECKPOINT_TAGS = (
@@ -75,7 +75,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # Each position attends to this many, itself included (Mistral's).
     # The layers the window applies to (None: every layer; empty: none). Where it is some layers only
-    # (Gemma 2's every other one), sequences are at most the window long: every layer attends to all of it.
+    # (Gemma 2's every other one), each layer picks its own by its index in the stack (Block._window).
     sliding_layers: tuple[int, ...] | None = None
     norm_eps: float = 1e-5  # Epsilon of RMSNorm.
     norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + scale (Gemma: 1, scales stored near 0).
@@ -114,9 +114,8 @@ class ModelConfig:
     @property
     def layer_window(self) -> int | None:
         """The sliding window every layer attends with: ``sliding_window`` where it slides on every layer;
-        None where it slides on none, or on some layers only (:attr:`windows_vary`): such a model's
-        sequences are no longer than the window (:func:`shardmem.config.check_window_layers`), so that no
-        layer's window masks a key."""
+        None where it slides on none, or on some layers only (:attr:`windows_vary`: each layer then picks
+        its own, :meth:`Block._window`)."""
         every = self.sliding_layers is None or len(set(self.sliding_layers)) == self.n_layers
         return self.sliding_window if every else None
 
@@ -463,7 +462,9 @@ class Block(nnx.Module):
             if cfg.attention_scale is not None:  # The kernels scale by 1 / sqrt(head_size): the rest here,
                 scale = cfg.attention_scale * math.sqrt(cfg.head_size)  # in float32 (in bf16, 144 / 128's
                 q_BxLxHxK = (q_BxLxHxK.astype(jnp.float32) * scale).astype(q_BxLxHxK.dtype)  # is 0.15% low).
-            how = dict(window=cfg.layer_window, softcap=cfg.attention_softcap)
+            keys = cache.cache.max_len if cache is not None else length  # The most a query sees.
+            index = cache.layer if cache is not None else layer_index()
+            how = dict(window=self._window(keys, index), softcap=cfg.attention_softcap)
             if cache is None:
                 ctx_BxLxHxK = context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, **how)
             else:
@@ -482,6 +483,20 @@ class Block(nnx.Module):
             mlp_BxLxD = self._feed_forward(x_BxLxD, fused.get("w_gate_up"))
             x_BxLxD = x_BxLxD + (self.post_mlp_norm(mlp_BxLxD) if cfg.post_norms else mlp_BxLxD)
         return x_BxLxD if cache is None else (x_BxLxD, written)
+
+    def _window(self, keys: int, index):
+        """The window this layer attends over ``keys`` keys with: the model's every layer's, or, where it
+        slides on some layers only (``model.sliding_layers``) and is shorter than the keys, this one's,
+        picked from the layer's ``index`` in the stack (traced: the layers are one scan) with a window as
+        long as any sequence for the others."""
+        cfg = self.cfg
+        if not cfg.windows_vary or keys <= cfg.sliding_window:
+            return cfg.layer_window  # None where it varies: no layer's window masks a key.
+        if index is None:  # A pipeline stage's layers (config.check_window_layers refuses it).
+            raise ValueError("a window on some layers only needs each layer's index in the stack")
+        sliding = set(cfg.sliding_layers)
+        slides_N = jnp.asarray([i in sliding for i in range(cfg.n_layers)])
+        return jnp.where(slides_N[index], cfg.sliding_window, keys).astype(jnp.int32)
 
     def _feed_forward(self, x_BxLxD, fused: Fused | None = None):
         """The MLP's (or the experts') output for the residual stream ``x``, before it is added;
@@ -553,8 +568,10 @@ class Llama(nnx.Module):
         shards, by_hand = context.shards(), context.split_by_hand()
         tokens_BxL = context.own_chunks(tokens_BxL) if by_hand else context.to_zigzag(tokens_BxL, shards)
         x_BxLxD = self._embed(tokens_BxL, table_axes=(None, None))
-        run_layers = self.pipeline.run if self.pipeline else remat_scan
-        x_BxLxD = run_layers(self.layers, x_BxLxD, self.remat)
+        if self.pipeline:
+            x_BxLxD = self.pipeline.run(self.layers, x_BxLxD, self.remat)
+        else:  # Each layer may read its index in the stack (a window on some layers: Block._window).
+            x_BxLxD = remat_scan(self.layers, x_BxLxD, self.remat, indexed=True)
         h_BxLxD = _whole_seq(_split_seq(self.final_norm(x_BxLxD)), ("batch", "seq", None))  # See Block.
         return (
             h_BxLxD

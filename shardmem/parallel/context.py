@@ -135,9 +135,11 @@ def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None
     if n == 1:
         return attention.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap)
     length = q_BxLxHxK.shape[1]
-    window = window if window is not None and window < length else None  # A longer window masks nothing.
+    window = attention.masking(window, length)  # A longer window masks nothing.
     if softcap is not None and kernel.name not in ("xla", "chunked"):
         raise ValueError(f"attention kernel {kernel.name!r} has no soft-capped scores; use chunked or xla")
+    if not isinstance(window, int | None) and kernel.name not in ("xla", "chunked"):
+        raise ValueError(f"attention kernel {kernel.name!r} takes a static window only; use chunked or xla")
     if kernel.name == "pallas":
         kernel.check_window(window, length)  # Its blocks have no window: only as a deviceless stand-in.
         return flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, kernel=kernel)

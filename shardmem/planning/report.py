@@ -217,11 +217,10 @@ def _serving_capacity(plan: ServingPlan) -> list:
     if room is None:
         return []
     how = "compiled and fit" if room.verified else "from this plan's bytes per token; --capacity compiles"
-    cut = " (the longest the model runs: model.sliding_window, on some layers only)" if room.longest else ""
     lines = (f"KV cache room per device: {format_bytes(room.cache_bytes)} = {room.tokens:,} positions of "
              f"{format_bytes(room.bytes_per_token)}; at most serve.batch={room.max_batch:,} at "
              f"serve.max_len={plan.serve['max_len']:,}, serve.max_len={room.max_len:,} at "
-             f"serve.batch={plan.serve['batch']:,}{cut} ({how})")  # fmt: skip
+             f"serve.batch={plan.serve['batch']:,} ({how})")  # fmt: skip
     return [Text(lines)]
 
 

@@ -138,11 +138,8 @@ class KVCapacity:
     cache_bytes: int  # Per device: the budget less everything but the cache at the plan's peak.
     bytes_per_token: int  # Per device: one position of one sequence, every layer's keys and values.
     max_batch: int  # Sequences of max_len positions that fit (a multiple of the batch's shards).
-    max_len: int  # Positions per sequence that fit at the planned batch (at most ``longest``).
+    max_len: int  # Positions per sequence that fit at the planned batch.
     verified: bool = False
-    # The longest sequence the model runs, where that is shorter than what would fit: a window on some
-    # layers only (model.sliding_layers: config.check_window_layers); None where no such bound cut it.
-    longest: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -304,14 +301,7 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
              "quantize": dataclasses.asdict(quantize) if quantize else None}  # fmt: skip
     plan = ServingPlan(reports["prefill"], reports["decode"], serve)
     time = _time(plan, target, s.layout.window)
-    capacity = _capacity(plan, _batch_shards(program), longest=_longest(program))
-    return dataclasses.replace(plan, time=time, capacity=capacity)
-
-
-def _longest(program: ServingProgram) -> int | None:
-    """The longest ``serve.max_len`` the model runs: its window where it slides on some layers only."""
-    m = program.config.model
-    return m.sliding_window if getattr(m, "windows_vary", False) else None
+    return dataclasses.replace(plan, time=time, capacity=_capacity(plan, _batch_shards(program)))
 
 
 def _margined(report: MemoryReport, name: str) -> MemoryReport:
@@ -343,20 +333,18 @@ def _time(plan: ServingPlan, target: Target, window: int | None = None) -> Servi
     )  # fmt: skip
 
 
-def _capacity(plan: ServingPlan, batch_shards: int, *, longest: int | None = None) -> KVCapacity:
+def _capacity(plan: ServingPlan, batch_shards: int, verified: bool = False) -> KVCapacity:
     """The cache's room read off one plan: the budget less the peak's other bytes, in whole sequences
-    (``batch_shards``: the devices a batch is split over, each holding its share of the sequences);
-    sequences no longer than ``longest`` (:func:`_longest`)."""
+    (``batch_shards``: the devices a batch is split over, each holding its share of the sequences)."""
     figures, serve = plan.per_device, plan.serve
     cache_bytes = plan.margin_bytes + figures["kv_cache"]  # Each function's budget less its other bytes.
     rows = serve["batch"] // batch_shards  # Sequences per device.
     per_token = figures["kv_cache"] // (rows * serve["max_len"])
     if not per_token or cache_bytes <= 0:
-        return KVCapacity(max(cache_bytes, 0), per_token, 0, 0)
+        return KVCapacity(max(cache_bytes, 0), per_token, 0, 0, verified)
     tokens = cache_bytes // per_token
-    cut = longest is not None and tokens // rows > longest
-    return KVCapacity(cache_bytes, per_token, tokens // serve["max_len"] * batch_shards,
-                      longest if cut else tokens // rows, longest=longest if cut else None)  # fmt: skip
+    return KVCapacity(cache_bytes, per_token, tokens // serve["max_len"] * batch_shards, tokens // rows,
+                      verified)  # fmt: skip
 
 
 def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
@@ -371,31 +359,24 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
     plan = _plan(program, resolved)
     shards = _batch_shards(program)
     s = program.serving
-    longest = _longest(program)
 
     def compiled(key: str, value: int) -> ServingPlan:
         return _plan(program.variant(f"serve.{key}={value}"), resolved)
 
     found = {}
-    for key, start, quantum, least, most in (
-        ("batch", s.batch, shards, shards, None),
-        ("max_len", s.max_len, 1, s.prompt_len, longest),  # No longer than the model runs.
+    for key, start, quantum, least in (
+        ("batch", s.batch, shards, shards),
+        ("max_len", s.max_len, 1, s.prompt_len),
     ):
-        if most is not None and start >= most and plan.fits:
-            found[key] = start  # The longest the model runs fits: nothing longer to try.
-            continue
-        second = 2 * start if most is None or 2 * start <= most else max(most, least)
-        second = second if second != start else max(start // 2, least)
-        points = [(start, plan)] + ([(second, compiled(key, second))] if second != start else [])
+        points = [(start, plan), (2 * start, compiled(key, 2 * start))]
         fits = max((v for v, p in points if p.fits), default=0)
         over = min((v for v, p in points if not p.fits), default=None)
         for _ in range(CAPACITY_COMPILES):
-            if (over is not None and fits + quantum >= over) or fits == most or len(points) < 2:
-                break  # Bracketed: ``fits`` is the largest (or the longest the model runs).
+            if over is not None and fits + quantum >= over:
+                break  # Bracketed: ``fits`` is the largest.
             guess = room_limit(points[-2:]) // quantum * quantum
             guess = max(guess, fits + quantum) if fits else guess  # Past what fits: is it the largest?
             guess = min(guess, over - quantum) if over is not None else guess
-            guess = min(guess, most) if most is not None else guess
             if guess < least or guess in dict(points):
                 break
             points.append((guess, compiled(key, guess)))
@@ -404,10 +385,8 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
             else:
                 over = guess if over is None else min(over, guess)
         found[key] = fits
-    cut = longest is not None and found["max_len"] == longest
     capacity = dataclasses.replace(_capacity(plan, shards), max_batch=found["batch"],
-                                   max_len=found["max_len"], verified=True,
-                                   longest=longest if cut else None)  # fmt: skip
+                                   max_len=found["max_len"], verified=True)  # fmt: skip
     return dataclasses.replace(plan, capacity=capacity)
 
 

@@ -188,22 +188,24 @@ def describe(
     if serving:
         _check_serving(config, mesh, rules, context)
     pipeline = pipeline_for(config, mesh, custom, rules)
+    if not custom:
+        trained = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
+        # The longest a query attends: a decode step's reaches the cache's last position.
+        longest = config.serve.max_len if serving else trained
+        check_window_layers(config.model, longest, pipeline.stages if pipeline else 1)
     if attention is None and not custom:
         attention = resolve_for_devices(config.model.attention, mesh.devices.flat,
                                         chunk=config.model.attention_chunk, dtype=config.precision.compute,
                                         context=context, window=config.model.layer_window is not None,
                                         head_dim=config.model.head_size,
-                                        softcap=config.model.attention_softcap is not None)  # fmt: skip
+                                        softcap=config.model.attention_softcap is not None,
+                                        layer_windows=config.model.windows_vary
+                                        and longest > config.model.sliding_window)  # fmt: skip
     if attention is not None and not custom:
-        length = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
-        length = config.serve.prompt_len if serving else length  # Prefill attends over the prompts.
+        length = config.serve.prompt_len if serving else trained  # Prefill attends over the prompts.
         attention.check_length(length, "serve.prompt_len" if serving else "model.seq_len")
         attention.check_head_dim(config.model.head_size)
         attention.check_window(config.model.layer_window, length)
-        if serving:  # Decode steps reach the cache's last position.
-            check_window_layers(config.model, config.serve.max_len, "serve.max_len")
-        else:
-            check_window_layers(config.model, length, "model.seq_len")
     # Training's overlap of sequence parallelism's collectives; a decode step's single token per sequence
     # has nothing to chunk, so serving runs the plain projections whatever the key says.
     collective = not serving and collective_matmul.resolve(config.overlap.tensor_parallel, rules, mesh,
