@@ -307,7 +307,8 @@ def _sliding_window(hf: dict, kind: str, where: str, refuse) -> tuple[int | None
     """``(window, sliding_layers)``: Mistral's window (every layer's), or Qwen2's, Qwen3's or Gemma 2's
     with the layers it slides on where it is not every layer (transformers: Qwen's layer i slides from
     ``max_window_layers`` on with ``sliding_window`` when ``use_sliding_window``, Gemma 2's every other
-    one from the first, unless ``layer_types`` says which; a null window is none)."""
+    one from the first, unless ``layer_types`` says which; a null window is none, and refused for Gemma 2,
+    whose forward needs one)."""
     if kind == "mistral":
         window = hf.get("sliding_window", 4096)
         if window == 0:

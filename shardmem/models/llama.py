@@ -527,9 +527,11 @@ class Llama(nnx.Module):
         collective_matmuls: bool = False,
     ):
         if attention is None:
+            varying = cfg.windows_vary and cfg.seq_len > cfg.sliding_window  # Each layer's own window.
             attention = resolve_for_devices(cfg.attention, jax.devices(), chunk=cfg.attention_chunk,
                                             dtype=compute_dtype, head_dim=cfg.head_size,
-                                            softcap=cfg.attention_softcap is not None)  # fmt: skip
+                                            softcap=cfg.attention_softcap is not None,
+                                            layer_windows=varying)  # fmt: skip
         self.cfg = cfg
         self.attention = attention
         self.loss_chunk = resolve_loss_chunk(cfg.loss_chunk, cfg.vocab_size, cfg.d_model)
