@@ -375,3 +375,14 @@ def test_a_window_shrinks_the_planned_scores_of_chunked_attention():
     # Each 128-query block scores 128 + 127 keys rather than 1,024: fp32 scores of 4 heads, a quarter.
     assert windowed < full - 3 * 4 * 128 * (1024 - 255) * 4 // 2
     assert said == "chunked (blocks of 128 queries); sliding window of 128"
+
+
+def test_a_plan_says_a_window_on_some_layers_is_each_layers_own_and_charges_the_whole_sequence():
+    import shardmem
+
+    model = {"preset": "tiny", "n_layers": 2, "seq_len": 1024, "attention_chunk": 128, "sliding_window": 128,
+             "sliding_layers": [0]}  # fmt: skip
+    config = config_from_dict({"model": model, "mesh": {"axes": {"data": 8}}, "train": {"global_batch": 8}})
+    report = shardmem.plan(config, "cpu", count_remat_overhead=False)
+    said = "sliding window of 128 on 1 of the 2 layers, each layer's own (keys masked, not skipped)"
+    assert report.attention == f"chunked (blocks of 128 queries); {said}"
