@@ -339,6 +339,15 @@ class ServeConfig:
     quantize: QuantizeConfig | None = None  # {format, group, targets}: weight matrices in 8 or 4 bits.
 
 
+def _as_lists(value: Any) -> Any:
+    """``value`` with every tuple in it a list, as YAML writes sequences."""
+    if isinstance(value, dict):
+        return {k: _as_lists(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_lists(v) for v in value]
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One training run, as a YAML file describes it."""
@@ -400,11 +409,8 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns plain data that :func:`config_from_dict` turns back into an equal Config."""
-        data = dataclasses.asdict(self)
+        data = _as_lists(dataclasses.asdict(self))  # YAML has lists, not tuples (model.sliding_layers).
         data.pop("folder")
-        model = data["model"]  # None where the model is passed as a factory.
-        if isinstance(model, dict) and isinstance(model.get("sliding_layers"), tuple):  # YAML has lists.
-            model["sliding_layers"] = list(model["sliding_layers"])
         # Rates carry their unit (a bare number is refused as ambiguous): 5e10 -> "50GB/s".
         data["interconnect"] = {k: _rate_text(v) if k in _RATE_KEYS and v is not None else v
                                 for k, v in data["interconnect"].items()}  # fmt: skip

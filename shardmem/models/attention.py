@@ -95,15 +95,20 @@ class AttentionKernel:
         Pallas, or Pallas standing in for cuDNN), in interpret mode where Pallas's is (CPU)."""
         return self.name in ("cudnn", "pallas")
 
-    def describe(self, window: int | None = None, softcap: float | None = None) -> str:
+    def describe(self, window: int | None = None, softcap: float | None = None,
+                 layers: tuple[int, int] | None = None) -> str:  # fmt: skip
         """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``, saying how a
-        sliding ``window`` (``model.sliding_window``) is attended, and why a model whose scores are
-        soft-capped (``softcap``) runs no flash kernel."""
+        sliding ``window`` (``model.sliding_window``) is attended (on ``layers`` = (k, n): on k of the n
+        layers only, each layer's own), and why a model whose scores are soft-capped (``softcap``) runs no
+        flash kernel."""
         text = self.name + (f" (blocks of {self.chunk} queries)" if self.name == "chunked" else "")
         if softcap is not None:
             text += f"; scores soft-capped at {softcap:g}, which neither flash kernel does"
         if window is not None:
             text += f"; sliding window of {window}"
+            if layers is not None:
+                some, every = layers
+                text += f" on {some} of the {every} layers, each layer's own (keys masked, not skipped)"
             if self.name == "pallas":  # Only a stand-in gets here (check_window).
                 text += " not in the stand-in, which attends causally over the whole sequence (more FLOPs)"
         if self.interpret:
@@ -441,7 +446,8 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions
     b, length, h, k = q_BxLxHxK.shape
     g, keys = k_BxLxGxK.shape[2], k_BxLxGxK.shape[1]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k) * (k**-0.5)
-    scores_BxGxRxLxM = soft_capped(jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK), softcap)
+    scores_BxGxRxLxM = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK).astype(jnp.float32)
+    scores_BxGxRxLxM = soft_cap(scores_BxGxRxLxM, softcap)
     if q_positions is None:
         rows_LxM = q_offset + jax.lax.broadcasted_iota(jnp.int32, (length, keys), 0)
         cols_LxM = jax.lax.broadcasted_iota(jnp.int32, (length, keys), 1)
@@ -452,18 +458,18 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_offset=0, *, q_positions
         causal_LxM = causal_LxM & (rows_LxM - cols_LxM < window)
     if causal_LxM.ndim == 3:  # Per sequence: [B, L, M] under the G and R axes of the scores.
         causal_LxM = causal_LxM[:, None, None]
-    scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM.astype(jnp.float32), -1e30)
+    scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM, -1e30)
     probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(v_BxLxGxK.dtype)
     ctx_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxLxGxK)
     return ctx_BxLxGxRxK.reshape(b, length, h, k)
 
 
-def soft_capped(scores, softcap: float | None):
-    """``softcap * tanh(scores / softcap)`` in float32 (Gemma 2's attention logits); the scores as they
-    are when ``softcap`` is None."""
-    if softcap is None:
-        return scores
-    return jnp.tanh(scores.astype(jnp.float32) / softcap) * softcap
+def soft_cap(x, cap: float | None):
+    """``cap * tanh(x / cap)`` in ``x``'s dtype: Gemma 2's caps of its attention scores and its logits
+    (``model.attention_softcap``, ``model.logit_softcap``); ``x`` as it is when ``cap`` is None."""
+    if cap is None:
+        return x
+    return (jnp.tanh(x / cap) * cap).astype(x.dtype)
 
 
 def chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, chunk: int, window: int | None = None,

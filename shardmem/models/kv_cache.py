@@ -183,16 +183,14 @@ class CacheSlot:
         sequence's position: on GPUs (a flash ``kernel``) with the Pallas decode kernel over the stacked
         cache (:mod:`shardmem.models.decode_attention`; an int8 cache's codes and scales as they are),
         else with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a layer that attends in float32
-        gets XLA's attention, and so does one whose scores are soft-capped (``softcap``: Gemma 2's), which
-        the flash kernels do not do."""
+        gets XLA's attention. Soft-capped scores (``softcap``: Gemma 2's) take ``chunked`` or ``xla``, which
+        :func:`~shardmem.models.attention.resolve_attention` gives such a model."""
         from shardmem.models import decode_attention
         from shardmem.models.attention import attend, causal_attention, masking
 
         kernel = _serving_kernel.get() if kernel is None else kernel
         cudnn = kernel is not None and "cudnn" in (kernel.name, kernel.stands_for)
-        if (cudnn and q_BxLxHxK.dtype.itemsize > 2) or (
-            softcap is not None and kernel is not None and kernel.name not in ("xla", "chunked")
-        ):
+        if cudnn and q_BxLxHxK.dtype.itemsize > 2:
             kernel = None
         cache = self.cache.write(self.layer, self.positions, k_BxLxGxK, v_BxLxGxK)
         if self.prefill and kernel is None:
@@ -223,13 +221,13 @@ def _over_the_cache(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int 
     an H100, a model of your own at 64 x 8,192 positions, 2 layers of 2 KV heads: 132.5 MiB of decode
     temporaries, 9 MiB as reductions; with one KV head a device, as reductions XLA may still write one
     layer's products out, as the matmuls wrote their copies: 4.5 MiB either way at 8 x 4,096)."""
-    from shardmem.models.attention import soft_capped
+    from shardmem.models.attention import soft_cap
 
     b, length, h, k = q_BxLxHxK.shape
     g = k_BxTxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k).astype(jnp.float32) * (k**-0.5)
     keys_Bx1xTxGx1xK = k_BxTxGxK[:, None, :, :, None, :].astype(jnp.float32)
-    scores_BxLxTxGxR = soft_capped(jnp.sum(q_BxLxGxRxK[:, :, None] * keys_Bx1xTxGx1xK, axis=-1), softcap)
+    scores_BxLxTxGxR = soft_cap(jnp.sum(q_BxLxGxRxK[:, :, None] * keys_Bx1xTxGx1xK, axis=-1), softcap)
     columns_T = jnp.arange(k_BxTxGxK.shape[1])
     seen_BxLxT = columns_T <= positions_BxL[..., None]
     if window is not None:

@@ -3,7 +3,7 @@
     model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
     logits_BxLxV = model(tokens_BxL)
     h_BxLxD, head_DxV = model.hidden_states(tokens_BxL), model.unembedding()   # for a chunked loss
-    # (whose logits losses.softcap caps at model.logit_softcap, as the model's own loss does)
+    # (whose logits attention.soft_cap caps at model.logit_softcap, as the model's own loss does)
     h_BxLxD, cache = model.cached_hidden_states(prompts_BxL, cache, positions_L, prefill=True)  # serving
 
 Every parameter carries logical axis names (``embed``, ``heads``, ``mlp``, ...) that the config's rules map
@@ -32,10 +32,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardmem.errors import ConfigError, did_you_mean, one_of
 from shardmem.finetune.lora import project, value_of, weight
-from shardmem.models.attention import AttentionKernel, resolve_for_devices
+from shardmem.models.attention import AttentionKernel, resolve_for_devices, soft_cap
 from shardmem.models.fused import Fused
 from shardmem.models.kv_cache import CacheSlot, KVCache
-from shardmem.models.losses import cross_entropy, resolve_loss_chunk, softcap
+from shardmem.models.losses import cross_entropy, resolve_loss_chunk
 from shardmem.models.moe import MoEFeedForward
 from shardmem.models.rope import RopeScaling, rope
 from shardmem.parallel import collective_matmul, context
@@ -558,7 +558,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BxL):
         """Returns the logits: :meth:`hidden_states` times :meth:`unembedding` (soft-capped as
         ``model.logit_softcap`` says)."""
-        logits_BxLxV = softcap(self.hidden_states(tokens_BxL) @ self.unembedding(), self.cfg.logit_softcap)
+        logits_BxLxV = soft_cap(self.hidden_states(tokens_BxL) @ self.unembedding(), self.cfg.logit_softcap)
         return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
 
     def hidden_states(self, tokens_BxL):

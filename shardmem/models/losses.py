@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shardmem.models.attention import soft_cap
 from shardmem.parallel import context
 from shardmem.parallel.rules import constrain
 
@@ -69,25 +70,15 @@ def next_token_loss(model, batch_BxL1: jax.Array) -> jax.Array:
     return losses_BxL.mean()
 
 
-def softcap(logits, cap: float | None):
-    """``cap * tanh(logits / cap)``: logits kept within +-``cap`` (Gemma 2's); as they are when None."""
-    if cap is None:
-        return logits
-    return (jnp.tanh(logits / cap) * cap).astype(logits.dtype)
-
-
-_softcap = softcap  # Beside the keyword arguments of the same name.
-
-
 def cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk: int | None, *,
                   softcap: float | None = None) -> jax.Array:  # fmt: skip
     """Mean cross-entropy of ``softmax(hidden @ head)`` against ``targets``: over ``chunk`` vocabulary
     entries at a time when ``chunk`` is smaller than the vocabulary, else from the whole logits; the
-    logits soft-capped at ``softcap`` (:func:`softcap`) when given."""
+    logits soft-capped at ``softcap`` (:func:`~shardmem.models.attention.soft_cap`) when given."""
     if chunk and chunk < head_DxV.shape[1]:
         return chunked_cross_entropy(hidden_BxLxD, head_DxV, targets_BxL, chunk=chunk, softcap=softcap)
     logits_BxLxV = constrain(hidden_BxLxD @ head_DxV, ("batch", "seq", "vocab"))
-    logits_BxLxV = _softcap(logits_BxLxV.astype(jnp.float32), softcap)
+    logits_BxLxV = soft_cap(logits_BxLxV.astype(jnp.float32), softcap)
     # The target's logit as a masked sum, as the chunked loss takes it (optax gathers it: over a vocabulary
     # split across devices inside the 1F1B pipeline's shard_map, XLA's partitioner aborts on that gather).
     hit_BxLxV = targets_BxL[..., None] == jnp.arange(logits_BxLxV.shape[-1])
@@ -125,7 +116,7 @@ def _chunk_logits(hidden_BxLxD, head_CxNxD, j, vocab, cap):
     rows_CxD = constrain(head_CxNxD[:, j], ("vocab", "embed"))
     logits_BxLxC = constrain(jnp.einsum("bld,cd->blc", hidden_BxLxD, rows_CxD), ("batch", "seq", "vocab"))
     ids_C = jnp.arange(head_CxNxD.shape[0]) * head_CxNxD.shape[1] + j
-    return jnp.where(ids_C < vocab, _softcap(logits_BxLxC.astype(jnp.float32), cap), -jnp.inf)
+    return jnp.where(ids_C < vocab, soft_cap(logits_BxLxC.astype(jnp.float32), cap), -jnp.inf)
 
 
 def _forward(hidden_BxLxD, head_CxNxD, targets_BxL, vocab, cap):

@@ -316,13 +316,12 @@ def plan_program(
         window, length = None, 0
     else:
         window, length = config.model.layer_window, config.model.seq_len
+    m, layers = config.model, None
+    if not program.custom_model and m.windows_vary:  # Each layer's own window (Block._window).
+        window, layers = m.sliding_window, (len(set(m.sliding_layers)), m.n_layers)
     window = window if window is not None and window < length else None  # Else masks nothing.
-    softcap = None if program.custom_model else config.model.attention_softcap
-    attention = program.attention.describe(window, softcap) if program.attention else ""
-    m = config.model
-    if attention and not program.custom_model and m.windows_vary and m.sliding_window < length:
-        attention += (f"; sliding window of {m.sliding_window} on {len(set(m.sliding_layers))} of the "
-                      f"{m.n_layers} layers, each layer's own (keys masked, not skipped)")  # fmt: skip
+    softcap = None if program.custom_model else m.attention_softcap
+    attention = program.attention.describe(window, softcap, layers) if program.attention else ""
     tensor_parallel = collective_matmul.describe(program.collective_matmuls, program.rules, program.mesh,
                                                  reference_model=not program.custom_model,
                                                  pipelined=program.pipeline is not None)  # fmt: skip

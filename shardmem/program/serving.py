@@ -40,9 +40,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardmem.config import Config
+from shardmem.models.attention import soft_cap
 from shardmem.models.fused import Fused, fuse_layer, unfuse_layer
 from shardmem.models.kv_cache import attending_with
-from shardmem.models.losses import softcap
 from shardmem.parallel.rules import constrain
 from shardmem.program import user_serving
 from shardmem.program.description import Description, Serving, describe
@@ -207,7 +207,7 @@ def _jitted(d: Description) -> tuple[Callable, Callable, Callable]:
 
 def _logits(logits_BxV, cap: float | None = None):
     """The step's logits in float32, soft-capped at ``cap`` (``model.logit_softcap``) when given."""
-    return softcap(constrain(logits_BxV, ("batch", "vocab")).astype(jnp.float32), cap)
+    return soft_cap(constrain(logits_BxV, ("batch", "vocab")).astype(jnp.float32), cap)
 
 
 def _reference_functions(d: Description) -> tuple[Callable, Callable]:
