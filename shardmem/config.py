@@ -1073,18 +1073,27 @@ def _validate_batch(batch: Mapping[str, Any], key: str = "data.batch") -> None:
             )
 
 
-def check_window_layers(m: ModelConfig, length: int, stages: int) -> None:
-    """Raises ConfigError when sequences of ``length`` are longer than a window that slides on some layers
-    only (``model.sliding_layers``) and the layers run in ``stages`` pipeline stages: a layer picks its
-    window by its index in the stack, which a stage's layers do not have."""
-    if not m.windows_vary or length <= m.sliding_window or stages == 1:
+def check_layer_index(m: ModelConfig, length: int, stages: int) -> None:
+    """Raises ConfigError when the layers run in ``stages`` pipeline stages and differ by their index in
+    the stack, which a stage's layers do not have: a window on some layers only (``model.sliding_layers``)
+    shorter than sequences of ``length``, or those layers' own RoPE base (``model.local_rope_theta``)."""
+    if not m.windows_vary or stages == 1:
         return
-    raise ConfigError(
-        f"mesh.axes.stage={stages} with model.sliding_window={m.sliding_window} on {len(m.sliding_layers)} "
-        f"of the model's {m.n_layers} layers (model.sliding_layers) and sequences of {length}: a pipeline "
-        "stage's layers do not know which of them slide; set mesh.axes.stage=1, or model.seq_len to at most "
-        f"{m.sliding_window} (where no layer's window masks anything)"
-    )
+    layers = f"{len(m.sliding_layers)} of the model's {m.n_layers} layers"
+    what = f"model.sliding_window={m.sliding_window} on {layers}"
+    if m.rope_varies:
+        raise ConfigError(
+            f"mesh.axes.stage={stages} with {what} (model.sliding_layers) and model.local_rope_theta="
+            f"{m.local_rope_theta:g} on those: a pipeline stage's layers do not know which of them slide, so "
+            "not which base they rotate with; set mesh.axes.stage=1 (fsdp or tensor parallelism shard the "
+            "model instead)"
+        )
+    if length > m.sliding_window:
+        raise ConfigError(
+            f"mesh.axes.stage={stages} with {what} (model.sliding_layers) and sequences of {length}: a "
+            "pipeline stage's layers do not know which of them slide; set mesh.axes.stage=1, or "
+            f"model.seq_len to at most {m.sliding_window} (where no layer's window masks anything)"
+        )
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -1094,6 +1103,8 @@ def _validate_model(m: ModelConfig) -> None:
         _positive("model.head_dim", m.head_dim)
     _positive("model.rope_theta", m.rope_theta)
     _positive("model.norm_eps", m.norm_eps)
+    if m.local_rope_theta is not None:
+        _positive("model.local_rope_theta", m.local_rope_theta)
     if m.rope_scaling is not None:
         m.rope_scaling.validate()
     if m.sliding_window is not None:

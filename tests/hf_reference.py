@@ -1,6 +1,7 @@
 """Hugging Face checkpoints made here, and the forward pass ``transformers`` runs on them, ported to numpy
 float64 from its PyTorch models (``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
-``modeling_qwen3.py``, ``modeling_gemma.py``, ``modeling_gemma2.py``, ``modeling_rope_utils.py``,
+``modeling_qwen3.py``, ``modeling_gemma.py``, ``modeling_gemma2.py``, ``modeling_gemma3.py``,
+``modeling_rope_utils.py``,
 ``masking_utils.py`` of transformers 4.57): the independent reference shardmem's logits are compared with,
 written without shardmem's code.
 
@@ -33,11 +34,20 @@ def hf_config(model_type: str = "llama", **options) -> dict:
         config |= {"head_dim": 32, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
                    "query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.5,
                    "final_logit_softcapping": 1.5, "sliding_window": 64}  # fmt: skip
+    if model_type == "gemma3_text":  # Gemma 3's text model: windows on layer 0 of every 2, a local RoPE base.
+        config |= {"architectures": ["Gemma3ForCausalLM"], "head_dim": 32, "tie_word_embeddings": True,
+                   "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+                   "sliding_window": 64, "sliding_window_pattern": 2, "rope_local_base_freq": 100.0,
+                   "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
     if model_type == "mistral":
         config["sliding_window"] = None
     if model_type == "qwen3":  # Qwen3's heads are wider than hidden / heads, as Qwen3-0.6B's (128 > 64).
         config["head_dim"] = 24
     return config | options
+
+
+GEMMAS = ("gemma", "gemma2", "gemma3_text")  # Norms of 1 + weight, embeddings scaled by sqrt(width).
+POST_NORMS = ("gemma2", "gemma3_text")  # Four norms a layer, a scale and caps of the scores.
 
 
 def head_dim(config: dict) -> int:
@@ -46,13 +56,15 @@ def head_dim(config: dict) -> int:
 
 def window_of(config: dict) -> tuple[int | None, list[bool]]:
     """The sliding window and which layers it slides on: Mistral's every layer; Qwen2's and Qwen3's with
-    ``use_sliding_window``, from ``max_window_layers`` on; Gemma 2's the first and every other one; either
-    as ``layer_types`` says where given."""
+    ``use_sliding_window``, from ``max_window_layers`` on; Gemma 2's the first and every other one; Gemma
+    3's all but every ``sliding_window_pattern``-th (6); each as ``layer_types`` says where given."""
     kind, layers = config["model_type"], range(config["num_hidden_layers"])
-    window = config.get("sliding_window") if kind in ("mistral", "gemma2") else None
+    window = config.get("sliding_window") if kind in ("mistral", *POST_NORMS) else None
     if kind in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         window = config.get("sliding_window")
+    pattern = config.get("sliding_window_pattern", 6)
     default = {"gemma2": [(i + 1) % 2 == 1 for i in layers],
+               "gemma3_text": [(i + 1) % pattern != 0 for i in layers],
                "qwen2": [i >= config.get("max_window_layers", 28) for i in layers]}  # fmt: skip
     slides = default.get(kind.replace("qwen3", "qwen2"), [True for _ in layers])
     if config.get("layer_types") and kind != "mistral":
@@ -70,8 +82,8 @@ def random_tensors(config: dict, seed: int = 0) -> dict:
         config["num_attention_heads"],
         config["num_key_value_heads"],
     )
-    gemma = config["model_type"] in ("gemma", "gemma2")
-    norm = (lambda: w(d)) if gemma else (lambda: 1 + w(d))  # Gemma's scales multiply as 1 + weight.
+    gemma = config["model_type"] in GEMMAS
+    norm = (lambda n=d: w(n)) if gemma else (lambda n=d: 1 + w(n))  # Gemma's scales multiply as 1 + weight.
     tensors = {"model.embed_tokens.weight": w(config["vocab_size"], d), "model.norm.weight": norm()}
     if not config["tie_word_embeddings"]:
         tensors["lm_head.weight"] = w(config["vocab_size"], d)
@@ -87,11 +99,12 @@ def random_tensors(config: dict, seed: int = 0) -> dict:
         if config["model_type"] == "qwen2":
             for n, width in (("q", heads * k), ("k", groups * k), ("v", groups * k)):
                 tensors[f"{p}self_attn.{n}_proj.bias"] = w(width)
-        if config["model_type"] == "gemma2":  # Four norms a layer (post_attention_layernorm: attention's).
+        if config["model_type"] in POST_NORMS:  # Four norms a layer (post_attention_layernorm: attention's).
             tensors |= {p + "pre_feedforward_layernorm.weight": norm(),
                         p + "post_feedforward_layernorm.weight": norm()}  # fmt: skip
-        if config["model_type"] == "qwen3":  # A scale over a head's width for the queries, one for the keys.
-            tensors |= {f"{p}self_attn.q_norm.weight": 1 + w(k), f"{p}self_attn.k_norm.weight": 1 + w(k)}
+        if config["model_type"] in ("qwen3", "gemma3_text"):  # A scale over a head's width for the queries,
+            tensors |= {f"{p}self_attn.q_norm.weight": norm(k),
+                        f"{p}self_attn.k_norm.weight": norm(k)}  # fmt: skip  # one for the keys.
     return tensors
 
 
@@ -195,11 +208,21 @@ class Rotary:
         return np.cos(emb) * self.attention, np.sin(emb) * self.attention
 
 
+def rotaries(config: dict) -> tuple[Rotary, Rotary]:
+    """The rotary modules of the full-attention layers and of the sliding ones: Gemma 3's local one has
+    its own base (``rope_local_base_freq``) and no scaling; every other type's layers share one."""
+    if config["model_type"] != "gemma3_text":
+        shared = Rotary(config)
+        return shared, shared
+    local = config | {"rope_theta": config.get("rope_local_base_freq", 10000.0), "rope_scaling": None}
+    return Rotary(config), Rotary(local)
+
+
 def logits(config: dict, tensors: dict, tokens) -> np.ndarray:
     """The model's logits for ``tokens`` ``[B, S]``: transformers' forward, in float64."""
     B, S = tokens.shape
     positions = np.broadcast_to(np.arange(S), (B, S))
-    return forward(config, tensors, tokens, positions, np.ones((B, S), bool), Rotary(config), None)
+    return forward(config, tensors, tokens, positions, np.ones((B, S), bool), rotaries(config), None)
 
 
 def generate_logits(config: dict, tensors: dict, prompts: list, steps: int) -> np.ndarray:
@@ -207,7 +230,7 @@ def generate_logits(config: dict, tensors: dict, prompts: list, steps: int) -> n
     (``DynamicCache``): the prompts left-padded with an attention mask, their ``position_ids`` its
     ``cumsum - 1`` (``prepare_inputs_for_generation``), one forward over the prompts, then one per new
     token, the keys in the cache as each forward rotated them."""
-    width, rotary = max(map(len, prompts)), Rotary(config)
+    width, rotary = max(map(len, prompts)), rotaries(config)
     tokens = np.array([[0] * (width - len(p)) + list(p) for p in prompts])
     mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts], bool)
     cache, out = [], []
@@ -221,12 +244,12 @@ def generate_logits(config: dict, tensors: dict, prompts: list, steps: int) -> n
     return np.stack(out)
 
 
-def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary, cache: list | None):
+def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: tuple, cache: list | None):
     """Logits ``[B, S, V]`` of ``tokens`` ``[B, S]`` at ``positions`` after the ``cache``'s keys and values
     (a list of each layer's, extended in place; None: no cache); ``mask`` ``[B, T]``: which of the
-    cache's and these tokens are not padding."""
+    cache's and these tokens are not padding; ``rotary``: :func:`rotaries`."""
     t = {k: v.astype(np.float64) for k, v in tensors.items()}
-    gemma, gemma2 = config["model_type"] in ("gemma", "gemma2"), config["model_type"] == "gemma2"
+    gemma, gemma2 = config["model_type"] in GEMMAS, config["model_type"] in POST_NORMS
     heads, groups, k = config["num_attention_heads"], config["num_key_value_heads"], head_dim(config)
     eps = config["rms_norm_eps"]
 
@@ -244,7 +267,7 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
 
     B, S = tokens.shape
     T = mask.shape[1]
-    cos, sin = rotary(positions)
+    (cos, sin), local = rotary[0](positions), rotary[1](positions)
     q_idx, kv_idx = np.arange(T - S, T)[:, None], np.arange(T)[None, :]
     allowed = (kv_idx <= q_idx) & mask[:, None, None, :]
     full = np.where(allowed, 0.0, np.finfo(np.float64).min)  # A padding query sees nothing: finite.
@@ -254,8 +277,13 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
         sliding = np.where(allowed & (kv_idx > q_idx - window), 0.0, np.finfo(np.float64).min)
     scale = config.get("query_pre_attn_scalar", k) ** -0.5 if gemma2 else k**-0.5
 
-    def cap(x, key):  # Gemma 2's soft caps: cap * tanh(x / cap).
-        return np.tanh(x / config[key]) * config[key] if gemma2 and config.get(key) else x
+    def cap(x, key):  # Gemma 2's soft caps: cap * tanh(x / cap); Gemma 3's attention passes none.
+        capped = (
+            gemma2
+            and config.get(key)
+            and (key, config["model_type"]) != ("attn_logit_softcapping", "gemma3_text")
+        )
+        return np.tanh(x / config[key]) * config[key] if capped else x
 
     x = t["model.embed_tokens.weight"][tokens]
     if gemma:
@@ -267,9 +295,10 @@ def forward(config: dict, tensors: dict, tokens, positions, mask, rotary: Rotary
                     for n in "qkv")  # fmt: skip
         q = q.reshape(B, S, heads, k).transpose(0, 2, 1, 3)
         kk, v = (a.reshape(B, S, groups, k).transpose(0, 2, 1, 3) for a in (kk, v))
-        if config["model_type"] == "qwen3":  # Each head normed over its width, before RoPE.
+        if config["model_type"] in ("qwen3", "gemma3_text"):  # Each head normed over its width.
             q, kk = norm(q, t[p + "self_attn.q_norm.weight"]), norm(kk, t[p + "self_attn.k_norm.weight"])
-        q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
+        c, s = local if slides[i] else (cos, sin)  # Gemma 3's sliding layers: the local RoPE base.
+        q, kk = q * c + rotate_half(q) * s, kk * c + rotate_half(kk) * s
         if cache is not None:  # The keys as rotated when they were computed.
             if len(cache) == i:
                 cache.append((kk[:, :, :0], v[:, :, :0]))

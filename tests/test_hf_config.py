@@ -259,6 +259,50 @@ def test_gemma2s_defaults_and_null_caps_are_transformers(tmp_path):
 
 
 @pytest.mark.newest
+@pytest.mark.parametrize("options, axes, sliding", [
+    ({}, {"data": 1}, (0,)),  # The window (64) longer than the sequences: the RoPE bases alone differ.
+    ({"sliding_window": 5}, {"fsdp": 2, "tensor": 2}, (0,)),  # And the first layer's window, active.
+    ({"sliding_window": 5, "layer_types": ["full_attention", "sliding_attention"]},
+     {"data": 2, "context": 2}, (1,)),
+])  # fmt: skip
+def test_a_gemma3_checkpoint_gives_transformers_logits(tmp_path, options, axes, sliding):
+    # Was refused (model_type 'gemma3_text'): Gemma 2's layout with each head's query and key normed, no cap
+    # on the scores, and the sliding layers rotating with their own base (rope_local_base_freq, unscaled;
+    # the full layers' rope_theta here with a linear scaling of 8, as Gemma 3 4B's and larger).
+    config, tensors = _checkpoint(tmp_path, "gemma3_text", **options)
+    program, state, got = _logits(_config(tmp_path, axes=axes))
+    _assert_matches(got, config, tensors, {**config, "rope_local_base_freq": config["rope_theta"]})
+    model = program.config.model
+    assert model.qk_norm and model.post_norms and model.sliding_layers == sliding
+    assert (model.local_rope_theta, model.rope_scaling.rope_type) == (100.0, "linear")
+    assert model.attention_softcap is None
+    assert sum(x.size for x in jax.tree.leaves(state["params"])) == model.param_count()
+
+
+def test_gemma3s_defaults_are_transformers_and_its_attention_takes_no_cap():
+    config = {k: v for k, v in hf.hf_config("gemma3_text", num_hidden_layers=12).items()
+              if k not in ("sliding_window", "sliding_window_pattern", "rope_local_base_freq", "rope_theta",
+                           "query_pre_attn_scalar")}  # fmt: skip
+    fields = model_fields({**config, "attn_logit_softcapping": 50.0}, "x")
+    assert (fields["rope_theta"], fields["local_rope_theta"], fields["sliding_window"]) == (1e6, 1e4, 4096)
+    assert fields["sliding_layers"] == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)  # All but every sixth.
+    assert fields["attention_softcap"] is None  # transformers' Gemma 3 attention passes it no cap.
+    assert fields["attention_scale"] == 256**-0.5 and fields["logit_softcap"] is None
+
+
+def test_layers_with_their_own_rope_base_in_pipeline_stages_are_refused_naming_the_keys(tmp_path):
+    _checkpoint(tmp_path, "gemma3_text")  # A window of 64, longer than the sequences: still refused.
+    pipelined = dict(axes={"stage": 2}, pipeline={"schedule": "1f1b"},
+                     train={"global_batch": 8, "micro_batches": 2})  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        _logits(_config(tmp_path, **pipelined))
+    message = str(error.value)
+    assert message.startswith("mesh.axes.stage=2 with model.sliding_window=64 on 1 of the model's 2 layers "
+                              "(model.sliding_layers) and model.local_rope_theta=100 on those")  # fmt: skip
+    assert "set mesh.axes.stage=1" in message and "\n" not in message
+
+
+@pytest.mark.newest
 @pytest.mark.parametrize("model_type, options, axes, sliding", [
     ("gemma2", {"sliding_window": 5}, {"data": 1}, (0,)),  # Its window on the first layer, not the second.
     ("gemma2", {"sliding_window": 5}, {"data": 2, "context": 2}, (0,)),
@@ -327,6 +371,11 @@ def test_the_model_section_is_checked_against_config_json(tmp_path):
     ({"model_type": "gemma2", "attention_bias": True}, "attention_bias: true"),
     ({"model_type": "gemma2", "sliding_window": None}, "sliding_window null, with which transformers'"),
     ({"model_type": "gemma2", "layer_types": ["sliding_attention", "bogus"]}, 'layer_types with "bogus"'),
+    ({"model_type": "gemma3_text", "sliding_window": None}, "sliding_window null, with which transformers'"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention: true"),
+    ({"model_type": "gemma3_text", "attention_bias": True}, "attention_bias: true"),
+    ({"model_type": "gemma3_text", "sliding_window_pattern": 0}, "sliding_window_pattern=0, where"),
+    ({"model_type": "gemma3_text", "rope_local_base_freq": "1e4"}, 'rope_local_base_freq="1e4", where'),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0]}},
      "rope_scaling short_factor"),
@@ -439,6 +488,9 @@ def test_seq_len_is_the_one_key_a_pretrained_model_needs(tmp_path):
     ("gemma2", {}), ("gemma2", {"query_pre_attn_scalar": 144, "attn_logit_softcapping": None}),
     ("gemma2", {"layer_types": ["sliding_attention"] * 2}),
     ("gemma2", {"layer_types": ["full_attention"] * 2}),  # Its window kept: transformers' Gemma 2 needs one.
+    ("gemma3_text", {}), ("gemma3_text", {"rope_scaling": None, "final_logit_softcapping": 1.5}),
+    ("gemma3_text", {"layer_types": ["sliding_attention"] * 2}),  # Every layer's base the local one,
+    ("gemma3_text", {"layer_types": ["full_attention"] * 2}),  # or none's: the local base kept.
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
 ])  # fmt: skip
 def test_the_config_json_an_export_writes_reads_back_as_the_same_model(model_type, options):

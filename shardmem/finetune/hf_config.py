@@ -12,7 +12,8 @@ values. ``config.json`` is read as ``transformers`` reads it, for the model type
 implements (:data:`MODEL_TYPES`); an option that would change the forward pass and that the reference
 model does not have (a bias on the output projection, a partial rotary embedding, a quantized
 checkpoint, ...) is refused in one line, never dropped. A window on some layers only (Gemma 2's every
-other layer) is ``sliding_layers``: each layer picks its own window by its index in the stack.
+other layer, Gemma 3's five of six) is ``sliding_layers``: each layer picks its own window, and Gemma 3's
+its RoPE base (``local_rope_theta``), by its index in the stack.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from shardmem.models.rope import ROPE_TYPES
 #: config.json's model_type -> the transformers class its weights are written for.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
-               "gemma2": "Gemma2ForCausalLM"}  # fmt: skip
+               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
 #: The model keys a checkpoint decides; the rest (seq_len, the attention kernel, chunks, the experts'
 #: capacity and loss weight) are the training run's.
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
-                     "rope_theta", "rope_scaling", "sliding_window", "sliding_layers", "norm_eps",
+                     "rope_theta", "rope_scaling", "sliding_window", "sliding_layers", "local_rope_theta",
+                     "norm_eps",
                      "norm_offset", "scale_embeddings", "mlp_activation", "qkv_bias", "qk_norm",
                      "post_norms", "attention_scale", "attention_softcap", "logit_softcap",
                      "tie_embeddings", "n_experts", "experts_per_token")  # fmt: skip
@@ -57,7 +59,15 @@ _DEFAULTS = {
                "head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 8192,
                "sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
                "final_logit_softcapping": 30.0},
+    "gemma3_text": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                    "hidden_activation": "gelu_pytorch_tanh", "head_dim": 256, "num_key_value_heads": 4,
+                    "max_position_embeddings": 131072, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                    "final_logit_softcapping": None,
+                    "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6},
 }  # fmt: skip
+#: Gemma's family: norms of 1 + weight, embeddings scaled by sqrt(width); and the types of four norms a
+#: layer, a scale of their own on the scores and a cap on the logits.
+_GEMMAS, _POST_NORMS = ("gemma", "gemma2", "gemma3_text"), ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.mlp_activation -> hidden_act.
 #: The bias flags each type's forward reads (transformers 4.57): Llama's attention projections take
@@ -65,7 +75,8 @@ _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # model.ml
 #: Mistral builds every projection without one, and Qwen2 its q, k and v with one (qkv_bias), whatever
 #: config.json says; Qwen3's attention_bias puts one on q, k, v and o.
 _BIAS_FLAGS = {"llama": ("attention_bias", "mlp_bias"), "gemma": ("attention_bias",), "mistral": (),
-               "qwen2": (), "qwen3": ("attention_bias",), "gemma2": ("attention_bias",)}  # fmt: skip
+               "qwen2": (), "qwen3": ("attention_bias",), "gemma2": ("attention_bias",),
+               "gemma3_text": ("attention_bias",)}  # fmt: skip
 #: The types whose layers slide as Qwen2's do: from ``max_window_layers`` on, or as ``layer_types`` says,
 #: when ``use_sliding_window``.
 _QWEN_WINDOWS = ("qwen2", "qwen3")
@@ -151,8 +162,10 @@ def model_fields(hf: dict, where: str) -> dict:
             refuse(f"{key}: true")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         refuse(f"partial_rotary_factor {hf['partial_rotary_factor']}")
+    if kind == "gemma3_text" and hf.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention: true (an encoder's attention, EmbeddingGemma's)")
     activation = get("hidden_act")  # Llama's, Mistral's and Qwen2's: hidden_activation is no key of theirs.
-    if kind == "gemma2":  # Its forward reads hidden_activation alone.
+    if kind in _POST_NORMS:  # Their forwards read hidden_activation alone.
         activation = get("hidden_activation")
     if kind == "gemma" and hf.get("hidden_activation"):
         # transformers' PyTorch Gemma runs hidden_act (its default where config.json has none); its Flax
@@ -170,28 +183,34 @@ def model_fields(hf: dict, where: str) -> dict:
     head_dim = get("head_dim") or hf["hidden_size"] // heads
     kv_heads = hf.get("num_key_value_heads", _DEFAULTS[kind].get("num_key_value_heads")) or heads
     scaling = _rope_scaling(hf, where, get("max_position_embeddings"), refuse)
-    gemma, gemma2 = kind in ("gemma", "gemma2"), kind == "gemma2"
+    gemma = kind in _GEMMAS
     window, sliding_layers = _sliding_window(hf, kind, where, refuse)
     fields = {
         "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
         "n_heads": heads, "n_kv_heads": kv_heads,
         "d_ff": hf["intermediate_size"], "head_dim": head_dim,
-        "rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_scaling": scaling,
+        "rope_theta": float(hf.get("rope_theta", _DEFAULTS[kind].get("rope_theta", 10000.0))),
+        "rope_scaling": scaling,
         "sliding_window": window, "sliding_layers": sliding_layers, "norm_eps": float(get("rms_norm_eps")),
         "norm_offset": 1.0 if gemma else 0.0, "scale_embeddings": gemma,
-        "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3",
+        "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2",
+        "qk_norm": kind in ("qwen3", "gemma3_text"),
         "tie_embeddings": bool(get("tie_word_embeddings")), "n_experts": 0,
     }  # fmt: skip
-    if gemma2:  # Its four norms a layer, its scale of the scores, and its caps (a null cap is none).
+    if kind in _POST_NORMS:  # Four norms a layer, their scale of the scores, and caps (a null cap is none).
         scalar = get("query_pre_attn_scalar")
 
         def cap(key: str) -> float | None:
             value = hf[key] if key in hf else _DEFAULTS[kind][key]
             return None if value is None else float(value)
 
-        fields |= {"post_norms": True, "attention_softcap": cap("attn_logit_softcapping"),
-                   "attention_scale": None if scalar == head_dim else float(scalar) ** -0.5,
+        scale = None if scalar == head_dim else float(scalar) ** -0.5
+        fields |= {"post_norms": True, "attention_scale": scale,
+                   # Gemma 3's attention passes no cap to its kernel, whatever attn_logit_softcapping says.
+                   "attention_softcap": cap("attn_logit_softcapping") if kind == "gemma2" else None,
                    "logit_softcap": cap("final_logit_softcapping")}  # fmt: skip
+    if kind == "gemma3_text":  # Its sliding layers rotate with their own base, unscaled.
+        fields["local_rope_theta"] = float(get("rope_local_base_freq"))
     return fields
 
 
@@ -203,13 +222,19 @@ _REQUIRED_SIZES = (
     "num_attention_heads",
     "intermediate_size",
 )
-_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window_pattern")
 #: Other keys read, each checked where given: a quoted value would otherwise load as another model
 #: (``bool("false")`` ties the embeddings). Qwen2's window keys may be 0.
 _COUNTS = ("sliding_window", "max_window_layers")
-_NUMBERS = ("rope_theta", "rms_norm_eps", "query_pre_attn_scalar")
+_NUMBERS = ("rope_theta", "rms_norm_eps", "query_pre_attn_scalar", "rope_local_base_freq")
 _CAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma 2's: null is no cap.
-_FLAGS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias")
+_FLAGS = (
+    "tie_word_embeddings",
+    "use_sliding_window",
+    "attention_bias",
+    "mlp_bias",
+    "use_bidirectional_attention",
+)
 
 
 def _integer(value) -> bool:
@@ -304,23 +329,24 @@ def _no_positions(where: str) -> ConfigError:
 
 
 def _sliding_window(hf: dict, kind: str, where: str, refuse) -> tuple[int | None, tuple[int, ...] | None]:
-    """``(window, sliding_layers)``: Mistral's window (every layer's), or Qwen2's, Qwen3's or Gemma 2's
-    with the layers it slides on where it is not every layer (transformers: Qwen's layer i slides from
-    ``max_window_layers`` on with ``sliding_window`` when ``use_sliding_window``, Gemma 2's every other
-    one from the first, unless ``layer_types`` says which; a null window is none, and refused for Gemma 2,
-    whose forward needs one)."""
+    """``(window, sliding_layers)``: Mistral's window (every layer's), or Qwen2's, Qwen3's, Gemma 2's or
+    Gemma 3's with the layers it slides on where it is not every layer (transformers: Qwen's layer i slides
+    from ``max_window_layers`` on with ``sliding_window`` when ``use_sliding_window``, Gemma 2's every other
+    one from the first, Gemma 3's all but every ``sliding_window_pattern``-th (6), unless ``layer_types``
+    says which; a null window is none, and refused for Gemma 2 and 3, whose forwards need one)."""
     if kind == "mistral":
         window = hf.get("sliding_window", 4096)
         if window == 0:
             raise _no_positions(where)
         return window, None
-    if kind not in (*_QWEN_WINDOWS, "gemma2"):
+    if kind not in (*_QWEN_WINDOWS, *_POST_NORMS):
         return None, None
     layers = hf["num_hidden_layers"]
-    if kind == "gemma2":
+    if kind in _POST_NORMS:
         window = hf.get("sliding_window", 4096)
+        every = hf.get("sliding_window_pattern", 6) if kind == "gemma3_text" else 2  # The full layers'.
         kinds = hf.get("layer_types") or [
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)
         ]
     else:
         window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
@@ -336,10 +362,11 @@ def _sliding_window(hf: dict, kind: str, where: str, refuse) -> tuple[int | None
         refuse(f"layer_types with {json.dumps(other)} (the reference model's: sliding_attention, "
                "full_attention)")  # fmt: skip
     sliding = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
-    if kind == "gemma2" and window is None:  # Its forward builds the sliding mask whatever the layers.
-        refuse("sliding_window null, with which transformers' Gemma 2 cannot build its sliding mask")
-    if not sliding:  # Gemma 2's window kept, on no layer: its export writes it back.
-        return (window, ()) if kind == "gemma2" else (None, None)
+    if kind in _POST_NORMS and window is None:  # Its forward builds the sliding mask whatever the layers.
+        name = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}[kind]
+        refuse(f"sliding_window null, with which transformers' {name} cannot build its sliding mask")
+    if not sliding:  # Gemma 2's (3's) window kept, on no layer: its export writes it back.
+        return (window, ()) if kind in _POST_NORMS else (None, None)
     if window is None:  # transformers' forward raises: its sliding layers have no window.
         refuse(f"layer_types with sliding_attention layers but no sliding window (use_sliding_window "
                f"{json.dumps(hf.get('use_sliding_window'))}, sliding_window "
@@ -398,15 +425,17 @@ def to_hf(model, base: dict | None, dtype: str) -> dict | None:
     elif kind in _QWEN_WINDOWS:
         out.update(use_sliding_window=model.sliding_window is not None, max_window_layers=0,
                    sliding_window=model.sliding_window, layer_types=_layer_types(model))  # fmt: skip
-    elif kind == "gemma2":
+    elif kind in _POST_NORMS:
         scalar = model.head_size if model.attention_scale is None else round(model.attention_scale**-2, 6)
         out.update(sliding_window=model.sliding_window, layer_types=_layer_types(model),
                    query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                    attn_logit_softcapping=model.attention_softcap,
                    final_logit_softcapping=model.logit_softcap)  # fmt: skip
+        if kind == "gemma3_text":  # Its sliding layers' base (transformers' default: 10,000).
+            out["rope_local_base_freq"] = model.local_rope_theta or model.rope_theta
     # The model's own activation (a Llama of gelu_pytorch_tanh, a Gemma of silu), not the type's usual one.
     activation = _HF_ACTIVATIONS[model.mlp_activation]
-    if kind in ("gemma", "gemma2"):
+    if kind in _GEMMAS:
         out.update(hidden_act=activation, hidden_activation=activation)
     else:
         out["hidden_act"] = activation
@@ -427,12 +456,19 @@ def _model_type(model) -> str | None:
         return None
     gemma2 = (model.post_norms, model.attention_scale, model.attention_softcap, model.logit_softcap)
     if (model.norm_offset, model.scale_embeddings) == (1.0, True):
-        if model.rope_scaling is not None or model.qkv_bias or model.qk_norm:
+        if model.qkv_bias:
+            return None
+        if model.qk_norm:  # Gemma 3's, whose attention takes no cap, and whose forward needs a window.
+            gemma3 = model.post_norms and model.sliding_window is not None and model.attention_softcap is None
+            return "gemma3_text" if gemma3 else None
+        if model.rope_scaling is not None or model.local_rope_theta is not None:
             return None
         if model.post_norms:
             return "gemma2" if model.sliding_window is not None else None
         return "gemma" if model.sliding_window is None and not any(gemma2) else None
     if (model.norm_offset, model.scale_embeddings) != (0.0, False) or any(gemma2):
+        return None
+    if model.local_rope_theta is not None:
         return None
     if model.sliding_layers is not None and not model.qkv_bias and not model.qk_norm:
         return None  # Mistral slides every layer.

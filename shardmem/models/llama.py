@@ -77,6 +77,9 @@ class ModelConfig:
     # The layers the window applies to (None: every layer; empty: none). Where it is some layers only
     # (Gemma 2's every other one), each layer picks its own by its index in the stack (Block._window).
     sliding_layers: tuple[int, ...] | None = None
+    # The RoPE base of the sliding layers, which rotate without rope_scaling (Gemma 3's "local" layers:
+    # rope_local_base_freq, 10,000; None: every layer rotates with rope_theta and rope_scaling).
+    local_rope_theta: float | None = None
     norm_eps: float = 1e-5  # Epsilon of RMSNorm.
     norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + scale (Gemma: 1, scales stored near 0).
     scale_embeddings: bool = False  # Multiply the input embeddings by sqrt(d_model) (Gemma).
@@ -110,6 +113,23 @@ class ModelConfig:
         """Whether the window slides on some layers and not on others (``sliding_layers``)."""
         layers = self.sliding_layers
         return self.sliding_window is not None and layers is not None and 0 < len(set(layers)) < self.n_layers
+
+    @property
+    def rope_varies(self) -> bool:
+        """Whether some layers rotate with :attr:`local_rope_theta` and others with ``rope_theta``."""
+        return self.local_rope_theta is not None and self.windows_vary
+
+    def slides(self, index) -> bool | jax.Array:
+        """Whether layer ``index`` of the stack slides (``sliding_layers``): a bool where every layer is
+        alike, a traced one where they differ (``index`` is then the layer's traced index in the stack)."""
+        if not self.windows_vary:
+            return self.sliding_window is not None and (
+                self.sliding_layers is None or len(set(self.sliding_layers)) == self.n_layers
+            )
+        if index is None:  # A pipeline stage's layers (config.check_layer_index refuses it).
+            raise ValueError("a model whose layers differ by index needs each layer's index in the stack")
+        sliding = set(self.sliding_layers)
+        return jnp.asarray([i in sliding for i in range(self.n_layers)])[index]
 
     @property
     def layer_window(self) -> int | None:
@@ -457,13 +477,16 @@ class Block(nnx.Module):
             # A decode step's unrolled layers share the rotary tables (a prefill's kept them in its
             # rotations: apart, XLA kept more of the prompt's temporaries live, 1.5 GiB at 29,000 tokens).
             shared = cache is not None and not cache.prefill
-            q_BxLxHxK = rope(q_BxLxHxK, positions, cfg.rope_theta, cfg.rope_scaling, length, shared=shared)
-            k_BxLxGxK = rope(k_BxLxGxK, positions, cfg.rope_theta, cfg.rope_scaling, length, shared=shared)
+            index = cache.layer if cache is not None else layer_index()
+            # Gemma 3's sliding layers rotate with their own base, unscaled (which ones may be traced).
+            local = None if cfg.local_rope_theta is None else (cfg.local_rope_theta, cfg.slides(index))
+            q_BxLxHxK, k_BxLxGxK = (rope(x, positions, cfg.rope_theta, cfg.rope_scaling, length,
+                                         shared=shared, local=local)
+                                    for x in (q_BxLxHxK, k_BxLxGxK))  # fmt: skip
             if cfg.attention_scale is not None:  # The kernels scale by 1 / sqrt(head_size): the rest here,
                 scale = cfg.attention_scale * math.sqrt(cfg.head_size)  # in float32 (in bf16, 144 / 128's
                 q_BxLxHxK = (q_BxLxHxK.astype(jnp.float32) * scale).astype(q_BxLxHxK.dtype)  # is 0.15% low).
             keys = cache.cache.max_len if cache is not None else length  # The most a query sees.
-            index = cache.layer if cache is not None else layer_index()
             how = dict(window=self._window(keys, index), softcap=cfg.attention_softcap)
             if cache is None:
                 ctx_BxLxHxK = context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, **how)
@@ -492,11 +515,7 @@ class Block(nnx.Module):
         cfg = self.cfg
         if not cfg.windows_vary or keys <= cfg.sliding_window:
             return cfg.layer_window  # None where it varies: no layer's window masks a key.
-        if index is None:  # A pipeline stage's layers (config.check_window_layers refuses it).
-            raise ValueError("a window on some layers only needs each layer's index in the stack")
-        sliding = set(cfg.sliding_layers)
-        slides_N = jnp.asarray([i in sliding for i in range(cfg.n_layers)])
-        return jnp.where(slides_N[index], cfg.sliding_window, keys).astype(jnp.int32)
+        return jnp.where(cfg.slides(index), cfg.sliding_window, keys).astype(jnp.int32)
 
     def _feed_forward(self, x_BxLxD, fused: Fused | None = None):
         """The MLP's (or the experts') output for the residual stream ``x``, before it is added;

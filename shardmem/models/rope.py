@@ -176,15 +176,22 @@ def _yarn(
 
 
 def rope(x_BxLxHxK, positions, theta: float, scaling: RopeScaling | None = None, length=None,
-         *, shared: bool = False):  # fmt: skip
+         *, shared: bool = False, local: tuple[float, bool | jax.Array] | None = None):  # fmt: skip
     """Rotary position embedding on the last axis (half-split convention, as Llama's), with
     ``scaling``'s frequencies for a forward of ``length`` positions (default: ``x``'s; a traced scalar
     in serving, see the module docstring). ``positions``
     are ``[L]``, the same for every sequence, or ``[B, L]``, each sequence's own (a KV cache's decode).
-    ``shared``: the sines and cosines are computed apart from the rotation (a decode step's layers)."""
+    ``shared``: the sines and cosines are computed apart from the rotation (a decode step's layers).
+    ``local``: ``(base, slides)``: where ``slides`` (a bool, or a traced one: a scanned layer's), the
+    frequencies of ``base`` unscaled instead (Gemma 3's sliding layers, ``rope_local_base_freq``)."""
     half = x_BxLxHxK.shape[-1] // 2
     length = x_BxLxHxK.shape[1] if length is None else length
     inv_freq_K, attention = frequencies(2 * half, theta, scaling, length)
+    if local is not None and local[1] is True:
+        inv_freq_K, attention = frequencies(2 * half, local[0], None, length)
+    elif local is not None and local[1] is not False:  # Picked by the layer's index in the stack.
+        inv_freq_K = jnp.where(local[1], frequencies(2 * half, local[0], None, length)[0], inv_freq_K)
+        attention = jnp.where(local[1], 1.0, attention) if attention != 1.0 else attention
     angles_xLxK = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_K)
     sin, cos = jnp.sin(angles_xLxK)[..., None, :], jnp.cos(angles_xLxK)[..., None, :]
     if shared:
@@ -192,7 +199,7 @@ def rope(x_BxLxHxK, positions, theta: float, scaling: RopeScaling | None = None,
         # them once for all the layers and fuses the cheap rotation into what reads it (a decode step's
         # query rotation into the attention scores' kernel: one kernel less a layer, issue 39).
         sin, cos = jax.lax.optimization_barrier((sin, cos))
-    if attention != 1.0:  # YaRN's: on cos and sin, as transformers applies it.
+    if isinstance(attention, jax.Array) or attention != 1.0:  # YaRN's: on cos and sin, as transformers.
         sin, cos = sin * attention, cos * attention
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

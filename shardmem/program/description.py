@@ -28,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardmem.config import Config, PrecisionConfig, RematConfig, check_window_layers
+from shardmem.config import Config, PrecisionConfig, RematConfig, check_layer_index
 from shardmem.errors import ConfigError
 from shardmem.finetune import FineTune
 from shardmem.models.attention import AttentionKernel, resolve_for_devices
@@ -192,7 +192,7 @@ def describe(
         trained = batch_shape[1] - 1 if batch_shape is not None else config.model.seq_len
         # The longest a query attends: a decode step's reaches the cache's last position.
         longest = config.serve.max_len if serving else trained
-        check_window_layers(config.model, longest, pipeline.stages if pipeline else 1)
+        check_layer_index(config.model, longest, pipeline.stages if pipeline else 1)
     if attention is None and not custom:
         attention = resolve_for_devices(config.model.attention, mesh.devices.flat,
                                         chunk=config.model.attention_chunk, dtype=config.precision.compute,
