@@ -566,9 +566,11 @@ def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys
 
 def test_a_window_on_some_layers_only_decodes_to_the_full_forwards_logits():
     # Gemma 2's way: the window (6, shorter than the prompts and the cache) on the second layer only, which
-    # picks it by its index in the cache (a traced one: every layer runs the same function).
+    # picks it by its index in the cache (a traced one: every layer runs the same function); and Gemma 3's,
+    # that layer's own RoPE base, picked the same way.
     serve = {"batch": B, "prompt_len": P_LEN, "max_len": T}
-    config = config_from_dict({"model": {**MODEL, "sliding_layers": [1]}, "mesh": {"axes": {"data": 2}},
+    model = {**MODEL, "sliding_layers": [1], "local_rope_theta": 100.0}
+    config = config_from_dict({"model": model, "mesh": {"axes": {"data": 2}},
                                "precision": {"compute": "float32"}, "serve": serve})  # fmt: skip
     program = serving_program(config, build_mesh(config.mesh.axes, jax.devices()[:2]))
     weights = _weights(program)
