@@ -3,15 +3,16 @@
 transformers' PyTorch models make random tiny checkpoints with each feature (Llama 3.1/3.2 rope scaling,
 linear, dynamic and YaRN scalings, Mistral's sliding window, tied and untied heads, a sharded folder with an
 index and a stray consolidated file, Gemma, Qwen3's head norms, Gemma 2's caps, scale, four norms a layer and
-window on every other layer) with their own ``save_pretrained``, and their logits (each model's eager
-attention, its definition: transformers' SDPA attention drops Gemma 2's cap of the scores); shardmem loads
-each folder knowing only ``seq_len`` (the rest from config.json) and compares its float32 logits. Then
-shardmem exports a LoRA fine-tune of the Llama 3.1 one, merged and as adapters, and one of the Gemma 2 one,
-merged, and transformers (and PEFT, where installed) load those folders as they are. And each checkpoint
-generates: transformers' greedy ``generate`` with its KV cache (each prompt alone, and both together,
-left-padded) records every step's logits, and shardmem's serving program (prefill, then decode steps fed
-transformers' tokens) is compared step by step; the dynamic RoPE case's prompts and generations pass its
-``max_position_embeddings``, where transformers' cache keeps each key as it was rotated. Three steps, two
+window on every other layer, Gemma 3's head norms and its sliding layers' own RoPE base) with their own
+``save_pretrained``, and their logits (each model's eager attention, its definition: transformers' SDPA
+attention drops Gemma 2's cap of the scores); shardmem loads each folder knowing only ``seq_len`` (the rest
+from config.json) and compares its float32 logits. Then shardmem exports a LoRA fine-tune of the Llama 3.1
+one, merged and as adapters, and one each of the Gemma 2 and Gemma 3 ones, merged, and transformers (and
+PEFT, where installed) load those folders as they are. And each checkpoint generates: transformers' greedy
+``generate`` with its KV cache (each prompt alone, and both together, left-padded) records every step's
+logits, and shardmem's serving program (prefill, then decode steps fed transformers' tokens) is compared
+step by step; the dynamic RoPE case's prompts and generations pass its ``max_position_embeddings``, where
+transformers' cache keeps each key as it was rotated. Three steps, two
 Pythons (PyTorch is not in shardmem's environment):
 
     /work/venv-torch/bin/python bench/checkpoint_features.py make OUT     # torch: checkpoints and logits
@@ -60,9 +61,16 @@ CASES = {
     "gemma2": ("Gemma2Config", dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                                     final_logit_softcapping=5.0, sliding_window=SEQ), {}),
     "gemma2 defaults, window 16": ("Gemma2Config", dict(head_dim=32, sliding_window=16), {}),  # Active.
+    # Gemma 3: a window of 16 on the first layer, its RoPE base 100 unscaled, the second's scaled by 8.
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                                        sliding_window_pattern=2, rope_local_base_freq=100.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                        final_logit_softcapping=5.0), {}),
+    # Its defaults on two layers: both slide, with the local base.
+    "gemma3 defaults, window 16": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=16), {}),
 }  # fmt: skip
 #: Models whose norms multiply by 1 + their weights.
-ONE_PLUS = ("GemmaConfig", "Gemma2Config")
+ONE_PLUS = ("GemmaConfig", "Gemma2Config", "Gemma3TextConfig")
 
 
 # Generation: two prompts (40 and 29 tokens) and 24 new tokens each, past the dynamic case's 32 positions.
@@ -219,7 +227,7 @@ def _first(flags) -> int | None:
 
 def _export(out: Path) -> None:
     """LoRA fine-tunes (their B non-zero) of the Llama 3.1 case, exported merged and as PEFT adapters, and
-    of the Gemma 2 case, merged, with shardmem's own logits of each for reload to compare with."""
+    of the Gemma 2 and Gemma 3 cases, merged, with shardmem's logits of each for reload to compare with."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -230,6 +238,7 @@ def _export(out: Path) -> None:
     for case, targets, adapters_too in (
         ("llama3.1 rope scaling", ["layers/wq", "layers/wv", "embedding", "lm_head"], True),
         ("gemma2", ["layers/wq", "layers/wv", "layers/w_down"], False),
+        ("gemma3", ["layers/wq", "layers/wk", "layers/w_up"], False),
     ):
         lora = {"rank": 4, "alpha": 8, "targets": targets}
         finetune = {"init_from": str(out / _slug(case)), "base_dtype": "float32", "lora": lora}
@@ -270,7 +279,7 @@ def reload(out: Path) -> None:
     import transformers
 
     tokens = torch.tensor(TOKENS)
-    for case in ("llama3.1 rope scaling", "gemma2"):
+    for case in ("llama3.1 rope scaling", "gemma2", "gemma3"):
         name = _export_name(case)
         expected = np.load(out / f"{name}-logits.npy")
         merged, info = transformers.AutoModelForCausalLM.from_pretrained(
