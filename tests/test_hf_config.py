@@ -4,6 +4,7 @@ Mistral's sliding window, tied heads) giving the logits of transformers' forward
 a numpy port written without shardmem's code) in float32, or a one-line error."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -288,6 +289,66 @@ def test_gemma3s_defaults_are_transformers_and_its_attention_takes_no_cap():
     assert fields["sliding_layers"] == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)  # All but every sixth.
     assert fields["attention_softcap"] is None  # transformers' Gemma 3 attention passes it no cap.
     assert fields["attention_scale"] == 256**-0.5 and fields["logit_softcap"] is None
+
+
+def _multimodal_gemma3(folder, prefix: str, **options) -> tuple[dict, dict]:
+    """A Gemma 3 checkpoint as Gemma3ForConditionalGeneration saves it: its text model's tensors under
+    ``prefix``, a vision tower and projector beside them; ``(text config, text tensors)``."""
+    text = hf.hf_config("gemma3_text", sliding_window=5, **options)
+    tensors = hf.random_tensors(text, seed=4)
+    head = "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
+    stored = {(prefix + n.removeprefix("model.") if n.startswith("model.") else head): t
+              for n, t in tensors.items()}  # fmt: skip
+    tower = "" if prefix == "language_model.model." else "model."
+    stored |= {
+        f"{tower}vision_tower.vision_model.post_layernorm.weight": np.ones(8, np.float32),
+        f"{tower}multi_modal_projector.mm_input_projection_weight": np.ones((8, hf.D), np.float32),
+    }
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")},
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8},
+              "torch_dtype": "float32", "eos_token_id": [1, 106]}  # fmt: skip
+    hf.save(folder, config, stored)
+    return text, tensors
+
+
+@pytest.mark.parametrize("prefix, options", [
+    ("language_model.model.", {}),  # The Hub's files (Gemma 3 4B, 12B, 27B).
+    ("language_model.model.", {"tie_word_embeddings": False}),  # Its head, language_model.lm_head.
+    ("model.language_model.", {}),  # transformers' own saves since 4.52.
+])  # fmt: skip
+def test_a_multimodal_gemma3_checkpoint_loads_its_text_model(tmp_path, prefix, options):
+    # Was refused (model_type 'gemma3'): the text model is the text_config's, its tensors under the
+    # prefix, the vision tower's left out; the export is that text model, as a Gemma3ForCausalLM.
+    text, tensors = _multimodal_gemma3(tmp_path / "base", prefix, **options)
+    program, state, got = _logits(_config(tmp_path / "base"))
+    _assert_matches(got, text, tensors, {**text, "rope_local_base_freq": text["rope_theta"]})
+    assert program.config.model.tie_embeddings == options.get("tie_word_embeddings", True)
+    from shardmem.finetune.export import export_safetensors
+
+    export_safetensors(program, state, tmp_path / "out", dtype=np.float32)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == ("gemma3_text", ["Gemma3ForCausalLM"])
+    np.testing.assert_array_equal(_logits(_config(tmp_path / "out"))[2], got)
+
+
+def test_a_multimodal_gemma3s_text_config_takes_transformers_sizes_and_refuses_adapter_files(tmp_path):
+    from shardmem.finetune.export import export_safetensors
+    from shardmem.finetune.hf_config import text_model
+
+    gemma3_4b = {"model_type": "gemma3", "text_config": {  # Its config.json's, which leaves heads out.
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}  # fmt: skip
+    fields = model_fields(text_model(gemma3_4b, "x"), "x")
+    sizes = (fields["vocab_size"], fields["n_heads"], fields["n_kv_heads"], fields["head_dim"])
+    assert sizes == (262208, 8, 4, 256)
+    assert len(fields["sliding_layers"]) == 29 and fields["local_rope_theta"] == 1e4  # 34 layers, 5 of 6.
+    _multimodal_gemma3(tmp_path, "language_model.model.")
+    lora = {"rank": 2, "targets": ["layers/wq"]}
+    program = build_program(_config(tmp_path, finetune={"init_from": str(tmp_path), "lora": lora}),
+                            build_mesh({"data": 1}, jax.devices()[:1]))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^export --adapters-only: finetune.init_from is a multimodal"):
+        export_safetensors(program, program.init(), tmp_path / "out", adapters_only=True)
 
 
 def test_layers_with_their_own_rope_base_in_pipeline_stages_are_refused_naming_the_keys(tmp_path):

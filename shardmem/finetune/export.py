@@ -219,6 +219,12 @@ def _check_adapters(program) -> None:
     if finetune is None or not finetune.adapted:
         raise ConfigError("export --adapters-only: the config has no finetune.lora; there are no adapters to "
                           "write (export the whole model instead)")  # fmt: skip
+    source = None if program.custom_model else pretrained_model(program.config.finetune.init_from)
+    if source is not None and source.multimodal:
+        raise ConfigError("export --adapters-only: finetune.init_from is a multimodal Gemma 3 (model_type "
+                          "gemma3), whose text model PEFT would look for under other module names than the "
+                          "adapters'; export the merged model (no --adapters-only): its text model as a "
+                          "Gemma3ForCausalLM")  # fmt: skip
     trained = sorted(_name(p) for p in _flat(program.model_params) if p not in finetune.frozen)
     if trained:
         raise ConfigError(f"export --adapters-only: the run also trains {', '.join(trained[:3])} (not "

@@ -93,6 +93,7 @@ class Pretrained:
     fields: dict
     where: str
     hf: dict | None = None
+    multimodal: bool = False  # The text model of a multimodal checkpoint (Gemma 3's), hf its config.json.
 
 
 def pretrained_model(init_from: Any) -> Pretrained | None:
@@ -112,6 +113,9 @@ def pretrained_model(init_from: Any) -> Pretrained | None:
                               "again") from None  # fmt: skip
         if not isinstance(hf, dict):
             raise ConfigError(f"finetune.init_from: {file} holds no JSON object; download it again")
+        if hf.get("model_type") == "gemma3":  # Gemma 3 4B and larger: its text model, the vision tower left.
+            hf = text_model(hf, str(file))
+            return Pretrained(model_fields(hf, f"{file} (its text_config)"), str(file), hf, multimodal=True)
         return Pretrained(model_fields(hf, str(file)), str(file), hf)
     if path.suffix == ".safetensors" or (path.is_dir() and any(safetensors_files(path))):
         return None  # Weights without a config.json: the model section says what they are.
@@ -126,6 +130,28 @@ def pretrained_model(init_from: Any) -> Pretrained | None:
     if not isinstance(model, dict) or "factory" in model:
         return None  # A model of your own: its parameters say what they are.
     return Pretrained({k: model[k] for k in ARCHITECTURE_KEYS if k in model}, str(file))
+
+
+#: Gemma3TextConfig's sizes, which a multimodal Gemma 3's text_config leaves out where they are these.
+_GEMMA3_SIZES = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                 "num_hidden_layers": 26, "num_attention_heads": 8}  # fmt: skip
+
+
+def text_model(hf: dict, where: str) -> dict:
+    """The ``config.json`` of a multimodal Gemma 3's (``model_type: gemma3``) text model as its
+    ``Gemma3ForCausalLM``'s: its ``text_config`` with Gemma3TextConfig's sizes where it leaves them out,
+    and the top level's dtype and token ids. The weights load from the text model's tensors, the vision
+    tower's left out (:mod:`shardmem.finetune.weights`); an export is that ``Gemma3ForCausalLM``."""
+    text = hf.get("text_config", {})
+    if not isinstance(text, dict):
+        raise ConfigError(f"finetune.init_from: {where} has text_config={json.dumps(text)}, where "
+                          "transformers writes the text model's config (an object); give the checkpoint's "
+                          "own config.json")  # fmt: skip
+    out = {**_GEMMA3_SIZES, **text, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id"):
+        if key in hf and key not in text:
+            out[key] = hf[key]
+    return out
 
 
 def run_folder(path: Path) -> Path | None:

@@ -64,6 +64,15 @@ _TOP_NAMES = {
     "lm_head": ("lm_head.weight", True),
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # Buffers some exports keep; the model computes them.
+#: Where a multimodal checkpoint keeps its text model in place of ``model.`` (Gemma 3 4B and larger: the
+#: Hub's files, and transformers' own saves since 4.52), and its other towers, which the text model skips.
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_OTHER_TOWERS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+
+
+def _text_prefix(tensors) -> str:
+    """What the checkpoint's text model's tensor names start with: ``model.``, or a multimodal one's."""
+    return next((p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in tensors), "model.")
 
 
 class _Tensor:
@@ -86,11 +95,19 @@ def _flax_name(name: str, matrix: bool | str) -> str:
     return "model.embed_tokens.embedding" if name == "model.embed_tokens.weight" else name
 
 
-def _layout(program, full_shapes: dict, flax: bool = False) -> dict:
+def _layout(program, full_shapes: dict, flax: bool = False, prefix: str = "model.") -> dict:
     """Path -> :class:`_Tensor` for the program's model; ``flax``: names and ``[in, out]`` matrices as
-    transformers' Flax models save them (``safetensors`` metadata ``format: flax``)."""
+    transformers' Flax models save them (``safetensors`` metadata ``format: flax``); ``prefix``: where the
+    text model's tensors are (:func:`_text_prefix`)."""
     layout = {}
-    rename = _flax_name if flax else (lambda name, matrix: name)
+
+    def rename(name: str, matrix: bool | str) -> str:
+        if flax:
+            return _flax_name(name, matrix)
+        if name == "lm_head.weight" and prefix == "language_model.model.":
+            return "language_model.lm_head.weight"
+        return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
     names = program.config.finetune.init_names
     if names and not program.custom_model:
         raise ConfigError(f"finetune.init_names={names!r}: it renames a model of your own's parameters; the "
@@ -164,7 +181,12 @@ def check_init_from(program, *, planning: bool = False) -> list[str]:
     abstract = _as_stored(program)
     full_shapes = {p: leaf.shape for p, leaf in _flat(abstract).items()}
     checkpoint = SafetensorsCheckpoint.open(path, given)
-    layout = _layout(program, full_shapes, flax=not program.custom_model and checkpoint.flax)
+    layout = _layout(
+        program,
+        full_shapes,
+        flax=not program.custom_model and checkpoint.flax,
+        prefix=_text_prefix(checkpoint.tensors),
+    )
     _check(layout, full_shapes, checkpoint, values=not planning)
     return []
 
@@ -221,8 +243,10 @@ def _check(layout: dict, full_shapes: dict, checkpoint: SafetensorsCheckpoint, *
                                   f"the model's {_name(path)} needs {want}; does the model section match the "
                                   "checkpoint?")  # fmt: skip
     wanted = {name for t in layout.values() for name in t.names}
-    extra = sorted(n for n in tensors if n not in wanted and not _IGNORED.search(n))
-    heads = [n for n in extra if n in ("lm_head.weight", "lm_head.kernel")]
+    towers = _text_prefix(tensors) != "model."  # A multimodal checkpoint's: not the text model's.
+    extra = sorted(n for n in tensors if n not in wanted and not _IGNORED.search(n)
+                   and not (towers and _OTHER_TOWERS.match(n)))  # fmt: skip
+    heads = [n for n in extra if n in ("lm_head.weight", "lm_head.kernel", "language_model.lm_head.weight")]
     others = [n for n in extra if n not in heads]
     if others:
         raise ConfigError(f"finetune.init_from={where!r} has tensors the model has no place for, such as "
@@ -437,7 +461,12 @@ def load_safetensors(path: str | Path, program) -> dict:
     abstract = _as_stored(program)
     full_shapes = {p: leaf.shape for p, leaf in _flat(abstract).items()}
     checkpoint = SafetensorsCheckpoint.open(path)
-    layout = _layout(program, full_shapes, flax=not program.custom_model and checkpoint.flax)
+    layout = _layout(
+        program,
+        full_shapes,
+        flax=not program.custom_model and checkpoint.flax,
+        prefix=_text_prefix(checkpoint.tensors),
+    )
     _check(layout, full_shapes, checkpoint, values=True)
     params: dict = {}
     for p, leaf in _flat(abstract).items():
