@@ -3,7 +3,8 @@
 transformers' PyTorch models make random tiny checkpoints with each feature (Llama 3.1/3.2 rope scaling,
 linear, dynamic and YaRN scalings, Mistral's sliding window, tied and untied heads, a sharded folder with an
 index and a stray consolidated file, Gemma, Qwen3's head norms, Gemma 2's caps, scale, four norms a layer and
-window on every other layer, Gemma 3's head norms and its sliding layers' own RoPE base) with their own
+window on every other layer, Gemma 3's head norms and its sliding layers' own RoPE base, and a multimodal
+Gemma 3's text model) with their own
 ``save_pretrained``, and their logits (each model's eager attention, its definition: transformers' SDPA
 attention drops Gemma 2's cap of the scores); shardmem loads each folder knowing only ``seq_len`` (the rest
 from config.json) and compares its float32 logits. Then shardmem exports a LoRA fine-tune of the Llama 3.1
@@ -68,9 +69,14 @@ CASES = {
                                         final_logit_softcapping=5.0), {}),
     # Its defaults on two layers: both slide, with the local base.
     "gemma3 defaults, window 16": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=16), {}),
+    # Gemma 3 with a vision tower (Gemma3ForConditionalGeneration, as 4B and larger): its text model.
+    "gemma3 multimodal": ("Gemma3Config", dict(head_dim=32, sliding_window=16, sliding_window_pattern=2), {}),
 }  # fmt: skip
+#: A tiny vision tower for the multimodal case (SigLIP's; the text model never runs it).
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)  # fmt: skip
 #: Models whose norms multiply by 1 + their weights.
-ONE_PLUS = ("GemmaConfig", "Gemma2Config", "Gemma3TextConfig")
+ONE_PLUS = ("GemmaConfig", "Gemma2Config", "Gemma3TextConfig", "Gemma3Config")
 
 
 # Generation: two prompts (40 and 29 tokens) and 24 new tokens each, past the dynamic case's 32 positions.
@@ -88,6 +94,9 @@ def make(out: Path) -> None:
             continue  # The xla case's checkpoint.
         torch.manual_seed(i)
         config = getattr(transformers, config_class)(**{**COMMON, **options})
+        if config_class == "Gemma3Config":  # The sizes are its text model's.
+            config = transformers.Gemma3Config(text_config={**COMMON, **options}, vision_config=VISION,
+                                               mm_tokens_per_image=4)  # fmt: skip
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                               attn_implementation="eager").eval()  # fmt: skip
         with torch.no_grad():
