@@ -1077,23 +1077,31 @@ def check_layer_index(m: ModelConfig, length: int, stages: int) -> None:
     """Raises ConfigError when the layers run in ``stages`` pipeline stages and differ by their index in
     the stack, which a stage's layers do not have: a window on some layers only (``model.sliding_layers``)
     shorter than sequences of ``length``, or those layers' own RoPE base (``model.local_rope_theta``)."""
+    error = layer_index_error(m, length, stages)
+    if error is not None:
+        raise error
+
+
+def layer_index_error(m: ModelConfig, length: int, stages: int) -> ConfigError | None:
+    """The error :func:`check_layer_index` raises, or None."""
     if not m.windows_vary or stages == 1:
-        return
+        return None
     layers = f"{len(m.sliding_layers)} of the model's {m.n_layers} layers"
     what = f"model.sliding_window={m.sliding_window} on {layers}"
     if m.rope_varies:
-        raise ConfigError(
+        return ConfigError(
             f"mesh.axes.stage={stages} with {what} (model.sliding_layers) and model.local_rope_theta="
             f"{m.local_rope_theta:g} on those: a pipeline stage's layers do not know which of them slide, so "
             "not which base they rotate with; set mesh.axes.stage=1 (fsdp or tensor parallelism shard the "
             "model instead)"
         )
     if length > m.sliding_window:
-        raise ConfigError(
+        return ConfigError(
             f"mesh.axes.stage={stages} with {what} (model.sliding_layers) and sequences of {length}: a "
             "pipeline stage's layers do not know which of them slide; set mesh.axes.stage=1, or "
             f"model.seq_len to at most {m.sliding_window} (where no layer's window masks anything)"
         )
+    return None
 
 
 def _validate_model(m: ModelConfig) -> None:

@@ -265,6 +265,9 @@ def test_gemma2s_defaults_and_null_caps_are_transformers(tmp_path):
     ({"sliding_window": 5}, {"fsdp": 2, "tensor": 2}, (0,)),  # And the first layer's window, active.
     ({"sliding_window": 5, "layer_types": ["full_attention", "sliding_attention"]},
      {"data": 2, "context": 2}, (1,)),
+    # YaRN on the full layers: its factor on cos and sin picked per layer too (none on the sliding one).
+    ({"sliding_window": 5, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 8}}, {"data": 1}, (0,)),
 ])  # fmt: skip
 def test_a_gemma3_checkpoint_gives_transformers_logits(tmp_path, options, axes, sliding):
     # Was refused (model_type 'gemma3_text'): Gemma 2's layout with each head's query and key normed, no cap
@@ -275,7 +278,8 @@ def test_a_gemma3_checkpoint_gives_transformers_logits(tmp_path, options, axes, 
     _assert_matches(got, config, tensors, {**config, "rope_local_base_freq": config["rope_theta"]})
     model = program.config.model
     assert model.qk_norm and model.post_norms and model.sliding_layers == sliding
-    assert (model.local_rope_theta, model.rope_scaling.rope_type) == (100.0, "linear")
+    scaling = options.get("rope_scaling", config["rope_scaling"])["rope_type"]
+    assert (model.local_rope_theta, model.rope_scaling.rope_type) == (100.0, scaling)
     assert model.attention_softcap is None
     assert sum(x.size for x in jax.tree.leaves(state["params"])) == model.param_count()
 
@@ -313,9 +317,9 @@ def _multimodal_gemma3(folder, prefix: str, **options) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("prefix, options", [
-    ("language_model.model.", {}),  # The Hub's files (Gemma 3 4B, 12B, 27B).
+    ("language_model.model.", {}),  # The Hub's files (Gemma 3 4B, 12B, 27B), transformers 4.x's saves.
     ("language_model.model.", {"tie_word_embeddings": False}),  # Its head, language_model.lm_head.
-    ("model.language_model.", {}),  # transformers' own saves since 4.52.
+    ("model.language_model.", {}),  # transformers' module names since 4.52, as other tools save them.
 ])  # fmt: skip
 def test_a_multimodal_gemma3_checkpoint_loads_its_text_model(tmp_path, prefix, options):
     # Was refused (model_type 'gemma3'): the text model is the text_config's, its tensors under the
@@ -339,10 +343,14 @@ def test_a_multimodal_gemma3s_text_config_takes_transformers_sizes_and_refuses_a
     gemma3_4b = {"model_type": "gemma3", "text_config": {  # Its config.json's, which leaves heads out.
         "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}  # fmt: skip
+    assert text_model(gemma3_4b, "x")["max_position_embeddings"] == 131072  # Its export writes it so.
     fields = model_fields(text_model(gemma3_4b, "x"), "x")
     sizes = (fields["vocab_size"], fields["n_heads"], fields["n_kv_heads"], fields["head_dim"])
     assert sizes == (262208, 8, 4, 256)
     assert len(fields["sliding_layers"]) == 29 and fields["local_rope_theta"] == 1e4  # 34 layers, 5 of 6.
+    quantized = {**gemma3_4b, "quantization_config": {"quant_method": "bitsandbytes"}}  # At the top level.
+    with pytest.raises(ConfigError, match="has quantization_config .bitsandbytes-quantized weights."):
+        model_fields(text_model(quantized, "x"), "x")
     _multimodal_gemma3(tmp_path, "language_model.model.")
     lora = {"rank": 2, "targets": ["layers/wq"]}
     program = build_program(_config(tmp_path, finetune={"init_from": str(tmp_path), "lora": lora}),
@@ -569,6 +577,26 @@ def test_a_model_no_transformers_type_runs_writes_no_config_json():
     for options in (
         {"qkv_bias": True, "qk_norm": True},
         {"norm_offset": 1.0, "scale_embeddings": True, "qk_norm": True},
+        # Gemma 3's layout with every layer's RoPE scaled: its sliding layers rotate unscaled.
+        {**GEMMA3_LAYOUT, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
     ):
         model = config_from_dict({"model": {"preset": "tiny", **options}}).model
         assert to_hf(model, None, "bfloat16") is None
+    local = {**GEMMA3_LAYOUT, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "local_rope_theta": 1e4}
+    assert to_hf(config_from_dict({"model": {"preset": "tiny", **local}}).model, None, "bfloat16")[
+        "model_type"] == "gemma3_text"  # fmt: skip
+
+
+GEMMA3_LAYOUT = {"norm_offset": 1.0, "scale_embeddings": True, "qk_norm": True, "post_norms": True,
+                 "sliding_window": 8, "sliding_layers": [0]}  # fmt: skip
+
+
+@pytest.mark.parametrize("key, value", [
+    ("local_rope_theta", 100.0), ("attention_softcap", 30.0), ("logit_softcap", 30.0), ("post_norms", True),
+    ("attention_scale", 0.5),
+])  # fmt: skip
+def test_a_gemma_key_the_checkpoint_has_not_is_refused_not_run(tmp_path, key, value):
+    # Was run: only the keys a checkpoint's type has were compared, and these change its logits.
+    _checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    with pytest.raises(ConfigError, match=f"^model.{key}={value} but .*config.json says (null|False)"):
+        _config(tmp_path, {key: value})

@@ -141,6 +141,8 @@ def test_a_family_that_cannot_be_built_is_named_with_the_reason():
     short = reasons(8, "model.seq_len=6", "train.global_batch=4")
     assert short["context"] == "mesh.axes.context=2 does not split model.seq_len=6 into 2 x 2 chunks"
     assert short["fsdp"].startswith("train.global_batch=4 does not split over the batch shards")
+    gemma3 = reasons(8, "model.sliding_window=8", "model.sliding_layers=[0]", "model.local_rope_theta=100.0")
+    assert gemma3["pipeline"].startswith("mesh.axes.stage=2 with model.sliding_window=8 on 1 of the model's")
     experts = reasons(8, "model.n_experts=4", "model.experts_per_token=2")
     assert experts == {"context": "mesh.axes.context=2: context parallelism is for dense models "
                                   "(model.n_experts is set)"}  # fmt: skip

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from shardmem.config import Config
+from shardmem.config import Config, layer_index_error
 from shardmem.errors import ConfigError
 from shardmem.parallel.pipeline import Pipeline
 from shardmem.planning.collectives import Group, ring_bandwidth
@@ -177,6 +177,8 @@ def _unbuildable(config: Config, axes: dict[str, int], per_host: int) -> str | N
             return f"mesh.axes.tensor={t} does not divide model.{key}={getattr(model, key)}"
     if s > model.n_layers:
         return f"mesh.axes.stage={s} is more stages than model.n_layers={model.n_layers}"
+    if s > 1 and (error := layer_index_error(model, model.seq_len, s)) is not None:
+        return str(error)  # Layers that differ by their index in the stack (Gemma 2's and 3's).
     if c > 1 and model.n_experts:
         return f"mesh.axes.context={c}: context parallelism is for dense models (model.n_experts is set)"
     if c > 1 and model.seq_len % (2 * c):

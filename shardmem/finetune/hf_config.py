@@ -139,16 +139,20 @@ _GEMMA3_SIZES = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size":
 
 def text_model(hf: dict, where: str) -> dict:
     """The ``config.json`` of a multimodal Gemma 3's (``model_type: gemma3``) text model as its
-    ``Gemma3ForCausalLM``'s: its ``text_config`` with Gemma3TextConfig's sizes where it leaves them out,
-    and the top level's dtype and token ids. The weights load from the text model's tensors, the vision
-    tower's left out (:mod:`shardmem.finetune.weights`); an export is that ``Gemma3ForCausalLM``."""
+    ``Gemma3ForCausalLM``'s: its ``text_config`` with Gemma3TextConfig's sizes (and longest context)
+    where it leaves them out, and the top level's dtype, token ids and ``quantization_config`` (a quantized
+    checkpoint says so there: refused as the text model's). The weights load from the text model's
+    tensors, the vision tower's left out (:mod:`shardmem.finetune.weights`); an export is that
+    ``Gemma3ForCausalLM``."""
     text = hf.get("text_config", {})
     if not isinstance(text, dict):
         raise ConfigError(f"finetune.init_from: {where} has text_config={json.dumps(text)}, where "
                           "transformers writes the text model's config (an object); give the checkpoint's "
                           "own config.json")  # fmt: skip
     out = {**_GEMMA3_SIZES, **text, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
-    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id"):
+    out.setdefault("max_position_embeddings", _DEFAULTS["gemma3_text"]["max_position_embeddings"])
+    top = ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "quantization_config")
+    for key in top:
         if key in hf and key not in text:
             out[key] = hf[key]
     return out
@@ -222,6 +226,9 @@ def model_fields(hf: dict, where: str) -> dict:
         "mlp_activation": _ACTIVATIONS[activation], "qkv_bias": kind == "qwen2",
         "qk_norm": kind in ("qwen3", "gemma3_text"),
         "tie_embeddings": bool(get("tie_word_embeddings")), "n_experts": 0,
+        # What only Gemma 2 and 3 have, none of here: a model section that writes one is refused, not run.
+        "post_norms": False, "attention_scale": None, "attention_softcap": None, "logit_softcap": None,
+        "local_rope_theta": None,
     }  # fmt: skip
     if kind in _POST_NORMS:  # Four norms a layer, their scale of the scores, and caps (a null cap is none).
         scalar = get("query_pre_attn_scalar")
@@ -443,7 +450,8 @@ def to_hf(model, base: dict | None, dtype: str) -> dict | None:
                intermediate_size=model.d_ff, head_dim=model.head_size, rope_theta=model.rope_theta,
                rope_scaling=scaling, rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tie_embeddings,
                torch_dtype=dtype)  # fmt: skip
-    out.setdefault("max_position_embeddings", longest)
+    # A base that leaves it out means transformers' default for its type, as it was read.
+    out.setdefault("max_position_embeddings", _DEFAULTS[kind]["max_position_embeddings"] if base else longest)
     if "dtype" in out:  # transformers 4.56 and later write this name.
         out["dtype"] = dtype
     if kind == "mistral":
@@ -484,9 +492,11 @@ def _model_type(model) -> str | None:
     if (model.norm_offset, model.scale_embeddings) == (1.0, True):
         if model.qkv_bias:
             return None
-        if model.qk_norm:  # Gemma 3's, whose attention takes no cap, and whose forward needs a window.
+        if model.qk_norm:  # Gemma 3's, whose attention takes no cap, and whose forward needs a window;
             gemma3 = model.post_norms and model.sliding_window is not None and model.attention_softcap is None
-            return "gemma3_text" if gemma3 else None
+            # its sliding layers rotate unscaled: a model whose scale them with the rest is not one.
+            local = model.local_rope_theta is not None or model.rope_scaling is None
+            return "gemma3_text" if gemma3 and local else None
         if model.rope_scaling is not None or model.local_rope_theta is not None:
             return None
         if model.post_norms:

@@ -65,7 +65,8 @@ _TOP_NAMES = {
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # Buffers some exports keep; the model computes them.
 #: Where a multimodal checkpoint keeps its text model in place of ``model.`` (Gemma 3 4B and larger: the
-#: Hub's files, and transformers' own saves since 4.52), and its other towers, which the text model skips.
+#: Hub's files and transformers 4.x's saves; the module names of transformers' model since 4.52, as other
+#: tools may save them), and its other towers, which the text model skips.
 _TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
 _OTHER_TOWERS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 
