@@ -38,8 +38,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 #: capacity and loss weight) are the training run's.
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
                      "rope_theta", "rope_scaling", "sliding_window", "sliding_layers", "local_rope_theta",
-                     "norm_eps",
-                     "norm_offset", "scale_embeddings", "mlp_activation", "qkv_bias", "qk_norm",
+                     "norm_eps", "norm_offset", "scale_embeddings", "mlp_activation", "qkv_bias", "qk_norm",
                      "post_norms", "attention_scale", "attention_softcap", "logit_softcap",
                      "tie_embeddings", "n_experts", "experts_per_token")  # fmt: skip
 # transformers' defaults for keys a config.json may leave out, by model type (num_key_value_heads:
@@ -377,7 +376,7 @@ def _sliding_window(hf: dict, kind: str, where: str, refuse) -> tuple[int | None
     layers = hf["num_hidden_layers"]
     if kind in _POST_NORMS:
         window = hf.get("sliding_window", 4096)
-        every = hf.get("sliding_window_pattern", 6) if kind == "gemma3_text" else 2  # The full layers'.
+        every = hf.get("sliding_window_pattern", 6) if kind == "gemma3_text" else 2  # Each every-th is full.
         kinds = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)
         ]
@@ -494,7 +493,7 @@ def _model_type(model) -> str | None:
             return None
         if model.qk_norm:  # Gemma 3's, whose attention takes no cap, and whose forward needs a window;
             gemma3 = model.post_norms and model.sliding_window is not None and model.attention_softcap is None
-            # its sliding layers rotate unscaled: a model whose scale them with the rest is not one.
+            # its sliding layers rotate unscaled: a model that scales them with the rest is not one.
             local = model.local_rope_theta is not None or model.rope_scaling is None
             return "gemma3_text" if gemma3 and local else None
         if model.rope_scaling is not None or model.local_rope_theta is not None:
