@@ -384,6 +384,15 @@ def masking(window, length: int):
     return window if window < length else None
 
 
+def check_takes(kernel: AttentionKernel, window, softcap: float | None) -> None:
+    """Raises ValueError where ``kernel`` cannot attend as asked: soft-capped scores, or a traced window
+    (a layer's own), which only ``xla`` and ``chunked`` take (:func:`resolve_attention` gives no other)."""
+    if softcap is not None and kernel.name not in ("xla", "chunked"):
+        raise ValueError(f"attention kernel {kernel.name!r} has no soft-capped scores; use chunked or xla")
+    if not isinstance(window, int | None) and kernel.name not in ("xla", "chunked"):
+        raise ValueError(f"attention kernel {kernel.name!r} takes a static window only; use chunked or xla")
+
+
 def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None,
            softcap: float | None = None):  # fmt: skip
     """Causal attention of ``kernel``; each of the G key/value heads serves H // G query heads; with a
@@ -392,10 +401,7 @@ def attend(kernel: AttentionKernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: 
     :func:`resolve_attention` gives no other for it)."""
     length = q_BxLxHxK.shape[1]
     window = masking(window, length)
-    if softcap is not None and kernel.name not in ("xla", "chunked"):
-        raise ValueError(f"attention kernel {kernel.name!r} has no soft-capped scores; use chunked or xla")
-    if window is not None and not isinstance(window, int) and kernel.name not in ("xla", "chunked"):
-        raise ValueError(f"attention kernel {kernel.name!r} takes a static window only; use chunked or xla")
+    check_takes(kernel, window, softcap)
     if kernel.name == "chunked" and kernel.chunk and kernel.chunk < length and length % kernel.chunk == 0:
         return chunked_causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, chunk=kernel.chunk, window=window,
                                         softcap=softcap)  # fmt: skip

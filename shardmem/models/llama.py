@@ -123,9 +123,7 @@ class ModelConfig:
         """Whether layer ``index`` of the stack slides (``sliding_layers``): a bool where every layer is
         alike, a traced one where they differ (``index`` is then the layer's traced index in the stack)."""
         if not self.windows_vary:
-            return self.sliding_window is not None and (
-                self.sliding_layers is None or len(set(self.sliding_layers)) == self.n_layers
-            )
+            return self.layer_window is not None
         if index is None:  # A pipeline stage's layers (config.check_layer_index refuses it).
             raise ValueError("a model whose layers differ by index needs each layer's index in the stack")
         sliding = set(self.sliding_layers)

@@ -136,10 +136,7 @@ def attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None
         return attention.attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap)
     length = q_BxLxHxK.shape[1]
     window = attention.masking(window, length)  # A longer window masks nothing.
-    if softcap is not None and kernel.name not in ("xla", "chunked"):
-        raise ValueError(f"attention kernel {kernel.name!r} has no soft-capped scores; use chunked or xla")
-    if not isinstance(window, int | None) and kernel.name not in ("xla", "chunked"):
-        raise ValueError(f"attention kernel {kernel.name!r} takes a static window only; use chunked or xla")
+    attention.check_takes(kernel, window, softcap)
     if kernel.name == "pallas":
         kernel.check_window(window, length)  # Its blocks have no window: only as a deviceless stand-in.
         return flash_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, kernel=kernel)
