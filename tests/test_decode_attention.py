@@ -137,3 +137,31 @@ def test_a_decode_steps_layer_runs_the_kernel_sharded_as_the_cache_is():
         np.testing.assert_allclose(ctx, expected, atol=2e-6)
         for name in ("keys", "values", "key_scales", "value_scales"):
             np.testing.assert_array_equal(getattr(written, name), getattr(expected_cache, name))
+
+
+@pytest.mark.parametrize("kernel", [AttentionKernel("xla"), AttentionKernel("pallas", interpret=True, sms=8)])
+def test_a_sliding_layers_ring_attends_as_the_whole_cache_does_over_its_window(kernel):
+    # The ring (kv_cache.KVCache.ring) holds each sequence's last 64 positions, position t at place t % 64:
+    # a decode step writes its token at its place and attends over every place written, which is what the
+    # whole cache gives over the window; the Pallas kernel reads the ring as it is (no window to skip).
+    rng = np.random.default_rng(2)
+    keys, values = _cache(rng)
+    window, layer = 64, 1
+    q_Bx1xHxK = jnp.asarray(rng.normal(size=(B, 1, H, K)), jnp.float32)
+    k_Bx1xGxK, v_Bx1xGxK = (jnp.asarray(rng.normal(size=(B, 1, G, K)), jnp.float32) for _ in range(2))
+    positions_Bx1 = jnp.asarray(POSITIONS)[:, None]
+    places_BxW = POSITIONS[:, None] - (POSITIONS[:, None] - np.arange(window)) % window
+    rows = np.arange(B)[:, None]
+    ring = KVCache(*(x[:, rows, np.maximum(places_BxW, 0)] for x in (keys, values)))
+    cache = KVCache(keys[:0], values[:0], ring=ring)  # Every layer slides: none in the stack.
+
+    def attend(slot, kernel, window):
+        return jax.jit(lambda *a: slot.attend(kernel, *a, window=window))(q_Bx1xHxK, k_Bx1xGxK, v_Bx1xGxK)
+
+    whole = CacheSlot(KVCache(keys, values), layer, positions_Bx1, prefill=False)
+    expected, _ = attend(whole, AttentionKernel("xla"), window)
+    ringed = CacheSlot(cache, 0, positions_Bx1, prefill=False, ring=True, entry=layer)
+    ctx, written = attend(ringed, kernel, window)
+    np.testing.assert_allclose(ctx, expected, atol=2e-6)
+    assert written.keys.shape[0] == 0 and written.ring.keys.shape == (LAYERS, B, window, G, K)
+    np.testing.assert_array_equal(written.ring.keys[layer, np.arange(B), POSITIONS % window], k_Bx1xGxK[:, 0])

@@ -155,8 +155,10 @@ def test_one_sequence_decodes_to_the_full_forwards_logits(sharded):
 def test_an_int8_kv_cache_stays_within_its_tolerance_of_float32(sharded):
     program, weights, cached = sharded
     int8 = _program({"data": 4, "tensor": 2}, kv_dtype="int8")
+    # Both layers slide over 6 positions: their keys are in the ring, codes and a scale per token and KV head.
     cache = int8.serving.cache
-    assert cache.keys.dtype == jnp.int8 and cache.key_scales.shape == (2, B, T, 2)  # Per token and KV head.
+    assert cache.keys.shape[0] == 0 and cache.ring.keys.dtype == jnp.int8
+    assert cache.ring.key_scales.shape == (2, B, 6, 2)
     quantized = _cached_logits(int8, weights, _tokens())
     known = ~np.isnan(cached)
     error = np.abs(quantized[known] - cached[known])
@@ -318,7 +320,7 @@ def test_a_static_batchs_time_never_beats_its_hbm_bound(gpu_plan):
 def test_a_sliding_windows_steps_read_no_more_than_the_window():
     # The compiled step (every max_len position live) reads the window's 48 positions of each sequence;
     # a step at a shorter context fewer, none past the window.
-    time = ServingTime(time_to_first_token=1e-3, decode_at_max_len=2e-3, seconds_per_position=1e-6,
+    time = ServingTime(time_to_first_token=1e-3, decode_at_max_len=2e-3, streamed=10**10,
                        weight_bytes=10**9, kv_bytes_per_position=10**4, memory_bandwidth=10**12, batch=1,
                        prompt_len=32, max_len=128, window=48)  # fmt: skip
     assert time.decode_seconds(100) == time.decode_seconds(48) == 2e-3
@@ -467,14 +469,15 @@ def test_the_decode_kernel_is_costed_by_the_layers_keys_and_values_it_reads(one_
     plan, attention = one_sequence_plan if window is None and kv_dtype is None else _one_sequence(
         kv_dtype, sliding_window=window)  # fmt: skip
     module = plan.decode.module
-    assert attention["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=window)
+    # A window shorter than the cache: the layers' keys are in the ring of its positions, read whole.
+    assert attention["decode_attention"] == hlo.FusedKernel(2, False, decode=True, window=None)
     kernels = cost._Kernels(module, cost.Hardware.of(_a100(1)), attention)
     calls = [ins for ins in module.computations[module.entry] if ins.opcode == "custom-call"]
     assert len(calls) == 4  # One a layer, an int8 cache's too: its codes are not dequantized by XLA.
     # One sequence's keys and values (an int8 cache's codes and scales too) are written by an update in
     # place, not by a scatter behind a bounds check (its kernels compute a pred).
     assert not [ins for ins in module.computations[module.entry] if ins.shape.startswith("pred")]
-    read = 128 if window is None else window  # Positions of the layer's cache: all live in the plan.
+    read = 128 if window is None else window  # Positions of the layer's cache (or ring): all live.
     # Its keys and values (2 KV heads of 16; bf16, or int8 codes and an f32 scale a position and KV
     # head), not the stack of 4.
     layer = 2 * read * 2 * 16 * 2 if kv_dtype is None else 2 * read * 2 * (16 + 4)
@@ -564,21 +567,28 @@ def test_the_capacity_search_finds_the_largest_batch_and_context_that_fit(capsys
     assert not plan_serving(with_memory_fraction(longer, FRACTION)).fits  # One more position: over.
 
 
-def test_a_window_on_some_layers_only_decodes_to_the_full_forwards_logits():
-    # Gemma 2's way: the window (6, shorter than the prompts and the cache) on the second layer only, which
-    # picks it by its index in the cache (a traced one: every layer runs the same function); and Gemma 3's,
-    # that layer's own RoPE base, picked the same way.
+@pytest.mark.parametrize("window", [6, 10, 16])
+def test_a_window_on_some_layers_only_decodes_to_the_full_forwards_logits(window):
+    # Gemma 2's way: the window on the second layer only, and Gemma 3's, that layer's own RoPE base, which
+    # it picks by its index in the stack. Shorter than the cache, the window's positions are all the layer
+    # keeps (the cache's ring): each prompt's last 6 of up to 8 (by its length), or the prompts as they are
+    # (10); as long as the cache (16), the layer's keys are in the stack with the others'.
     serve = {"batch": B, "prompt_len": P_LEN, "max_len": T}
-    model = {**MODEL, "sliding_layers": [1], "local_rope_theta": 100.0}
+    model = {**MODEL, "sliding_window": window, "sliding_layers": [1], "local_rope_theta": 100.0}
     config = config_from_dict({"model": model, "mesh": {"axes": {"data": 2}},
                                "precision": {"compute": "float32"}, "serve": serve})  # fmt: skip
     program = serving_program(config, build_mesh(config.mesh.axes, jax.devices()[:2]))
+    cache = program.serving.cache
+    if window < T:
+        assert cache.keys.shape == (1, B, T, 2, 16) and cache.ring.keys.shape == (1, B, window, 2, 16)
+    else:
+        assert cache.keys.shape == (2, B, T, 2, 16) and cache.ring is None
     weights = _weights(program)
     cached, full = _cached_logits(program, weights, _tokens()), _full_logits(program, weights, _tokens())
     known = ~np.isnan(cached)
     np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
     every = dataclasses.replace(program.description.config.model, sliding_layers=None)
-    assert every.layer_window == 6 and program.description.config.model.layer_window is None
+    assert every.layer_window == window and program.description.config.model.layer_window is None
 
 
 def test_plan_serve_prints_json_with_times_and_room_and_draws_the_peak_functions_timeline(tmp_path, capsys):
@@ -780,3 +790,43 @@ def test_tune_serve_for_throughput_takes_the_largest_batch_that_fits():
     assert [r["tokens_per_second"] for r in result.ranked] == sorted(
         (r["tokens_per_second"] for r in result.ranked), reverse=True)  # fmt: skip
     assert result.config.serve.batch == best["batch"] and result.found
+
+
+def test_sliding_layers_hold_their_windows_positions_and_the_plan_times_and_sizes_them_so():
+    # Gemma 3's way at a small scale: a window of 32 on three layers of four, a cache of 128 positions.
+    # The ring holds the three layers' 32 positions of each sequence (kv_cache.KVCache.ring), the stack the
+    # fourth layer's 128: 1 x 128 + 3 x 32 = 224 layer-positions a sequence where the whole cache had 512.
+    model = {"preset": "tiny", "sliding_window": 32, "sliding_layers": [0, 1, 2]}
+    plan = plan_serving(with_memory_fraction(config_from_dict({**GPU_SERVE, "model": model}), FRACTION))
+    position = (
+        2 * 2 * 16 * 2 // 2
+    )  # A layer's keys and values of one position: 2 KV heads of 16, bf16, tensor 2.
+    rows = 2  # Sequences per device.
+    assert plan.ring == {"layers": 3, "window": 32, "bytes": rows * 3 * 32 * position}
+    assert plan.per_device["kv_cache"] == rows * (128 + 3 * 32) * position
+    room = plan.capacity
+    assert (room.bytes_per_token, room.bytes_per_sequence) == (position, 3 * 32 * position)
+    assert room.max_batch == room.cache_bytes // ((128 + 3 * 32) * position) * 2
+    assert room.max_len == (room.cache_bytes - rows * 3 * 32 * position) // (rows * position)
+    # A decode step reads the fourth layer's live positions and the ring's, which stop at the window.
+    time = plan.time
+    rate = GPU_TARGETS["a100-80g"].memory_bandwidth * cost.MEMORY_EFFICIENCY
+    assert time.decode_seconds(100) - time.decode_seconds(99) == pytest.approx(rows * position / rate)
+    assert time.decode_seconds(20) - time.decode_seconds(19) == pytest.approx(4 * rows * position / rate)
+    assert time.bound_seconds(128) - time.bound_seconds(32) == pytest.approx(
+        96 * rows * position / GPU_TARGETS["a100-80g"].memory_bandwidth
+    )
+    # Every layer sliding: the cache is the rings alone, and no context is too long for it.
+    every = {**model, "sliding_layers": None}
+    plan = plan_serving(with_memory_fraction(config_from_dict({**GPU_SERVE, "model": every}), FRACTION))
+    assert plan.per_device["kv_cache"] == rows * 4 * 32 * position and plan.capacity.max_len is None
+    assert plan.capacity.max_batch == plan.capacity.cache_bytes // (4 * 32 * position) * 2
+    everything = with_memory_fraction(config_from_dict({**GPU_SERVE, "model": every}), FRACTION)
+    assert search_capacity(everything).capacity.max_len is None  # Not searched: it does not bind.
+    from rich.console import Console
+
+    console = Console(width=300, record=True)
+    console.print(render_serving(plan))
+    text = console.export_text()
+    assert "a sequence for the window of its 4 sliding layers (32 positions); at most serve.batch=" in text
+    assert "any serve.max_len at serve.batch=4" in text

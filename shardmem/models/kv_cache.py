@@ -19,6 +19,14 @@ kernel, exactly as the training forward does: prompts are right-padded, so a cau
 padding after it. Decode writes one token per sequence at that sequence's own position and attends over
 the cache up to it (the last ``window`` positions, with ``model.sliding_window``). A short prompt's padded
 positions lie past its length, and each is overwritten by decode before any query can see it.
+
+A layer whose window is shorter than the cache keeps only the window's keys (:attr:`KVCache.ring`, a
+second stack of those layers, ``window`` positions long), as vLLM and TensorRT-LLM keep a sliding
+layer's: position ``p`` in place ``p % window``, which it overwrites once ``p`` has left every later
+query's window. A decode step attends over all of the ring's places it has written (the order of the keys
+does not matter to attention: each was rotated at its own position before it was stored); a prefill of
+prompts longer than the window writes each sequence's last ``window`` positions, by its length. For
+Gemma 3 (a window of 1,024 on five layers of six) at 32,768 positions that is 0.20 of the cache.
 """
 
 from __future__ import annotations
@@ -71,22 +79,39 @@ class CacheLayout:
     kv_heads: int
     head_dim: int
     window: int | None = None
+    #: The layers that slide over ``window`` (in the stack's order), whose keys a ring of the window's
+    #: positions holds where it is shorter than the cache (:attr:`KVCache.ring`): the reference model's
+    #: sliding layers. A model of your own's layout leaves it empty (its layers index the one stack).
+    ring: tuple[int, ...] = ()
+
+    def ringed(self, max_len: int) -> tuple[int, ...]:
+        """The layers a cache of ``max_len`` positions keeps in its ring: :attr:`ring`, where the window
+        is shorter than the cache; else none."""
+        return self.ring if self.window is not None and self.window < max_len else ()
 
     def zeros(self, *, batch: int, max_len: int, dtype: str) -> KVCache:
         """Returns an empty cache of this shape for ``batch`` sequences of ``max_len`` positions."""
-        return KVCache.zeros(layers=self.layers, batch=batch, max_len=max_len, kv_heads=self.kv_heads,
-                             head_dim=self.head_dim, dtype=dtype)  # fmt: skip
+        ringed = len(self.ringed(max_len))
+        shape = dict(batch=batch, kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=dtype)
+        cache = KVCache.zeros(layers=self.layers - ringed, max_len=max_len, **shape)
+        if not ringed:
+            return cache
+        return dataclasses.replace(cache, ring=KVCache.zeros(layers=ringed, max_len=self.window, **shape))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Every layer's keys and values (see the module docstring); the scales are None unless int8."""
+    """Every layer's keys and values (see the module docstring); the scales are None unless int8.
+    ``ring``: the sliding layers' keys and values where their window is shorter than the cache (a
+    :class:`KVCache` of ``window`` positions, :meth:`CacheLayout.zeros`); the stack then holds the other
+    layers only. None: every layer's are in the stack."""
 
     keys: jax.Array
     values: jax.Array
     key_scales: jax.Array | None = None
     value_scales: jax.Array | None = None
+    ring: KVCache | None = None
 
     @staticmethod
     def zeros(*, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: str) -> KVCache:
@@ -100,8 +125,9 @@ class KVCache:
     def by_axes(self, fn) -> KVCache:
         """Returns the cache's tree with ``fn(logical axes)`` in each array's place (its sharding:
         ``lambda axes: NamedSharding(mesh, rules.spec(axes))``)."""
-        scales = (fn(SCALE_AXES), fn(SCALE_AXES)) if self.key_scales is not None else ()
-        return KVCache(fn(CACHE_AXES), fn(CACHE_AXES), *scales)
+        scales = (fn(SCALE_AXES), fn(SCALE_AXES)) if self.key_scales is not None else (None, None)
+        ring = None if self.ring is None else self.ring.by_axes(fn)
+        return KVCache(fn(CACHE_AXES), fn(CACHE_AXES), *scales, ring)
 
     @property
     def max_len(self) -> int:
@@ -162,16 +188,25 @@ def _dequantize(codes_BxTxGxK, scales_BxTxG, dtype) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class CacheSlot:
     """What one layer of the model sees of the cache in a prefill or decode step: the whole ``cache``,
-    the layer's index in it, the positions of the step's tokens (``[L]`` for a prefill's prompts,
-    ``[B, 1]`` for a decode step's tokens), and ``rope_length``: the step's largest position of a real
-    token over the batch, plus one, from which dynamic RoPE computes its frequencies
-    (:mod:`shardmem.models.rope`; None for the others)."""
+    the layer's index in the model's stack, the positions of the step's tokens (``[L]`` for a prefill's
+    prompts, ``[B, 1]`` for a decode step's tokens), and ``rope_length``: the step's largest position of
+    a real token over the batch, plus one, from which dynamic RoPE computes its frequencies
+    (:mod:`shardmem.models.rope`; None for the others).
+
+    Where the cache has a ring (:attr:`KVCache.ring`), ``ring`` says whether this layer's keys are in it
+    (the layer slides) or in the stack, and ``entry`` is their index there; a prefill's ``lengths``
+    (each prompt's, ``[B]``) say which of a prompt longer than the window are its last ``window``. None
+    (a model of your own's, and a cache without a ring): the layer's keys are in the stack at ``layer``.
+    """
 
     cache: KVCache
     layer: jax.Array | int
     positions: jax.Array
     prefill: bool
     rope_length: jax.Array | None = None
+    ring: bool | None = None
+    entry: jax.Array | int | None = None
+    lengths: jax.Array | None = None
 
     def attend(self, kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, window: int | None = None,
                softcap: float | None = None):  # fmt: skip
@@ -192,23 +227,53 @@ class CacheSlot:
         cudnn = kernel is not None and "cudnn" in (kernel.name, kernel.stands_for)
         if cudnn and q_BxLxHxK.dtype.itemsize > 2:
             kernel = None
-        cache = self.cache.write(self.layer, self.positions, k_BxLxGxK, v_BxLxGxK)
+        stack, entry, positions = self._stored(k_BxLxGxK, v_BxLxGxK)
+        stack = stack.write(entry, *positions)
+        cache = dataclasses.replace(self.cache, ring=stack) if self.ring else stack
         if self.prefill and kernel is None:
             window = masking(window, q_BxLxHxK.shape[1])
             return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap), cache
         if self.prefill:
             return attend(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, window=window, softcap=softcap), cache
-        window = masking(window, cache.max_len)
+        # Every place of a ring written so far is in the window: those up to the position (once it has
+        # passed the window's length, all of them).
+        window = None if self.ring else masking(window, stack.max_len)
         # A layer's own window (traced: the window slides on some layers) is XLA's attention's.
         pallas = kernel is not None and kernel.decodes_in_pallas and isinstance(window, int | None)
         if pallas:
-            scales = () if cache.key_scales is None else (cache.key_scales, cache.value_scales)
-            ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, cache.keys, cache.values, self.layer,
+            scales = () if stack.key_scales is None else (stack.key_scales, stack.value_scales)
+            ctx_BxLxHxK = decode_attention.attend(kernel, q_BxLxHxK, stack.keys, stack.values, entry,
                                                   self.positions, window=window, scales=scales)  # fmt: skip
             if ctx_BxLxHxK is not None:
                 return ctx_BxLxHxK, cache
-        k_BxTxGxK, v_BxTxGxK = cache.read(self.layer, q_BxLxHxK.dtype)
+        k_BxTxGxK, v_BxTxGxK = stack.read(entry, q_BxLxHxK.dtype)
         return _over_the_cache(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, self.positions, window, softcap), cache
+
+    def _stored(self, k_BxLxGxK, v_BxLxGxK):
+        """Where this layer's keys and values go: ``(stack, entry, (positions, keys, values))``, the
+        stack (the cache's, or its ring) and the layer's index in it, and what :meth:`KVCache.write`
+        writes there: in a ring, a decode step's token at its position's place (``position % window``),
+        a prefill's prompts as they are where they fit in the window, else each prompt's last
+        ``window`` positions, each at its place."""
+        entry = self.layer if self.entry is None else self.entry
+        if not self.ring:
+            return self.cache, entry, (self.positions, k_BxLxGxK, v_BxLxGxK)
+        ring = self.cache.ring
+        window = ring.max_len
+        if not self.prefill:
+            return ring, entry, (self.positions % window, k_BxLxGxK, v_BxLxGxK)
+        if k_BxLxGxK.shape[1] <= window:  # Positions 0 .. P-1 are places 0 .. P-1.
+            return ring, entry, (self.positions, k_BxLxGxK, v_BxLxGxK)
+        if self.lengths is None:
+            raise ValueError("a prefill of prompts longer than the ring's window needs each prompt's length")
+        # Place s holds the latest position before the prompt's end that is s modulo the window (a
+        # negative one, where the prompt is shorter than the window, is never attended: any position).
+        places_W = jnp.arange(window)
+        last_Bx1 = self.lengths[:, None] - 1
+        taken_BxW = jnp.clip(places_W + window * ((last_Bx1 - places_W) // window), 0, k_BxLxGxK.shape[1] - 1)
+        k_BxWxGxK, v_BxWxGxK = (jnp.take_along_axis(x, taken_BxW[:, :, None, None], axis=1)
+                                for x in (k_BxLxGxK, v_BxLxGxK))  # fmt: skip
+        return ring, entry, (places_W, k_BxWxGxK, v_BxWxGxK)
 
 
 def _over_the_cache(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxL, window: int | None,

@@ -121,12 +121,15 @@ class ModelConfig:
 
     def slides(self, index) -> bool | jax.Array:
         """Whether layer ``index`` of the stack slides (``sliding_layers``): a bool where every layer is
-        alike, a traced one where they differ (``index`` is then the layer's traced index in the stack)."""
+        alike or ``index`` is a Python int, a traced one where they differ and ``index`` is the layer's
+        traced index in the stack."""
         if not self.windows_vary:
             return self.layer_window is not None
         if index is None:  # A pipeline stage's layers (config.check_layer_index refuses it).
             raise ValueError("a model whose layers differ by index needs each layer's index in the stack")
         sliding = set(self.sliding_layers)
+        if isinstance(index, int):
+            return index in sliding
         return jnp.asarray([i in sliding for i in range(self.n_layers)])[index]
 
     @property
@@ -484,8 +487,11 @@ class Block(nnx.Module):
             if cfg.attention_scale is not None:  # The kernels scale by 1 / sqrt(head_size): the rest here,
                 scale = cfg.attention_scale * math.sqrt(cfg.head_size)  # in float32 (in bf16, 144 / 128's
                 q_BxLxHxK = (q_BxLxHxK.astype(jnp.float32) * scale).astype(q_BxLxHxK.dtype)  # is 0.15% low).
-            keys = cache.cache.max_len if cache is not None else length  # The most a query sees.
-            how = dict(window=self._window(keys, index), softcap=cfg.attention_softcap)
+            if cache is not None and cache.ring is not None:  # Whether it slides is the layer's place.
+                window = cfg.sliding_window if cache.ring else None
+            else:
+                window = self._window(cache.cache.max_len if cache is not None else length, index)
+            how = dict(window=window, softcap=cfg.attention_softcap)
             if cache is None:
                 ctx_BxLxHxK = context.attend(self.attention, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, **how)
             else:
@@ -599,13 +605,16 @@ class Llama(nnx.Module):
         )
 
     def cached_hidden_states(self, tokens_BxL, cache: KVCache, positions, layer_params, *, prefill: bool,
-                             rope_length=None):  # fmt: skip
+                             rope_length=None, lengths=None):  # fmt: skip
         """Returns ``(h_BxLxD, cache)``: :meth:`hidden_states` of a step of serving, the same layers run
         with a KV cache (:mod:`shardmem.models.kv_cache`). A prefill's ``tokens`` are right-padded prompts
         at ``positions`` ``[L]`` (0 .. L-1), written to the cache's first L places; a decode step's are
         one token per sequence (``L`` = 1) at ``positions`` ``[B, 1]``, each sequence's own.
         ``rope_length``: the step's largest position of a real token over the batch, plus one (the
         longest prompt's length in a prefill), which dynamic RoPE requires (:mod:`shardmem.models.rope`).
+        ``lengths``: a prefill's prompts' (``[B]``), which a cache whose ring is shorter than the prompts
+        needs (:attr:`~shardmem.models.kv_cache.KVCache.ring`: the sliding layers' keys, each layer's in
+        its place in the ring or in the stack, in the stack's order).
         ``layer_params`` holds each layer's parameters (a pure dict each, in layer order): the serving
         program's weights are stored by layer (:func:`shardmem.program.serving.by_layer`), and the layers
         read them from there, not from the model's stacked layers."""
@@ -633,19 +642,29 @@ class Llama(nnx.Module):
         layer_indices = jax.lax.optimization_barrier([jnp.int32(i) for i in range(len(layer_params))])
         if self.cfg.rope_scaling is not None and self.cfg.rope_scaling.per_forward and rope_length is None:
             raise ValueError("dynamic RoPE needs the step's rope_length (its longest position + 1)")
+        # Where each layer's keys are (CacheSlot): with a ring, a sliding layer's in it and the others' in
+        # the stack, each at its index among the layers of its kind; without, in the stack by the layer's.
+        places = [(None, None)] * len(layer_params)
+        if cache.ring is not None:
+            ringed = [self.cfg.slides(i) for i in range(len(layer_params))]
+            entries = [jnp.int32(ringed[:i].count(ring)) for i, ring in enumerate(ringed)]
+            places = list(zip(ringed, jax.lax.optimization_barrier(entries), strict=True))
 
-        @jax.jit
-        def run_layer(params, rest, fused, x_BxLxD, cache, layer, positions, rope_length):
+        @functools.partial(jax.jit, static_argnames="ring")
+        def run_layer(params, rest, fused, x_BxLxD, cache, layer, entry, positions, rope_length, lengths,
+                      ring):  # fmt: skip
             parts = {part: shape for w in fused.values() for part, shape in w.part_shapes().items()}
             block = nnx.merge(graphdef, {**params, **parts}, rest)
-            return block(x_BxLxD, CacheSlot(cache, layer, positions, prefill, rope_length), fused)
+            slot = CacheSlot(cache, layer, positions, prefill, rope_length, ring, entry, lengths)
+            return block(x_BxLxD, slot, fused)
 
         for index, params in enumerate(layer_params):
             fused = {name: w for name, w in params.items() if isinstance(w, Fused)}
             params = {name: w for name, w in params.items() if name not in fused}
+            ring, entry = places[index]
             x_BxLxD, cache = run_layer(params, jax.tree.map(operator.itemgetter(index), rest), fused,
-                                       x_BxLxD, cache, layer_indices[index], positions,
-                                       rope_length)  # fmt: skip
+                                       x_BxLxD, cache, layer_indices[index], entry, positions, rope_length,
+                                       lengths, ring=ring)  # fmt: skip
             if prefill:  # The layer's keys and values are in the cache before the next layer runs.
                 x_BxLxD, cache = jax.lax.optimization_barrier((x_BxLxD, cache))
         return self.final_norm(x_BxLxD), cache

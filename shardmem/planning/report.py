@@ -217,9 +217,17 @@ def _serving_capacity(plan: ServingPlan) -> list:
     if room is None:
         return []
     how = "compiled and fit" if room.verified else "from this plan's bytes per token; --capacity compiles"
-    lines = (f"KV cache room per device: {format_bytes(room.cache_bytes)} = {room.tokens:,} positions of "
-             f"{format_bytes(room.bytes_per_token)}; at most serve.batch={room.max_batch:,} at "
-             f"serve.max_len={plan.serve['max_len']:,}, serve.max_len={room.max_len:,} at "
+    if plan.ring is None:
+        held = f"{room.tokens:,} positions of {format_bytes(room.bytes_per_token)}"
+    else:  # The sliding layers keep their window's positions: a sequence's share of them is fixed.
+        stack = f", then {format_bytes(room.bytes_per_token)} a position" if room.bytes_per_token else ""
+        held = (
+            f"{format_bytes(room.bytes_per_sequence)} a sequence for the window of its "
+            f"{plan.ring['layers']} sliding layers ({plan.ring['window']:,} positions){stack}"
+        )
+    longest = "any serve.max_len" if room.max_len is None else f"serve.max_len={room.max_len:,}"
+    lines = (f"KV cache room per device: {format_bytes(room.cache_bytes)}: {held}; at most "
+             f"serve.batch={room.max_batch:,} at serve.max_len={plan.serve['max_len']:,}, {longest} at "
              f"serve.batch={plan.serve['batch']:,} ({how})")  # fmt: skip
     return [Text(lines)]
 

@@ -18,9 +18,11 @@ Time (:class:`ServingTime`): the first token comes from the prefill; each of the
 more is a decode step at a context one longer. The compiled decode step attends over all ``max_len``
 positions of the cache; a step at a shorter context reads only its live part, so its time is the
 compiled step's less the unread positions' bytes at the rate the model streams HBM (a step's time is
-affine in its context). With ``model.sliding_window``, a step reads at most the window's positions (GPUs'
-decode kernel skips the rest, :mod:`shardmem.models.decode_attention`). Beside each step stands its bound:
-every weight and the live cache read once at the full HBM bandwidth, which no step can beat.
+affine in its context). The sliding layers of a window shorter than the cache keep only the window's
+positions (the cache's ring, :mod:`shardmem.models.kv_cache`): a step reads at most those of them, and a
+model of your own's layers at most its ``cache_layout().window`` (GPUs' decode kernel skips the rest,
+:mod:`shardmem.models.decode_attention`). Beside each step stands its bound: every weight and the live
+cache read once at the full HBM bandwidth, which no step can beat.
 
 Budget: what the device has for serving (device x ``memory.usable_fraction`` - ``memory.reserve``), less the
 deviceless margin on each function's temporaries alone. The margin is for what a real GPU's compile may
@@ -30,7 +32,9 @@ margin, which was measured on a training step.)
 
 Capacity (:class:`KVCapacity`): the bytes the cache may take are the budget less everything else at the
 peak (weights, the larger function's temporaries), as vLLM sizes its cache after a profiling run; the
-largest batch at ``max_len`` and the longest context at ``batch`` follow from the cache's bytes per token.
+largest batch at ``max_len`` and the longest context at ``batch`` follow from the cache's bytes per token
+(and per sequence: a ring's are the window's whatever the context, and with every layer sliding the cache
+does not grow with the context at all).
 :func:`search_capacity` checks them with compiles: the peak is affine in the batch and in the context,
 so two compiles give the line, the budget gives the answer, and two more verify it (it fits, one step past
 it does not). Near the budget XLA holds the temporaries below the line (the weights and the cache leave
@@ -41,8 +45,11 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import jax
 
 from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config
@@ -65,18 +72,26 @@ class ServingTime:
 
     time_to_first_token: float  # The prefill's seconds: every prompt's first new token.
     decode_at_max_len: float  # The compiled decode step's seconds: every max_len position read.
-    seconds_per_position: float  # What one more live position per sequence adds to a decode step.
+    streamed: float  # Bytes per second per device at which a step's kernels read the cache (HBM).
     weight_bytes: int  # Per device, read by every step.
-    kv_bytes_per_position: int  # Per device: one position of every sequence, every layer.
+    kv_bytes_per_position: int  # Per device: one position of every sequence, every layer of the stack.
     memory_bandwidth: float  # Bytes per second of HBM per device.
     batch: int
     prompt_len: int
     max_len: int
-    window: int | None = None  # model.sliding_window: a step reads at most this many positions.
+    window: int | None = None  # A model of your own's cache_layout().window: the most its steps read.
+    ring_window: int | None = None  # The ring's (the sliding layers' keys, kv_cache.KVCache.ring).
+    ring_bytes_per_position: int = 0  # Per device: one position of every sequence in the ring.
 
     def live(self, context: int) -> int:
-        """Positions of each sequence a step at ``context`` reads: all, or its sliding window's."""
+        """Positions of each sequence in the stack a step at ``context`` reads: all, or the window's."""
         return context if self.window is None else min(context, self.window)
+
+    def kv_bytes(self, context: int) -> int:
+        """Bytes per device of the cache a step at ``context`` reads: the stack's live positions and the
+        ring's (at most its window's)."""
+        ring = 0 if self.ring_window is None else min(context, self.ring_window)
+        return self.live(context) * self.kv_bytes_per_position + ring * self.ring_bytes_per_position
 
     @property
     def output_len(self) -> int:
@@ -85,13 +100,12 @@ class ServingTime:
 
     def decode_seconds(self, context: int) -> float:
         """A decode step's predicted seconds when each sequence has ``context`` live positions."""
-        unread = self.live(self.max_len) - self.live(context)
-        return self.decode_at_max_len - unread * self.seconds_per_position
+        return self.decode_at_max_len - (self.kv_bytes(self.max_len) - self.kv_bytes(context)) / self.streamed
 
     def bound_seconds(self, context: int) -> float:
-        """The step's HBM bound: the weights and ``context`` live positions (those in the window) read
+        """The step's HBM bound: the weights and ``context`` live positions (those in a window) read
         once at full bandwidth."""
-        return (self.weight_bytes + self.live(context) * self.kv_bytes_per_position) / self.memory_bandwidth
+        return (self.weight_bytes + self.kv_bytes(context)) / self.memory_bandwidth
 
     @property
     def contexts(self) -> tuple[int, int]:
@@ -136,18 +150,16 @@ class KVCapacity:
     since a larger batch's prefill needs more temporaries too."""
 
     cache_bytes: int  # Per device: the budget less everything but the cache at the plan's peak.
-    bytes_per_token: int  # Per device: one position of one sequence, every layer's keys and values.
+    bytes_per_token: int  # Per device: one position of one sequence, every stack layer's keys and values.
     max_batch: int  # Sequences of max_len positions that fit (a multiple of the batch's shards).
-    max_len: int  # Positions per sequence that fit at the planned batch.
+    max_len: int | None  # Positions per sequence that fit at the planned batch (None: any, every layer
+    # slides and keeps its window's positions only).
     verified: bool = False
-
-    @property
-    def tokens(self) -> int:
-        """Positions the cache has room for, over every sequence (per device's share of the batch)."""
-        return self.cache_bytes // self.bytes_per_token if self.bytes_per_token else 0
+    bytes_per_sequence: int = 0  # Per device: one sequence's ring (its sliding layers' window), if any.
+    tokens: int = 0  # Positions of the stack the room holds over the planned batch, past its rings.
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "tokens": self.tokens}
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +172,8 @@ class ServingPlan:
     serve: dict[str, Any]  # The serve section planned: batch, prompt_len, max_len, kv_dtype, quantize.
     time: ServingTime | None = None
     capacity: KVCapacity | None = None
+    # The cache's ring (kv_cache.KVCache.ring): its sliding layers, their window and its bytes per device.
+    ring: dict[str, int] | None = None
 
     @property
     def per_device(self) -> dict[str, int]:
@@ -254,6 +268,7 @@ class ServingPlan:
             "verdict": self.verdict,
             "time": self.time.to_json() if self.time else None,
             "kv_capacity": self.capacity.to_json() if self.capacity else None,
+            "kv_ring": self.ring,
             "warnings": self.warnings,
             "prefill": self.prefill.to_json(),
             "decode": self.decode.to_json(),
@@ -299,9 +314,19 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
     quantize = config.serve.quantize
     serve = {"batch": s.batch, "prompt_len": s.prompt_len, "max_len": s.max_len, "kv_dtype": s.kv_dtype,
              "quantize": dataclasses.asdict(quantize) if quantize else None}  # fmt: skip
-    plan = ServingPlan(reports["prefill"], reports["decode"], serve)
-    time = _time(plan, target, s.layout.window)
+    ringed = s.layout.ringed(s.max_len)
+    ring = None
+    if ringed:
+        ring = {"layers": len(ringed), "window": s.layout.window, "bytes": _device_bytes(s.cache.ring)}
+    plan = ServingPlan(reports["prefill"], reports["decode"], serve, ring=ring)
+    time = _time(plan, target, None if s.layout.ring else s.layout.window)
     return dataclasses.replace(plan, time=time, capacity=_capacity(plan, _batch_shards(program)))
+
+
+def _device_bytes(tree) -> int:
+    """Bytes of one device's shards of the abstract arrays in ``tree`` (each with its sharding)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))  # fmt: skip
 
 
 def _margined(report: MemoryReport, name: str) -> MemoryReport:
@@ -317,19 +342,21 @@ def _margined(report: MemoryReport, name: str) -> MemoryReport:
 
 def _time(plan: ServingPlan, target: Target, window: int | None = None) -> ServingTime | None:
     """The static batch's times, from the two functions' step times (None without a time model); a
-    step reads at most ``window`` positions of each sequence (``model.sliding_window``, or a model of
-    your own's ``cache_layout().window``)."""
+    step reads at most ``window`` positions of each sequence in the stack (a model of your own's
+    ``cache_layout().window``), and at most the ring's window of those in it."""
     prefill, decode = plan.prefill.step_time, plan.decode.step_time
     if prefill is None or decode is None:
         return None
     hardware = cost.Hardware.of(target) or cost.Hardware.host(len(target.devices))
-    per_position = plan.per_device["kv_cache"] // plan.serve["max_len"]
+    ring = plan.ring or {"bytes": 0, "window": None}
+    per_position = (plan.per_device["kv_cache"] - ring["bytes"]) // plan.serve["max_len"]
     return ServingTime(
         time_to_first_token=prefill.seconds, decode_at_max_len=decode.seconds,
-        seconds_per_position=per_position / (hardware.memory_bandwidth * cost.MEMORY_EFFICIENCY),
+        streamed=hardware.memory_bandwidth * cost.MEMORY_EFFICIENCY,
         weight_bytes=plan.per_device["weights"], kv_bytes_per_position=per_position,
         memory_bandwidth=hardware.memory_bandwidth, batch=plan.serve["batch"],
         prompt_len=plan.serve["prompt_len"], max_len=plan.serve["max_len"], window=window,
+        ring_window=ring["window"], ring_bytes_per_position=ring["bytes"] // (ring["window"] or 1),
     )  # fmt: skip
 
 
@@ -339,12 +366,16 @@ def _capacity(plan: ServingPlan, batch_shards: int, verified: bool = False) -> K
     figures, serve = plan.per_device, plan.serve
     cache_bytes = plan.margin_bytes + figures["kv_cache"]  # Each function's budget less its other bytes.
     rows = serve["batch"] // batch_shards  # Sequences per device.
-    per_token = figures["kv_cache"] // (rows * serve["max_len"])
-    if not per_token or cache_bytes <= 0:
-        return KVCapacity(max(cache_bytes, 0), per_token, 0, 0, verified)
-    tokens = cache_bytes // per_token
-    return KVCapacity(cache_bytes, per_token, tokens // serve["max_len"] * batch_shards, tokens // rows,
-                      verified)  # fmt: skip
+    ring = plan.ring["bytes"] if plan.ring else 0
+    per_token, per_sequence = (figures["kv_cache"] - ring) // (rows * serve["max_len"]), ring // rows
+    sequence = per_sequence + per_token * serve["max_len"]
+    if not sequence or cache_bytes <= 0:
+        return KVCapacity(max(cache_bytes, 0), per_token, 0, 0, verified, per_sequence)
+    past_rings = cache_bytes - rows * per_sequence  # The planned batch's room past its sequences' rings.
+    tokens = max(past_rings, 0) // per_token if per_token else 0
+    max_len = (tokens // rows if past_rings >= 0 else 0) if per_token else None
+    return KVCapacity(cache_bytes, per_token, cache_bytes // sequence * batch_shards, max_len, verified,
+                      per_sequence, tokens)  # fmt: skip
 
 
 def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
@@ -363,11 +394,9 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
     def compiled(key: str, value: int) -> ServingPlan:
         return _plan(program.variant(f"serve.{key}={value}"), resolved)
 
-    found = {}
-    for key, start, quantum, least in (
-        ("batch", s.batch, shards, shards),
-        ("max_len", s.max_len, 1, s.prompt_len),
-    ):
+    found = {"max_len": None}  # Where every layer keeps its window only, any context fits.
+    searches = [("batch", s.batch, shards, shards), ("max_len", s.max_len, 1, s.prompt_len)]
+    for key, start, quantum, least in searches[: 1 if plan.capacity.max_len is None else 2]:
         points = [(start, plan), (2 * start, compiled(key, 2 * start))]
         fits = max((v for v, p in points if p.fits), default=0)
         over = min((v for v, p in points if not p.fits), default=None)

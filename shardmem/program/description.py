@@ -237,7 +237,10 @@ def describe(
             attention = user_serving.attention(config, mesh, layout, attention)
         else:
             m = config.model
-            layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, m.layer_window)
+            # The sliding layers keep only their window's keys (kv_cache.KVCache.ring).
+            ring = tuple(i for i in range(m.n_layers) if m.sliding_window is not None and m.slides(i))
+            window = m.sliding_window if ring else None
+            layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, window, ring)
             vocab = m.vocab_size
         return dataclasses.replace(description, attention=attention,
                                    serving=_serving(config, mesh, rules, layout, vocab))  # fmt: skip

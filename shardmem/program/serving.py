@@ -239,7 +239,7 @@ def _reference_functions(d: Description) -> tuple[Callable, Callable]:
             positions_P = jnp.arange(prompts_BxP.shape[1])
             longest = jnp.max(lengths_B) if per_forward else None  # Padding has no position.
             h_BxPxD, cache = model.cached_hidden_states(prompts_BxP, cache, positions_P, layers, prefill=True,
-                                                        rope_length=longest)  # fmt: skip
+                                                        rope_length=longest, lengths=lengths_B)  # fmt: skip
             last_Bx1x1 = (lengths_B - 1)[:, None, None]  # Each prompt's last token gives the next one.
             h_BxD = jnp.take_along_axis(h_BxPxD, last_Bx1x1, axis=1)[:, 0]
             return _logits(h_BxD @ model.unembedding(), m.logit_softcap), cache
