@@ -307,6 +307,11 @@ class LayoutAsDict(Tied):
         return {"layers": 1, "kv_heads": 1, "head_dim": 8}
 
 
+class LayoutWithRing(Tied):
+    def cache_layout(self):
+        return CacheLayout(layers=1, kv_heads=1, head_dim=8, window=4, ring=(0,))
+
+
 class NoPrefillArgument(Tied):
     def cached_call(self, tokens_BxL, cache, positions):
         return super().cached_call(tokens_BxL, cache, positions, prefill=True)
@@ -324,6 +329,8 @@ class IgnoresLogitsAt(Tied):
 
 @pytest.mark.parametrize("model, message", [
     (LayoutAsDict, "LayoutAsDict.cache_layout() returned a dict; return shardmem.CacheLayout(layers=..., "),
+    (LayoutWithRing, "LayoutWithRing.cache_layout().ring=(0,): a model of your own's layers keep their keys "
+                     "in the one stack of the cache; leave ring out"),
     (IgnoresLogitsAt, "IgnoresLogitsAt.cached_call returned logits [4, 16, 256] for prompts [4, 16]; return "
                       "(logits [batch, 1 (its logits_at), vocab]"),
     (NoPrefillArgument, "NoPrefillArgument.cached_call cannot take (tokens_BxL, cache, positions, prefill="),
