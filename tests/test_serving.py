@@ -18,7 +18,7 @@ from shardmem.planning import cost, hlo, memory
 from shardmem.planning.report import render_serving
 from shardmem.planning.serving import ServingTime, plan_serving, search_capacity, with_memory_fraction
 from shardmem.planning.targets import GPU_TARGETS
-from shardmem.program import ServingProgram, serving_program
+from shardmem.program import ServingProgram, describe, serving_program
 from shardmem.program.program import Function
 from shardmem.program.serving import stacked
 
@@ -803,6 +803,15 @@ def test_sliding_layers_hold_their_windows_positions_and_the_plan_times_and_size
     )  # A layer's keys and values of one position: 2 KV heads of 16, bf16, tensor 2.
     rows = 2  # Sequences per device.
     assert plan.ring == {"layers": 3, "window": 32, "bytes": rows * 3 * 32 * position}
+    # Each layer knows whether it slides: GPUs' flash kernel (the stand-in for cuDNN, which takes the
+    # window) and a decode kernel in every layer, where a window on some layers only took XLA's attention.
+    assert plan.decode.attention.startswith("pallas; sliding window of 32 on 3 of the 4 layers, not in")
+    calls = [
+        ins
+        for ins in plan.decode.module.computations[plan.decode.module.entry]
+        if ins.opcode == "custom-call"
+    ]
+    assert len(calls) == 4
     assert plan.per_device["kv_cache"] == rows * (128 + 3 * 32) * position
     room = plan.capacity
     assert (room.bytes_per_token, room.bytes_per_sequence) == (position, 3 * 32 * position)
@@ -830,3 +839,30 @@ def test_sliding_layers_hold_their_windows_positions_and_the_plan_times_and_size
     text = console.export_text()
     assert "a sequence for the window of its 4 sliding layers (32 positions); at most serve.batch=" in text
     assert "any serve.max_len at serve.batch=4" in text
+
+
+def test_a_window_on_some_layers_only_takes_the_flash_and_decode_kernels_in_serving():
+    # Serving's layers are unrolled, each knowing whether it slides: the window is static there, so a
+    # model with a window on some layers only takes Pallas's kernels (interpret mode on CPU), where
+    # training's scanned stack needs chunked or xla. Prompts within the window (Pallas's flash kernel has
+    # none); the cache of 32 keeps the sliding layer's 16 in its ring, which the decode kernel reads.
+    model = {"preset": "tiny", "n_layers": 2, "sliding_window": 16, "sliding_layers": [1],
+             "local_rope_theta": 100.0, "qk_norm": True, "attention": "pallas"}  # fmt: skip
+    serve = {"batch": 4, "prompt_len": 16, "max_len": 32}
+    config = config_from_dict({"model": model, "mesh": {"axes": {"data": 2}},
+                               "precision": {"compute": "float32"}, "serve": serve})  # fmt: skip
+    mesh = build_mesh(config.mesh.axes, jax.devices()[:2])
+    program = serving_program(config, mesh)
+    assert program.attention.name == "pallas" and program.serving.cache.ring.keys.shape[2] == 16
+    kernels = hlo.fused_attention_kernels(program.function("decode").trace().jaxpr)
+    assert {k: v for k, v in kernels.items() if v.decode}  # The Pallas decode kernel.
+    weights = _weights(program)
+    tokens_BxT = np.random.default_rng(0).integers(0, 256, (4, 32), dtype=np.int32)
+    cached = _cached_logits(program, weights, tokens_BxT, np.array([16, 3, 9, 1], np.int32))
+    xla = dataclasses.replace(config, model=dataclasses.replace(config.model, attention="xla"))
+    full = _full_logits(serving_program(xla, mesh), weights, tokens_BxT)
+    known = ~np.isnan(cached)
+    assert np.abs(full).max() > 1
+    np.testing.assert_allclose(cached[known], full[known], atol=2e-5, rtol=2e-5)
+    with pytest.raises(ConfigError, match="model.attention=pallas with model.sliding_layers"):
+        describe(config, mesh)  # Training: each layer's window is traced in the scan.

@@ -96,11 +96,12 @@ class AttentionKernel:
         return self.name in ("cudnn", "pallas")
 
     def describe(self, window: int | None = None, softcap: float | None = None,
-                 layers: tuple[int, int] | None = None) -> str:  # fmt: skip
+                 layers: tuple[int, int] | None = None, traced: bool = True) -> str:  # fmt: skip
         """Returns one line for the report, e.g. ``pallas (stand-in for cudnn: ...)``, saying how a
         sliding ``window`` (``model.sliding_window``) is attended (on ``layers`` = (k, n): on k of the n
-        layers only, each layer's own), and why a model whose scores are soft-capped (``softcap``) runs no
-        flash kernel."""
+        layers only; ``traced``: each layer picks its own by its traced index in the stack, as training's
+        scan does, where serving's unrolled layers know theirs), and why a model whose scores are
+        soft-capped (``softcap``) runs no flash kernel."""
         text = self.name + (f" (blocks of {self.chunk} queries)" if self.name == "chunked" else "")
         if softcap is not None:
             text += f"; scores soft-capped at {softcap:g}, which neither flash kernel does"
@@ -108,8 +109,10 @@ class AttentionKernel:
             text += f"; sliding window of {window}"
             if layers is not None:
                 some, every = layers
-                text += f" on {some} of the {every} layers, each layer's own (keys masked, not skipped)"
+                text += f" on {some} of the {every} layers"
+                text += ", each layer's own (keys masked, not skipped)" if traced else ""
             if self.name == "pallas":  # Only a stand-in gets here (check_window).
+                text += "," if layers is not None else ""
                 text += " not in the stand-in, which attends causally over the whole sequence (more FLOPs)"
         if self.interpret:
             text += " (interpret mode)"

@@ -321,7 +321,8 @@ def plan_program(
         window, layers = m.sliding_window, (len(set(m.sliding_layers)), m.n_layers)
     window = window if window is not None and window < length else None  # Else masks nothing.
     softcap = None if program.custom_model else m.attention_softcap
-    attention = program.attention.describe(window, softcap, layers) if program.attention else ""
+    by_index = serving is None  # Training's scanned layers pick their window by index; serving's know it.
+    attention = program.attention.describe(window, softcap, layers, by_index) if program.attention else ""
     tensor_parallel = collective_matmul.describe(program.collective_matmuls, program.rules, program.mesh,
                                                  reference_model=not program.custom_model,
                                                  pipelined=program.pipeline is not None)  # fmt: skip

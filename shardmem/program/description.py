@@ -193,19 +193,23 @@ def describe(
         # The longest a query attends: a decode step's reaches the cache's last position.
         longest = config.serve.max_len if serving else trained
         check_layer_index(config.model, longest, pipeline.stages if pipeline else 1)
+    m = config.model
+    # Serving runs its layers unrolled, each knowing whether it slides: a window on some layers only is
+    # static there, as a window on every layer is (the flash kernels take it); only training's scanned
+    # stack picks each layer's by a traced index.
+    window = None if custom else m.layer_window or (m.sliding_window if serving and m.windows_vary else None)
     if attention is None and not custom:
-        attention = resolve_for_devices(config.model.attention, mesh.devices.flat,
-                                        chunk=config.model.attention_chunk, dtype=config.precision.compute,
-                                        context=context, window=config.model.layer_window is not None,
-                                        head_dim=config.model.head_size,
-                                        softcap=config.model.attention_softcap is not None,
-                                        layer_windows=config.model.windows_vary
-                                        and longest > config.model.sliding_window)  # fmt: skip
+        attention = resolve_for_devices(m.attention, mesh.devices.flat, chunk=m.attention_chunk,
+                                        dtype=config.precision.compute, context=context,
+                                        window=window is not None,
+                                        head_dim=m.head_size, softcap=m.attention_softcap is not None,
+                                        layer_windows=not serving and m.windows_vary
+                                        and longest > m.sliding_window)  # fmt: skip
     if attention is not None and not custom:
         length = config.serve.prompt_len if serving else trained  # Prefill attends over the prompts.
         attention.check_length(length, "serve.prompt_len" if serving else "model.seq_len")
         attention.check_head_dim(config.model.head_size)
-        attention.check_window(config.model.layer_window, length)
+        attention.check_window(window, length)
     # Training's overlap of sequence parallelism's collectives; a decode step's single token per sequence
     # has nothing to chunk, so serving runs the plain projections whatever the key says.
     collective = not serving and collective_matmul.resolve(config.overlap.tensor_parallel, rules, mesh,

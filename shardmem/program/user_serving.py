@@ -80,8 +80,8 @@ def cache_layout(config: Config, model: Model, mesh: Mesh, rules: Rules, *,
             raise ConfigError(f"{where}: {name}.cache_layout().{field}={value!r}; give a positive "
                               f"integer{also}")  # fmt: skip
     if layout.ring:  # Its layers index the one stack (CacheSlot without a ring): a ring would be misread.
-        raise ConfigError(f"{where}: {name}.cache_layout().ring={layout.ring!r}: a model of your own's layers "
-                          "keep their keys in the one stack of the cache; leave ring out "
+        raise ConfigError(f"{where}: {name}.cache_layout().ring={layout.ring!r}: a model of your own's "
+                          "layers keep their keys in the one stack of the cache; leave ring out "
                           "(window= still bounds what a decode step reads)")  # fmt: skip
     try:  # What the serving program passes it, before it is traced.
         inspect.signature(abstract.cached_call).bind("tokens", "cache", "positions", prefill=True)
