@@ -139,14 +139,17 @@ def test_a_decode_steps_layer_runs_the_kernel_sharded_as_the_cache_is():
             np.testing.assert_array_equal(getattr(written, name), getattr(expected_cache, name))
 
 
-@pytest.mark.parametrize("kernel", [AttentionKernel("xla"), AttentionKernel("pallas", interpret=True, sms=8)])
-def test_a_sliding_layers_ring_attends_as_the_whole_cache_does_over_its_window(kernel):
-    # The ring (kv_cache.KVCache.ring) holds each sequence's last 64 positions, position t at place t % 64:
-    # a decode step writes its token at its place and attends over every place written, which is what the
-    # whole cache gives over the window; the Pallas kernel reads the ring as it is (no window to skip).
+@pytest.mark.parametrize("kernel", [AttentionKernel("xla"), AttentionKernel("pallas", interpret=True, sms=8),
+                                    AttentionKernel("pallas", interpret=True, sms=512)])  # fmt: skip
+@pytest.mark.parametrize("window", [64, 24, 100])
+def test_a_sliding_layers_ring_attends_as_the_whole_cache_does_over_its_window(kernel, window):
+    # The ring (kv_cache.KVCache.ring) holds each sequence's last `window` positions, position t at place
+    # t % window: a decode step writes its token at its place and attends over every place written, which
+    # is what the whole cache gives over the window; the Pallas kernel reads the ring as it is (no window
+    # to skip), in parts that fill 8 SMs or 512, over rings its blocks divide and do not (24, 100).
     rng = np.random.default_rng(2)
     keys, values = _cache(rng)
-    window, layer = 64, 1
+    layer = 1
     q_Bx1xHxK = jnp.asarray(rng.normal(size=(B, 1, H, K)), jnp.float32)
     k_Bx1xGxK, v_Bx1xGxK = (jnp.asarray(rng.normal(size=(B, 1, G, K)), jnp.float32) for _ in range(2))
     positions_Bx1 = jnp.asarray(POSITIONS)[:, None]
