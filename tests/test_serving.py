@@ -326,6 +326,17 @@ def test_a_sliding_windows_steps_read_no_more_than_the_window():
     assert time.decode_seconds(100) == time.decode_seconds(48) == 2e-3
     assert time.decode_seconds(40) == pytest.approx(2e-3 - 8e-6)
     assert time.bound_seconds(100) == time.bound_seconds(48) == pytest.approx((10**9 + 48 * 10**4) / 10**12)
+    # The steps stop slowing at the window: their mean is every step's, not the first's and last's (a
+    # ring's window, and one of each, bend it twice).
+    windowed = (
+        time,
+        dataclasses.replace(time, window=None, ring_window=48, ring_bytes_per_position=10**4),
+        dataclasses.replace(time, window=100, ring_window=48, ring_bytes_per_position=10**3),
+    )
+    for each in windowed:
+        steps = [each.decode_seconds(c) for c in range(each.contexts[0], each.contexts[1] + 1)]
+        assert each.mean_decode_seconds == pytest.approx(np.mean(steps), rel=1e-12)
+        assert each.mean_decode_seconds != pytest.approx(np.mean(steps[:: len(steps) - 1]), rel=1e-6)
 
 
 def test_the_decode_steps_cache_write_is_costed_in_place(gpu_plan):
@@ -832,6 +843,13 @@ def test_sliding_layers_hold_their_windows_positions_and_the_plan_times_and_size
     assert plan.capacity.max_batch == plan.capacity.cache_bytes // (4 * 32 * position) * 2
     everything = with_memory_fraction(config_from_dict({**GPU_SERVE, "model": every}), FRACTION)
     assert search_capacity(everything).capacity.max_len is None  # Not searched: it does not bind.
+    # A window longer than the cache (none is a ring yet) bounds it too: past 256 positions it is a ring.
+    longer = with_memory_fraction(config_from_dict({**GPU_SERVE, "model": {**every, "sliding_window": 256}}),
+                                  FRACTION)  # fmt: skip
+    unringed = plan_serving(longer)
+    assert unringed.ring is None and unringed.capacity.bytes_per_token == 4 * position
+    assert unringed.capacity.cache_bytes > rows * 256 * 4 * position and unringed.capacity.max_len is None
+    assert search_capacity(longer).capacity.max_len is None  # One compile at 257 positions fits.
     from rich.console import Console
 
     console = Console(width=300, record=True)
@@ -839,6 +857,15 @@ def test_sliding_layers_hold_their_windows_positions_and_the_plan_times_and_size
     text = console.export_text()
     assert "a sequence for the window of its 4 sliding layers (32 positions); at most serve.batch=" in text
     assert "any serve.max_len at serve.batch=4" in text
+
+
+def test_a_rule_that_splits_the_caches_positions_is_checked_against_the_rings_too():
+    config = config_from_dict({**GPU_SERVE, "model": {"preset": "tiny", "sliding_window": 5},
+                               "rules": {"cache_seq": ["tensor"], "kv_heads": None}})  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"^the KV cache: cache_seq has size 5, which mesh\.axes\.tensor=2 "
+    ):
+        serving_program(config, build_mesh(config.mesh.axes, jax.devices()[:4]))
 
 
 def test_a_window_on_some_layers_only_takes_the_flash_and_decode_kernels_in_serving():

@@ -114,9 +114,17 @@ class ServingTime:
 
     @property
     def mean_decode_seconds(self) -> float:
-        """The decode steps' mean (affine in the context: the mean of the first and the last)."""
+        """The decode steps' mean: affine in the context up to a window, then in the next piece, so the
+        mean of each piece's first and last step, weighted by its steps."""
         first, last = self.contexts
-        return (self.decode_seconds(first) + self.decode_seconds(last)) / 2
+        if last <= first:
+            return (self.decode_seconds(first) + self.decode_seconds(last)) / 2
+        bends = sorted({w for w in (self.window, self.ring_window) if w is not None and first <= w < last})
+        total, start = 0.0, first
+        for end in [*bends, last]:
+            total += (end - start + 1) * (self.decode_seconds(start) + self.decode_seconds(end)) / 2
+            start = end + 1
+        return total / (last - first + 1)
 
     @property
     def total_seconds(self) -> float:
@@ -174,6 +182,8 @@ class ServingPlan:
     capacity: KVCapacity | None = None
     # The cache's ring (kv_cache.KVCache.ring): its sliding layers, their window and its bytes per device.
     ring: dict[str, int] | None = None
+    # The window every layer slides over, if they all do: the cache stops growing at it (as a ring).
+    every_layer_window: int | None = None
 
     @property
     def per_device(self) -> dict[str, int]:
@@ -318,7 +328,9 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
     ring = None
     if ringed:
         ring = {"layers": len(ringed), "window": s.layout.window, "bytes": _device_bytes(s.cache.ring)}
-    plan = ServingPlan(reports["prefill"], reports["decode"], serve, ring=ring)
+    layout = s.layout
+    every = layout.window if layout.ring and len(layout.ring) == layout.layers else None
+    plan = ServingPlan(reports["prefill"], reports["decode"], serve, ring=ring, every_layer_window=every)
     time = _time(plan, target, None if s.layout.ring else s.layout.window)
     return dataclasses.replace(plan, time=time, capacity=_capacity(plan, _batch_shards(program)))
 
@@ -374,6 +386,9 @@ def _capacity(plan: ServingPlan, batch_shards: int, verified: bool = False) -> K
     past_rings = cache_bytes - rows * per_sequence  # The planned batch's room past its sequences' rings.
     tokens = max(past_rings, 0) // per_token if per_token else 0
     max_len = (tokens // rows if past_rings >= 0 else 0) if per_token else None
+    every = plan.every_layer_window  # Past it every layer's positions are a ring of it: any length fits.
+    if max_len is not None and every is not None and max_len >= every:
+        max_len = None
     return KVCapacity(cache_bytes, per_token, cache_bytes // sequence * batch_shards, max_len, verified,
                       per_sequence, tokens)  # fmt: skip
 
@@ -384,7 +399,9 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
     Each starts from two compiled points (the peak is affine in each) and compiles where their line meets
     the budget, then one step past the largest value that fit, until a value that fits and the next one
     that does not bracket the answer (:data:`CAPACITY_COMPILES` at most): near the budget the arguments
-    (weights and cache) leave XLA little memory, and it holds the temporaries below the line."""
+    (weights and cache) leave XLA little memory, and it holds the temporaries below the line. Where every
+    layer slides, the cache stops growing at the window (it becomes a ring): one compile past it says
+    whether any context fits (``max_len`` None), and else the answer lies below it."""
     resolved = make_target(config, target)
     program = serving_program(config, build_mesh(config.mesh.axes, resolved.devices))
     plan = _plan(program, resolved)
@@ -394,10 +411,24 @@ def search_capacity(config: Config, target: str | None = None) -> ServingPlan:
     def compiled(key: str, value: int) -> ServingPlan:
         return _plan(program.variant(f"serve.{key}={value}"), resolved)
 
-    found = {"max_len": None}  # Where every layer keeps its window only, any context fits.
-    searches = [("batch", s.batch, shards, shards), ("max_len", s.max_len, 1, s.prompt_len)]
-    for key, start, quantum, least in searches[: 1 if plan.capacity.max_len is None else 2]:
-        points = [(start, plan), (2 * start, compiled(key, 2 * start))]
+    found = {}
+    every = plan.every_layer_window
+    for key, start, quantum, least in (
+        ("batch", s.batch, shards, shards),
+        ("max_len", s.max_len, 1, s.prompt_len),
+    ):
+        points = [(start, plan)]
+        if key == "max_len" and every is not None:  # The cache stops growing at the window (a ring).
+            past = plan if start > every else compiled(key, every + 1)
+            if past.fits:
+                found[key] = None  # Any context fits.
+                continue
+            if start > every:
+                start = max(every, least)
+                points = [(start, compiled(key, start))]
+            points.append((every + 1, past))
+        else:
+            points.append((2 * start, compiled(key, 2 * start)))
         fits = max((v for v, p in points if p.fits), default=0)
         over = min((v for v, p in points if not p.fits), default=None)
         for _ in range(CAPACITY_COMPILES):

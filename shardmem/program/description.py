@@ -330,10 +330,14 @@ def _serving(config: Config, mesh: Mesh, rules: Rules, layout: CacheLayout, voca
     cache = jax.eval_shape(functools.partial(layout.zeros, batch=serve.batch, max_len=serve.max_len,
                                              dtype=kv_dtype))  # fmt: skip
 
+    ringed = len(layout.ringed(serve.max_len))
+    stacks = [(layout.layers - ringed, serve.max_len)] + ([(ringed, layout.window)] if ringed else [])
+
     def sharding(axes):
         spec = rules.spec(axes)
-        shape = (layout.layers, serve.batch, serve.max_len, layout.kv_heads, layout.head_dim)
-        check_divisible("the KV cache", shape, spec, mesh, axes)
+        for layers, positions in stacks:  # The stack's, and the ring's (of the window's positions).
+            shape = (layers, serve.batch, positions, layout.kv_heads, layout.head_dim)
+            check_divisible("the KV cache", shape, spec, mesh, axes)
         return NamedSharding(mesh, spec)
 
     cache_shardings = cache.by_axes(sharding)
