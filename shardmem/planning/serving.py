@@ -324,14 +324,12 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
     quantize = config.serve.quantize
     serve = {"batch": s.batch, "prompt_len": s.prompt_len, "max_len": s.max_len, "kv_dtype": s.kv_dtype,
              "quantize": dataclasses.asdict(quantize) if quantize else None}  # fmt: skip
-    ringed = s.layout.ringed(s.max_len)
-    ring = None
-    if ringed:
-        ring = {"layers": len(ringed), "window": s.layout.window, "bytes": _device_bytes(s.cache.ring)}
-    layout = s.layout
+    layout, ring = s.layout, None
+    if ringed := layout.ringed(s.max_len):
+        ring = {"layers": len(ringed), "window": layout.window, "bytes": _device_bytes(s.cache.ring)}
     every = layout.window if layout.ring and len(layout.ring) == layout.layers else None
     plan = ServingPlan(reports["prefill"], reports["decode"], serve, ring=ring, every_layer_window=every)
-    time = _time(plan, target, None if s.layout.ring else s.layout.window)
+    time = _time(plan, target, None if layout.ring else layout.window)
     return dataclasses.replace(plan, time=time, capacity=_capacity(plan, _batch_shards(program)))
 
 

@@ -239,12 +239,10 @@ def describe(
             passed = model_factory is not None
             layout, vocab = user_serving.cache_layout(config, model, mesh, rules, passed=passed)
             attention = user_serving.attention(config, mesh, layout, attention)
-        else:
-            m = config.model
-            # The sliding layers keep only their window's keys (kv_cache.KVCache.ring).
+        else:  # The sliding layers keep only their window's keys (kv_cache.KVCache.ring).
             ring = tuple(i for i in range(m.n_layers) if m.sliding_window is not None and m.slides(i))
-            window = m.sliding_window if ring else None
-            layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size, window, ring)
+            layout = CacheLayout(m.n_layers, m.n_kv_heads, m.head_size,
+                                 window=m.sliding_window if ring else None, ring=ring)  # fmt: skip
             vocab = m.vocab_size
         return dataclasses.replace(description, attention=attention,
                                    serving=_serving(config, mesh, rules, layout, vocab))  # fmt: skip
