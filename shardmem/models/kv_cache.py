@@ -215,9 +215,10 @@ class CacheSlot:
         attention; None, as a model of your own passes it: the kernel its serving program resolved for the
         mesh's devices, :func:`attending_with`, and outside one XLA's,
         :func:`~shardmem.models.attention.causal_attention`); decode over the cache, up to each
-        sequence's position (a sliding layer's ring: every place written so far): on GPUs (a flash ``kernel``) with the Pallas decode kernel over the stacked
-        cache (:mod:`shardmem.models.decode_attention`; an int8 cache's codes and scales as they are),
-        else with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a layer that attends in float32
+        sequence's position (a sliding layer's ring: every place written so far): on GPUs (a flash
+        ``kernel``) with the Pallas decode kernel over the stacked cache
+        (:mod:`shardmem.models.decode_attention`; an int8 cache's codes and scales as they are), else
+        with XLA's. cuDNN's flash kernel takes 16-bit inputs only: a layer that attends in float32
         gets XLA's attention. Soft-capped scores (``softcap``: Gemma 2's) take ``chunked`` or ``xla``, which
         :func:`~shardmem.models.attention.resolve_attention` gives such a model."""
         from shardmem.models import decode_attention
