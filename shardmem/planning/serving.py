@@ -45,18 +45,21 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import jax
 
 from shardmem._quiet import native_stderr_silenced
 from shardmem.config import Config
 from shardmem.errors import ConfigError
 from shardmem.parallel.mesh import build_mesh
 from shardmem.planning import cost
-from shardmem.planning.memory import MemoryReport, make_target, persistent_cache_off, plan_program
+from shardmem.planning.memory import (
+    MemoryReport,
+    make_target,
+    per_device_bytes,
+    persistent_cache_off,
+    plan_program,
+)
 from shardmem.planning.targets import Target
 from shardmem.program.serving import ServingProgram, serving_program
 from shardmem.units import format_bytes
@@ -326,17 +329,11 @@ def _plan(program: ServingProgram, target: Target, *, top: int = 10) -> ServingP
              "quantize": dataclasses.asdict(quantize) if quantize else None}  # fmt: skip
     layout, ring = s.layout, None
     if ringed := layout.ringed(s.max_len):
-        ring = {"layers": len(ringed), "window": layout.window, "bytes": _device_bytes(s.cache.ring)}
+        ring = {"layers": len(ringed), "window": layout.window, "bytes": per_device_bytes(s.cache.ring)}
     every = layout.window if layout.ring and len(layout.ring) == layout.layers else None
     plan = ServingPlan(reports["prefill"], reports["decode"], serve, ring=ring, every_layer_window=every)
     time = _time(plan, target, None if layout.ring else layout.window)
     return dataclasses.replace(plan, time=time, capacity=_capacity(plan, _batch_shards(program)))
-
-
-def _device_bytes(tree) -> int:
-    """Bytes of one device's shards of the abstract arrays in ``tree`` (each with its sharding)."""
-    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf in jax.tree.leaves(tree))  # fmt: skip
 
 
 def _margined(report: MemoryReport, name: str) -> MemoryReport:

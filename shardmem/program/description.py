@@ -328,13 +328,11 @@ def _serving(config: Config, mesh: Mesh, rules: Rules, layout: CacheLayout, voca
     cache = jax.eval_shape(functools.partial(layout.zeros, batch=serve.batch, max_len=serve.max_len,
                                              dtype=kv_dtype))  # fmt: skip
 
-    ringed = len(layout.ringed(serve.max_len))
-    stacks = [(layout.layers - ringed, serve.max_len)] + ([(ringed, layout.window)] if ringed else [])
+    shapes = [cache.keys.shape] + ([cache.ring.keys.shape] if cache.ring is not None else [])
 
     def sharding(axes):
         spec = rules.spec(axes)
-        for layers, positions in stacks:  # The stack's, and the ring's (of the window's positions).
-            shape = (layers, serve.batch, positions, layout.kv_heads, layout.head_dim)
+        for shape in shapes:  # The stack's, and the ring's (of the window's positions).
             check_divisible("the KV cache", shape, spec, mesh, axes)
         return NamedSharding(mesh, spec)
 
